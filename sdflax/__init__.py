@@ -1,0 +1,1 @@
+from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel

@@ -1,0 +1,6 @@
+from .clip import CLIPTextConfig, CLIPTextModel, CLIPTextOutput
+from .unet import UNet2DConditionModel, UNetConfig
+from .vae import AutoencoderKL, DiagonalGaussian, VAEConfig
+
+__all__ = ["AutoencoderKL", "CLIPTextConfig", "CLIPTextModel", "CLIPTextOutput", "DiagonalGaussian",
+           "UNet2DConditionModel", "UNetConfig", "VAEConfig"]

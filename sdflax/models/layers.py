@@ -1,0 +1,149 @@
+"""What the CLIP text encoder, the UNet and the VAE share: attention, GroupNorm, ResNet blocks, up/downsampling.
+
+Everything is NHWC. Module and parameter names follow the diffusers checkpoints (`to_q`, `norm1`, `conv_shortcut`,
+...) so that loading is a rename table, not code. Normalisation statistics and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# How attention is computed. "xla" is a plain einsum-softmax-einsum (fastest on CPU); "cudnn" asks
+# jax.nn.dot_product_attention for the fused cuDNN kernel; None lets jax.nn.dot_product_attention choose.
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", None)
+
+
+def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation="xla"):
+    """softmax(q kᵀ / √d) v over (B, T, heads, head_dim) arrays; logits and softmax in float32 when `upcast`."""
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
+    dtype = v.dtype
+    if implementation != "xla":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation).astype(dtype)
+    if upcast:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        t_q, t_k = logits.shape[-2:]
+        logits = jnp.where(jnp.tril(jnp.ones((t_q, t_k), bool)), logits, jnp.finfo(logits.dtype).min)
+    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+class GroupNorm(nn.Module):
+    """torch.nn.GroupNorm on NHWC, statistics in float32."""
+
+    num_groups: int
+    epsilon: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        channels = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (channels,))
+        bias = self.param("bias", nn.initializers.zeros, (channels,))
+        grouped = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, channels // self.num_groups)
+        axes = tuple(range(1, grouped.ndim - 2)) + (grouped.ndim - 1,)  # spatial and within-group channels
+        mean = grouped.mean(axes, keepdims=True)
+        var = jnp.square(grouped - mean).mean(axes, keepdims=True)
+        normed = ((grouped - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x.shape)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def conv(features, kernel=3, stride=1, padding=None, name=None, dtype=jnp.float32):
+    """torch.nn.Conv2d with 'same'-style symmetric padding (k // 2), as every conv in SD uses."""
+    pad = kernel // 2 if padding is None else padding
+    return nn.Conv(features, (kernel, kernel), (stride, stride), padding=((pad, pad), (pad, pad)), name=name, dtype=dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention as diffusers' `Attention`: to_q/to_k/to_v (+bias), to_out_0.
+
+    With `norm_groups` set it is the VAE's spatial self-attention: GroupNorm over (B, H, W, C), attention
+    over the H*W pixels, and a residual connection.
+    """
+
+    heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    upcast: bool = True
+    attention: str | None = "xla"
+    norm_groups: int | None = None
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, context=None):  # x: (B, T, C) or (B, H, W, C) with norm_groups; context: (B, S, D)
+        residual = x
+        if self.norm_groups is not None:
+            x = GroupNorm(self.norm_groups, 1e-6, self.dtype, name="group_norm")(x)
+            x = x.reshape(x.shape[0], -1, x.shape[-1])
+        context = x if context is None else context
+        inner = self.heads * self.head_dim
+        dense = lambda n, features, bias: nn.Dense(features, use_bias=bias, name=n, dtype=self.dtype)  # noqa: E731
+        split = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
+        q = split(dense("to_q", inner, self.qkv_bias)(x))
+        k = split(dense("to_k", inner, self.qkv_bias)(context))
+        v = split(dense("to_v", inner, self.qkv_bias)(context))
+        out = dot_product_attention(q, k, v, upcast=self.upcast, implementation=self.attention)
+        out = dense("to_out_0", x.shape[-1], True)(out.reshape(*out.shape[:2], inner))
+        return residual + out.reshape(residual.shape) if self.norm_groups is not None else out
+
+
+class ResnetBlock2D(nn.Module):
+    """GroupNorm-SiLU-conv twice, plus the (projected) timestep embedding in the middle; 1x1 conv shortcut."""
+
+    out_channels: int
+    groups: int = 32
+    eps: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb=None):
+        h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm1")(x))
+        h = conv(self.out_channels, name="conv1", dtype=self.dtype)(h)
+        if temb is not None:
+            h = h + nn.Dense(self.out_channels, name="time_emb_proj", dtype=self.dtype)(nn.silu(temb))[:, None, None, :]
+        h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm2")(h))
+        h = conv(self.out_channels, name="conv2", dtype=self.dtype)(h)
+        if x.shape[-1] != self.out_channels:
+            x = conv(self.out_channels, kernel=1, name="conv_shortcut", dtype=self.dtype)(x)
+        return x + h
+
+
+class Downsample2D(nn.Module):
+    """Stride-2 3x3 conv. padding=0 is the VAE's asymmetric (0, 1) pad, padding=1 the UNet's symmetric one."""
+
+    channels: int
+    padding: int = 1
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        if self.padding == 0:
+            x = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
+        return conv(self.channels, stride=2, padding=self.padding, name="conv", dtype=self.dtype)(x)
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour 2x, then a 3x3 conv."""
+
+    channels: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        return conv(self.channels, name="conv", dtype=self.dtype)(x)
+
+
+def timestep_embedding(timesteps, dim, flip_sin_to_cos=False, freq_shift=1.0, max_period=10000):
+    """Sinusoidal embedding of (B,) timesteps (DDPM), as diffusers' `get_timestep_embedding`. float32."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift))
+    args = timesteps.astype(jnp.float32)[:, None] * freqs[None]
+    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)] if flip_sin_to_cos else [jnp.sin(args), jnp.cos(args)], -1)
+    return jnp.pad(emb, ((0, 0), (0, dim % 2)))

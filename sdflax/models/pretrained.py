@@ -1,0 +1,44 @@
+"""`from_config` / `from_pretrained` for the three models, and `apply` that takes a bare params tree."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+
+class Pretrained:
+    """Mixed into each model. Subclasses set `config_class` and define `dummy_inputs()` for shape inference."""
+
+    def apply(self, variables, *args, **kwargs):
+        if "params" not in variables:  # a bare params tree, as `from_pretrained` returns it
+            variables = {"params": variables}
+        return super().apply(variables, *args, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: dict, dtype=jnp.float32, **kwargs):
+        return cls(cls.config_class.from_dict(config), dtype=dtype, **kwargs)
+
+    def param_shapes(self):
+        """The params tree as ShapeDtypeStructs, without computing anything."""
+        init = lambda: self.init(jax.random.key(0), *self.dummy_inputs())["params"]  # noqa: E731
+        return jax.eval_shape(init)
+
+    def init_params(self, key):
+        """Random params (for tests and benchmarks)."""
+        return self.init(key, *self.dummy_inputs())["params"]
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None,
+                        **kwargs):
+        """(module, params) from a diffusers/transformers model folder or hub id; `subfolder` e.g. "unet"."""
+        from ..hub import resolve_folder
+        from ..weights import load_weights
+        from .config import read_config_file
+
+        folder = resolve_folder(path_or_repo_id, revision)
+        if subfolder:
+            folder = os.path.join(folder, subfolder)
+        module = cls.from_config(read_config_file(os.path.join(folder, "config.json")), dtype, **kwargs)
+        return module, load_weights(folder, module.param_shapes(), dtype, variant)

@@ -1,0 +1,183 @@
+"""UNet2DConditionModel: the Stable Diffusion 1.x / 2.x denoiser (Rombach et al. 2022), as diffusers builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from .config import config_from_dict
+from .pretrained import Pretrained
+from .layers import Attention, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv, timestep_embedding
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetConfig:
+    sample_size: int = 64
+    in_channels: int = 4
+    out_channels: int = 4
+    center_input_sample: bool = False
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+    down_block_types: tuple = ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
+    up_block_types: tuple = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
+    block_out_channels: tuple = (320, 640, 1280, 1280)
+    layers_per_block: int = 2
+    downsample_padding: int = 1
+    norm_num_groups: int = 32
+    norm_eps: float = 1e-5
+    cross_attention_dim: int = 1280
+    transformer_layers_per_block: int | tuple = 1
+    attention_head_dim: int | tuple = 8
+    num_attention_heads: int | tuple | None = None
+    use_linear_projection: bool = False
+    upcast_attention: bool = False
+
+    @classmethod
+    def from_dict(cls, config):
+        return config_from_dict(cls, config, unsupported=_UNSUPPORTED)
+
+    def per_block(self, value):
+        return value if isinstance(value, tuple) else (value,) * len(self.block_out_channels)
+
+    @property
+    def heads(self):
+        # diffusers' historical naming: `attention_head_dim` holds the number of heads when
+        # `num_attention_heads` is unset (SD 1.x: 8 heads of 40/80/160 channels).
+        return self.per_block(self.num_attention_heads or self.attention_head_dim)
+
+
+_UNSUPPORTED = {
+    "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "only_cross_attention": False,
+    "dual_cross_attention": False,
+    "mid_block_scale_factor": 1,
+    "act_fn": "silu",
+    "class_embed_type": None,
+    "addition_embed_type": None,
+    "encoder_hid_dim": None,
+    "resnet_time_scale_shift": "default",
+    "resnet_skip_time_act": False,
+    "resnet_out_scale_factor": 1.0,
+    "time_embedding_type": "positional",
+    "time_embedding_dim": None,
+    "time_embedding_act_fn": None,
+    "timestep_post_act": None,
+    "time_cond_proj_dim": None,
+    "conv_in_kernel": 3,
+    "conv_out_kernel": 3,
+    "attention_type": "default",
+    "cross_attention_norm": None,
+    "reverse_transformer_layers_per_block": None,
+    "layers_per_block_list": None,
+}
+
+
+class BasicTransformerBlock(nn.Module):
+    """Self-attention, cross-attention to the text, GEGLU feed-forward; pre-LayerNorm, residual each."""
+
+    heads: int
+    head_dim: int
+    upcast: bool
+    attention: str | None
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, context):
+        dim = x.shape[-1]
+        attn = lambda name: Attention(self.heads, self.head_dim, upcast=self.upcast, attention=self.attention,  # noqa
+                                      dtype=self.dtype, name=name)
+        norm = lambda name: nn.LayerNorm(1e-5, dtype=self.dtype, name=name)  # noqa: E731
+        x = x + attn("attn1")(norm("norm1")(x))
+        x = x + attn("attn2")(norm("norm2")(x), context)
+        hidden, gate = jnp.split(nn.Dense(dim * 8, dtype=self.dtype, name="ff_net_0_proj")(norm("norm3")(x)), 2, -1)
+        return x + nn.Dense(dim, dtype=self.dtype, name="ff_net_2")(hidden * nn.gelu(gate, approximate=False))
+
+
+class Transformer2DModel(nn.Module):
+    """GroupNorm, project in (1x1 conv or linear), transformer blocks over the H*W tokens, project out, residual."""
+
+    heads: int
+    layers: int
+    config: UNetConfig
+    attention: str | None
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, context):
+        b, h, w, c = x.shape
+        linear = self.config.use_linear_projection
+        project = lambda name: (nn.Dense(c, dtype=self.dtype, name=name) if linear  # noqa: E731
+                                else conv(c, kernel=1, name=name, dtype=self.dtype))
+        hidden = GroupNorm(self.config.norm_num_groups, 1e-6, self.dtype, name="norm")(x)
+        hidden = project("proj_in")(hidden).reshape(b, h * w, c)
+        for i in range(self.layers):
+            hidden = BasicTransformerBlock(self.heads, c // self.heads, self.config.upcast_attention, self.attention,
+                                           self.dtype, name=f"transformer_blocks_{i}")(hidden, context)
+        return x + project("proj_out")(hidden.reshape(b, h, w, c))
+
+
+class UNet2DConditionModel(Pretrained, nn.Module):
+    """eps / v prediction from noisy latents (B, C, h, w), timesteps (B,) or (), and text states (B, 77, D)."""
+
+    config: UNetConfig
+    dtype: jnp.dtype = jnp.float32
+    attention: str | None = "xla"
+    config_class = UNetConfig
+
+    def dummy_inputs(self):
+        size = 2 ** (len(self.config.block_out_channels) - 1)
+        return (jnp.zeros((1, self.config.in_channels, size, size)), jnp.zeros((1,)),
+                jnp.zeros((1, 1, self.config.cross_attention_dim)))
+
+    @nn.compact
+    def __call__(self, sample, timesteps, encoder_hidden_states):
+        cfg, dtype = self.config, self.dtype
+        channels = cfg.block_out_channels
+        heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
+        resnet = lambda out, name: ResnetBlock2D(out, cfg.norm_num_groups, cfg.norm_eps, dtype, name=name)  # noqa
+        transformer = lambda block, name: Transformer2DModel(heads[block], depths[block], cfg, self.attention,  # noqa
+                                                             dtype, name=name)
+        context = encoder_hidden_states.astype(dtype)
+
+        timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (sample.shape[0],))
+        temb = timestep_embedding(timesteps, channels[0], cfg.flip_sin_to_cos, cfg.freq_shift).astype(dtype)
+        temb = nn.Dense(channels[0] * 4, dtype=dtype, name="time_embedding_linear_1")(temb)
+        temb = nn.Dense(channels[0] * 4, dtype=dtype, name="time_embedding_linear_2")(nn.silu(temb))
+
+        x = jnp.transpose(sample, (0, 2, 3, 1)).astype(dtype)  # NCHW -> NHWC
+        if cfg.center_input_sample:
+            x = 2 * x - 1.0
+        x = conv(channels[0], name="conv_in", dtype=dtype)(x)
+
+        skips = [x]
+        for i, (kind, out) in enumerate(zip(cfg.down_block_types, channels)):
+            for j in range(cfg.layers_per_block):
+                x = resnet(out, f"down_blocks_{i}_resnets_{j}")(x, temb)
+                if kind == "CrossAttnDownBlock2D":
+                    x = transformer(i, f"down_blocks_{i}_attentions_{j}")(x, context)
+                skips.append(x)
+            if i < len(channels) - 1:
+                x = Downsample2D(out, cfg.downsample_padding, dtype, name=f"down_blocks_{i}_downsamplers_0")(x)
+                skips.append(x)
+
+        x = resnet(channels[-1], "mid_block_resnets_0")(x, temb)
+        x = transformer(-1, "mid_block_attentions_0")(x, context)
+        x = resnet(channels[-1], "mid_block_resnets_1")(x, temb)
+
+        up_heads = heads[::-1]
+        up_depths = depths[::-1]
+        for i, (kind, out) in enumerate(zip(cfg.up_block_types, channels[::-1])):
+            for j in range(cfg.layers_per_block + 1):
+                x = jnp.concatenate([x, skips.pop()], axis=-1)
+                x = resnet(out, f"up_blocks_{i}_resnets_{j}")(x, temb)
+                if kind == "CrossAttnUpBlock2D":
+                    x = Transformer2DModel(up_heads[i], up_depths[i], cfg, self.attention, dtype,
+                                           name=f"up_blocks_{i}_attentions_{j}")(x, context)
+            if i < len(channels) - 1:
+                x = Upsample2D(out, dtype, name=f"up_blocks_{i}_upsamplers_0")(x)
+
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
+        x = conv(cfg.out_channels, name="conv_out", dtype=dtype)(x)
+        return jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW

@@ -1,0 +1,158 @@
+"""AutoencoderKL: the Stable Diffusion VAE (Kingma & Welling 2014; Rombach et al. 2022), encoder and decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .config import config_from_dict
+from .pretrained import Pretrained
+from .layers import Attention, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
+
+
+@dataclasses.dataclass(frozen=True)
+class VAEConfig:
+    sample_size: int = 512
+    in_channels: int = 3
+    out_channels: int = 3
+    block_out_channels: tuple = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    latent_channels: int = 4
+    norm_num_groups: int = 32
+    scaling_factor: float = 0.18215
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    mid_block_add_attention: bool = True
+    force_upcast: bool = True
+
+    @classmethod
+    def from_dict(cls, config):
+        levels = len(config.get("block_out_channels", cls.block_out_channels))
+        return config_from_dict(cls, config, unsupported={
+            "act_fn": "silu",
+            "down_block_types": ("DownEncoderBlock2D",) * levels,
+            "up_block_types": ("UpDecoderBlock2D",) * levels,
+            "shift_factor": None,
+            "latents_mean": None,
+            "latents_std": None,
+        })
+
+    @property
+    def scale_factor(self):
+        """Pixels per latent: 2 ** (levels - 1)."""
+        return 2 ** (len(self.block_out_channels) - 1)
+
+
+@flax.struct.dataclass
+class DiagonalGaussian:
+    """q(z | x) = N(mean, exp(logvar)), NCHW."""
+
+    mean: jax.Array
+    logvar: jax.Array
+
+    @property
+    def std(self):
+        return jnp.exp(0.5 * self.logvar)
+
+    def sample(self, key):
+        return self.mean + self.std * jax.random.normal(key, self.mean.shape, self.mean.dtype)
+
+    def mode(self):
+        return self.mean
+
+
+class MidBlock(nn.Module):
+    """ResNet, single-head self-attention over all pixels, ResNet."""
+
+    config: VAEConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        c = x.shape[-1]
+        x = ResnetBlock2D(c, cfg.norm_num_groups, 1e-6, self.dtype, name="resnets_0")(x)
+        if cfg.mid_block_add_attention:
+            x = Attention(1, c, qkv_bias=True, norm_groups=cfg.norm_num_groups, dtype=self.dtype, name="attentions_0")(x)
+        return ResnetBlock2D(c, cfg.norm_num_groups, 1e-6, self.dtype, name="resnets_1")(x)
+
+
+class Encoder(nn.Module):
+    config: VAEConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):  # (B, H, W, 3) -> (B, H/f, W/f, 2 * latent)
+        cfg = self.config
+        x = conv(cfg.block_out_channels[0], name="conv_in", dtype=self.dtype)(x)
+        for i, out in enumerate(cfg.block_out_channels):
+            for j in range(cfg.layers_per_block):
+                x = ResnetBlock2D(out, cfg.norm_num_groups, 1e-6, self.dtype, name=f"down_blocks_{i}_resnets_{j}")(x)
+            if i < len(cfg.block_out_channels) - 1:
+                x = Downsample2D(out, 0, self.dtype, name=f"down_blocks_{i}_downsamplers_0")(x)
+        x = MidBlock(cfg, self.dtype, name="mid_block")(x)
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, self.dtype, name="conv_norm_out")(x))
+        return conv(2 * cfg.latent_channels, name="conv_out", dtype=self.dtype)(x)
+
+
+class Decoder(nn.Module):
+    config: VAEConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, z):  # (B, h, w, latent) -> (B, h*f, w*f, 3)
+        cfg = self.config
+        channels = cfg.block_out_channels[::-1]
+        x = conv(channels[0], name="conv_in", dtype=self.dtype)(z)
+        x = MidBlock(cfg, self.dtype, name="mid_block")(x)
+        for i, out in enumerate(channels):
+            for j in range(cfg.layers_per_block + 1):
+                x = ResnetBlock2D(out, cfg.norm_num_groups, 1e-6, self.dtype, name=f"up_blocks_{i}_resnets_{j}")(x)
+            if i < len(channels) - 1:
+                x = Upsample2D(out, self.dtype, name=f"up_blocks_{i}_upsamplers_0")(x)
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, self.dtype, name="conv_norm_out")(x))
+        return conv(cfg.out_channels, name="conv_out", dtype=self.dtype)(x)
+
+
+class AutoencoderKL(Pretrained, nn.Module):
+    """`encode`: image (B, 3, H, W) in [-1, 1] -> DiagonalGaussian over latents (B, 4, H/f, W/f).
+    `decode`: latents (B, 4, H/f, W/f) -> image (B, 3, H, W), raw decoder output (about [-1, 1]).
+    Latents here are unscaled: multiply samples by `config.scaling_factor` for the UNet, as diffusers does."""
+
+    config: VAEConfig
+    dtype: jnp.dtype = jnp.float32
+    config_class = VAEConfig
+
+    def dummy_inputs(self):
+        size = self.config.scale_factor
+        return (jnp.zeros((1, self.config.in_channels, size, size)),)
+
+    def setup(self):
+        cfg = self.config
+        self.encoder = Encoder(cfg, self.dtype)
+        self.decoder = Decoder(cfg, self.dtype)
+        latent2 = 2 * cfg.latent_channels
+        self.quant_conv = conv(latent2, kernel=1, dtype=self.dtype) if cfg.use_quant_conv else None
+        self.post_quant_conv = conv(cfg.latent_channels, kernel=1, dtype=self.dtype) if cfg.use_post_quant_conv else None
+
+    def encode(self, images):
+        moments = self.encoder(jnp.transpose(images, (0, 2, 3, 1)).astype(self.dtype))
+        if self.quant_conv is not None:
+            moments = self.quant_conv(moments)
+        moments = jnp.transpose(moments, (0, 3, 1, 2)).astype(jnp.float32)
+        mean, logvar = jnp.split(moments, 2, axis=1)
+        return DiagonalGaussian(mean, jnp.clip(logvar, -30.0, 20.0))
+
+    def decode(self, latents):
+        z = jnp.transpose(latents, (0, 2, 3, 1)).astype(self.dtype)
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        return jnp.transpose(self.decoder(z), (0, 3, 1, 2))
+
+    def __call__(self, images, key=None):
+        posterior = self.encode(images)
+        return self.decode(posterior.sample(key) if key is not None else posterior.mode())

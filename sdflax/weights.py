@@ -1,0 +1,135 @@
+"""Checkpoint tensors -> the params pytree of an sdflax model.
+
+Our module names follow the checkpoints, so a tensor finds its parameter by name alone: both sides are reduced
+to the module path joined with "_" (`down_blocks.0.attentions.1.to_out.0.weight` and the parameter
+`down_blocks_0_attentions_1 / to_out_0 / kernel` both become `down_blocks_0_attentions_1_to_out_0`), plus
+a short rename table and the layout rules of PyTorch -> Flax:
+
+    conv weight (O, I, kh, kw)  -> kernel (kh, kw, I, O)
+    linear weight (O, I)        -> kernel (I, O)      (a 1x1 conv weight (O, I, 1, 1) too)
+    norm weight                 -> scale
+    embedding weight            -> embedding
+
+Flax msgpack checkpoints already hold `kernel`/`scale`/`embedding` in Flax layout and only need the renames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from .checkpoint_files import read_checkpoint
+
+# Names older checkpoints (SD 1.x VAEs, diffusers' Flax models) use for attention projections.
+RENAMES = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out_0"}
+
+# Prefixes that some writers add and others do not (transformers 5 saves CLIP without `text_model.`).
+OPTIONAL_PREFIXES = ("text_model.",)
+
+# Tensors that are buffers, not parameters.
+IGNORED = re.compile(r"(^|\.)(position_ids|num_batches_tracked)$")
+
+WEIGHT_LEAVES = ("kernel", "scale", "embedding")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not fit the model built from its config."""
+
+
+def _module_and_leaf(key: str) -> tuple[str, str]:
+    for prefix in OPTIONAL_PREFIXES:
+        key = key.removeprefix(prefix)
+    parts = [RENAMES.get(p, p) for p in key.split(".")]
+    return "_".join(parts[:-1]), parts[-1]
+
+
+def _to_flax_layout(array: np.ndarray, source_leaf: str, target_leaf: str, target_ndim: int) -> np.ndarray:
+    if source_leaf != "weight" or target_leaf != "kernel":
+        return array  # biases, norm scales, embeddings, and Flax-layout tensors are used as they are
+    if array.ndim == 4 and target_ndim == 2 and array.shape[2:] == (1, 1):
+        array = array[:, :, 0, 0]  # a linear layer stored as a 1x1 conv
+    return array.transpose(2, 3, 1, 0) if array.ndim == 4 else array.T
+
+
+def _short_list(keys, limit=12):
+    keys = sorted(keys)
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="checkpoint"):
+    """Map `{name: np.ndarray}` onto the parameter tree `shapes` (a pytree of ShapeDtypeStructs) in `dtype`.
+
+    Each tensor is cast on its own, so a bfloat16 load never holds a float32 copy of the model.
+    """
+    targets = traverse_util.flatten_dict(shapes)
+    by_name = {("_".join(path[:-1]), path[-1]): path for path in targets}
+    params, unexpected, mismatched = {}, [], []
+    for key, array in state_dict.items():
+        if IGNORED.search(key):
+            continue
+        module, leaf = _module_and_leaf(key)
+        target_leaf = next((t for t in WEIGHT_LEAVES if (module, t) in by_name), leaf) if leaf == "weight" else leaf
+        path = by_name.get((module, target_leaf))
+        if path is None:
+            unexpected.append(key)
+            continue
+        target = targets[path]
+        value = _to_flax_layout(np.asarray(array), leaf, target_leaf, len(target.shape))
+        if value.shape != tuple(target.shape):
+            mismatched.append(f"{key}: checkpoint {tuple(np.shape(array))}, model expects {tuple(target.shape)}")
+            continue
+        params[path] = jax.device_put(value.astype(np.dtype(dtype), copy=False))
+    missing = ["/".join(path) for path in targets if path not in params]
+    problems = []
+    if mismatched:
+        problems.append("shape mismatch: " + "; ".join(mismatched[:12]))
+    if missing:
+        problems.append(f"missing from the checkpoint: {_short_list(missing)}")
+    if unexpected:
+        problems.append(f"not used by the model: {_short_list(unexpected)}")
+    if problems:
+        raise CheckpointMismatchError(f"{where} does not match the model config: " + " | ".join(problems))
+    return traverse_util.unflatten_dict(params)
+
+
+def weight_files(folder, variant: str | None = None) -> list[str]:
+    """The weight files of one model folder, in order of preference: safetensors, PyTorch .bin, Flax msgpack."""
+    v = f".{variant}" if variant else ""
+    for stem in ("diffusion_pytorch_model", "model"):
+        for name in (f"{stem}{v}.safetensors", f"{stem}.safetensors.index{v}.json", f"{stem}{v}.safetensors.index.json"):
+            if os.path.isfile(os.path.join(folder, name)):
+                return _expand_index(folder, name)
+    for stem in ("diffusion_pytorch_model", "pytorch_model"):
+        for name in (f"{stem}{v}.bin", f"{stem}.bin.index{v}.json", f"{stem}{v}.bin.index.json"):
+            if os.path.isfile(os.path.join(folder, name)):
+                return _expand_index(folder, name)
+    for name in ("diffusion_flax_model.msgpack", "flax_model.msgpack"):  # diffusers' and transformers' Flax
+        if os.path.isfile(os.path.join(folder, name)):
+            return [os.path.join(folder, name)]
+    present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    wanted = f"diffusion_pytorch_model{v}.safetensors, model{v}.safetensors, *.bin or a Flax *.msgpack"
+    raise FileNotFoundError(f"no weights in {folder}: expected one of {wanted}; found {present or 'nothing'}")
+
+
+def _expand_index(folder, name):
+    path = os.path.join(folder, name)
+    if not name.endswith(".json"):
+        return [path]
+    with open(path) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    return [os.path.join(folder, shard) for shard in shards]
+
+
+def load_weights(folder, shapes, dtype=jnp.float32, variant=None):
+    """Read a model folder's weights into the params tree described by `shapes`."""
+    state_dict = {}
+    for path in weight_files(folder, variant):
+        state_dict.update(read_checkpoint(path))
+    return convert_state_dict(state_dict, shapes, dtype, where=os.path.basename(os.path.normpath(folder)) or folder)

@@ -1,0 +1,83 @@
+"""Small random-weight diffusers / transformers (PyTorch) models in SD 1.x and SD 2.x shapes: the test oracles."""
+
+from __future__ import annotations
+
+import torch
+
+SD1 = dict(
+    unet=dict(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64, 64),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    ),
+    vae=dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=8, sample_size=32,
+    ),
+    text_encoder=dict(
+        vocab_size=1000, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=998, eos_token_id=999, pad_token_id=1,
+        projection_dim=32,
+    ),
+)
+
+# SD 2.x traits: per-block head counts, linear projections, upcast attention, gelu text encoder, a 3-level VAE.
+# It also varies what SD never does (flip_sin_to_cos off, freq_shift 1, two transformer layers) to test the options.
+SD2 = dict(
+    unet=dict(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64, 96),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=48, attention_head_dim=(2, 4, 6), norm_num_groups=16, use_linear_projection=True,
+        upcast_attention=True, flip_sin_to_cos=False, freq_shift=1, transformer_layers_per_block=2, norm_eps=1e-6,
+    ),
+    vae=dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32, 32), layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        norm_num_groups=8, sample_size=32, scaling_factor=0.13025,
+    ),
+    text_encoder=dict(
+        vocab_size=1000, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        max_position_embeddings=77, hidden_act="gelu", bos_token_id=998, eos_token_id=999, pad_token_id=0,
+        projection_dim=48,
+    ),
+)
+
+CONFIGS = {"sd1": SD1, "sd2": SD2}
+
+
+def randomize_norms(model, seed=0):
+    """Norm layers start at scale 1, bias 0; give them random values so a mix-up of the two would show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.GroupNorm, torch.nn.LayerNorm)) and m.weight is not None:
+                m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+def torch_unet(config, seed=0):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return randomize_norms(UNet2DConditionModel(**config), seed).eval()
+
+
+def torch_vae(config, seed=0):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return randomize_norms(AutoencoderKL(**config), seed).eval()
+
+
+def torch_text_encoder(config, seed=0):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    return randomize_norms(CLIPTextModel(CLIPTextConfig(**config)), seed).eval()
+
+
+BUILDERS = {"unet": torch_unet, "vae": torch_vae, "text_encoder": torch_text_encoder}
