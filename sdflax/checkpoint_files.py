@@ -1,0 +1,353 @@
+"""Read checkpoint files into flat dicts of numpy arrays, without torch and without running pickled code.
+
+Every reader returns arrays in the file's own dtype (bfloat16 as ``ml_dtypes.bfloat16``); the caller
+casts tensor by tensor, so a half-precision load never holds a full float32 copy of the model.
+Safetensors files and the storages of PyTorch zip files are memory-mapped and handed out as
+read-only views, so "loading" costs page-table work, not copies.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "UnsafeCheckpointError",
+    "read_checkpoint",
+    "read_flax_msgpack",
+    "read_safetensors",
+    "read_torch_bin",
+]
+
+
+class UnsafeCheckpointError(ValueError):
+    """A pickled checkpoint asked for something other than tensor data."""
+
+
+def read_checkpoint(path) -> dict[str, np.ndarray]:
+    """Read any supported checkpoint file, choosing the reader by its suffix."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".safetensors":
+        return read_safetensors(path)
+    if suffix in (".bin", ".ckpt", ".pt", ".pth"):
+        return read_torch_bin(path)
+    if suffix == ".msgpack":
+        return read_flax_msgpack(path)
+    raise ValueError(
+        f"don't know how to read {os.fspath(path)!r}: unknown suffix {suffix!r} "
+        "(expected .safetensors, .bin, .ckpt, .pt, .pth or .msgpack)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """Read a .safetensors file as read-only numpy views on a memory map of it."""
+    name = os.fspath(path)
+    with open(name, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < 8:
+            raise ValueError(f"corrupt safetensors file {name!r}: {file_size} bytes, too short for a header")
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        if header_size > file_size - 8:
+            raise ValueError(
+                f"corrupt safetensors file {name!r}: header claims {header_size} bytes "
+                f"but the file has only {file_size - 8} after the length field (truncated?)"
+            )
+        try:
+            header = json.loads(f.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"corrupt safetensors file {name!r}: header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"corrupt safetensors file {name!r}: header is not a JSON object")
+        header.pop("__metadata__", None)
+        data_start = 8 + header_size
+        data_size = file_size - data_start
+        # mmap refuses length 0; a file that holds only empty tensors needs no mapping anyway.
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_size > 0 else b""
+
+    tensors = {}
+    for key, info in header.items():
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"corrupt safetensors file {name!r}: bad entry for {key!r} ({e!r})") from None
+        count = int(np.prod(shape, dtype=np.int64))
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_size or end - begin != count * dtype.itemsize:
+            raise ValueError(
+                f"corrupt safetensors file {name!r}: {key!r} ({info['dtype']} {list(shape)}) has data offsets "
+                f"[{begin}, {end}) that do not fit its size or the {data_size} data bytes (truncated?)"
+            )
+        if count == 0:
+            tensors[key] = np.empty(shape, dtype)
+            continue
+        array = np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
+        tensors[key] = array.reshape(shape)
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch zip files (torch.save since 1.6)
+
+_TORCH_STORAGE_DTYPES = {
+    "DoubleStorage": np.dtype(np.float64),
+    "FloatStorage": np.dtype(np.float32),
+    "HalfStorage": np.dtype(np.float16),
+    "BFloat16Storage": np.dtype(ml_dtypes.bfloat16),
+    "LongStorage": np.dtype(np.int64),
+    "IntStorage": np.dtype(np.int32),
+    "ShortStorage": np.dtype(np.int16),
+    "CharStorage": np.dtype(np.int8),
+    "ByteStorage": np.dtype(np.uint8),
+    "BoolStorage": np.dtype(np.bool_),
+}
+
+# torch.float32-style globals: newer writers may put a dtype where a storage type used to be.
+_TORCH_DTYPES = {
+    "float64": np.dtype(np.float64),
+    "double": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "half": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int64": np.dtype(np.int64),
+    "long": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "short": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+
+
+class _TorchDtype(NamedTuple):
+    """Stands in for a torch storage class or torch dtype: all the loader needs is the numpy dtype.
+
+    Immutable, so a pickle's BUILD opcode cannot alter these shared instances.
+    """
+
+    torch_name: str
+    dtype: np.dtype
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    if not isinstance(storage, np.ndarray) or storage.ndim != 1:
+        raise ValueError(f"tensor refers to {type(storage).__name__}, not to a storage")
+    size = tuple(int(s) for s in size)
+    stride = tuple(int(s) for s in stride)
+    storage_offset = int(storage_offset)
+    if len(size) != len(stride) or min(size + stride, default=0) < 0 or storage_offset < 0:
+        raise ValueError(f"bad tensor layout: offset {storage_offset}, size {size}, stride {stride}")
+    # as_strided trusts its arguments blindly, so check the view stays inside the storage.
+    if 0 not in size:
+        last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= storage.size:
+            raise ValueError(
+                f"tensor (offset {storage_offset}, size {size}, stride {stride}) runs past the end "
+                f"of its storage of {storage.size} elements"
+            )
+    base = storage[storage_offset:]
+    itemsize = storage.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(
+        base, shape=size, strides=tuple(s * itemsize for s in stride), writeable=False
+    )
+    if view.flags.c_contiguous:
+        return view
+    # Transposed tensors saved as-is are the one case that needs a copy; read-only like the views.
+    copy = np.ascontiguousarray(view)
+    copy.flags.writeable = False
+    return copy
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    return _rebuild_tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
+    return data
+
+
+def _rebuild_parameter_with_state(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
+_ALLOWED_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter_with_state,
+    # Empty OrderedDicts carry backward hooks and state-dict metadata; constructing one runs no user code.
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    **{("torch", n): _TorchDtype(n, d) for n, d in _TORCH_STORAGE_DTYPES.items()},
+    **{("torch", n): _TorchDtype(n, d) for n, d in _TORCH_DTYPES.items()},
+}
+
+
+class _TensorOnlyUnpickler(pickle.Unpickler):
+    """Unpickles a torch data.pkl, resolving only tensor-rebuilding globals to local stand-ins.
+
+    find_class runs when the pickle names a global, before anything is called, so a refusal here
+    means no code from the file has run.
+    """
+
+    def __init__(self, file, *, checkpoint_name: str, read_storage):
+        super().__init__(file)
+        self.checkpoint_name = checkpoint_name
+        self.read_storage = read_storage
+
+    def find_class(self, module, name):
+        try:
+            found = _ALLOWED_GLOBALS[(module, name)]
+        except (KeyError, TypeError):
+            raise UnsafeCheckpointError(
+                f"refusing to load {self.checkpoint_name}: it asks to import {module}.{name}; "
+                "only tensor data is allowed"
+            ) from None
+        # A fresh wrapper per load: the pickle's BUILD opcode could otherwise set attributes
+        # (e.g. __defaults__) on this module's functions and change later loads.
+        return found if isinstance(found, _TorchDtype) else functools.partial(found)
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafeCheckpointError(
+                f"refusing to load {self.checkpoint_name}: unknown persistent id {pid!r:.200}"
+            )
+        _, storage_type, key, _location, _numel = pid
+        if not isinstance(storage_type, _TorchDtype):
+            raise ValueError(f"bad storage type {storage_type!r:.100} in {self.checkpoint_name}")
+        return self.read_storage(str(key), storage_type.dtype)
+
+
+def _zip_member_offset(file, info: zipfile.ZipInfo) -> int:
+    """Where the bytes of an uncompressed zip member start in the file (after its local header)."""
+    file.seek(info.header_offset)
+    local_header = file.read(30)
+    if len(local_header) != 30 or local_header[:4] != b"PK\x03\x04":
+        raise ValueError(f"bad zip local header for {info.filename!r}")
+    name_length, extra_length = struct.unpack("<HH", local_header[26:30])
+    return info.header_offset + 30 + name_length + extra_length
+
+
+def read_torch_bin(path) -> dict[str, np.ndarray]:
+    """Read a PyTorch zip checkpoint (torch.save since 1.6) without torch and without running its pickle.
+
+    Tensors come back as read-only views on a memory map of the file where the storage is stored
+    uncompressed (torch always does that); tensors that share a storage share memory.
+    If the pickled object is a dict with a "state_dict" dict entry (Lightning .ckpt files), that entry
+    is returned; values that are not tensors (step counts, strings, nested dicts) are dropped.
+    """
+    name = os.fspath(path)
+    if not zipfile.is_zipfile(name):
+        raise ValueError(
+            f"{name!r} is not a zip-format PyTorch checkpoint; the legacy (pre-1.6) torch format is "
+            "not supported: re-save it as safetensors (e.g. safetensors.torch.save_file(torch.load(f), "
+            "'model.safetensors'))"
+        )
+    with open(name, "rb") as f, zipfile.ZipFile(f) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+        pickles = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pickles) != 1:
+            raise ValueError(f"{name!r} is a zip file but not a PyTorch checkpoint (no <archive>/data.pkl)")
+        prefix = pickles[0][: -len("data.pkl")]
+        byteorder = members.get(prefix + "byteorder")
+        if byteorder is not None and archive.read(byteorder).strip() != b"little":
+            raise ValueError(f"{name!r} was saved big-endian; only little-endian checkpoints are supported")
+
+        # One read-only mapping of the whole file; storages become views into it.
+        file_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        storages: dict[str, np.ndarray] = {}
+
+        def read_storage(key: str, dtype: np.dtype) -> np.ndarray:
+            cached = storages.get(key)
+            if cached is not None:
+                return cached if cached.dtype == dtype else cached.view(dtype)
+            info = members.get(prefix + "data/" + key)
+            if info is None:
+                raise ValueError(f"{name!r} refers to storage {key!r} but has no {prefix}data/{key}")
+            if info.file_size % dtype.itemsize:
+                raise ValueError(f"storage {key!r} in {name!r}: {info.file_size} bytes is not a whole number of {dtype}")
+            count = info.file_size // dtype.itemsize
+            if info.compress_type == zipfile.ZIP_STORED:
+                start = _zip_member_offset(f, info)
+                if start + info.file_size > len(file_map):
+                    raise ValueError(f"storage {key!r} in {name!r} runs past the end of the file (truncated?)")
+                storage = np.frombuffer(file_map, dtype=dtype, count=count, offset=start)
+            else:  # not written by torch, but a re-zipped file may compress; then one read is unavoidable
+                storage = np.frombuffer(archive.read(info), dtype=dtype, count=count)
+            storages[key] = storage
+            return storage
+
+        with archive.open(members[pickles[0]]) as pickle_file:
+            unpickler = _TensorOnlyUnpickler(pickle_file, checkpoint_name=name, read_storage=read_storage)
+            obj = unpickler.load()
+
+    if not isinstance(obj, dict):
+        raise ValueError(f"{name!r} holds a {type(obj).__name__}, not a dict of tensors")
+    if isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    return {str(k): v for k, v in obj.items() if isinstance(v, np.ndarray)}
+
+
+# --------------------------------------------------------------------------------------------
+# Flax msgpack
+
+
+def read_flax_msgpack(path) -> dict[str, np.ndarray]:
+    """Read a Flax msgpack checkpoint; nested keys are joined with "." ("down_blocks_0.resnets_0.conv1.kernel")."""
+    # msgpack_restore only decodes data (arrays are an ext type), so unlike pickle it cannot run code.
+    # Imported here so that the other readers do not pay for importing jax.
+    from flax.serialization import msgpack_restore
+
+    with open(path, "rb") as f:
+        tree = msgpack_restore(f.read())
+    flat: dict[str, np.ndarray] = {}
+    _flatten_into(flat, tree, "")
+    return flat
+
+
+def _flatten_into(flat: dict, node, prefix: str) -> None:
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        flat[prefix] = np.asarray(node)  # also turns jax arrays and python scalars into numpy
+        return
+    for key, value in items:
+        _flatten_into(flat, value, f"{prefix}.{key}" if prefix else str(key))

@@ -1,0 +1,91 @@
+"""DDIM sampler: Song et al. 2021, "Denoising Diffusion Implicit Models"."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from . import common
+
+
+@dataclasses.dataclass(frozen=True)
+class DDIMConfig(common.ScheduleConfig):
+    set_alpha_to_one: bool = True
+    clip_sample: bool = True
+    clip_sample_range: float = 1.0
+    rescale_betas_zero_snr: bool = False
+
+
+@flax.struct.dataclass
+class DDIMState:
+    timesteps: jnp.ndarray  # int32 [n]
+    alpha_prod_t: jnp.ndarray  # float32 [n]: ᾱ_t
+    alpha_prod_t_prev: jnp.ndarray  # float32 [n]: ᾱ_{t-δ}, δ = T // n (ᾱ_final past the end)
+    num_inference_steps: int = flax.struct.field(pytree_node=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DDIMScheduler:
+    config: DDIMConfig
+    init_noise_sigma = 1.0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "DDIMScheduler":
+        return cls(DDIMConfig.from_dict(config))
+
+    def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None) -> DDIMState:
+        """`shape` is accepted for symmetry with PNDM and ignored."""
+        cfg = self.config
+        alpha_prod, final_alpha_prod = common.alphas_cumprod(cfg, rescale_zero_snr=cfg.rescale_betas_zero_snr)
+        timesteps = common.spaced_timesteps(cfg, num_inference_steps)[::-1]
+        # As diffusers: the previous timestep is always t - T // n, even for `trailing`/`linspace` spacing
+        # where that is not the next entry of `timesteps`.
+        prev_timesteps = timesteps - cfg.num_train_timesteps // num_inference_steps
+        return DDIMState(
+            timesteps=jnp.asarray(timesteps, jnp.int32),
+            alpha_prod_t=jnp.asarray(common.alpha_prod_at(alpha_prod, final_alpha_prod, timesteps)),
+            alpha_prod_t_prev=jnp.asarray(common.alpha_prod_at(alpha_prod, final_alpha_prod, prev_timesteps)),
+            num_inference_steps=num_inference_steps,
+        )
+
+    def scale_model_input(self, state: DDIMState, sample, i):
+        return sample
+
+    def step(self, state: DDIMState, model_output, i, sample, key=None, eta=0.0, variance_noise=None):
+        """x_t -> x_{t-δ}. eta = 0 is deterministic DDIM, eta = 1 is DDPM-like ancestral sampling; for
+        eta > 0 pass a PRNG `key` or the standard-normal `variance_noise` itself."""
+        try:
+            adds_noise = float(eta) > 0  # as diffusers: noise only for eta > 0
+        except jax.errors.ConcretizationTypeError:
+            adds_noise = True  # traced eta: add σ_t z, which is 0 when eta is 0
+        if key is not None and variance_noise is not None:
+            raise ValueError("pass either `key` or `variance_noise`, not both")
+        if adds_noise and key is None and variance_noise is None:
+            raise ValueError(
+                "eta > 0 (or a traced eta) needs a PRNG `key` or `variance_noise`; use eta=0.0 for plain DDIM"
+            )
+
+        x = sample.astype(jnp.float32)
+        alpha_prod_t, alpha_prod_t_prev = state.alpha_prod_t[i], state.alpha_prod_t_prev[i]
+        pred_x0, pred_epsilon = common.predict_x0_and_epsilon(
+            model_output.astype(jnp.float32), x, alpha_prod_t, self.config.prediction_type
+        )
+        if self.config.clip_sample:
+            pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
+
+        # σ_t = η √((1-ᾱ_{t-δ})/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_{t-δ})   (paper eq. 16)
+        variance = ((1.0 - alpha_prod_t_prev) / (1.0 - alpha_prod_t)) * (1.0 - alpha_prod_t / alpha_prod_t_prev)
+        std_dev_t = eta * jnp.sqrt(variance)
+
+        # x_{t-δ} = √ᾱ_{t-δ} x̂_0 + √(1-ᾱ_{t-δ}-σ_t²) ε̂ + σ_t z   (paper eq. 12)
+        direction = jnp.sqrt(1.0 - alpha_prod_t_prev - std_dev_t**2) * pred_epsilon
+        prev_sample = jnp.sqrt(alpha_prod_t_prev) * pred_x0 + direction
+        if adds_noise:
+            if variance_noise is None:
+                variance_noise = jax.random.normal(key, sample.shape, jnp.float32)
+            prev_sample = prev_sample + std_dev_t * variance_noise.astype(jnp.float32)
+        return prev_sample.astype(sample.dtype), state
