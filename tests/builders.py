@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
+
+SD14_SCHEDULER = dict(
+    beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000, steps_offset=1,
+    skip_prk_steps=True, set_alpha_to_one=False, clip_sample=False,
+)
 
 SD1 = dict(
     unet=dict(
@@ -17,8 +27,8 @@ SD1 = dict(
         norm_num_groups=8, sample_size=32,
     ),
     text_encoder=dict(
-        vocab_size=1000, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
-        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=998, eos_token_id=999, pad_token_id=1,
+        vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
         projection_dim=32,
     ),
 )
@@ -39,8 +49,8 @@ SD2 = dict(
         norm_num_groups=8, sample_size=32, scaling_factor=0.13025,
     ),
     text_encoder=dict(
-        vocab_size=1000, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-        max_position_embeddings=77, hidden_act="gelu", bos_token_id=998, eos_token_id=999, pad_token_id=0,
+        vocab_size=49408, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        max_position_embeddings=77, hidden_act="gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=0,
         projection_dim=48,
     ),
 )
@@ -81,3 +91,18 @@ def torch_text_encoder(config, seed=0):
 
 
 BUILDERS = {"unet": torch_unet, "vae": torch_vae, "text_encoder": torch_text_encoder}
+
+
+def torch_pipeline(arch="sd1", scheduler="pndm", seed=0, **scheduler_config):
+    """A diffusers StableDiffusionPipeline with small random models, the real tokenizer and SD 1.4's schedule."""
+    from diffusers import DDIMScheduler, PNDMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTokenizer
+
+    kinds = {"pndm": PNDMScheduler, "ddim": DDIMScheduler}
+    config = CONFIGS[arch]
+    return StableDiffusionPipeline(
+        vae=torch_vae(config["vae"], seed), text_encoder=torch_text_encoder(config["text_encoder"], seed),
+        tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER), unet=torch_unet(config["unet"], seed),
+        scheduler=kinds[scheduler].from_config({**SD14_SCHEDULER, **scheduler_config}),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )

@@ -89,10 +89,8 @@ def test_text_encoder_matches_transformers(torch_models, arch, fmt, tmp_path):
     clip, params = CLIPTextModel.from_pretrained(save(theirs, tmp_path / "text_encoder", fmt))
     cfg = CONFIGS[arch]["text_encoder"]
     ids = np.full((2, 77), cfg["pad_token_id"], np.int64)
-    ids[0, :6] = [998, 5, 17, 300, 42, 999]
-    ids[1, :3] = [998, 7, 999]
-    if cfg["pad_token_id"] == 0:
-        ids[ids == 0] = 999  # SD 1.x pads with the end token
+    ids[0, :6] = [49406, 5, 17, 30000, 42, 49407]  # SD 1.x pads with the end token, SD 2.x with "!" (0)
+    ids[1, :3] = [49406, 7, 49407]
     with torch.no_grad():
         expected = theirs(torch.from_numpy(ids), output_hidden_states=True)
     ours = clip.apply(params, ids, output_hidden_states=True)

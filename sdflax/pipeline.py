@@ -1,0 +1,246 @@
+"""StableDiffusion: text -> images in one compiled program, with the API of diffusers' Flax walkthrough."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import sampling
+from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+from .schedulers import scheduler_from_config
+
+COMPONENTS = ("text_encoder", "unet", "vae")
+
+
+@flax.struct.dataclass
+class StableDiffusionOutput:
+    """`.images`: float numpy in [0, 1], (B, H, W, 3), or (devices, B, H, W, 3) with jit=True. `output[0]` too."""
+
+    images: Any
+
+    def __getitem__(self, index):
+        return (self.images,)[index]
+
+
+def checkpoint_files(folder, variant=None):
+    """Which files of a diffusers pipeline repo to download: configs, tokenizer, and one weight format."""
+    v = f".{variant}" if variant else ""
+    weights = [f"{c}/{stem}{v}{suffix}" for c in COMPONENTS for stem in ("diffusion_pytorch_model", "model")
+               for suffix in (".safetensors", "*.safetensors", ".safetensors.index*.json")]
+    return ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", *weights]
+
+
+class StableDiffusion:
+    """Holds the modules, the tokenizer and the scheduler; the weights live in the params dict you pass in."""
+
+    def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32):
+        self.text_encoder, self.unet, self.vae = text_encoder, unet, vae
+        self.tokenizer, self.scheduler, self.dtype = tokenizer, scheduler, dtype
+        self.vae_scale_factor = vae.config.scale_factor
+        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length.
+        self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
+        self._empty_prompt_ids = self.prepare_inputs([""])
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
+                        scheduler_config=None, variant=None, attention="xla"):
+        """(pipeline, params) from a diffusers checkpoint folder or hub id.
+
+        `scheduler="ddim"` swaps the kind and keeps the checkpoint's config values; `scheduler_config={...}`
+        overrides single values. `params = {"text_encoder": ..., "unet": ..., "vae": ...}`.
+        """
+        from .hub import ModelNotFoundError, resolve_folder
+        from .models.config import read_config_file
+        from .weights import load_weights, weight_files
+
+        folder = resolve_folder(path_or_repo_id, revision, allow_patterns=checkpoint_files(variant))
+        if not os.path.isfile(os.path.join(folder, "model_index.json")):
+            raise ModelNotFoundError(f"{path_or_repo_id}: no model_index.json, so not a diffusers pipeline checkpoint")
+        if any(not _has_safetensors(os.path.join(folder, c)) for c in COMPONENTS) and folder != str(path_or_repo_id):
+            # Older repos ship .bin or Flax msgpack only: fetch those for the components that need them.
+            patterns = [f"{c}/*.bin" for c in COMPONENTS] + [f"{c}/*.msgpack" for c in COMPONENTS]
+            folder = resolve_folder(path_or_repo_id, revision, allow_patterns=checkpoint_files(variant) + patterns)
+
+        modules, params = {}, {}
+        classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+        for name, module_class in classes.items():
+            sub = os.path.join(folder, name)
+            kwargs = {"attention": attention} if name == "unet" else {}
+            module = module_class.from_config(read_config_file(os.path.join(sub, "config.json")), dtype, **kwargs)
+            weight_files(sub, variant)  # fail on a missing weights file before reading anything
+            modules[name] = module
+        for name, module in modules.items():
+            params[name] = load_weights(os.path.join(folder, name), module.param_shapes(), dtype, variant)
+
+        return cls(tokenizer=load_tokenizer(os.path.join(folder, "tokenizer")),
+                   scheduler=load_scheduler(folder, scheduler, scheduler_config), dtype=dtype, **modules), params
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+    def prepare_inputs(self, prompts) -> np.ndarray:
+        """Token ids (B, 77) int32, padded and truncated as diffusers does."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_length,
+                             truncation=True, return_tensors="np").input_ids
+        return ids.astype(np.int32)
+
+    @staticmethod
+    def numpy_to_pil(images):
+        """Float images in [0, 1], (..., H, W, 3) -> list of PIL images."""
+        from PIL import Image
+
+        images = np.asarray(images)
+        images = images.reshape(-1, *images.shape[-3:])
+        return [Image.fromarray((image * 255).round().astype(np.uint8)) for image in images]
+
+    def _sizes(self, height, width):
+        f = self.vae_scale_factor
+        height = height or self.unet.config.sample_size * f
+        width = width or self.unet.config.sample_size * f
+        for name, value in (("height", height), ("width", width)):
+            if value % f:
+                raise ValueError(f"{name}={value} is not a multiple of the VAE scale factor {f}: "
+                                 f"use {value // f * f} or {(value // f + 1) * f}")
+        return height, width
+
+    def _check_ids(self, prompt_ids, neg_prompt_ids, leading_dims):
+        length = self.max_length
+        for name, ids in (("prompt_ids", prompt_ids), ("neg_prompt_ids", neg_prompt_ids)):
+            if ids is None:
+                continue
+            if ids.ndim != leading_dims + 1 or ids.shape[-1] != length:
+                expected = "(devices, batch, " if leading_dims == 2 else "(batch, "
+                raise ValueError(f"{name} has shape {ids.shape}; expected {expected}{length}): "
+                                 "make it with pipeline.prepare_inputs(prompts)" + (" and shard()" if leading_dims == 2 else ""))
+        if neg_prompt_ids is not None and neg_prompt_ids.shape != prompt_ids.shape:
+            raise ValueError(f"neg_prompt_ids {neg_prompt_ids.shape} and prompt_ids {prompt_ids.shape} differ: "
+                             "give one negative prompt per prompt")
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def encode_prompt(self, params, prompt_ids):
+        return self.text_encoder.apply(params["text_encoder"], prompt_ids).last_hidden_state
+
+    def decode_latents(self, params, latents):
+        """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
+        images = self.vae.apply(params["vae"], latents / self.vae.config.scaling_factor, method="decode")
+        images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
+        return jnp.transpose(images, (0, 2, 3, 1))
+
+    def _generate(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
+                  guidance_scale=7.5, latents=None, neg_prompt_ids=None):
+        """The whole text -> images computation as a pure function; (B, H, W, 3) in [0, 1]."""
+        height, width = self._sizes(height, width)
+        batch = prompt_ids.shape[0]
+        if neg_prompt_ids is None:
+            neg_prompt_ids = jnp.broadcast_to(self._empty_prompt_ids, prompt_ids.shape)
+        context = self.encode_prompt(params, jnp.concatenate([neg_prompt_ids, prompt_ids]))
+
+        shape = (batch, self.unet.config.in_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        noise_key, sampler_key = jax.random.split(prng_seed)
+        if latents is None:
+            latents = jax.random.normal(noise_key, shape, jnp.float32)
+        elif latents.shape != shape:
+            raise ValueError(f"latents have shape {latents.shape}; expected {shape} for a batch of {batch} "
+                             f"at {height}x{width}")
+        latents = latents.astype(jnp.float32) * self.scheduler.init_noise_sigma
+
+        unet_fn = functools.partial(self.unet.apply, params["unet"])
+        model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32))
+        latents = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key)
+        return self.decode_latents(params, latents)
+
+    @functools.cached_property
+    def _jitted(self):
+        return jax.jit(self._generate, static_argnames=("num_inference_steps", "height", "width"))
+
+    @functools.cached_property
+    def _pmapped(self):
+        # Static: steps, height, width. Sharded over devices: ids, rng, guidance, latents, negative ids.
+        return jax.pmap(self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
+                        static_broadcasted_argnums=(3, 4, 5))
+
+    def __call__(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
+                 guidance_scale=7.5, latents=None, neg_prompt_ids=None, jit=False):
+        """Generate images. With `jit=True` the inputs are sharded over devices (see `sdflax.shard`), params
+        replicated (`sdflax.replicate`), and the call runs under `jax.pmap`: images are (devices, B, H, W, 3)."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be at least 1, got {num_inference_steps}")
+        height, width = self._sizes(height, width)
+        self._check_ids(prompt_ids, neg_prompt_ids, 2 if jit else 1)
+        if jit:
+            devices = prompt_ids.shape[0]
+            if devices != jax.local_device_count():
+                raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
+                                 "shard(prompt_ids) splits a batch divisible by the device count")
+            guidance = jnp.full((devices,), guidance_scale, jnp.float32)
+            images = self._pmapped(prompt_ids, params, prng_seed, num_inference_steps, height, width,
+                                   guidance, latents, neg_prompt_ids)
+        else:
+            images = self._jitted(prompt_ids, params, prng_seed, num_inference_steps, height, width,
+                                  jnp.asarray(guidance_scale, jnp.float32), latents, neg_prompt_ids)
+        return StableDiffusionOutput(np.asarray(images))
+
+
+    def generate_sharded(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
+                         guidance_scale=7.5, latents=None, neg_prompt_ids=None, mesh=None):
+        """The `jit` + `NamedSharding` path: the batch (B, 77) is split over a one-axis device mesh.
+
+        `prng_seed` holds one key per device, (devices, 2) as for `jit=True`; device d draws the noise of
+        batch rows [d * B/devices, (d + 1) * B/devices) from its key, so the images equal the pmap path's.
+        `params` are plain (not `replicate`d); returns (B, H, W, 3) numpy images.
+        """
+        from .parallel import device_mesh, replicate_on, shard_batch
+
+        mesh = mesh or device_mesh()
+        height, width = self._sizes(height, width)
+        self._check_ids(prompt_ids, neg_prompt_ids, 1)
+        if prng_seed.shape[0] != mesh.size:
+            raise ValueError(f"prng_seed holds {prng_seed.shape[0]} keys for {mesh.size} devices: "
+                             "use jax.random.split(key, number_of_devices)")
+        inputs = shard_batch({"ids": prompt_ids, "latents": latents, "neg": neg_prompt_ids}, mesh)
+        images = self._sharded(inputs["ids"], replicate_on(params, mesh), shard_batch(prng_seed, mesh),
+                               num_inference_steps, height, width, jnp.asarray(guidance_scale, jnp.float32),
+                               inputs["latents"], inputs["neg"])
+        return np.asarray(images)
+
+    @functools.cached_property
+    def _sharded(self):
+        def generate(prompt_ids, params, keys, steps, height, width, guidance_scale, latents, neg_prompt_ids):
+            devices = keys.shape[0]
+            per_device = lambda x: None if x is None else x.reshape(devices, -1, *x.shape[1:])  # noqa: E731
+            images = jax.vmap(self._generate, in_axes=(0, None, 0, None, None, None, None, 0, 0))(
+                per_device(prompt_ids), params, keys, steps, height, width, guidance_scale,
+                per_device(latents), per_device(neg_prompt_ids))
+            return images.reshape(-1, *images.shape[2:])
+
+        return jax.jit(generate, static_argnums=(3, 4, 5))
+
+
+def _has_safetensors(folder):
+    return os.path.isdir(folder) and any(name.endswith(".safetensors") for name in os.listdir(folder))
+
+
+def load_tokenizer(folder):
+    """CLIPTokenizer from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json` (transformers 5)."""
+    from transformers import CLIPTokenizer
+
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no tokenizer folder at {folder}")
+    return CLIPTokenizer.from_pretrained(folder)
+
+
+def load_scheduler(folder, kind=None, overrides=None):
+    path = os.path.join(folder, "scheduler", "scheduler_config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no scheduler/scheduler_config.json in {folder}")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(overrides or {})
+    return scheduler_from_config(config, kind)
