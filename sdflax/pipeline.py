@@ -69,6 +69,8 @@ class StableDiffusion:
             patterns = [f"{c}/*.bin" for c in COMPONENTS] + [f"{c}/*.msgpack" for c in COMPONENTS]
             folder = resolve_folder(path_or_repo_id, revision, allow_patterns=checkpoint_files(variant) + patterns)
 
+        scheduler = load_scheduler(folder, scheduler, scheduler_config)  # fail fast, before the weights
+        tokenizer = load_tokenizer(os.path.join(folder, "tokenizer"))
         modules, params = {}, {}
         classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
         for name, module_class in classes.items():
@@ -80,8 +82,7 @@ class StableDiffusion:
         for name, module in modules.items():
             params[name] = load_weights(os.path.join(folder, name), module.param_shapes(), dtype, variant)
 
-        return cls(tokenizer=load_tokenizer(os.path.join(folder, "tokenizer")),
-                   scheduler=load_scheduler(folder, scheduler, scheduler_config), dtype=dtype, **modules), params
+        return cls(tokenizer=tokenizer, scheduler=scheduler, dtype=dtype, **modules), params
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def prepare_inputs(self, prompts) -> np.ndarray:

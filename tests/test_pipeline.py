@@ -52,3 +52,100 @@ def test_images_match_diffusers(tmp_path, arch, scheduler, config):
 def test_empty_negative_prompt_and_other_guidance(tmp_path):
     _, _, ours, expected = run_both(tmp_path, "sd1", "pndm", 3, 2.0)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def sd1(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipe")
+    torch_pipeline("sd1").save_pretrained(folder)
+    return StableDiffusion.from_pretrained(folder)
+
+
+def test_python_loop_mode_equals_scan(sd1):
+    from sdflax import sampling
+
+    pipe, params = sd1
+    ids = pipe.prepare_inputs(PROMPTS)
+    context = pipe.encode_prompt(params, jnp.concatenate([jnp.broadcast_to(pipe._empty_prompt_ids, ids.shape), ids]))
+    unet = lambda x, t, c: pipe.unet.apply(params["unet"], x, t, c)  # noqa: E731
+    model = sampling.guided_model(unet, context, 7.5)
+    latents = jax.random.normal(jax.random.key(1), (2, 4, 16, 16))
+    key = jax.random.key(2)
+    scanned = sampling.denoise(model, pipe.scheduler, latents, 3, key)
+    looped = sampling.denoise(model, pipe.scheduler, latents, 3, key, use_scan=False)
+    np.testing.assert_allclose(looped, scanned, rtol=0, atol=1e-5)
+
+
+def test_traced_values_never_recompile(sd1):
+    pipe, params = sd1
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    ids = pipe.prepare_inputs(PROMPTS)
+    latents = np.random.default_rng(0).standard_normal((2, 4, 16, 16), dtype=np.float32)
+    pipe(ids, params, jax.random.key(0), 2)  # first call: compiles
+    pipe(ids, params, jax.random.key(0), 2, latents=latents)  # given latents: one more program
+    assert pipe._jitted._cache_size() == 2
+    before = len(compiles)
+    pipe(ids, params, jax.random.key(1), 2, guidance_scale=3.0)
+    pipe(pipe.prepare_inputs(["other", "prompts"]), params, jax.random.key(2), 2, guidance_scale=1.5,
+         neg_prompt_ids=None)
+    pipe(ids, params, jax.random.key(3), 2, latents=latents + 1, guidance_scale=9.0)
+    assert len(compiles) == before, "a traced value caused a compile"
+    assert pipe._jitted._cache_size() == 2
+    pipe(ids, params, jax.random.key(0), 3)  # new step count: exactly one new program
+    pipe(ids, params, jax.random.key(0), 2, height=16, width=48)  # new size: one more
+    pipe(ids[:1], params, jax.random.key(0), 2)  # new batch: one more
+    assert pipe._jitted._cache_size() == 5
+
+
+def test_negative_prompts_change_the_image_and_do_not_recompile(sd1):
+    pipe, params = sd1
+    ids = pipe.prepare_inputs(PROMPTS)
+    a = pipe(ids, params, jax.random.key(0), 2, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
+    size = pipe._jitted._cache_size()
+    b = pipe(ids, params, jax.random.key(0), 2, neg_prompt_ids=pipe.prepare_inputs(["x", "y"])).images
+    assert pipe._jitted._cache_size() == size
+    assert np.abs(a - b).max() > 1e-4
+
+
+def test_bad_input_says_what_to_change(sd1):
+    pipe, params = sd1
+    ids = pipe.prepare_inputs(PROMPTS)
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="height=30 is not a multiple of the VAE scale factor 2: use 30 or 32"):
+        pipe(ids, params, key, 2, height=30, width=32)
+    with pytest.raises(ValueError, match="width=33 is not a multiple"):
+        pipe(ids, params, key, 2, height=32, width=33)
+    with pytest.raises(ValueError, match=r"prompt_ids has shape \(2, 70\); expected \(batch, 77\)"):
+        pipe(ids[:, :70], params, key, 2)
+    with pytest.raises(ValueError, match="num_inference_steps must be at least 1"):
+        pipe(ids, params, key, 0)
+    with pytest.raises(ValueError, match=r"latents have shape \(2, 4, 8, 8\); expected \(2, 4, 16, 16\)"):
+        pipe(ids, params, key, 2, latents=np.zeros((2, 4, 8, 8), np.float32))
+    with pytest.raises(ValueError, match="prompt_ids lead with 2, but there are 8 devices"):
+        pipe(ids[:, None], params, key, 2, jit=True)
+
+
+def test_scheduler_choice_and_overrides(tmp_path):
+    torch_pipeline("sd1").save_pretrained(tmp_path)
+    pipe, _ = StableDiffusion.from_pretrained(tmp_path, scheduler="ddim", scheduler_config={"timestep_spacing": "trailing"})
+    assert type(pipe.scheduler).__name__ == "DDIMScheduler"
+    assert pipe.scheduler.config.timestep_spacing == "trailing"
+    assert pipe.scheduler.config.beta_end == 0.012  # kept from the checkpoint
+    with pytest.raises(ValueError, match="unknown scheduler 'heun'"):
+        StableDiffusion.from_pretrained(tmp_path, scheduler="heun")
+
+
+def test_output_helpers(sd1):
+    from sdflax import make_image_grid
+
+    pipe, params = sd1
+    out = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), 2)
+    assert out[0] is out.images
+    pil = pipe.numpy_to_pil(out.images)
+    assert len(pil) == 2 and pil[0].size == (32, 32)
+    np.testing.assert_array_equal(np.asarray(pil[1]), (out.images[1] * 255).round().astype(np.uint8))
+    grid = make_image_grid(pil, rows=1, cols=2)
+    assert grid.size == (64, 32)
+    np.testing.assert_array_equal(np.asarray(grid)[:, 32:], np.asarray(pil[1]))
