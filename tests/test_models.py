@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import numpy as np
 import pytest
 import torch
@@ -43,9 +46,10 @@ def test_unet_matches_diffusers(torch_models, arch, fmt, tmp_path):
     rng = np.random.default_rng(0)
     sample = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
     context = rng.standard_normal((2, 77, cfg["cross_attention_dim"]), dtype=np.float32)
+    apply = jax.jit(unet.apply)
     for timesteps in ([1, 999], [500, 37]):
         t = np.array(timesteps)
-        ours = unet.apply(params, sample, t, context)
+        ours = apply(params, sample, t, context)
         with torch.no_grad():
             expected = theirs(torch.from_numpy(sample), torch.from_numpy(t), torch.from_numpy(context)).sample
         assert ours.shape == (2, 4, 16, 16)
@@ -53,7 +57,13 @@ def test_unet_matches_diffusers(torch_models, arch, fmt, tmp_path):
     # a scalar timestep broadcasts over the batch, as in diffusers
     with torch.no_grad():
         expected = theirs(torch.from_numpy(sample), 250, torch.from_numpy(context)).sample
-    assert_close(unet.apply(params, sample, jnp.int32(250), context), expected)
+    assert_close(apply(params, sample, jnp.int32(250), context), expected)
+    if fmt == "safetensors":
+        # Sides that the UNet's downsampling does not divide: diffusers upsamples to each skip's size.
+        odd = rng.standard_normal((1, 4, 15, 10), dtype=np.float32)
+        with torch.no_grad():
+            expected = theirs(torch.from_numpy(odd), 600, torch.from_numpy(context[:1])).sample
+        assert_close(unet.apply(params, odd, 600, context[:1]), expected)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -69,13 +79,11 @@ def test_vae_matches_diffusers(torch_models, fmt, tmp_path):
     with torch.no_grad():
         decoded = theirs.decode(torch.from_numpy(latents)).sample
         posterior = theirs.encode(torch.from_numpy(images)).latent_dist
-    assert_close(vae.apply(params, latents, method="decode"), decoded)
-    ours = vae.apply(params, images, method="encode")
+    assert_close(jax.jit(partial(vae.apply, method="decode"))(params, latents), decoded)
+    ours = jax.jit(partial(vae.apply, method="encode"))(params, images)
     assert_close(ours.mean, posterior.mean)
     assert_close(ours.logvar, posterior.logvar, atol=1e-4)  # logvar = log(std²) amplifies the mean's rounding
     # sample(key) = mean + std * N(0, 1): reproducible, and its spread is the posterior's std
-    import jax
-
     key = jax.random.key(0)
     draw = ours.sample(key)
     np.testing.assert_array_equal(draw, ours.sample(key))
@@ -93,7 +101,7 @@ def test_text_encoder_matches_transformers(torch_models, arch, fmt, tmp_path):
     ids[1, :3] = [49406, 7, 49407]
     with torch.no_grad():
         expected = theirs(torch.from_numpy(ids), output_hidden_states=True)
-    ours = clip.apply(params, ids, output_hidden_states=True)
+    ours = jax.jit(partial(clip.apply, output_hidden_states=True))(params, ids)
     assert_close(ours.last_hidden_state, expected.last_hidden_state)
     assert_close(ours.pooler_output, expected.pooler_output)
     assert len(ours.hidden_states) == cfg["num_hidden_layers"] + 1
@@ -106,14 +114,12 @@ def test_bfloat16_load_stays_close_to_float32(tmp_path):
     folder = save(theirs, tmp_path / "unet", "safetensors")
     unet32, params32 = UNet2DConditionModel.from_pretrained(folder)
     unet16, params16 = UNet2DConditionModel.from_pretrained(folder, dtype=jnp.bfloat16)
-    import jax
-
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params16))
     rng = np.random.default_rng(2)
     sample = rng.standard_normal((1, 4, 16, 16), dtype=np.float32)
     context = rng.standard_normal((1, 77, 32), dtype=np.float32)
-    full = np.asarray(unet32.apply(params32, sample, 10, context))
-    half = unet16.apply(params16, sample, 10, context)
+    full = np.asarray(jax.jit(unet32.apply)(params32, sample, 10, context))
+    half = jax.jit(unet16.apply)(params16, sample, 10, context)
     assert half.dtype == jnp.bfloat16
     # bfloat16 keeps 8 mantissa bits: the output may move by a few percent of its scale, not more.
     err = np.abs(np.asarray(half, np.float32) - full).max() / np.abs(full).max()

@@ -43,7 +43,8 @@ def run_both(tmp_path, arch, scheduler, steps, guidance, negative=None, **schedu
 def test_images_match_diffusers(tmp_path, arch, scheduler, config):
     pipe, _, ours, expected = run_both(tmp_path, arch, scheduler, 4, 7.5, NEGATIVE, **config)
     assert type(pipe.scheduler).__name__.lower().startswith(scheduler)
-    assert ours.shape == expected.shape == (2, 32, 32, 3)
+    side = pipe.unet.config.sample_size * pipe.vae_scale_factor  # 16 * 2 (SD 1.x-style VAE) or 16 * 4 (SD 2.x)
+    assert ours.shape == expected.shape == (2, side, side, 3)
     assert ours.dtype == np.float32 and 0 <= ours.min() and ours.max() <= 1
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     assert np.abs(expected - 0.5).mean() > 0.01  # not a constant image: the comparison means something
@@ -73,7 +74,9 @@ def test_python_loop_mode_equals_scan(sd1):
     key = jax.random.key(2)
     scanned = sampling.denoise(model, pipe.scheduler, latents, 3, key)
     looped = sampling.denoise(model, pipe.scheduler, latents, 3, key, use_scan=False)
-    np.testing.assert_allclose(looped, scanned, rtol=0, atol=1e-5)
+    # Eager ops and one compiled scan round differently (fusion), and guidance 7.5 amplifies the UNet's rounding
+    # 7.5x: equal to the float32 per-module tolerance.
+    np.testing.assert_allclose(looped, scanned, rtol=1e-4, atol=1e-5)
 
 
 def test_traced_values_never_recompile(sd1):
@@ -113,8 +116,8 @@ def test_bad_input_says_what_to_change(sd1):
     pipe, params = sd1
     ids = pipe.prepare_inputs(PROMPTS)
     key = jax.random.key(0)
-    with pytest.raises(ValueError, match="height=30 is not a multiple of the VAE scale factor 2: use 30 or 32"):
-        pipe(ids, params, key, 2, height=30, width=32)
+    with pytest.raises(ValueError, match="height=31 is not a multiple of the VAE scale factor 2: use 30 or 32"):
+        pipe(ids, params, key, 2, height=31, width=32)
     with pytest.raises(ValueError, match="width=33 is not a multiple"):
         pipe(ids, params, key, 2, height=32, width=33)
     with pytest.raises(ValueError, match=r"prompt_ids has shape \(2, 70\); expected \(batch, 77\)"):

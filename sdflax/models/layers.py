@@ -11,6 +11,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # How attention is computed. "xla" is a plain einsum-softmax-einsum (fastest on CPU); "cudnn" asks
 # jax.nn.dot_product_attention for the fused cuDNN kernel; None lets jax.nn.dot_product_attention choose.
@@ -128,15 +129,25 @@ class Downsample2D(nn.Module):
         return conv(self.channels, stride=2, padding=self.padding, name="conv", dtype=self.dtype)(x)
 
 
+def nearest_indices(in_size: int, out_size: int) -> np.ndarray:
+    """Source rows of torch's `F.interpolate(size=out_size, mode="nearest")`: floor(i * in / out), in float32."""
+    scale = np.float32(in_size) / np.float32(out_size)
+    return np.minimum(np.floor(np.arange(out_size, dtype=np.float32) * scale).astype(np.int64), in_size - 1)
+
+
 class Upsample2D(nn.Module):
-    """Nearest-neighbour 2x, then a 3x3 conv."""
+    """Nearest-neighbour 2x (or to `size`, the skip connection's (h, w), when a side is odd), then a 3x3 conv."""
 
     channels: int
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
-        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+    def __call__(self, x, size=None):
+        h, w = x.shape[1:3]
+        if size is None or tuple(size) == (2 * h, 2 * w):
+            x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        else:  # as diffusers' UNet does for latents whose sides are not multiples of its total downsampling
+            x = x[:, nearest_indices(h, size[0])][:, :, nearest_indices(w, size[1])]
         return conv(self.channels, name="conv", dtype=self.dtype)(x)
 
 

@@ -176,7 +176,7 @@ class UNet2DConditionModel(Pretrained, nn.Module):
                     x = Transformer2DModel(up_heads[i], up_depths[i], cfg, self.attention, dtype,
                                            name=f"up_blocks_{i}_attentions_{j}")(x, context)
             if i < len(channels) - 1:
-                x = Upsample2D(out, dtype, name=f"up_blocks_{i}_upsamplers_0")(x)
+                x = Upsample2D(out, dtype, name=f"up_blocks_{i}_upsamplers_0")(x, skips[-1].shape[1:3])
 
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
         x = conv(cfg.out_channels, name="conv_out", dtype=dtype)(x)
