@@ -135,8 +135,11 @@ class StableDiffusion:
         return jnp.transpose(images, (0, 2, 3, 1))
 
     def _generate(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
-                  guidance_scale=7.5, latents=None, neg_prompt_ids=None):
-        """The whole text -> images computation as a pure function; (B, H, W, 3) in [0, 1]."""
+                  guidance_scale=7.5, latents=None, neg_prompt_ids=None, callback=None):
+        """The whole text -> images computation as a pure function; (B, H, W, 3) in [0, 1].
+
+        `callback(step, num_steps, latents)`, if given, runs on the host after every denoising step; it is
+        static: pass the same function object each call, or each call compiles anew."""
         height, width = self._sizes(height, width)
         batch = prompt_ids.shape[0]
         if neg_prompt_ids is None:
@@ -154,23 +157,25 @@ class StableDiffusion:
 
         unet_fn = functools.partial(self.unet.apply, params["unet"])
         model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32))
-        latents = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key)
+        latents = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key,
+                                   callback=callback)
         return self.decode_latents(params, latents)
 
     @functools.cached_property
     def _jitted(self):
-        return jax.jit(self._generate, static_argnames=("num_inference_steps", "height", "width"))
+        return jax.jit(self._generate, static_argnames=("num_inference_steps", "height", "width", "callback"))
 
     @functools.cached_property
     def _pmapped(self):
-        # Static: steps, height, width. Sharded over devices: ids, rng, guidance, latents, negative ids.
-        return jax.pmap(self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
-                        static_broadcasted_argnums=(3, 4, 5))
+        # Static: steps, height, width, callback. Sharded over devices: ids, rng, guidance, latents, negative ids.
+        return jax.pmap(self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0, None),
+                        static_broadcasted_argnums=(3, 4, 5, 9))
 
     def __call__(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
-                 guidance_scale=7.5, latents=None, neg_prompt_ids=None, jit=False):
+                 guidance_scale=7.5, latents=None, neg_prompt_ids=None, jit=False, callback=None):
         """Generate images. With `jit=True` the inputs are sharded over devices (see `sdflax.shard`), params
-        replicated (`sdflax.replicate`), and the call runs under `jax.pmap`: images are (devices, B, H, W, 3)."""
+        replicated (`sdflax.replicate`), and the call runs under `jax.pmap`: images are (devices, B, H, W, 3).
+        `callback(step, num_steps, latents)` runs on the host after each step (once per device under pmap)."""
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be at least 1, got {num_inference_steps}")
         height, width = self._sizes(height, width)
@@ -182,10 +187,10 @@ class StableDiffusion:
                                  "shard(prompt_ids) splits a batch divisible by the device count")
             guidance = jnp.full((devices,), guidance_scale, jnp.float32)
             images = self._pmapped(prompt_ids, params, prng_seed, num_inference_steps, height, width,
-                                   guidance, latents, neg_prompt_ids)
+                                   guidance, latents, neg_prompt_ids, callback)
         else:
             images = self._jitted(prompt_ids, params, prng_seed, num_inference_steps, height, width,
-                                  jnp.asarray(guidance_scale, jnp.float32), latents, neg_prompt_ids)
+                                  jnp.asarray(guidance_scale, jnp.float32), latents, neg_prompt_ids, callback)
         return StableDiffusionOutput(np.asarray(images))
 
 

@@ -32,20 +32,25 @@ def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guid
     return model
 
 
-def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True):
+def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
     as a Python loop, for debugging (print, breakpoints); it gives the same result.
+    `callback(step, num_steps, latents)` runs on the host after every model evaluation (progress bars,
+    previews), through `jax.debug.callback`, so the loop stays one compiled scan.
     """
     state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)
-    steps = jnp.arange(state.timesteps.shape[0])
+    num_evals = state.timesteps.shape[0]
+    steps = jnp.arange(num_evals)
 
     def step(carry, i):
         x, state = carry
         model_input = scheduler.scale_model_input(state, x, i)
         prediction = model(model_input, state.timesteps[i])
         x, state = scheduler.step(state, prediction, i, x, key=jax.random.fold_in(key, i))
+        if callback is not None:
+            jax.debug.callback(lambda i, x: callback(int(i), num_evals, x), i, x)
         return (x, state), None
 
     if use_scan:

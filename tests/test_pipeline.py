@@ -152,3 +152,14 @@ def test_output_helpers(sd1):
     grid = make_image_grid(pil, rows=1, cols=2)
     assert grid.size == (64, 32)
     np.testing.assert_array_equal(np.asarray(grid)[:, 32:], np.asarray(pil[1]))
+
+
+def test_step_callback_runs_on_the_host_and_changes_nothing(sd1):
+    pipe, params = sd1
+    ids = pipe.prepare_inputs(PROMPTS)
+    seen = []
+    record = lambda step, num_steps, latents: seen.append((step, num_steps, np.asarray(latents).shape))  # noqa: E731
+    with_callback = pipe(ids, params, jax.random.key(0), 3, callback=record).images
+    evals = pipe.scheduler.set_timesteps(3, shape=(2, 4, 16, 16)).timesteps.shape[0]  # PLMS: steps + 1
+    assert evals == 4 and seen == [(i, evals, (2, 4, 16, 16)) for i in range(evals)]
+    np.testing.assert_array_equal(with_callback, pipe(ids, params, jax.random.key(0), 3).images)
