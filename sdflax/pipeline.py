@@ -29,11 +29,11 @@ class StableDiffusionOutput:
         return (self.images,)[index]
 
 
-def checkpoint_files(folder, variant=None):
+def checkpoint_files(variant=None):
     """Which files of a diffusers pipeline repo to download: configs, tokenizer, and one weight format."""
     v = f".{variant}" if variant else ""
     weights = [f"{c}/{stem}{v}{suffix}" for c in COMPONENTS for stem in ("diffusion_pytorch_model", "model")
-               for suffix in (".safetensors", "*.safetensors", ".safetensors.index*.json")]
+               for suffix in (".safetensors", "-*.safetensors", ".safetensors.index*.json")]  # "-*": shards, not .fp16
     return ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", *weights]
 
 
