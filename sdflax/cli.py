@@ -1,0 +1,371 @@
+"""`sdflax generate "PROMPT"`: text -> PNG files on all local devices, each PNG carrying the settings that made it.
+
+User errors (bad flags, a folder that is not a checkpoint, an unknown or uncached model, an unwritable output
+path) print one line on stderr and exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import threading
+import time
+
+DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+CACHE_ENV = "SDFLAX_CACHE_DIR"
+# The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*"]
+
+
+class UserError(Exception):
+    """Something the user can fix; the message is one line that names it and says how."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def default_cache_dir() -> str:
+    """Where compiled programs are kept: $SDFLAX_CACHE_DIR, else ~/.cache/sdflax/jax (XDG_CACHE_HOME honoured)."""
+    if os.environ.get(CACHE_ENV):
+        return os.path.expanduser(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sdflax", "jax")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {2**32 - 1}, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .schedulers import SCHEDULERS
+
+    parser = _Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    g = commands.add_parser(
+        "generate", help="text -> PNG images", description="Generate images from a prompt and write them as PNGs "
+        "that carry their settings. Images are spread over all local devices (jax.pmap); image i uses seed S+i.")
+    g.add_argument("prompt", help="what to draw")
+    g.add_argument("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
+    g.add_argument("--model", default=DEFAULT_MODEL, metavar="ID_OR_DIR",
+                   help=f"hub id or local diffusers folder (default: {DEFAULT_MODEL})")
+    g.add_argument("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
+    g.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="sampler (default: the checkpoint's own)")
+    g.add_argument("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
+    g.add_argument("--guidance", type=float, default=7.5, metavar="SCALE",
+                   help="classifier-free guidance scale (default: 7.5)")
+    g.add_argument("--height", type=_positive_int, metavar="H", help="pixels, a multiple of the VAE scale factor "
+                   "(default: the model's own, 512 for SD 1.x)")
+    g.add_argument("--width", type=_positive_int, metavar="W", help="pixels (default: the model's own)")
+    g.add_argument("--seed", type=_seed, help="seed of the first image (default: random, printed and saved)")
+    g.add_argument("--num-images", type=_positive_int, metavar="N",
+                   help="images to keep (default: one per device; computed in multiples of the device count)")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"),
+                   help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
+    g.add_argument("--out", default="outputs", metavar="PATH",
+                   help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
+    g.add_argument("--grid", action="store_true", help="also write all images as one grid PNG")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="status lines, download bars and a per-step bar; --no-progress prints only the results "
+                   "(default: on, with the per-step bar on the CPU only: JAX does not keep programs with a host "
+                   "callback in its disk cache, and on an accelerator compiling takes longer than sampling)")
+    g.add_argument("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: "
+                   f"${CACHE_ENV} or ~/.cache/sdflax/jax)")
+    g.set_defaults(run=generate)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed its line (or --help / --version)
+        return e.code if isinstance(e.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except UserError as e:
+        print(f"sdflax: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sdflax: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---- generate -----------------------------------------------------------------------------------------------
+
+def generate(args) -> int:
+    status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
+    target = _output_target(args.out)  # before anything slow
+    if args.progress is False:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+    from .hub import ModelNotFoundError, check_pipeline_folder, resolve_folder, snapshot_commit
+    from .models import AutoencoderKL, UNet2DConditionModel
+    from .models.config import read_config_file
+
+    local = os.path.isdir(os.path.expanduser(args.model))
+    if local and args.revision:
+        raise UserError(f"--revision applies to hub ids, but {args.model} is a local folder: drop --revision")
+    try:
+        # Configs first (kilobytes), so that a size the model cannot make fails before gigabytes download.
+        folder = resolve_folder(args.model, args.revision, allow_patterns=CONFIG_FILES)
+        check_pipeline_folder(folder, args.model)
+        vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
+        unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
+    except (ModelNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+    factor = vae.config.scale_factor
+    height, width = args.height or unet.config.sample_size * factor, args.width or unet.config.sample_size * factor
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % factor:
+            raise UserError(f"{flag} {value} is not a multiple of {factor}, the VAE scale factor of {args.model}: "
+                            f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")
+
+    import jax  # after the checks above, so that mistakes are reported without starting JAX
+
+    cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile
+    import jax.numpy as jnp
+
+    from .parallel import replicate, shard
+    from .pipeline import StableDiffusion
+
+    backend = jax.default_backend()
+    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
+    devices = jax.local_device_count()
+    num_images = args.num_images or devices
+    per_device = -(-num_images // devices)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+    seeds = [(seed + i) % 2**32 for i in range(per_device * devices)]
+
+    status(f"Loading {args.model} in {dtype} ...")
+    start = time.perf_counter()
+    try:
+        pipeline, params = StableDiffusion.from_pretrained(args.model, revision=args.revision,
+                                                           dtype=getattr(jnp, dtype), scheduler=args.scheduler)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+    scheduler = args.scheduler or _scheduler_name(pipeline.scheduler)
+    p_params = replicate(params)
+    prompt_ids = shard(pipeline.prepare_inputs([args.prompt] * len(seeds)))
+    # Always pass negative ids (an empty prompt is the unconditional one): one program with or without them.
+    neg_ids = shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds)))
+    keys = jnp.stack([jax.random.key(s) for s in seeds])
+    # Image i's noise comes from key(seed + i) alone, as pipeline(ids, params, key(seed + i)) draws it for a
+    # batch of one: an image does not depend on the batch it was made in (for deterministic samplers).
+    shape = (1, unet.config.in_channels, height // factor, width // factor)
+    latents = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[0], shape, jnp.float32))(keys)
+    latents = shard(latents.reshape(len(seeds), *shape[1:]))
+    rngs = keys[::per_device]  # each device's sampler key: its first image's
+    load_s = time.perf_counter() - start
+
+    where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
+    status(f"Compiling for {args.steps} steps at {width}x{height}, {len(seeds)} image(s) on {where} "
+           f"(once per setting; kept in {cache_dir}) ...")
+    with _CompileClock() as clock:
+        start = time.perf_counter()
+        images = pipeline(prompt_ids, p_params, rngs, args.steps, height, width, args.guidance, latents, neg_ids,
+                          jit=True, callback=step_bar).images
+        total_s = time.perf_counter() - start
+    if step_bar is not None:
+        step_bar.close()
+    images = pipeline.numpy_to_pil(images)[:num_images]
+
+    settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
+                "scheduler": scheduler, "guidance_scale": args.guidance, "width": width, "height": height,
+                "model": args.model, "revision": args.revision or ("main" if not local else ""),
+                "commit": snapshot_commit(folder) or "", "dtype": dtype, "software": f"sdflax {_version()}"}
+    paths, grid_path = target.paths(args.prompt, seeds[:num_images], args.grid)
+    try:
+        for path, image, s in zip(paths, images, seeds):
+            image.save(path, pnginfo=png_info({**settings, "seed": s}))
+            print(path)
+        if grid_path:
+            from .utils import make_image_grid
+
+            rows, cols = grid_shape(num_images)
+            seeds_text = ",".join(str(s) for s in seeds[:num_images])
+            make_image_grid(images, rows, cols).save(
+                grid_path, pnginfo=png_info({**settings, "seed": seeds[0], "seeds": seeds_text}))
+            print(grid_path)
+    except OSError as e:
+        raise UserError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from e
+
+    cached = " (from the disk cache)" if clock.cache_hits else ""
+    print(f"seed {seed}: load {load_s:.1f} s, compile {clock.seconds:.1f} s{cached}, "
+          f"generate {max(total_s - clock.seconds, 0.0):.1f} s for {len(seeds)} image(s)", file=sys.stderr)
+    return 0
+
+
+class _StepBar:
+    """A tqdm bar fed by the pipeline's per-step host callback; under pmap each device reports every step,
+    so a step counts once, when the first device reaches it. One object per run: the callback is static."""
+
+    def __init__(self):
+        self.bar, self.done, self.lock = None, 0, threading.Lock()
+
+    def __call__(self, step, num_steps, latents):
+        with self.lock:
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=num_steps, desc="denoising", unit="step", file=sys.stderr, dynamic_ncols=True)
+            if step + 1 > self.done:
+                self.bar.update(step + 1 - self.done)
+                self.done = step + 1
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _CompileClock:
+    """Seconds JAX spends tracing, lowering and compiling (or loading compiled programs) inside the block."""
+
+    def __enter__(self):
+        from jax import monitoring
+
+        self.seconds, self.cache_hits = 0.0, 0
+        monitoring.register_event_duration_secs_listener(self._on_duration)
+        monitoring.register_event_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc):
+        from jax import monitoring
+
+        monitoring.unregister_event_duration_listener(self._on_duration)
+        monitoring.unregister_event_listener(self._on_event)
+
+    def _on_duration(self, event, duration, **kwargs):
+        if event in COMPILE_EVENTS:
+            self.seconds += duration
+
+    def _on_event(self, event, **kwargs):
+        if event == CACHE_HIT_EVENT:
+            self.cache_hits += 1
+
+
+# ---- output -------------------------------------------------------------------------------------------------
+
+class _OutputTarget:
+    """`--out`: a folder (names from the prompt and seed, never overwriting) or one NAME.png."""
+
+    def __init__(self, out):
+        self.out = out
+        self.file = out.lower().endswith(".png")
+        self.folder = (os.path.dirname(out) or ".") if self.file else out
+
+    def paths(self, prompt, seeds, grid):
+        if self.file:
+            if len(seeds) == 1 and not grid:
+                return [self.out], None
+            stem = self.out[:-4]
+            return [f"{stem}-{s}.png" for s in seeds], (self.out if grid else None)
+        stem = os.path.join(self.folder, slug(prompt))
+        paths = [_unused(f"{stem}-{s}.png") for s in seeds]
+        return paths, (_unused(f"{stem}-{seeds[0]}-grid.png") if grid else None)
+
+
+def _output_target(out) -> _OutputTarget:
+    """Check that PNGs can be written there now, before minutes of loading and compiling."""
+    import tempfile
+
+    root, ext = os.path.splitext(out)
+    if ext.lower() in (".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"):
+        raise UserError(f"--out {out}: sdflax writes PNG files (they carry the settings): use {root}.png or a folder")
+    target = _OutputTarget(out)
+    folder = target.folder
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--out {out}: {folder} is a file, not a folder: give a folder or a NAME.png")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write in {folder} ({e.strerror or e}): choose another --out") from e
+    return target
+
+
+def _unused(path):
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(path):
+        path, n = f"{stem}-{n}{ext}", n + 1
+    return path
+
+
+def slug(text, limit=40):
+    """A file-name-safe short form of the prompt: "A photo, of X!" -> "a-photo-of-x"."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    out = ""
+    for word in words:
+        if len(out) + len(word) + 1 > limit:
+            break
+        out = f"{out}-{word}" if out else word
+    return out or (words[0][:limit] if words else "image")
+
+
+def grid_shape(n):
+    """(rows, cols) with rows * cols == n, as square as n allows, wider than tall."""
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return rows, n // rows
+
+
+def png_info(settings):
+    """PNG text chunks: one per setting, and A1111's `parameters` line, which other image tools read."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in settings.items():
+        info.add_text(key, str(value))  # iTXt (UTF-8) where Latin-1 cannot hold the text
+    s = settings
+    parameters = (f"{s['prompt']}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
+                  f"{s['scheduler']}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
+                  f"{s['width']}x{s['height']}, Model: {s['model']}")
+    info.add_text("parameters", parameters)
+    return info
+
+
+def _scheduler_name(scheduler):
+    from .schedulers import SCHEDULERS
+
+    return next((name for name, cls in SCHEDULERS.items() if type(scheduler) is cls), type(scheduler).__name__)
+
+
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sdflax")
+    except PackageNotFoundError:
+        return "unknown"

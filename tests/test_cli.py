@@ -1,0 +1,152 @@
+"""`sdflax generate` end to end on weights/tiny-sd, in subprocesses; bad input in process (it fails before JAX)."""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdflax.cli import grid_shape, main, slug
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "weights" / "tiny-sd")
+
+
+def run_cli(args, tmp, devices=2, cwd=None, env=None):
+    """`python -m sdflax ...` on `devices` CPU devices, offline, with its compile cache in `tmp`."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **(env or {})}  # cache every program: no timing
+    return subprocess.run([sys.executable, "-m", "sdflax", *args], cwd=cwd or tmp, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def pixels(path):
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs with the same static settings: seeds 3, 4, then 4, 5 (the second loads the compiled program)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    common = ["generate", "a red fox, watercolor", "--model", TINY, "--steps", "2", "--height", "64", "--width", "96",
+              "--num-images", "2", "--grid", "--no-progress", "--negative-prompt", "blurry"]
+    first = run_cli([*common, "--seed", "3", "--out", str(tmp / "a")], tmp)
+    second = run_cli([*common, "--seed", "4", "--out", str(tmp / "b")], tmp)
+    for result in (first, second):
+        assert result.returncode == 0, result.stderr
+    return tmp, first, second
+
+
+def test_writes_pngs_of_the_requested_size_with_their_settings(runs):
+    tmp, first, _ = runs
+    written = first.stdout.split()
+    assert written == [str(tmp / "a" / n) for n in ("a-red-fox-watercolor-3.png", "a-red-fox-watercolor-4.png",
+                                                    "a-red-fox-watercolor-3-grid.png")]
+    for path, seed in zip(written, (3, 4)):
+        image = Image.open(path)
+        assert image.size == (96, 64) and image.mode == "RGB"
+        assert {k: image.text[k] for k in ("prompt", "negative_prompt", "seed", "steps", "scheduler",
+                                           "guidance_scale", "width", "height", "model", "revision", "dtype")} == {
+            "prompt": "a red fox, watercolor", "negative_prompt": "blurry", "seed": str(seed), "steps": "2",
+            "scheduler": "pndm", "guidance_scale": "7.5", "width": "96", "height": "64", "model": TINY,
+            "revision": "", "dtype": "float32"}
+        assert image.text["parameters"].startswith("a red fox, watercolor\nNegative prompt: blurry\nSteps: 2, ")
+    grid = Image.open(written[2])
+    assert grid.size == (2 * 96, 64) and grid.text["seeds"] == "3,4"
+    np.testing.assert_array_equal(pixels(written[2])[:, :96], pixels(written[0]))
+    np.testing.assert_array_equal(pixels(written[2])[:, 96:], pixels(written[1]))
+    assert re.fullmatch(r"seed 3: load [\d.]+ s, compile [\d.]+ s.*, generate [\d.]+ s for 2 image\(s\)\n",
+                        first.stderr)  # --no-progress: the timing line only
+
+
+def test_a_seed_gives_the_same_pixels_and_other_seeds_other_pixels(runs):
+    tmp, _, second = runs
+    a, b = tmp / "a", tmp / "b"
+    # Seed 4 was image 1 (device 1) of the first run and is image 0 (device 0) of the second.
+    assert pixels(a / "a-red-fox-watercolor-4.png").tobytes() == pixels(b / "a-red-fox-watercolor-4.png").tobytes()
+    assert not np.array_equal(pixels(a / "a-red-fox-watercolor-3.png"), pixels(b / "a-red-fox-watercolor-5.png"))
+    assert not np.array_equal(pixels(a / "a-red-fox-watercolor-3.png"), pixels(a / "a-red-fox-watercolor-4.png"))
+    assert "(from the disk cache)" in second.stderr  # a new seed reuses the program the first run compiled
+    assert any(name.startswith(("jit", "pmap")) for name in os.listdir(tmp / "jax-cache"))
+
+
+def test_readme_offline_command_runs_as_written(tmp_path):
+    """The README's `sdflax generate ... weights/tiny-sd` line, with --out moved into a tmp folder."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("sdflax generate") and "weights/tiny-sd" in line]
+    assert len(lines) == 1, lines
+    args = shlex.split(lines[0])[1:]  # "generate", ...: the test runs `python -m sdflax`, the same command
+    out = args.index("--out") + 1
+    assert not os.path.isabs(args[out])
+    args[out] = str(tmp_path / args[out])
+    # Two devices: the per-step bar (on by default on the CPU) must count each step once, not once per device.
+    result = run_cli(args, tmp_path, devices=2, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    paths = result.stdout.split()
+    assert paths and all(os.path.isfile(p) and p.startswith(str(tmp_path)) for p in paths)
+    counts = re.findall(r"(\d+)/(\d+) \[", result.stderr)
+    assert counts and counts[-1][0] == counts[-1][1], result.stderr  # the bar ends full, not past its total
+    assert "Compiling for" in result.stderr
+
+
+def test_python_dash_m_and_help():
+    assert main(["--help"]) == 0
+    assert main(["generate", "--help"]) == 0
+    result = subprocess.run([sys.executable, "-m", "sdflax"], capture_output=True, text=True)
+    assert result.returncode == 2 and "generate" in result.stderr
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["--scheduler", "warp-drive"], "argument --scheduler: invalid choice: 'warp-drive'"),
+    (["--height", "130"], "--height 130 is not a multiple of 4, the VAE scale factor of"),
+    (["--width", "130", "--height", "128"], "use 128 or 132"),
+    (["--seed", "-1"], "argument --seed: must be between 0 and 4294967295"),
+    (["--out", "pictures.jpg"], "sdflax writes PNG files"),
+    (["--revision", "v2"], "--revision applies to hub ids"),
+])
+def test_bad_input_is_one_line_and_status_2(args, expected, capsys, tmp_path):
+    assert main(["generate", "a fox", "--model", TINY, "--out", str(tmp_path / "out"), *args]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_folder_that_is_not_a_checkpoint(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(TINY, broken)
+    (broken / "model_index.json").unlink()
+    assert main(["generate", "a fox", "--model", str(broken), "--out", str(tmp_path / "out")]) == 2
+    err = one_error_line(capsys)
+    assert "not a diffusers Stable Diffusion checkpoint: missing model_index.json" in err
+    (broken / "model_index.json").write_text("{}")
+    shutil.rmtree(broken / "unet")
+    assert main(["generate", "a fox", "--model", str(broken), "--out", str(tmp_path / "out")]) == 2
+    assert "missing unet/config.json" in one_error_line(capsys)
+
+
+def test_output_path_that_cannot_be_written(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for out in (blocker, blocker / "sub", blocker / "sub" / "x.png"):
+        assert main(["generate", "a fox", "--model", TINY, "--out", str(out)]) == 2
+        err = one_error_line(capsys)
+        assert f"--out {out}" in err and "a-file" in err
+    assert not (tmp_path / "a-file").is_dir()
+
+
+def test_naming_helpers():
+    assert slug("A photo, of an ASTRONAUT riding a horse on Mars!!") == "a-photo-of-an-astronaut-riding-a-horse"
+    assert slug("!!!") == "image"
+    assert [grid_shape(n) for n in (1, 2, 4, 6, 7, 8, 9)] == [(1, 1), (1, 2), (2, 2), (2, 3), (1, 7), (2, 4), (3, 3)]
