@@ -24,6 +24,7 @@ class StableDiffusionOutput:
     """`.images`: float numpy in [0, 1], (B, H, W, 3), or (devices, B, H, W, 3) with jit=True. `output[0]` too."""
 
     images: Any
+    trajectory: Any = None  # sampling.Trajectory with return_trajectory=True
 
     def __getitem__(self, index):
         return (self.images,)[index]
@@ -84,6 +85,15 @@ class StableDiffusion:
 
         return cls(tokenizer=tokenizer, scheduler=scheduler, dtype=dtype, **modules), params
 
+    def load_lora(self, params, path, scale=1.0):
+        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder.
+
+        Pure: `params` is not changed, so LoRAs stack by calling it again. See `sdflax.lora.merge_lora` for a
+        jit-able merge with a traced `scale`."""
+        from .lora import load_lora
+
+        return load_lora(params, path, scale)
+
     # ---- inputs -------------------------------------------------------------------------------------------
     def prepare_inputs(self, prompts) -> np.ndarray:
         """Token ids (B, 77) int32, padded and truncated as diffusers does."""
@@ -135,16 +145,26 @@ class StableDiffusion:
         return jnp.transpose(images, (0, 2, 3, 1))
 
     def _generate(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
-                  guidance_scale=7.5, latents=None, neg_prompt_ids=None, callback=None):
+                  guidance_scale=7.5, latents=None, neg_prompt_ids=None, callback=None, guidance_rescale=0.0,
+                  guidance=None, return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None):
         """The whole text -> images computation as a pure function; (B, H, W, 3) in [0, 1].
 
-        `callback(step, num_steps, latents)`, if given, runs on the host after every denoising step; it is
-        static: pass the same function object each call, or each call compiles anew."""
+        Differentiable end to end (each sampler step is rematerialised): take `jax.grad` with respect to
+        `latents`, `prompt_embeds` (text states (B, 77, D) that replace `prompt_ids`' encoding) or `params`.
+        `guidance(uncond, cond, scale) -> prediction` replaces classifier-free guidance (see `sampling`);
+        `guidance_rescale` is diffusers' (0 turns it off). With `return_trajectory=True` the result is
+        `(images, sampling.Trajectory)`. `callback(step, num_steps, latents)` runs on the host after every
+        step. `callback`, `guidance` and `return_trajectory` are static: reuse the same function objects.
+        """
         height, width = self._sizes(height, width)
-        batch = prompt_ids.shape[0]
-        if neg_prompt_ids is None:
-            neg_prompt_ids = jnp.broadcast_to(self._empty_prompt_ids, prompt_ids.shape)
-        context = self.encode_prompt(params, jnp.concatenate([neg_prompt_ids, prompt_ids]))
+        batch = (prompt_ids if prompt_embeds is None else prompt_embeds).shape[0]
+        if prompt_embeds is None:
+            prompt_embeds = self.encode_prompt(params, prompt_ids)
+        if neg_prompt_embeds is None:
+            if neg_prompt_ids is None:
+                neg_prompt_ids = self._empty_prompt_ids
+            neg_prompt_embeds = jnp.broadcast_to(self.encode_prompt(params, neg_prompt_ids), prompt_embeds.shape)
+        context = jnp.concatenate([neg_prompt_embeds, prompt_embeds]).astype(self.dtype)
 
         shape = (batch, self.unet.config.in_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
         noise_key, sampler_key = jax.random.split(prng_seed)
@@ -155,44 +175,74 @@ class StableDiffusion:
                              f"at {height}x{width}")
         latents = latents.astype(jnp.float32) * self.scheduler.init_noise_sigma
 
+        if guidance is None:
+            guidance = sampling.rescaled_guidance(guidance_rescale)
         unet_fn = functools.partial(self.unet.apply, params["unet"])
-        model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32))
-        latents = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key,
-                                   callback=callback)
-        return self.decode_latents(params, latents)
+        model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32), guidance)
+        out = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key,
+                               callback=callback, return_trajectory=return_trajectory)
+        if return_trajectory:
+            latents, trajectory = out
+            return self.decode_latents(params, latents), trajectory
+        return self.decode_latents(params, out)
+
+    # _generate's arguments as (name, how pmap maps it): 0 = split over devices, None = broadcast, "static".
+    _GENERATE_ARGS = (("prompt_ids", 0), ("params", 0), ("prng_seed", 0), ("num_inference_steps", "static"),
+                      ("height", "static"), ("width", "static"), ("guidance_scale", 0), ("latents", 0),
+                      ("neg_prompt_ids", 0), ("callback", "static"), ("guidance_rescale", 0), ("guidance", "static"),
+                      ("return_trajectory", "static"))
+    _STATIC = tuple(name for name, axis in _GENERATE_ARGS if axis == "static")
 
     @functools.cached_property
     def _jitted(self):
-        return jax.jit(self._generate, static_argnames=("num_inference_steps", "height", "width", "callback"))
+        return jax.jit(self._generate, static_argnames=self._STATIC)
 
     @functools.cached_property
     def _pmapped(self):
-        # Static: steps, height, width, callback. Sharded over devices: ids, rng, guidance, latents, negative ids.
-        return jax.pmap(self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0, None),
-                        static_broadcasted_argnums=(3, 4, 5, 9))
+        axes = [axis for _, axis in self._GENERATE_ARGS]
+        return jax.pmap(self._generate, in_axes=tuple(None if a == "static" else a for a in axes),
+                        static_broadcasted_argnums=tuple(i for i, a in enumerate(axes) if a == "static"))
+
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler):
+        # Compiled programs baked the old scheduler in: drop them.
+        self._scheduler = scheduler
+        for name in ("_jitted", "_pmapped", "_sharded"):
+            self.__dict__.pop(name, None)
 
     def __call__(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
-                 guidance_scale=7.5, latents=None, neg_prompt_ids=None, jit=False, callback=None):
+                 guidance_scale=7.5, latents=None, neg_prompt_ids=None, jit=False, callback=None,
+                 guidance_rescale=0.0, guidance=None, return_trajectory=False):
         """Generate images. With `jit=True` the inputs are sharded over devices (see `sdflax.shard`), params
         replicated (`sdflax.replicate`), and the call runs under `jax.pmap`: images are (devices, B, H, W, 3).
-        `callback(step, num_steps, latents)` runs on the host after each step (once per device under pmap)."""
+
+        `callback(step, num_steps, latents)` runs on the host after each step (once per device under pmap);
+        `guidance`, `guidance_rescale` and `return_trajectory` as in `_generate` (the trajectory lands in
+        `output.trajectory` as numpy arrays, with a leading device axis under `jit=True`)."""
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be at least 1, got {num_inference_steps}")
         height, width = self._sizes(height, width)
         self._check_ids(prompt_ids, neg_prompt_ids, 2 if jit else 1)
+        scalars = jnp.asarray(guidance_scale, jnp.float32), jnp.asarray(guidance_rescale, jnp.float32)
         if jit:
             devices = prompt_ids.shape[0]
             if devices != jax.local_device_count():
                 raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
                                  "shard(prompt_ids) splits a batch divisible by the device count")
-            guidance = jnp.full((devices,), guidance_scale, jnp.float32)
-            images = self._pmapped(prompt_ids, params, prng_seed, num_inference_steps, height, width,
-                                   guidance, latents, neg_prompt_ids, callback)
+            scalars = [jnp.broadcast_to(s, (devices,)) for s in scalars]
+            run = self._pmapped
         else:
-            images = self._jitted(prompt_ids, params, prng_seed, num_inference_steps, height, width,
-                                  jnp.asarray(guidance_scale, jnp.float32), latents, neg_prompt_ids, callback)
-        return StableDiffusionOutput(np.asarray(images))
-
+            run = self._jitted
+        out = run(prompt_ids, params, prng_seed, num_inference_steps, height, width, scalars[0], latents,
+                  neg_prompt_ids, callback, scalars[1], guidance, return_trajectory)
+        if return_trajectory:
+            images, trajectory = out
+            return StableDiffusionOutput(np.asarray(images), jax.tree.map(np.asarray, trajectory))
+        return StableDiffusionOutput(np.asarray(out))
 
     def generate_sharded(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
                          guidance_scale=7.5, latents=None, neg_prompt_ids=None, mesh=None):

@@ -1,13 +1,20 @@
-"""The denoising loop: one `lax.scan` over a scheduler's pure `step`, with classifier-free guidance around the UNet.
+"""The denoising loop: one `lax.scan` over a scheduler's pure `step`, with guidance around the UNet.
 
 A scheduler is anything with
     state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)   # state.timesteps: (evals,)
+    scheduler.init_noise_sigma                                                 # what fresh noise is scaled by
     x = scheduler.scale_model_input(state, x, i)
     x, state = scheduler.step(state, model_output, i, x, key=key)
+    x0 = scheduler.predict_x0(state, model_output, i, x)                       # for trajectories
 where `i` indexes the model evaluations (a traced int32 inside the scan).
+
+A guidance function combines the unconditional and conditional predictions:
+    guidance(uncond, cond, scale) -> prediction
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +23,49 @@ import jax.numpy as jnp
 def classifier_free_guidance(uncond, cond, scale):
     """ε̂ = ε(x, ∅) + s (ε(x, c) − ε(x, ∅))  (Ho & Salimans 2022)."""
     return uncond + scale * (cond - uncond)
+
+
+def _std(x):
+    """Standard deviation of each sample over all but the batch axis (torch's unbiased std, as diffusers)."""
+    axes = tuple(range(1, x.ndim))
+    n = x[0].size
+    mean = x.mean(axes, keepdims=True)
+    return jnp.sqrt(jnp.square(x - mean).sum(axes, keepdims=True) / (n - 1))
+
+
+def rescaled_guidance(guidance_rescale: float):
+    """Classifier-free guidance with diffusers' `guidance_rescale` (Lin et al. 2023, §3.4, eq. 15–16):
+    scale the guided prediction back to the conditional one's std, then mix by `guidance_rescale`."""
+
+    def guidance(uncond, cond, scale):
+        guided = classifier_free_guidance(uncond, cond, scale)
+        rescaled = guided * (_std(cond) / _std(guided))
+        return guidance_rescale * rescaled + (1 - guidance_rescale) * guided
+
+    return guidance
+
+
+def thresholded_guidance(mimic_scale: float = 7.0, percentile: float = 0.995):
+    """Classifier-free guidance at a high scale, dynamically thresholded to the range of a milder one.
+
+    Imagen's dynamic thresholding (Saharia et al. 2022, §2.3) moved into prediction space, as the popular
+    "mimic scale" variant does: per sample and channel, the guided prediction's deviation from its mean is
+    clipped at its `percentile` absolute value s and rescaled by max(m, ...) / s, where m is the largest
+    deviation guidance at `mimic_scale` would give. High scales keep their direction without saturating.
+    """
+
+    def guidance(uncond, cond, scale):
+        guided = classifier_free_guidance(uncond, cond, scale)
+        mimic = classifier_free_guidance(uncond, cond, mimic_scale)
+        b, c = guided.shape[:2]
+        flat, flat_mimic = guided.reshape(b, c, -1), mimic.reshape(b, c, -1)
+        mean = flat.mean(-1, keepdims=True)
+        centred = flat - mean
+        mimic_max = jnp.abs(flat_mimic - flat_mimic.mean(-1, keepdims=True)).max(-1, keepdims=True)
+        s = jnp.maximum(jnp.quantile(jnp.abs(centred), percentile, axis=-1, keepdims=True), mimic_max)
+        return (jnp.clip(centred, -s, s) * (mimic_max / s) + mean).reshape(guided.shape)
+
+    return guidance
 
 
 def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guidance):
@@ -32,31 +82,48 @@ def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guid
     return model
 
 
-def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None):
+class Trajectory(NamedTuple):
+    """What the scan stacks at each model evaluation, (evals, *latents.shape) each."""
+
+    latents: Any  # x after the step
+    pred_x0: Any  # the scheduler's x̂₀ from that evaluation's prediction
+
+
+def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
+            return_trajectory=False):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
     as a Python loop, for debugging (print, breakpoints); it gives the same result.
     `callback(step, num_steps, latents)` runs on the host after every model evaluation (progress bars,
     previews), through `jax.debug.callback`, so the loop stays one compiled scan.
+    `return_trajectory=True` returns `(latents, Trajectory)`.
+
+    Each step is a `jax.checkpoint`: differentiating through the sampler keeps only the carry of every step
+    and recomputes the UNet's activations one step at a time, so memory does not grow with the UNet per step.
     """
     state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)
     num_evals = state.timesteps.shape[0]
     steps = jnp.arange(num_evals)
 
+    @jax.checkpoint
     def step(carry, i):
         x, state = carry
         model_input = scheduler.scale_model_input(state, x, i)
         prediction = model(model_input, state.timesteps[i])
+        pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
         x, state = scheduler.step(state, prediction, i, x, key=jax.random.fold_in(key, i))
         if callback is not None:
             jax.debug.callback(lambda i, x: callback(int(i), num_evals, x), i, x)
-        return (x, state), None
+        return (x, state), (Trajectory(x, pred_x0) if return_trajectory else None)
 
     if use_scan:
-        (latents, _), _ = jax.lax.scan(step, (latents, state), steps)
-        return latents
-    carry = (latents, state)
-    for i in steps:
-        carry, _ = step(carry, i)
-    return carry[0]
+        (latents, _), trajectory = jax.lax.scan(step, (latents, state), steps)
+    else:
+        carry, outputs = (latents, state), []
+        for i in steps:
+            carry, out = step(carry, i)
+            outputs.append(out)
+        latents = carry[0]
+        trajectory = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs) if return_trajectory else None
+    return (latents, trajectory) if return_trajectory else latents

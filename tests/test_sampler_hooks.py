@@ -1,0 +1,210 @@
+"""The researcher's sampler: guidance hooks, trajectories, an outside scheduler, and gradients through the loop."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from builders import REPO, torch_pipeline
+
+import jax
+import jax.numpy as jnp
+
+from sdflax import StableDiffusion, sampling
+
+sys.path.insert(0, str(REPO / "scripts"))
+from example_scheduler import DDPMAncestral  # noqa: E402
+
+PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
+
+
+@pytest.fixture(scope="module")
+def sd1(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipe")
+    torch_pipeline("sd1", "ddim").save_pretrained(folder)
+    return StableDiffusion.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def inputs(sd1):
+    pipe, _ = sd1
+    latents = np.random.default_rng(0).standard_normal((2, 4, 16, 16), dtype=np.float32)
+    return pipe.prepare_inputs(PROMPTS), latents
+
+
+def test_conditional_only_guidance_equals_scale_one(sd1, inputs):
+    pipe, params = sd1
+    ids, latents = inputs
+    cond_only = lambda uncond, cond, scale: cond  # noqa: E731
+    ours = pipe(ids, params, jax.random.key(0), 3, latents=latents, guidance=cond_only).images
+    scale_one = pipe(ids, params, jax.random.key(0), 3, latents=latents, guidance_scale=1.0).images
+    np.testing.assert_allclose(ours, scale_one, rtol=0, atol=1e-6)
+
+
+def test_guidance_rescale_matches_diffusers(tmp_path):
+    theirs = torch_pipeline("sd1", "ddim")
+    theirs.save_pretrained(tmp_path)
+    pipe, params = StableDiffusion.from_pretrained(tmp_path)
+    latents = np.random.default_rng(1).standard_normal((2, 4, 16, 16), dtype=np.float32)
+    with torch.no_grad():
+        expected = theirs(PROMPTS, guidance_scale=9.0, guidance_rescale=0.7, num_inference_steps=3,
+                          latents=torch.from_numpy(latents), output_type="np").images
+    ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), 3, guidance_scale=9.0,
+                guidance_rescale=0.7, latents=latents).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-3)
+    plain = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), 3, guidance_scale=9.0, latents=latents)
+    assert np.abs(plain.images - ours).max() > 1e-3  # the rescale did something
+
+
+def test_guidance_rescale_is_diffusers_formula():
+    rng = np.random.default_rng(2)
+    uncond, cond = (rng.standard_normal((2, 4, 8, 8)).astype(np.float32) for _ in range(2))
+    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
+
+    guided = uncond + 6.0 * (cond - uncond)
+    expected = rescale_noise_cfg(torch.from_numpy(guided), torch.from_numpy(cond), guidance_rescale=0.6).numpy()
+    np.testing.assert_allclose(sampling.rescaled_guidance(0.6)(uncond, cond, 6.0), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(sampling.rescaled_guidance(0.0)(uncond, cond, 6.0),
+                                  sampling.classifier_free_guidance(uncond, cond, 6.0))
+
+
+def test_thresholded_guidance_keeps_the_mimic_range():
+    rng = np.random.default_rng(3)
+    uncond, cond = (rng.standard_normal((2, 4, 8, 8)).astype(np.float32) for _ in range(2))
+    # At its own mimic scale with the 100th percentile it is plain guidance.
+    same = sampling.thresholded_guidance(mimic_scale=5.0, percentile=1.0)(uncond, cond, 5.0)
+    np.testing.assert_allclose(same, sampling.classifier_free_guidance(uncond, cond, 5.0), rtol=1e-6, atol=1e-6)
+    # At a high scale every (sample, channel) stays, around its mean, within the spread the mimic scale has.
+    high = np.asarray(sampling.thresholded_guidance(mimic_scale=5.0)(uncond, cond, 20.0)).reshape(2, 4, -1)
+    plain = np.asarray(sampling.classifier_free_guidance(uncond, cond, 20.0)).reshape(2, 4, -1)
+    mimic = np.asarray(sampling.classifier_free_guidance(uncond, cond, 5.0)).reshape(2, 4, -1)
+    spread = lambda a, centre: np.abs(a - centre.mean(-1, keepdims=True)).max(-1)  # noqa: E731
+    assert np.all(spread(high, plain) <= spread(mimic, mimic) * (1 + 1e-5))
+    assert np.all(spread(plain, plain) > spread(mimic, mimic))  # plain guidance at 20 would not
+
+
+def test_trajectory_ends_at_the_returned_latents(sd1, inputs):
+    pipe, params = sd1
+    ids, latents = inputs
+    out = pipe(ids, params, jax.random.key(0), 4, latents=latents, return_trajectory=True)
+    trajectory = out.trajectory
+    assert trajectory.latents.shape == trajectory.pred_x0.shape == (4, 2, 4, 16, 16)
+    np.testing.assert_array_equal(out.images, pipe(ids, params, jax.random.key(0), 4, latents=latents).images)
+    final = np.asarray(pipe.decode_latents(params, trajectory.latents[-1]))
+    np.testing.assert_allclose(final, out.images, rtol=0, atol=1e-6)
+    # DDIM's last step lands on ᾱ = ᾱ_0 (set_alpha_to_one=False): x₀ is the last x̂₀ moved there, close to it.
+    assert np.abs(trajectory.latents[-1] - trajectory.pred_x0[-1]).max() < 0.1 * np.abs(trajectory.pred_x0[-1]).max()
+
+
+def test_trajectory_under_pmap(sd1):
+    from sdflax import replicate, shard
+
+    pipe, params = sd1
+    devices = jax.local_device_count()
+    ids = shard(pipe.prepare_inputs(["a cat"] * devices))
+    out = pipe(ids, replicate(params), jax.random.split(jax.random.key(0), devices), 2, jit=True,
+               return_trajectory=True)
+    assert out.trajectory.latents.shape == (devices, 2, 1, 4, 16, 16)
+
+
+def test_outside_scheduler_runs_through_the_pipeline(sd1, inputs):
+    """scripts/example_scheduler.py, plugged in, equals the same sampler written out by hand in numpy."""
+    pipe, params = sd1
+    ids, latents = inputs
+    pipe = StableDiffusion(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, DDPMAncestral())
+    key, steps, scale = jax.random.key(7), 4, 5.0
+    ours = pipe(ids, params, key, steps, latents=latents, guidance_scale=scale).images
+
+    # By hand: the same UNet calls, the posterior formula in float64, the noise the loop draws for step i.
+    context = jnp.concatenate([pipe.encode_prompt(params, pipe._empty_prompt_ids.repeat(2, 0)),
+                               pipe.encode_prompt(params, ids)])
+    betas = np.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=np.float64) ** 2
+    alpha_prod = np.cumprod(1 - betas)
+    timesteps = np.linspace(999, 0, steps).round().astype(int)
+    _, sampler_key = jax.random.split(key)
+    x = latents.astype(np.float64)
+    for i, t in enumerate(timesteps):
+        out = np.asarray(pipe.unet.apply(params["unet"], np.concatenate([x, x]).astype(np.float32), t, context),
+                         np.float64)
+        eps = out[:2] + scale * (out[2:] - out[:2])
+        a = alpha_prod[t]
+        a_prev = alpha_prod[timesteps[i + 1]] if i + 1 < steps else 1.0
+        alpha = a / a_prev
+        x0 = (x - np.sqrt(1 - a) * eps) / np.sqrt(a)
+        mean = (np.sqrt(a_prev) * (1 - alpha) * x0 + np.sqrt(alpha) * (1 - a_prev) * x) / (1 - a)
+        noise = np.asarray(jax.random.normal(jax.random.fold_in(sampler_key, i), x.shape), np.float64)
+        x = mean + np.sqrt((1 - alpha) * (1 - a_prev) / (1 - a)) * noise
+    expected = np.asarray(pipe.decode_latents(params, jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
+
+
+def test_swapping_the_scheduler_recompiles(sd1, inputs):
+    pipe, params = sd1
+    pipe = StableDiffusion(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
+    ids, latents = inputs
+    ddim = pipe(ids, params, jax.random.key(0), 2, latents=latents).images
+    pipe.scheduler = DDPMAncestral()
+    assert np.abs(pipe(ids, params, jax.random.key(0), 2, latents=latents).images - ddim).max() > 1e-3
+
+
+# ---- gradients ----------------------------------------------------------------------------------------------
+
+def final_latents_fn(pipe, params, ids, steps):
+    """Initial latents -> a scalar of the final latents, through the whole guided sampler."""
+    weights = jax.random.normal(jax.random.key(5), (2, 4, 16, 16))
+    context = jnp.concatenate([pipe.encode_prompt(params, pipe._empty_prompt_ids.repeat(2, 0)),
+                               pipe.encode_prompt(params, ids)])
+
+    def f(latents):
+        unet = lambda x, t, c: pipe.unet.apply(params["unet"], x, t, c)  # noqa: E731
+        model = sampling.guided_model(unet, context, 4.0)
+        final = sampling.denoise(model, pipe.scheduler, latents, steps, jax.random.key(0))
+        return jnp.sum(weights * final) / final.size
+
+    return f
+
+
+def test_gradient_matches_finite_differences(sd1, inputs):
+    pipe, params = sd1
+    ids, latents = inputs
+    f = jax.jit(final_latents_fn(pipe, params, ids, 3))
+    grad = jax.jit(jax.grad(f))(latents)
+    h = 1e-2  # central differences: error O(h²) plus float32 rounding / h
+    for seed in range(3):
+        direction = np.random.default_rng(seed).standard_normal(latents.shape).astype(np.float32)
+        directional = float(jnp.vdot(grad, direction))
+        numeric = (float(f(latents + h * direction)) - float(f(latents - h * direction))) / (2 * h)
+        assert abs(directional - numeric) <= 1e-3 * abs(numeric) + 1e-6, (directional, numeric)
+
+
+def test_gradients_wrt_text_embeddings_and_unet_params(sd1, inputs):
+    pipe, params = sd1
+    ids, latents = inputs
+    embeds = pipe.encode_prompt(params, ids)
+
+    def loss(embeds, unet_params):
+        images = pipe._generate(None, {**params, "unet": unet_params}, jax.random.key(0), 2, latents=latents,
+                                prompt_embeds=embeds)
+        return jnp.mean(images)
+
+    d_embeds, d_unet = jax.jit(jax.grad(loss, argnums=(0, 1)))(embeds, params["unet"])
+    assert d_embeds.shape == embeds.shape and np.isfinite(d_embeds).all() and np.abs(d_embeds).max() > 0
+    leaves = jax.tree.leaves(d_unet)
+    assert all(np.isfinite(g).all() for g in leaves) and max(float(np.abs(g).max()) for g in leaves) > 0
+    # prompt_embeds is the text encoder's output: same images as the ids
+    np.testing.assert_allclose(pipe._generate(None, params, jax.random.key(0), 2, latents=latents, prompt_embeds=embeds),
+                               pipe._generate(ids, params, jax.random.key(0), 2, latents=latents), rtol=0, atol=1e-6)
+
+
+def test_checkpointed_gradient_memory_grows_sublinearly(sd1, inputs):
+    pipe, params = sd1
+    ids, latents = inputs
+
+    def temp_bytes(steps):
+        grad = jax.jit(jax.grad(final_latents_fn(pipe, params, ids, steps)))
+        return grad.lower(latents).compile().memory_analysis().temp_size_in_bytes
+
+    four, sixteen = temp_bytes(4), temp_bytes(16)
+    assert sixteen < 2 * four, (four, sixteen)  # 4x the steps, well under 2x the memory: only carries are kept
