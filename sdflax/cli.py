@@ -173,7 +173,7 @@ def generate(args) -> int:
     try:
         pipeline, params = StableDiffusion.from_pretrained(args.model, revision=args.revision,
                                                            dtype=getattr(jnp, dtype), scheduler=args.scheduler)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
     scheduler = args.scheduler or _scheduler_name(pipeline.scheduler)
     p_params = replicate(params)
