@@ -293,6 +293,11 @@ def load_tokenizer(folder):
 
 
 def load_scheduler(folder, kind=None, overrides=None):
+    """The checkpoint's scheduler, another kind by name with the checkpoint's config, or a scheduler object."""
+    if kind is not None and not isinstance(kind, str):
+        if overrides:
+            raise ValueError("scheduler_config applies to a scheduler given by name, not to a scheduler object")
+        return kind
     path = os.path.join(folder, "scheduler", "scheduler_config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no scheduler/scheduler_config.json in {folder}")

@@ -140,6 +140,14 @@ def test_outside_scheduler_runs_through_the_pipeline(sd1, inputs):
     np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
 
 
+def test_scheduler_object_through_from_pretrained(tmp_path):
+    torch_pipeline("sd1").save_pretrained(tmp_path)
+    pipe, _ = StableDiffusion.from_pretrained(tmp_path, scheduler=DDPMAncestral())
+    assert isinstance(pipe.scheduler, DDPMAncestral)
+    with pytest.raises(ValueError, match="scheduler_config applies to a scheduler given by name"):
+        StableDiffusion.from_pretrained(tmp_path, scheduler=DDPMAncestral(), scheduler_config={"eta": 1})
+
+
 def test_swapping_the_scheduler_recompiles(sd1, inputs):
     pipe, params = sd1
     pipe = StableDiffusion(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
