@@ -36,8 +36,9 @@ def main(argv=None) -> int:
         # Repos without safetensors: the PyTorch .bin (or Flax msgpack) of each model that lacks them.
         lacking = [c for c in COMPONENTS if not any(f.endswith(".safetensors") for f in _files(folder, c))]
         if lacking:
-            patterns = [f"{c}/{name}" for c in lacking for name in (
-                "diffusion_pytorch_model.bin", "pytorch_model.bin", "diffusion_flax_model.msgpack", "flax_model.msgpack")]
+            names = ("diffusion_pytorch_model.bin", "pytorch_model.bin", "diffusion_flax_model.msgpack",
+                     "flax_model.msgpack")
+            patterns = [f"{c}/{name}" for c in lacking for name in names]
             download(args.repo_id, args.revision, checkpoint_files() + patterns, local_dir=folder)
         check_pipeline_folder(folder, args.repo_id)
     except ModelNotFoundError as e:
