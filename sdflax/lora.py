@@ -1,0 +1,255 @@
+"""LoRA (Hu et al. 2021) files merged into a params pytree: W' = W + scale * (alpha / rank) * up @ down.
+
+Two naming schemes are in circulation and both are read:
+
+    kohya / A1111:     lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight / .lora_up.weight / .alpha
+                       lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight ...
+    diffusers / PEFT:  unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight / .lora_B.weight
+                       text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight ...
+                       (older diffusers: ...attn1.processor.to_q_lora.down.weight, ...to_q.lora.down.weight)
+
+Both name a module by its PyTorch path, which is our module path with "." -> "_" (see weights.py), so a target
+is found by name alone. `read_lora` turns a file into a small pytree (torch-layout `down`/`up` and `alpha` per
+target kernel); `merge_lora` is a pure function of (params, lora, scale), so LoRAs stack by calling it twice
+and `jax.jit(merge_lora)` takes the scale as a traced value: a new scale does not recompile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from .checkpoint_files import read_checkpoint
+
+__all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
+
+COMPONENTS = ("unet", "text_encoder")
+
+# Name prefix -> (component, separator between module names in the rest of the key).
+PREFIXES = {
+    "lora_unet_": ("unet", "_"),
+    "lora_te_": ("text_encoder", "_"),
+    "lora_te1_": ("text_encoder", "_"),
+    "unet.": ("unet", "."),
+    "text_encoder.": ("text_encoder", "."),
+}
+
+# Key suffix -> role of the tensor. Longest first, so ".lora.down.weight" is not taken for "_lora.down.weight".
+ROLES = {
+    ".lora_linear_layer.down.weight": "down",
+    ".lora_linear_layer.up.weight": "up",
+    ".lora_down.weight": "down",
+    ".lora_up.weight": "up",
+    ".lora.down.weight": "down",
+    ".lora.up.weight": "up",
+    "_lora.down.weight": "down",
+    "_lora.up.weight": "up",
+    ".lora_A.weight": "down",
+    ".lora_B.weight": "up",
+    ".alpha": "alpha",
+}
+
+# Older diffusers attention-processor names -> module names (UNet Attention / CLIP self-attention).
+PROCESSOR_RENAMES = {
+    "unet": {"to_q": "to_q", "to_k": "to_k", "to_v": "to_v", "to_out": "to_out.0"},
+    "text_encoder": {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "out_proj"},
+}
+
+# Wrappers some writers put in front of the module path.
+STRIP = ("base_model.model.", "text_model.", "text_model_")
+
+
+class LoraMismatchError(ValueError):
+    """The LoRA file names modules the model does not have, or its shapes do not fit them."""
+
+
+def _split_key(key: str):
+    """'unet.a.b.lora_A.weight' -> ('unet', 'a.b', 'a_b', 'down'); None for keys that are not LoRA tensors.
+
+    The second item is the module's PyTorch name (what PEFT's alpha_pattern matches), the third our flat name.
+    """
+    suffix = next((s for s in ROLES if key.endswith(s)), None)
+    if suffix is None:
+        return None
+    stem = key[: -len(suffix)]
+    prefix = next((p for p in PREFIXES if stem.startswith(p)), "")
+    component, sep = PREFIXES.get(prefix, ("unet", "."))  # no prefix: a file of UNet tensors only
+    stem = stem[len(prefix):]
+    if sep == ".":
+        parts = [p for p in stem.split(".") if p != "processor"]
+        if suffix.startswith("_lora."):  # ...attn1.processor.to_q_lora.down.weight
+            parts[-1] = PROCESSOR_RENAMES[component].get(parts[-1], parts[-1])
+        stem = ".".join(parts)
+    flat = stem
+    for wrapper in STRIP:
+        flat = flat.removeprefix(wrapper)
+    return component, stem, flat.replace(".", "_"), ROLES[suffix]
+
+
+def _safetensors_metadata(path) -> dict:
+    """The `__metadata__` of a safetensors header (diffusers keeps the PEFT LoraConfig there)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)).get("__metadata__") or {}
+
+
+def _peft_alphas(path) -> dict:
+    """{component: (lora_alpha, alpha_pattern, use_rslora)} from diffusers' `lora_adapter_metadata`, if present."""
+    if not str(path).endswith(".safetensors"):
+        return {}
+    raw = _safetensors_metadata(path).get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    meta = json.loads(raw)
+    out = {}
+    for component in COMPONENTS:
+        if f"{component}.lora_alpha" in meta:
+            out[component] = (float(meta[f"{component}.lora_alpha"]), meta.get(f"{component}.alpha_pattern") or {},
+                              bool(meta.get(f"{component}.use_rslora", False)))
+    return out
+
+
+def _peft_alpha(module_path: str, lora_alpha, alpha_pattern, use_rslora, rank):
+    # PEFT matches pattern keys against the end of the dotted module name.
+    for pattern, value in alpha_pattern.items():
+        if re.fullmatch(rf"(.*\.)?({pattern})", module_path):
+            lora_alpha = float(value)
+            break
+    return lora_alpha * np.sqrt(rank) if use_rslora else lora_alpha  # rsLoRA scales by alpha / sqrt(rank)
+
+
+def _kernel_index(params) -> tuple[dict, dict]:
+    """({'down_blocks_0_attentions_0_proj_in': path of its kernel}, flat params) for one model's layers."""
+    flat = traverse_util.flatten_dict(params)
+    return {"_".join(path[:-1]): path for path in flat if path[-1] == "kernel"}, flat
+
+
+def _expected_kernel(down, up, kernel_ndim):
+    """The Flax kernel shape that up @ down gives: (in, out) or HWIO, or None if the two do not chain."""
+    rank = down.shape[0]
+    if up.ndim not in (2, 4) or down.ndim not in (2, 4) or up.shape[1] != rank or up.shape[2:] not in ((), (1, 1)):
+        return None
+    out, inp, window = up.shape[0], down.shape[1], tuple(down.shape[2:]) or (1, 1)
+    if kernel_ndim == 2:
+        return (inp, out) if window == (1, 1) else None
+    return (*window, inp, out)
+
+
+def read_lora(path, params) -> dict:
+    """A LoRA file -> {component: {"a/b/kernel": {"down", "up", "alpha"}}} for the models in `params`.
+
+    `params` is the pipeline's params dict ({"unet": ..., "text_encoder": ...}); it is only read, to resolve the
+    names and check the shapes. Unknown targets and keys that are not LoRA tensors are an error that lists them.
+    """
+    name = os.fspath(path)
+    tensors = read_checkpoint(name)
+    peft = _peft_alphas(name)
+    groups, not_lora = {}, []
+    for key, array in tensors.items():
+        parsed = _split_key(key)
+        if parsed is None:
+            not_lora.append(key)
+            continue
+        component, torch_name, module, role = parsed
+        groups.setdefault((component, module), {"name": torch_name})[role] = (key, np.asarray(array))
+
+    indexes = {c: _kernel_index(params[c]) for c in COMPONENTS if c in params}
+    lora = {}
+    unknown, mismatched, incomplete = [], [], []
+    for (component, module), parts in sorted(groups.items()):
+        torch_name = parts.pop("name")
+        keys = [k for k, _ in parts.values()]
+        if "down" not in parts or "up" not in parts:
+            incomplete.extend(keys)
+            continue
+        index, flat = indexes.get(component, ({}, {}))
+        target = index.get(module)
+        if target is None:
+            unknown.extend(k for k in keys if not k.endswith(".alpha"))
+            continue
+        down, up = parts["down"][1], parts["up"][1]
+        kernel_shape = tuple(flat[target].shape)
+        if _expected_kernel(down, up, len(kernel_shape)) != kernel_shape:
+            mismatched.append(f"{parts['down'][0]}: down {down.shape} and up {up.shape} do not make a kernel of "
+                              f"{kernel_shape} (Flax layout)")
+            continue
+        rank = down.shape[0]
+        if "alpha" in parts:
+            alpha = float(np.asarray(parts["alpha"][1], np.float32).reshape(()))
+        elif component in peft:
+            alpha = _peft_alpha(torch_name, *peft[component], rank)
+        else:
+            alpha = float(rank)  # no alpha stored: scale 1, as kohya and diffusers do
+        lora.setdefault(component, {})["/".join(target)] = {
+            "down": down, "up": up, "alpha": np.float32(alpha)}
+
+    problems = []
+    if unknown:
+        problems.append(f"targets not in the model: {_listing(unknown)}")
+    if mismatched:
+        problems.append("shape mismatch: " + "; ".join(mismatched[:8]))
+    if incomplete:
+        problems.append(f"down/up pairs with a half missing: {_listing(incomplete)}")
+    if not_lora:
+        problems.append(f"not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): {_listing(not_lora)}")
+    if problems:
+        raise LoraMismatchError(f"LoRA file {name} does not fit this pipeline: " + " | ".join(problems))
+    if not lora:
+        raise LoraMismatchError(f"LoRA file {name} holds no LoRA tensors")
+    return lora
+
+
+def _listing(keys, limit=12):
+    keys = sorted(keys)
+    return ", ".join(keys[:limit]) + (f" ... and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _delta(down, up, kernel_shape):
+    """(up @ down) in torch layout -> the Flax kernel layout: linear (in, out), conv HWIO. float32.
+
+    With numpy inputs (an eager merge) the product is computed on the host: no compilation per layer shape.
+    """
+    xp = np if isinstance(down, np.ndarray) and isinstance(up, np.ndarray) else jnp
+    rank = down.shape[0]
+    up, down = up.reshape(up.shape[0], rank).astype(np.float32), down.reshape(rank, -1).astype(np.float32)
+    product = up @ down if xp is np else jnp.matmul(up, down, precision=jax.lax.Precision.HIGHEST)
+    if len(kernel_shape) == 2:
+        return product.T  # (out, in) -> (in, out); a 1x1 conv LoRA on a linear layer is the same matrix
+    kh, kw, inp, out = kernel_shape
+    return product.reshape(out, inp, kh, kw).transpose(2, 3, 1, 0)  # OIHW -> HWIO
+
+
+def merge_lora(params, lora, scale=1.0):
+    """params with every LoRA target replaced by W + scale * (alpha / rank) * up @ down; a pure function.
+
+    `scale` may be a traced value (`jax.jit(merge_lora)(params, lora, scale)` compiles once for all scales).
+    Sums are done in float32 and cast back to each weight's dtype.
+    """
+    merged = dict(params)
+    for component, targets in lora.items():
+        if component not in params:
+            raise KeyError(f"the LoRA has weights for {component!r} but params holds only {sorted(params)}")
+        flat = traverse_util.flatten_dict(params[component], sep="/")
+        for name, w in targets.items():
+            kernel = flat[name]
+            delta = _delta(w["down"], w["up"], kernel.shape)
+            flat[name] = _add(kernel, delta, w["alpha"] / w["down"].shape[0], scale)
+        merged[component] = traverse_util.unflatten_dict(flat, sep="/")
+    return merged
+
+
+@jax.jit
+def _add(kernel, delta, alpha_over_rank, scale):
+    return (kernel.astype(jnp.float32) + (scale * alpha_over_rank) * delta).astype(kernel.dtype)
+
+
+def load_lora(params, path, scale=1.0):
+    """Read a LoRA file and merge it into `params` (the pipeline's params dict) at `scale`."""
+    return merge_lora(params, read_lora(path, params), scale)
