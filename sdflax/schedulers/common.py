@@ -1,8 +1,10 @@
-"""Shared pieces of the DDPM-family schedulers (Ho et al. 2020, "Denoising Diffusion Probabilistic Models")."""
+"""Shared pieces of the DDPM-family schedulers (Ho et al. 2020, "Denoising Diffusion Probabilistic Models"),
+and the σ view of the same schedule that the Euler / LMS / DPM-Solver samplers use (Karras et al. 2022)."""
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -29,12 +31,21 @@ class ScheduleConfig:
 
     # Subclasses narrow these.
     allowed_prediction_types = PREDICTION_TYPES
+    # Subclasses add {field: allowed values} for their own fields, and for diffusers fields we do not implement:
+    # those must keep the value that means "off" (checked on the raw dict, so they need no dataclass field).
+    choices = {}
+    unsupported = {}
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ScheduleConfig":
         """Pick our fields out of a diffusers config dict; other keys (_class_name, ...) are ignored."""
         if config.get("thresholding", False):
             raise ValueError("thresholding=True (dynamic thresholding) is not implemented in sdflax; set it to False")
+        for field, allowed in cls.unsupported.items():
+            if field in config and config[field] not in allowed:
+                raise ValueError(
+                    f"{field}={config[field]!r} is not implemented in sdflax's {cls.__name__}; allowed: {allowed}"
+                )
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.items() if k in names}
         if values.get("trained_betas") is not None:
@@ -46,26 +57,50 @@ class ScheduleConfig:
             ("beta_schedule", BETA_SCHEDULES),
             ("timestep_spacing", TIMESTEP_SPACINGS),
             ("prediction_type", self.allowed_prediction_types),
+            *self.choices.items(),
         ):
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"{field}={value!r} is not supported by {type(self).__name__}; allowed: {allowed}")
 
 
-def alphas_cumprod(config: ScheduleConfig, rescale_zero_snr: bool = False) -> tuple[np.ndarray, np.float32]:
-    """ᾱ_t = ∏_{s≤t} (1 - β_s) for t = 0..T-1 as float32 (like diffusers), and ᾱ used after the last step."""
+def alphas_cumprod(config: ScheduleConfig, rescale_zero_snr: bool = False,
+                   torch_rounding: bool = False) -> tuple[np.ndarray, np.float32]:
+    """ᾱ_t = ∏_{s≤t} (1 - β_s) for t = 0..T-1 as float32 (like diffusers), and ᾱ used after the last step.
+
+    `torch_rounding` reproduces torch's float32 β and ᾱ to the last bit. The σ samplers need that: they start
+    at σ_max = √((1-ᾱ)/ᾱ) ≈ 14.6 times the noise, where last-bit differences in ᾱ grow to ~1e-5.
+    """
     T = config.num_train_timesteps
+    linspace = torch_linspace if torch_rounding else partial(np.linspace, dtype=np.float32)
     if config.trained_betas is not None:
         betas = np.asarray(config.trained_betas, np.float32)
     elif config.beta_schedule == "linear":
-        betas = np.linspace(config.beta_start, config.beta_end, T, dtype=np.float32)
+        betas = linspace(config.beta_start, config.beta_end, T)
     else:  # scaled_linear: linear in √β (the Stable Diffusion schedule)
-        betas = np.linspace(config.beta_start**0.5, config.beta_end**0.5, T, dtype=np.float32) ** 2
+        betas = linspace(config.beta_start**0.5, config.beta_end**0.5, T) ** 2
     if rescale_zero_snr:
         betas = rescale_zero_terminal_snr(betas)
-    alpha_prod = np.cumprod(1.0 - betas, dtype=np.float32)
+    alpha_prod = cumprod(1.0 - betas) if torch_rounding else np.cumprod(1.0 - betas, dtype=np.float32)
     final_alpha_prod = np.float32(1.0) if config.set_alpha_to_one else alpha_prod[0]
     return alpha_prod, final_alpha_prod
+
+
+def torch_linspace(start: float, end: float, steps: int) -> np.ndarray:
+    """float32 `torch.linspace`, which diffusers builds β with: one fused multiply-add from the nearer end
+    (np.linspace differs in the last bit, which σ_max = √((1-ᾱ)/ᾱ) amplifies ~10x through ᾱ's product)."""
+    start, end = np.float32(start), np.float32(end)
+    if steps == 1:
+        return np.array([start], np.float32)
+    step = np.float64((end - start) / np.float32(steps - 1))
+    i = np.arange(steps, dtype=np.float64)
+    from_start, from_end = start + step * i, end - step * (steps - 1 - i)  # exact in float64, like an FMA
+    return np.where(i < steps // 2, from_start, from_end).astype(np.float32)
+
+
+def cumprod(x: np.ndarray) -> np.ndarray:
+    """float32 cumulative product accumulated in float64, as torch.cumprod does on CPU."""
+    return np.cumprod(x.astype(np.float32), dtype=np.float64).astype(np.float32)
 
 
 def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
@@ -114,3 +149,112 @@ def predict_x0_and_epsilon(model_output, sample, alpha_prod_t, prediction_type: 
     else:
         raise ValueError(f"prediction_type={prediction_type!r}; allowed: {PREDICTION_TYPES}")
     return pred_x0, pred_epsilon
+
+
+def add_noise(original_samples, noise, alpha_prod_t):
+    """q(x_t | x_0) = N(√ᾱ_t x_0, (1-ᾱ_t) I) sampled with `noise` (Ho et al. 2020 eq. 4), in the samples' dtype."""
+    x0, eps = original_samples.astype(jnp.float32), noise.astype(jnp.float32)
+    return (jnp.sqrt(alpha_prod_t) * x0 + jnp.sqrt(1.0 - alpha_prod_t) * eps).astype(original_samples.dtype)
+
+
+# ---- the σ view: x_t / √ᾱ_t = x_0 + σ_t ε (Karras et al. 2022, "Elucidating the Design Space of Diffusion-Based
+# Generative Models", §2 and Appendix C.2: discrete DDPM schedules seen as a variance-exploding ODE) --------------
+
+
+def train_sigmas(alpha_prod: np.ndarray) -> np.ndarray:
+    """σ_t = √((1-ᾱ_t)/ᾱ_t) for t = 0..T-1, float32 like diffusers."""
+    return np.sqrt((1.0 - alpha_prod) / alpha_prod).astype(np.float32)
+
+
+def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
+    """σ_i = (σ_max^{1/ρ} + i/(n-1) (σ_min^{1/ρ} - σ_max^{1/ρ}))^ρ, Karras et al. 2022 eq. 5, descending."""
+    ramp = np.linspace(0, 1, n)
+    min_inv_rho, max_inv_rho = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
+
+
+def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
+    """The (fractional) training timestep of each σ: linear interpolation in log σ, as diffusers' `_sigma_to_t`."""
+    log_sigma = np.log(np.maximum(sigmas, 1e-10))
+    dists = log_sigma[None, :] - log_sigmas[:, None]  # (T, n)
+    low = np.cumsum(dists >= 0, axis=0).argmax(axis=0).clip(max=len(log_sigmas) - 2)
+    w = np.clip((log_sigmas[low] - log_sigma) / (log_sigmas[low] - log_sigmas[low + 1]), 0, 1)
+    return (1 - w) * low + w * (low + 1)
+
+
+def discrete_sigma_schedule(config, num_inference_steps: int, karras: bool = False, sigma_min=None, sigma_max=None,
+                            final_sigma: str = "zero", zero_snr: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(timesteps float32 (n,), σ float32 (n+1,)), both descending, as diffusers' Euler / LMS `set_timesteps`.
+
+    Timesteps are spaced by `timestep_spacing` (fractional for `linspace`), σ interpolated linearly in t; with
+    `karras` the σ are redistributed by eq. 5 between the spaced end points and the timesteps follow them.
+    σ_n, after the last step, is 0 (`final_sigma="zero"`) or σ_0 ("sigma_min").
+    """
+    T, n = config.num_train_timesteps, num_inference_steps
+    if not 1 <= n <= T:
+        raise ValueError(f"num_inference_steps must be in [1, {T}] (num_train_timesteps), got {n}")
+    alpha_prod, _ = alphas_cumprod(config, rescale_zero_snr=zero_snr, torch_rounding=True)
+    if zero_snr:
+        alpha_prod[-1] = 2.0**-24  # as diffusers: keeps σ_{T-1} finite
+    sigmas = train_sigmas(alpha_prod)
+    if config.timestep_spacing == "linspace":
+        timesteps = np.linspace(0, T - 1, n, dtype=np.float32)[::-1]
+    elif config.timestep_spacing == "leading":
+        timesteps = (np.arange(n) * (T // n)).round()[::-1].astype(np.float32) + config.steps_offset
+    else:  # trailing
+        timesteps = np.arange(T, 0, -T / n).round().astype(np.float32) - 1
+    spaced = np.interp(timesteps, np.arange(T), sigmas)
+    if karras:
+        lo = sigma_min if sigma_min is not None else spaced[-1]
+        hi = sigma_max if sigma_max is not None else spaced[0]
+        spaced = karras_sigmas(lo, hi, n)
+        timesteps = sigma_to_t(spaced, np.log(sigmas))
+    last = {"zero": 0.0, "sigma_min": sigmas[0]}[final_sigma]
+    return timesteps.astype(np.float32), np.append(spaced, last).astype(np.float32)
+
+
+def check_start(start: int, num_evals: int):
+    if not 0 <= start < num_evals:
+        raise ValueError(f"start={start} must be in [0, {num_evals}): the number of steps img2img skips")
+
+
+def init_noise_sigma(config, sigma_first) -> float:
+    """diffusers' `init_noise_sigma` for the σ samplers: σ_max, or √(σ_max² + 1) for `leading` spacing."""
+    if config.timestep_spacing == "leading":
+        return float(np.sqrt(np.float32(sigma_first) ** 2 + 1))
+    return float(sigma_first)
+
+
+class SigmaSampler:
+    """What the Euler, Euler ancestral and LMS samplers share. They integrate dx/dσ = (x - x̂_0) / σ on
+    x = x_0 + σ ε (Karras et al. 2022 eq. 4 with σ(t) = t), starting from x ~ N(0, σ_max²); `state.sigmas`."""
+
+    @property
+    def init_noise_sigma(self) -> float:
+        """σ_max, which fresh N(0, I) noise is multiplied by (diffusers' value after set_timesteps(n ≥ 2))."""
+        if self.config.timestep_spacing == "leading":
+            raise ValueError(
+                f"{type(self).__name__} with timestep_spacing='leading': diffusers' initial noise scale "
+                "√(σ_first² + 1) depends on num_inference_steps; use `scheduler.set_timesteps(n).init_noise_sigma`, "
+                "or timestep_spacing='linspace' / 'trailing'"
+            )
+        return self.set_timesteps(2, shape=(1,)).init_noise_sigma
+
+    def scale_model_input(self, state, sample, i):
+        """x / √(σ² + 1): the UNet was trained on √ᾱ_t x = x_t, which has unit variance."""
+        return (sample.astype(jnp.float32) / jnp.sqrt(state.sigmas[i] ** 2 + 1)).astype(sample.dtype)
+
+    def predict_x0(self, state, model_output, i, sample):
+        """x̂_0 from the network output at evaluation i (diffusers' pred_original_sample), float32."""
+        sigma, x, out = state.sigmas[i], sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        if self.config.prediction_type == "epsilon":
+            return x - sigma * out
+        if self.config.prediction_type == "v_prediction":
+            # v = √ᾱ ε - √(1-ᾱ) x_0 with √ᾱ = 1/√(σ²+1) and the model seeing x √ᾱ (Salimans & Ho 2022)
+            return out * (-sigma / jnp.sqrt(sigma**2 + 1)) + x / (sigma**2 + 1)
+        return out  # "sample"
+
+    def add_noise(self, state, original_samples, noise, i):
+        """x_0 + σ_i ε: the sample to start sampling at evaluation i from (img2img)."""
+        noisy = original_samples.astype(jnp.float32) + noise.astype(jnp.float32) * state.sigmas[i]
+        return noisy.astype(original_samples.dtype)

@@ -26,6 +26,7 @@ class DDIMState:
     alpha_prod_t: jnp.ndarray  # float32 [n]: ᾱ_t
     alpha_prod_t_prev: jnp.ndarray  # float32 [n]: ᾱ_{t-δ}, δ = T // n (ᾱ_final past the end)
     num_inference_steps: int = flax.struct.field(pytree_node=False)
+    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,24 @@ class DDIMScheduler:
     def scale_model_input(self, state: DDIMState, sample, i):
         return sample
 
+    def _predict(self, state: DDIMState, model_output, i, sample):
+        """(x̂_0, ε̂) at evaluation i; x̂_0 clipped with `clip_sample` (ε̂ is not recomputed, as diffusers)."""
+        pred_x0, pred_epsilon = common.predict_x0_and_epsilon(
+            model_output.astype(jnp.float32), sample.astype(jnp.float32), state.alpha_prod_t[i],
+            self.config.prediction_type,
+        )
+        if self.config.clip_sample:
+            pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
+        return pred_x0, pred_epsilon
+
+    def predict_x0(self, state: DDIMState, model_output, i, sample):
+        """x̂_0 at evaluation i, float32: diffusers' pred_original_sample (clipped with `clip_sample`)."""
+        return self._predict(state, model_output, i, sample)[0]
+
+    def add_noise(self, state: DDIMState, original_samples, noise, i):
+        """q(x_t | x_0): √ᾱ_t x_0 + √(1-ᾱ_t) ε at t = timesteps[i] (img2img's start)."""
+        return common.add_noise(original_samples, noise, state.alpha_prod_t[i])
+
     def step(self, state: DDIMState, model_output, i, sample, key=None, eta=0.0, variance_noise=None):
         """x_t -> x_{t-δ}. eta = 0 is deterministic DDIM, eta = 1 is DDPM-like ancestral sampling; for
         eta > 0 pass a PRNG `key` or the standard-normal `variance_noise` itself."""
@@ -71,11 +90,7 @@ class DDIMScheduler:
 
         x = sample.astype(jnp.float32)
         alpha_prod_t, alpha_prod_t_prev = state.alpha_prod_t[i], state.alpha_prod_t_prev[i]
-        pred_x0, pred_epsilon = common.predict_x0_and_epsilon(
-            model_output.astype(jnp.float32), x, alpha_prod_t, self.config.prediction_type
-        )
-        if self.config.clip_sample:
-            pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
+        pred_x0, pred_epsilon = self._predict(state, model_output, i, x)
 
         # σ_t = η √((1-ᾱ_{t-δ})/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_{t-δ})   (paper eq. 16)
         variance = ((1.0 - alpha_prod_t_prev) / (1.0 - alpha_prod_t)) * (1.0 - alpha_prod_t / alpha_prod_t_prev)

@@ -32,10 +32,12 @@ class PNDMState:
     save_sample: jnp.ndarray  # bool [n_evals]: remember this x as the start of the (RK / Heun) step
     from_saved_sample: jnp.ndarray  # bool [n_evals]: step from the remembered x instead of the current one
     rk_weight: jnp.ndarray  # float32 [n_evals]: RK4 weight of this ε in the running sum
+    alpha_prod_model: jnp.ndarray  # float32 [n_evals]: ᾱ at timesteps[i], where the model was evaluated
     ets: jnp.ndarray  # float32 [4, *shape]: last four ε, newest last
     saved_sample: jnp.ndarray  # float32 [*shape]
     rk_sum: jnp.ndarray  # float32 [*shape]: Σ of the weighted RK4 stages so far
     num_inference_steps: int = flax.struct.field(pytree_node=False)
+    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,7 @@ class PNDMScheduler:
             save_sample=jnp.asarray(save, bool),
             from_saved_sample=jnp.asarray(from_saved, bool),
             rk_weight=jnp.asarray(rk_weight, jnp.float32),
+            alpha_prod_model=jnp.asarray(common.alpha_prod_at(alpha_prod, final_alpha_prod, t)),
             ets=jnp.zeros((4, *shape), jnp.float32),
             saved_sample=zeros,
             rk_sum=zeros,
@@ -101,6 +104,18 @@ class PNDMScheduler:
 
     def scale_model_input(self, state: PNDMState, sample, i):
         return sample
+
+    def predict_x0(self, state: PNDMState, model_output, i, sample):
+        """x̂_0 = (x_t - √(1-ᾱ_t) ε̂) / √ᾱ_t from this evaluation's own output, t = timesteps[i]. float32."""
+        pred_x0, _ = common.predict_x0_and_epsilon(
+            model_output.astype(jnp.float32), sample.astype(jnp.float32), state.alpha_prod_model[i],
+            self.config.prediction_type,
+        )
+        return pred_x0
+
+    def add_noise(self, state: PNDMState, original_samples, noise, i):
+        """q(x_t | x_0): √ᾱ_t x_0 + √(1-ᾱ_t) ε at t = timesteps[i] (img2img's start)."""
+        return common.add_noise(original_samples, noise, state.alpha_prod_model[i])
 
     def step(self, state: PNDMState, model_output, i, sample, key=None):
         eps = model_output.astype(jnp.float32)
