@@ -95,10 +95,13 @@ BUILDERS = {"unet": torch_unet, "vae": torch_vae, "text_encoder": torch_text_enc
 
 def torch_pipeline(arch="sd1", scheduler="pndm", seed=0, **scheduler_config):
     """A diffusers StableDiffusionPipeline with small random models, the real tokenizer and SD 1.4's schedule."""
-    from diffusers import DDIMScheduler, PNDMScheduler, StableDiffusionPipeline
+    import diffusers
+    from diffusers import StableDiffusionPipeline
     from transformers import CLIPTokenizer
 
-    kinds = {"pndm": PNDMScheduler, "ddim": DDIMScheduler}
+    kinds = {"pndm": diffusers.PNDMScheduler, "ddim": diffusers.DDIMScheduler, "euler": diffusers.EulerDiscreteScheduler,
+             "euler_ancestral": diffusers.EulerAncestralDiscreteScheduler, "lms": diffusers.LMSDiscreteScheduler,
+             "dpmpp_2m": diffusers.DPMSolverMultistepScheduler}
     config = CONFIGS[arch]
     return StableDiffusionPipeline(
         vae=torch_vae(config["vae"], seed), text_encoder=torch_text_encoder(config["text_encoder"], seed),

@@ -241,9 +241,9 @@ def test_scheduler_from_config_and_hashing():
     assert isinstance(scheduler_from_config(SD14_DDIM), DDIMScheduler)
     assert isinstance(scheduler_from_config({**SD14, "_class_name": "FlaxDDIMScheduler"}), DDIMScheduler)
     assert isinstance(scheduler_from_config(SD14, kind="ddim"), DDIMScheduler)
-    assert set(SCHEDULERS) == {"pndm", "ddim"}
+    assert set(SCHEDULERS) == {"pndm", "ddim", "euler", "euler_ancestral", "dpmpp_2m", "lms"}
     with pytest.raises(ValueError, match="pndm"):
-        scheduler_from_config(SD14, kind="euler")
+        scheduler_from_config(SD14, kind="heun")
     with pytest.raises(ValueError, match="known"):
         scheduler_from_config({"beta_start": 0.1})
     a, b = PNDMScheduler.from_config(SD14), PNDMScheduler.from_config(dict(SD14))

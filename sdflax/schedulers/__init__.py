@@ -1,18 +1,42 @@
-"""Noise schedulers as pure functions: PNDM (Liu et al. 2022) and DDIM (Song et al. 2021), matching diffusers."""
+"""Noise schedulers as pure functions, matching diffusers: PNDM (Liu et al. 2022), DDIM (Song et al. 2021), Euler and
+Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022)."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from .ddim import DDIMConfig, DDIMScheduler, DDIMState
+from .dpm_solver import DPMSolverConfig, DPMSolverScheduler, DPMSolverState
+from .euler import EulerConfig, EulerScheduler, EulerState
+from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
+from .lms import LMSConfig, LMSScheduler, LMSState
 from .pndm import PNDMConfig, PNDMScheduler, PNDMState
 
-SCHEDULERS = {"pndm": PNDMScheduler, "ddim": DDIMScheduler}
+SCHEDULERS = {
+    "pndm": PNDMScheduler,
+    "ddim": DDIMScheduler,
+    "euler": EulerScheduler,
+    "euler_ancestral": EulerAncestralScheduler,
+    "dpmpp_2m": DPMSolverScheduler,
+    "lms": LMSScheduler,
+}
+
+# diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
+DIFFUSERS_NAMES = {
+    "PNDMScheduler": PNDMScheduler,
+    "DDIMScheduler": DDIMScheduler,
+    "EulerDiscreteScheduler": EulerScheduler,
+    "EulerAncestralDiscreteScheduler": EulerAncestralScheduler,
+    "DPMSolverMultistepScheduler": DPMSolverScheduler,
+    "LMSDiscreteScheduler": LMSScheduler,
+}
 
 _BY_NAME = {name.lower(): cls for name, cls in SCHEDULERS.items()}
+for _name, _cls in DIFFUSERS_NAMES.items():
+    _BY_NAME[_name.lower()] = _cls  # EulerDiscreteScheduler
+    _BY_NAME["flax" + _name.lower()] = _cls  # FlaxEulerDiscreteScheduler
 for _cls in SCHEDULERS.values():
-    _BY_NAME[_cls.__name__.lower()] = _cls  # PNDMScheduler
-    _BY_NAME["flax" + _cls.__name__.lower()] = _cls  # FlaxPNDMScheduler
+    _BY_NAME[_cls.__name__.lower()] = _cls  # EulerScheduler
 
 
 def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None):
@@ -29,6 +53,18 @@ __all__ = [
     "DDIMConfig",
     "DDIMScheduler",
     "DDIMState",
+    "DPMSolverConfig",
+    "DPMSolverScheduler",
+    "DPMSolverState",
+    "EulerAncestralConfig",
+    "EulerAncestralScheduler",
+    "EulerAncestralState",
+    "EulerConfig",
+    "EulerScheduler",
+    "EulerState",
+    "LMSConfig",
+    "LMSScheduler",
+    "LMSState",
     "PNDMConfig",
     "PNDMScheduler",
     "PNDMState",

@@ -1,0 +1,161 @@
+"""DPM-Solver++ 2M: Lu et al. 2022, "DPM-Solver++: Fast Solver for Guided Sampling of Diffusion Probabilistic
+Models", Algorithm 2 (multistep, second order, data prediction), matching diffusers' DPMSolverMultistepScheduler
+with algorithm_type="dpmsolver++"."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax
+import jax.numpy as jnp
+import numpy as np
+
+from . import common
+
+
+@dataclasses.dataclass(frozen=True)
+class DPMSolverConfig(common.ScheduleConfig):
+    timestep_spacing: str = "linspace"
+    solver_order: int = 2
+    algorithm_type: str = "dpmsolver++"
+    solver_type: str = "midpoint"
+    lower_order_final: bool = True
+    euler_at_final: bool = False
+    use_karras_sigmas: bool = False
+    final_sigmas_type: str = "zero"
+    rescale_betas_zero_snr: bool = False
+
+    choices = {
+        "solver_order": (1, 2),
+        "algorithm_type": ("dpmsolver++",),
+        "solver_type": ("midpoint", "heun"),
+        "final_sigmas_type": ("zero", "sigma_min"),
+    }
+    unsupported = {
+        "use_lu_lambdas": (False, None),
+        "use_exponential_sigmas": (False, None),
+        "use_beta_sigmas": (False, None),
+        "use_flow_sigmas": (False, None),
+        "use_dynamic_shifting": (False, None),
+        "lambda_min_clipped": (-float("inf"),),
+        "variance_type": (None,),
+    }
+
+
+@flax.struct.dataclass
+class DPMSolverState:
+    timesteps: jnp.ndarray  # int32 [n]
+    sigmas: jnp.ndarray  # float32 [n+1]: σ_i = √((1-ᾱ)/ᾱ), descending; σ_n after the last step
+    alpha_t: jnp.ndarray  # float32 [n]: α_i = 1/√(σ_i²+1) = √ᾱ   (x_t = α_t x_0 + s_t ε)
+    sigma_t: jnp.ndarray  # float32 [n]: s_i = σ_i α_i = √(1-ᾱ)
+    coef_sample: jnp.ndarray  # float32 [n]: a_i in x_{i+1} = a_i x_i + b_i m_i + c_i (m_i - m_{i-1})
+    coef_d0: jnp.ndarray  # float32 [n]: b_i
+    coef_d1: jnp.ndarray  # float32 [n]: c_i, 0 for first-order steps
+    prev_x0: jnp.ndarray  # float32 [*shape]: x̂_0 of the previous step (m_{i-1})
+    num_inference_steps: int = flax.struct.field(pytree_node=False)
+    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)
+
+
+def spaced_timesteps(config: DPMSolverConfig, n: int) -> np.ndarray:
+    """diffusers' DPMSolverMultistepScheduler spacing (n+1 points, the last dropped), descending int64."""
+    T = config.num_train_timesteps
+    if config.timestep_spacing == "linspace":
+        return np.linspace(0, T - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+    if config.timestep_spacing == "leading":
+        return (np.arange(n + 1) * (T // (n + 1))).round()[::-1][:-1].astype(np.int64) + config.steps_offset
+    return np.arange(T, 0, -T / n).round().astype(np.int64) - 1  # trailing
+
+
+@dataclasses.dataclass(frozen=True)
+class DPMSolverScheduler:
+    config: DPMSolverConfig
+    init_noise_sigma = 1.0  # a variance-preserving sampler: x_T ~ N(0, I)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "DPMSolverScheduler":
+        return cls(DPMSolverConfig.from_dict(config))
+
+    def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
+                      ) -> DPMSolverState:
+        """`start` skips that many steps (img2img): the first step run is first order, as in diffusers."""
+        if shape is None:
+            raise ValueError("DPM-Solver++ 2M keeps the previous x̂_0: call set_timesteps(n, shape=sample.shape)")
+        cfg, n = self.config, num_inference_steps
+        if not 1 <= n <= cfg.num_train_timesteps:
+            raise ValueError(f"num_inference_steps must be in [1, {cfg.num_train_timesteps}], got {n}")
+        alpha_prod, _ = common.alphas_cumprod(cfg, rescale_zero_snr=cfg.rescale_betas_zero_snr, torch_rounding=True)
+        if cfg.rescale_betas_zero_snr:
+            alpha_prod[-1] = 2.0**-24  # as diffusers: keeps σ_{T-1} finite
+        train = common.train_sigmas(alpha_prod)
+        timesteps = spaced_timesteps(cfg, n)
+        if cfg.use_karras_sigmas:
+            # Karras et al. 2022 eq. 5 over the whole training range; the timesteps follow, rounded.
+            sigmas = common.karras_sigmas(train[0], train[-1], n)
+            timesteps = common.sigma_to_t(sigmas, np.log(train)).round().astype(np.int64)
+        else:
+            sigmas = np.interp(timesteps, np.arange(len(train)), train)
+        last = {"zero": 0.0, "sigma_min": train[0]}[cfg.final_sigmas_type]
+        sigmas = np.append(sigmas, last).astype(np.float32)
+        n = len(timesteps)
+        common.check_start(start, n)
+
+        # The VP view: α = 1/√(σ²+1), s = σ α, λ = log(α/s) the half log-SNR (paper §3). float64 here.
+        with np.errstate(divide="ignore"):  # σ_n = 0: s = 0, λ = ∞, which the formulas below take
+            sig = sigmas.astype(np.float64)
+            alpha = 1 / np.sqrt(sig**2 + 1)
+            s = sig * alpha
+            lam = np.log(alpha) - np.log(s)
+        a, b, c = np.zeros(n), np.zeros(n), np.zeros(n)
+        for i in range(n):
+            h = lam[i + 1] - lam[i]
+            a[i] = s[i + 1] / s[i]
+            b[i] = -alpha[i + 1] * np.expm1(-h)  # α_{i+1} (1 - e^{-h})
+            final = i == n - 1 and (
+                cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
+            )
+            if cfg.solver_order == 1 or i <= start or final:
+                continue  # first order (DPM-Solver++ 1, i.e. DDIM); `lower_order_second` only matters for order 3
+            r = (lam[i] - lam[i - 1]) / h  # r_i = h_{i-1} / h_i
+            if cfg.solver_type == "midpoint":  # Algorithm 2: D_i = (1 + 1/(2r)) m_i - 1/(2r) m_{i-1}
+                c[i] = 0.5 * b[i] / r
+            else:  # "heun" (diffusers): + α_{i+1} ((e^{-h} - 1)/h + 1) (m_i - m_{i-1}) / r
+                c[i] = alpha[i + 1] * (np.expm1(-h) / h + 1) / r
+        return DPMSolverState(
+            timesteps=jnp.asarray(timesteps[start:], jnp.int32),
+            sigmas=jnp.asarray(sigmas[start:]),
+            alpha_t=jnp.asarray(alpha[start:-1], jnp.float32),
+            sigma_t=jnp.asarray(s[start:-1], jnp.float32),
+            coef_sample=jnp.asarray(a[start:], jnp.float32),
+            coef_d0=jnp.asarray(b[start:], jnp.float32),
+            coef_d1=jnp.asarray(c[start:], jnp.float32),
+            prev_x0=jnp.zeros(tuple(shape), jnp.float32),
+            num_inference_steps=num_inference_steps,
+        )
+
+    def scale_model_input(self, state: DPMSolverState, sample, i):
+        return sample
+
+    def predict_x0(self, state: DPMSolverState, model_output, i, sample):
+        """x̂_0 = (x - s ε̂) / α, the data prediction the solver integrates, from an ε, v or x_0 output. float32."""
+        alpha, s = state.alpha_t[i], state.sigma_t[i]
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        if self.config.prediction_type == "epsilon":
+            return (x - s * out) / alpha
+        if self.config.prediction_type == "v_prediction":  # v = α ε - s x_0 (Salimans & Ho 2022)
+            return alpha * x - s * out
+        return out  # "sample"
+
+    def step(self, state: DPMSolverState, model_output, i, sample, key=None):
+        """x_{i+1} = (s_{i+1}/s_i) x_i + α_{i+1}(1 - e^{-h}) (m_i + (m_i - m_{i-1}) / (2r)),  m = x̂_0,
+        h = λ_{i+1} - λ_i, r = h_{i-1}/h: Algorithm 2's update. Its coefficients are precomputed; c_i = 0 gives
+        the first-order step (the first, and the last with lower_order_final) without a branch."""
+        x = sample.astype(jnp.float32)
+        m = self.predict_x0(state, model_output, i, x)
+        prev_sample = state.coef_sample[i] * x + state.coef_d0[i] * m + state.coef_d1[i] * (m - state.prev_x0)
+        return prev_sample.astype(sample.dtype), state.replace(prev_x0=m)
+
+    def add_noise(self, state: DPMSolverState, original_samples, noise, i):
+        """α_i x_0 + s_i ε: the sample to start sampling at evaluation i from (img2img)."""
+        noisy = state.alpha_t[i] * original_samples.astype(jnp.float32) + state.sigma_t[i] * noise.astype(jnp.float32)
+        return noisy.astype(original_samples.dtype)
