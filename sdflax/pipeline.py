@@ -15,6 +15,7 @@ import numpy as np
 from . import sampling
 from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
 from .schedulers import scheduler_from_config
+from .textual_inversion import expand_prompts
 
 COMPONENTS = ("text_encoder", "unet", "vae")
 
@@ -94,10 +95,20 @@ class StableDiffusion:
 
         return load_lora(params, path, scale)
 
+    def load_textual_inversion(self, params, path, token=None):
+        """params with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds) added.
+
+        The token (and `token_1`, ... for a multi-vector embedding) joins this pipeline's tokenizer, so use the
+        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors."""
+        from .textual_inversion import load_textual_inversion
+
+        return load_textual_inversion(self, params, path, token)
+
     # ---- inputs -------------------------------------------------------------------------------------------
     def prepare_inputs(self, prompts) -> np.ndarray:
         """Token ids (B, 77) int32, padded and truncated as diffusers does."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = expand_prompts(prompts, self.tokenizer)  # multi-vector textual-inversion tokens
         ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_length,
                              truncation=True, return_tensors="np").input_ids
         return ids.astype(np.int32)
