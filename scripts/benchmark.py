@@ -1,0 +1,423 @@
+"""Time sdflax's whole text -> image program (text encoder, scan, VAE decode), optionally against diffusers' PyTorch.
+
+    python scripts/benchmark.py                                       # SD 1.5 architecture, random weights, 512x512
+    python scripts/benchmark.py --height 256 --width 256 --steps 4 --compare torch
+    python scripts/benchmark.py --model weights/tiny-sd --steps 2     # a checkpoint folder (or hub id)
+
+Prints one JSON object on stdout (progress goes to stderr):
+- load_s: building the pipeline and its params (reading files, or drawing random weights);
+- compile_s: tracing, lowering and compiling the program (loading it when the disk cache is warm, see `cache`);
+  first_call_s: its first run; first_image_s: the two together;
+- seconds_per_call (median of --repeats calls, each waited on with block_until_ready), seconds_per_image,
+  unet_steps_per_s (denoising steps, one UNet evaluation on the guidance batch each, per second of the whole call);
+- flops_per_image and tflops_per_s, from XLA's cost analysis. XLA counts a loop body once, so the scan's other
+  `unet_evals - 1` iterations are added from the cost of one guided UNet evaluation (null without a cost analysis);
+- peak_memory_bytes: the devices' peak, where the backend reports one (null on the CPU).
+`--compare torch` adds `torch` (the same figures for diffusers' StableDiffusionPipeline on one device, with the
+same FLOP count) and `ratio` (sdflax / torch per figure: below 1 is faster for times, above 1 for rates).
+
+`--model sd15-random` (the default) builds SD 1.5 from the configs below with random weights: no download, the
+same compute as the real weights. `--random-weights` does the same with a folder's configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
+PROMPT = "a photo of an astronaut riding a horse on mars"
+
+# stable-diffusion-v1-5's config.json files, as published.
+SD15 = {
+    "unet": {
+        "act_fn": "silu", "attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280],
+        "center_input_sample": False, "cross_attention_dim": 768,
+        "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+        "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+        "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    },
+    "vae": {
+        "act_fn": "silu", "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+        "in_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 3,
+        "sample_size": 512, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    },
+    "text_encoder": {
+        "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 2, "hidden_act": "quick_gelu",
+        "hidden_size": 768, "initializer_factor": 1.0, "initializer_range": 0.02, "intermediate_size": 3072,
+        "layer_norm_eps": 1e-05, "max_position_embeddings": 77, "num_attention_heads": 12, "num_hidden_layers": 12,
+        "pad_token_id": 1, "projection_dim": 768, "vocab_size": 49408,
+    },
+    "scheduler": {
+        "_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+        "clip_sample": False, "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True,
+        "steps_offset": 1, "trained_betas": None,
+    },
+}
+SD15_NAME = "sd15-random"
+COMPONENTS = ("text_encoder", "unet", "vae")
+ATTENTION = {"xla": "xla", "cudnn": "cudnn", "auto": None}  # --attention -> sdflax's `attention=`
+RATIO_KEYS = ("load_s", "first_image_s", "seconds_per_call", "seconds_per_image", "unet_steps_per_s",
+              "tflops_per_s", "peak_memory_bytes")
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_parser():
+    from sdflax.schedulers import SCHEDULERS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=SD15_NAME, help=f"{SD15_NAME} (default), a diffusers folder or a hub id")
+    p.add_argument("--random-weights", action="store_true", help="the model's configs with random weights")
+    p.add_argument("--height", type=int, help="pixels (default: the model's own, 512 for SD 1.5)")
+    p.add_argument("--width", type=int, help="pixels (default: the model's own)")
+    p.add_argument("--steps", type=int, default=50, help="denoising steps (default: 50)")
+    p.add_argument("--batch", type=int, default=1, help="images per device and call (default: 1)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="default: bfloat16 on an accelerator, float32 on the CPU")
+    p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's own")
+    p.add_argument("--attention", choices=sorted(ATTENTION), default="xla",
+                   help="UNet attention: sdflax's XLA einsums, cuDNN flash attention, or JAX's choice (default: xla)")
+    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default: 7.5)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
+    p.add_argument("--compare", choices=("torch",), help="also time diffusers' PyTorch pipeline")
+    p.add_argument("--cache-dir", help="JAX's compile cache (default: as `sdflax generate`)")
+    p.add_argument("--no-cache", action="store_true", help="no persistent compile cache: always compile")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for name in ("steps", "batch", "repeats"):
+        if getattr(args, name) < 1:
+            return fail(f"--{name} must be at least 1")
+    if args.compare == "torch":
+        try:  # fail before minutes of JAX work
+            import diffusers  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as e:
+            return fail(f"--compare torch needs PyTorch and diffusers ({e}): pip install torch diffusers")
+        # Both frameworks share the accelerator: JAX must not reserve most of its memory up front.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+    import jax
+
+    from sdflax.cli import default_cache_dir
+
+    if args.no_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+        cache_dir = None
+    else:
+        cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
+        jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile, as sdflax.cli
+
+    if args.attention == "cudnn" and jax.default_backend() != "gpu":
+        return fail(f"--attention cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    try:
+        result = benchmark_sdflax(args, dtype)
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    result["cache"] = {"enabled": cache_dir is not None, "dir": cache_dir, "warm": result.pop("cache_hits") > 0}
+    if args.compare == "torch":
+        result["torch"] = benchmark_torch(args, dtype, result)
+        result["ratio"] = {k: result[k] / result["torch"][k] for k in RATIO_KEYS
+                           if result.get(k) and result["torch"].get(k)}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def fail(message):
+    log(f"benchmark: error: {' '.join(message.split())}")
+    return 2
+
+
+# ---- sdflax ---------------------------------------------------------------------------------------------------
+
+def model_configs(args):
+    """{"text_encoder", "unet", "vae", "scheduler"} config dicts and the tokenizer folder, or None for a checkpoint."""
+    if args.model == SD15_NAME:
+        return SD15, TOKENIZER
+    if not args.random_weights:
+        return None, None
+    from sdflax.cli import CONFIG_FILES
+    from sdflax.hub import resolve_folder
+    from sdflax.models.config import read_config_file
+
+    folder = resolve_folder(args.model, allow_patterns=CONFIG_FILES)  # configs and tokenizer, no weights
+    configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in COMPONENTS}
+    configs["scheduler"] = read_config_file(os.path.join(folder, "scheduler", "scheduler_config.json"))
+    return configs, os.path.join(folder, "tokenizer")
+
+
+def random_pipeline(configs, tokenizer_folder, dtype, scheduler=None, attention="xla", seed=0):
+    """(StableDiffusion, params) built from config dicts with random weights."""
+    from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+    from sdflax.pipeline import StableDiffusion, load_tokenizer
+    from sdflax.schedulers import scheduler_from_config
+
+    modules = {"text_encoder": CLIPTextModel.from_config(configs["text_encoder"], dtype),
+               "unet": UNet2DConditionModel.from_config(configs["unet"], dtype, attention=attention),
+               "vae": AutoencoderKL.from_config(configs["vae"], dtype)}
+    params = {name: random_params(module, seed + i, dtype) for i, (name, module) in enumerate(modules.items())}
+    pipeline = StableDiffusion(tokenizer=load_tokenizer(str(tokenizer_folder)),
+                               scheduler=scheduler_from_config(configs["scheduler"], scheduler), dtype=dtype,
+                               **modules)
+    return pipeline, params
+
+
+def random_params(module, seed, dtype):
+    """Random params of `module.param_shapes()`, drawn with numpy: `module.init_params` compiles one program per
+    model (half a minute for tiny-sd's UNet on a CPU), which would swamp the load time. Kernels N(0, 1/fan_in)
+    as flax's default (LeCun) init, norm scales 1, biases 0, embeddings N(0, 1); cast to `dtype` as loaded."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name, shape = path[-1].key, leaf.shape
+        if name in ("bias", "scale"):
+            value = np.full(shape, float(name == "scale"), np.float32)
+        else:
+            std = 1 / math.sqrt(math.prod(shape[:-1])) if name == "kernel" else 1.0
+            value = rng.standard_normal(shape, np.float32) * np.float32(std)
+        return jax.device_put(value.astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(draw, module.param_shapes())
+
+
+def benchmark_sdflax(args, dtype_name):
+    import jax
+    import jax.numpy as jnp
+
+    from sdflax import replicate, shard
+    from sdflax.cli import _CompileClock, _scheduler_name
+    from sdflax.pipeline import StableDiffusion
+
+    dtype = getattr(jnp, dtype_name)
+    attention = ATTENTION[args.attention]
+    configs, tokenizer_folder = model_configs(args)
+    log(f"Building {args.model} in {dtype_name} ({'random weights' if configs else 'checkpoint weights'}) ...")
+    start = time.perf_counter()
+    if configs:
+        pipeline, params = random_pipeline(configs, tokenizer_folder, dtype, args.scheduler, attention)
+    else:
+        pipeline, params = StableDiffusion.from_pretrained(args.model, dtype=dtype, scheduler=args.scheduler,
+                                                           attention=attention)
+    jax.block_until_ready(params)
+    load_s = time.perf_counter() - start
+
+    height, width = pipeline._sizes(args.height, args.width)
+    devices = jax.local_device_count()
+    b = args.batch
+    ids = pipeline.prepare_inputs([PROMPT] * (b * devices))
+    scale = jnp.asarray(args.guidance, jnp.float32)
+    rescale = jnp.asarray(0.0, jnp.float32)
+    key = jax.random.key(0)
+    static = dict(num_inference_steps=args.steps, height=height, width=width, callback=None, guidance=None,
+                  return_trajectory=False)
+    if devices == 1:  # what pipeline(...) runs on one device
+        program = pipeline._jitted
+        inputs = dict(prompt_ids=ids, params=params, prng_seed=key, guidance_scale=scale, latents=None,
+                      neg_prompt_ids=None, guidance_rescale=rescale)
+    else:  # pipeline(..., jit=True): pmap over the local devices, `b` images each
+        program = pipeline._pmapped
+        inputs = dict(prompt_ids=shard(ids), params=replicate(params), prng_seed=jax.random.split(key, devices),
+                      guidance_scale=jnp.broadcast_to(scale, (devices,)), latents=None, neg_prompt_ids=None,
+                      guidance_rescale=jnp.broadcast_to(rescale, (devices,)))
+    all_args = [({**inputs, **static})[name] for name, _ in pipeline._GENERATE_ARGS]  # pmap takes no keywords
+    dynamic = [inputs[name] for name, axis in pipeline._GENERATE_ARGS if axis != "static"]
+
+    log(f"Compiling {args.steps} steps at {width}x{height}, {b} image(s) on each of {devices} "
+        f"{jax.default_backend().upper()} device(s) ...")
+    with _CompileClock() as clock:
+        start = time.perf_counter()
+        compiled = program.lower(*all_args).compile()
+        compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*dynamic))
+    first_call_s = time.perf_counter() - start
+
+    times = []
+    for i in range(args.repeats):
+        log(f"Timed call {i + 1}/{args.repeats} ...")
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*dynamic))
+        times.append(time.perf_counter() - start)
+    seconds_per_call = statistics.median(times)
+
+    latent_shape = (b, pipeline.unet.config.in_channels, height // pipeline.vae_scale_factor,
+                    width // pipeline.vae_scale_factor)
+    evals = int(pipeline.scheduler.set_timesteps(args.steps, shape=latent_shape).timesteps.shape[0])
+    # FLOPs of one device's program: the scan body counted once by XLA, plus the other evals - 1 iterations.
+    program_flops, eval_flops = count_flops(pipeline, compiled, program, all_args, params, latent_shape, args)
+    flops_per_call = program_flops + (evals - 1) * eval_flops if program_flops and eval_flops else None
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    return {
+        "model": args.model, "weights": "random" if configs else "checkpoint",
+        "backend": jax.default_backend(), "device_kind": jax.local_devices()[0].device_kind, "devices": devices,
+        "dtype": dtype_name, "attention": args.attention,
+        "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler), "height": height, "width": width,
+        "steps": args.steps, "unet_evals": evals, "batch_per_device": b,
+        "images_per_call": b * devices, "guidance_scale": args.guidance, "repeats": args.repeats,
+        "load_s": load_s, "compile_s": compile_s, "first_call_s": first_call_s,
+        "first_image_s": compile_s + first_call_s, "seconds_per_call": seconds_per_call,
+        "seconds_per_call_all": times, "seconds_per_image": seconds_per_call / (b * devices),
+        "unet_steps_per_s": evals / seconds_per_call,
+        "flops_per_image": flops_per_call and flops_per_call / b,
+        "unet_eval_flops_per_image": eval_flops and eval_flops / b,
+        "tflops_per_s": flops_per_call and flops_per_call * devices / seconds_per_call / 1e12,
+        "peak_memory_bytes": max(peaks) if all(p is not None for p in peaks) else None,
+        "versions": versions("jax", "jaxlib", "flax", "sdflax"),
+        "cache_hits": clock.cache_hits,
+    }
+
+
+def count_flops(pipeline, compiled, program, all_args, params, latent_shape, args):
+    """(FLOPs of the compiled program with its loop body once, FLOPs of one guided UNet evaluation), per device.
+
+    cuDNN attention is a custom call XLA cannot count: then both come from the same program with XLA's attention,
+    lowered but not compiled, so the figure is the model's work whatever the kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from sdflax import sampling
+
+    if args.attention == "xla":
+        program_flops = flops(compiled.cost_analysis())
+    else:
+        twin = type(pipeline)(pipeline.text_encoder, pipeline.unet.clone(attention="xla"), pipeline.vae,
+                              pipeline.tokenizer, pipeline.scheduler, pipeline.dtype)
+        program_flops = flops(getattr(twin, "_jitted" if program is pipeline._jitted else "_pmapped")
+                              .lower(*all_args).cost_analysis())
+        pipeline = twin
+
+    def unet_eval(unet_params, x, t, context, scale):
+        unet_fn = functools.partial(pipeline.unet.apply, unet_params)
+        return sampling.guided_model(unet_fn, context, scale)(x, t)
+
+    b = latent_shape[0]
+    context = jax.ShapeDtypeStruct((2 * b, pipeline.max_length, pipeline.unet.config.cross_attention_dim),
+                                   pipeline.dtype)
+    lowered = jax.jit(unet_eval).lower(params["unet"], jax.ShapeDtypeStruct(latent_shape, jnp.float32),
+                                       jax.ShapeDtypeStruct((), jnp.int32), context,
+                                       jax.ShapeDtypeStruct((), jnp.float32))
+    return program_flops, flops(lowered.cost_analysis())
+
+
+def flops(cost):
+    """The FLOP count of a cost analysis, or None where the backend gives none."""
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost  # older JAX: one dict per program
+    value = (cost or {}).get("flops")
+    return float(value) if value and math.isfinite(value) and value > 0 else None
+
+
+def versions(*names):
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# ---- diffusers (PyTorch) --------------------------------------------------------------------------------------
+
+def torch_pipeline(args, dtype, device):
+    """diffusers' StableDiffusionPipeline for the same model: the checkpoint, or its configs with random weights."""
+    import diffusers
+    import torch
+    import transformers
+
+    from sdflax.schedulers import DIFFUSERS_NAMES, SCHEDULERS
+
+    configs, tokenizer_folder = model_configs(args)
+    if configs:
+        torch.manual_seed(0)
+        strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+        scheduler_class = getattr(diffusers, configs["scheduler"]["_class_name"])
+        pipe = diffusers.StableDiffusionPipeline(
+            vae=diffusers.AutoencoderKL(**strip(configs["vae"])),
+            text_encoder=transformers.CLIPTextModel(transformers.CLIPTextConfig(**strip(configs["text_encoder"]))),
+            tokenizer=transformers.CLIPTokenizer.from_pretrained(str(tokenizer_folder)),
+            unet=diffusers.UNet2DConditionModel(**strip(configs["unet"])),
+            scheduler=scheduler_class.from_config(configs["scheduler"]),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    else:
+        pipe = diffusers.StableDiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, safety_checker=None,
+                                                                 requires_safety_checker=False)
+    if args.scheduler:  # the same kind as sdflax's, from the model's scheduler config
+        name = {cls: n for n, cls in DIFFUSERS_NAMES.items()}[SCHEDULERS[args.scheduler]]
+        pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device, dtype)
+
+
+def benchmark_torch(args, dtype_name, ours):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, dtype_name)
+    log(f"diffusers: building {args.model} in {dtype_name} on {device} ...")
+    start = time.perf_counter()
+    pipe = torch_pipeline(args, dtype, device)
+    sync(device)
+    load_s = time.perf_counter() - start
+
+    b = args.batch  # what one sdflax device computes: torch runs on one device
+    call = functools.partial(pipe, [PROMPT] * b, height=ours["height"], width=ours["width"],
+                             num_inference_steps=args.steps, guidance_scale=args.guidance, output_type="np")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        log("diffusers: first call ...")
+        start = time.perf_counter()
+        call(generator=torch.Generator(device).manual_seed(0))
+        sync(device)
+        first_call_s = time.perf_counter() - start
+        times = []
+        for i in range(args.repeats):
+            log(f"diffusers: timed call {i + 1}/{args.repeats} ...")
+            start = time.perf_counter()
+            call(generator=torch.Generator(device).manual_seed(0))
+            sync(device)
+            times.append(time.perf_counter() - start)
+    seconds_per_call = statistics.median(times)
+    evals = len(pipe.scheduler.timesteps)
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "unet_evals": evals, "batch": b, "attention": "sdpa",
+        "load_s": load_s, "first_call_s": first_call_s, "first_image_s": first_call_s,
+        "seconds_per_call": seconds_per_call, "seconds_per_call_all": times, "seconds_per_image": seconds_per_call / b,
+        "unet_steps_per_s": evals / seconds_per_call,
+        # sdflax's count: the same model
+        "tflops_per_s": ours["flops_per_image"] and ours["flops_per_image"] * b / seconds_per_call / 1e12,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "versions": versions("torch", "diffusers", "transformers"),
+    }
+
+
+def sync(device):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
