@@ -1,0 +1,99 @@
+"""scripts/benchmark.py on weights/tiny-sd in subprocesses: every figure is there and sane (no timing thresholds)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "benchmark.py"
+TINY = str(ROOT / "weights" / "tiny-sd")
+SIZE = ["--height", "32", "--width", "48"]
+TIMES = ("load_s", "compile_s", "first_call_s", "first_image_s", "seconds_per_call", "seconds_per_image")
+RATES = ("unet_steps_per_s", "flops_per_image", "unet_eval_flops_per_image", "tflops_per_s")
+
+
+def run_benchmark(args, tmp, env=None):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+           "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"), **(env or {})}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def parse(result):
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)  # the whole of stdout is one JSON object
+
+
+def positive(value):
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("benchmark")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_run(tmp):
+    return parse(run_benchmark(["--model", TINY, "--steps", "2", "--repeats", "2", *SIZE], tmp))
+
+
+def test_reports_every_figure(checkpoint_run):
+    out = checkpoint_run
+    for key in TIMES + RATES:
+        assert positive(out[key]), (key, out[key])
+    assert len(out["seconds_per_call_all"]) == 2 and all(map(positive, out["seconds_per_call_all"]))
+    assert out["peak_memory_bytes"] is None  # the CPU backend keeps no memory statistics
+    assert {k: out[k] for k in ("model", "weights", "backend", "devices", "dtype", "attention", "height", "width",
+                                "steps", "unet_evals", "batch_per_device", "images_per_call")} == {
+        "model": TINY, "weights": "checkpoint", "backend": "cpu", "devices": 1, "dtype": "float32",
+        "attention": "xla", "height": 32, "width": 48, "steps": 2, "unet_evals": 3, "batch_per_device": 1,
+        "images_per_call": 1}  # PNDM without PRK steps evaluates the UNet steps + 1 times
+    assert out["cache"]["enabled"] and out["cache"]["warm"] is False  # a fresh cache folder
+    assert out["flops_per_image"] > out["unet_evals"] * out["unet_eval_flops_per_image"]  # plus text and VAE
+
+
+def test_compare_torch_adds_its_figures_and_the_ratios(checkpoint_run, tmp):
+    pytest.importorskip("diffusers")
+    # Random weights from tiny-sd's configs: the path of the default sd15-random, for both frameworks.
+    out = parse(run_benchmark(["--model", TINY, "--random-weights", "--steps", "1", "--repeats", "1",
+                               "--compare", "torch", *SIZE], tmp))
+    assert out["weights"] == "random" and out["unet_evals"] == out["torch"]["unet_evals"] == 1
+    for key in ("load_s", "first_image_s", "seconds_per_call", "seconds_per_image", "unet_steps_per_s",
+                "tflops_per_s"):
+        assert positive(out["torch"][key]), key
+        assert positive(out["ratio"][key]), key
+    assert out["torch"]["peak_memory_bytes"] is None and "peak_memory_bytes" not in out["ratio"]
+    # XLA counts the scan's body once: the script adds the other iterations. Same architecture and size, so the
+    # difference of the two runs is exactly the extra UNet evaluations.
+    assert out["unet_eval_flops_per_image"] == checkpoint_run["unet_eval_flops_per_image"]
+    extra = checkpoint_run["flops_per_image"] - out["flops_per_image"]
+    assert extra == pytest.approx(2 * out["unet_eval_flops_per_image"], rel=1e-3)
+
+
+def test_compare_torch_without_torch_fails_at_once(tmp):
+    fake = tmp / "no-torch"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('No module named torch')\n")
+    result = run_benchmark(["--model", TINY, "--compare", "torch"], tmp, env={"PYTHONPATH": str(fake)})
+    assert result.returncode == 2 and result.stdout == ""
+    assert "--compare torch needs PyTorch" in result.stderr
+
+
+def test_sd15_configs_give_sd15s_parameter_counts():
+    spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+
+    counts = {name: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(cls.from_config(
+        benchmark.SD15[name]).param_shapes())) for name, cls in (
+        ("unet", UNet2DConditionModel), ("text_encoder", CLIPTextModel), ("vae", AutoencoderKL))}
+    assert counts == {"unet": 859_520_964, "text_encoder": 123_060_480, "vae": 83_653_863}
