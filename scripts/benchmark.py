@@ -70,8 +70,11 @@ RATIO_KEYS = ("load_s", "first_image_s", "seconds_per_call", "seconds_per_image"
               "tflops_per_s", "peak_memory_bytes")
 
 
+_START = time.perf_counter()
+
+
 def log(message):
-    print(message, file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def build_parser():
@@ -237,8 +240,9 @@ def benchmark_sdflax(args, dtype_name):
         inputs = dict(prompt_ids=shard(ids), params=replicate(params), prng_seed=jax.random.split(key, devices),
                       guidance_scale=jnp.broadcast_to(scale, (devices,)), latents=None, neg_prompt_ids=None,
                       guidance_rescale=jnp.broadcast_to(rescale, (devices,)))
-    all_args = [({**inputs, **static})[name] for name, _ in pipeline._GENERATE_ARGS]  # pmap takes no keywords
-    dynamic = [inputs[name] for name, axis in pipeline._GENERATE_ARGS if axis != "static"]
+    # In _generate's order (pmap takes no keywords); arguments added there later run with None, their default.
+    all_args = [{**inputs, **static}.get(name) for name, _ in pipeline._GENERATE_ARGS]
+    dynamic = [inputs.get(name) for name, axis in pipeline._GENERATE_ARGS if axis != "static"]
 
     log(f"Compiling {args.steps} steps at {width}x{height}, {b} image(s) on each of {devices} "
         f"{jax.default_backend().upper()} device(s) ...")
