@@ -86,6 +86,20 @@ class StableDiffusion:
 
         return cls(tokenizer=tokenizer, scheduler=scheduler, dtype=dtype, **modules), params
 
+    @classmethod
+    def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
+                         scheduler_config=None, attention="xla", revision=None):
+        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 layout (SD 1.x or 2.x).
+
+        The version is read from the tensor names. Model, tokenizer and scheduler configs come from `config` (a
+        diffusers folder or hub id) or, without it, from stable-diffusion-v1-5 / stable-diffusion-2-1 defaults
+        bundled with sdflax; those assume v-prediction for SD 2.x: pass `prediction_type="epsilon"` for a
+        512 px SD 2.x base model. The params equal what `from_pretrained` gives for the converted checkpoint."""
+        from .single_file import from_single_file
+
+        return from_single_file(cls, path, config, dtype, prediction_type, scheduler, scheduler_config, attention,
+                                revision)
+
     def load_lora(self, params, path, scale=1.0):
         """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder.
 
@@ -184,14 +198,17 @@ class StableDiffusion:
         elif latents.shape != shape:
             raise ValueError(f"latents have shape {latents.shape}; expected {shape} for a batch of {batch} "
                              f"at {height}x{width}")
-        latents = latents.astype(jnp.float32) * self.scheduler.init_noise_sigma
+        # The first σ can depend on the step count (Euler with leading spacing): the state knows it.
+        state = self.scheduler.set_timesteps(num_inference_steps, shape=shape)
+        init_noise_sigma = getattr(state, "init_noise_sigma", None) or self.scheduler.init_noise_sigma
+        latents = latents.astype(jnp.float32) * init_noise_sigma
 
         if guidance is None:
             guidance = sampling.rescaled_guidance(guidance_rescale)
         unet_fn = functools.partial(self.unet.apply, params["unet"])
         model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32), guidance)
         out = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key,
-                               callback=callback, return_trajectory=return_trajectory)
+                               callback=callback, return_trajectory=return_trajectory, state=state)
         if return_trajectory:
             latents, trajectory = out
             return self.decode_latents(params, latents), trajectory

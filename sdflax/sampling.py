@@ -90,19 +90,21 @@ class Trajectory(NamedTuple):
 
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
-            return_trajectory=False):
+            return_trajectory=False, state=None):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
     as a Python loop, for debugging (print, breakpoints); it gives the same result.
     `callback(step, num_steps, latents)` runs on the host after every model evaluation (progress bars,
     previews), through `jax.debug.callback`, so the loop stays one compiled scan.
-    `return_trajectory=True` returns `(latents, Trajectory)`.
+    `return_trajectory=True` returns `(latents, Trajectory)`. `state` is the scheduler's state to begin from
+    (img2img begins part-way: `set_timesteps(n, shape, start=k)`); by default the whole schedule.
 
     Each step is a `jax.checkpoint`: differentiating through the sampler keeps only the carry of every step
     and recomputes the UNet's activations one step at a time, so memory does not grow with the UNet per step.
     """
-    state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)
+    if state is None:
+        state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)
     num_evals = state.timesteps.shape[0]
     steps = jnp.arange(num_evals)
 

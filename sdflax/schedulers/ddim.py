@@ -38,14 +38,16 @@ class DDIMScheduler:
     def from_config(cls, config: Mapping[str, Any]) -> "DDIMScheduler":
         return cls(DDIMConfig.from_dict(config))
 
-    def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None) -> DDIMState:
-        """`shape` is accepted for symmetry with PNDM and ignored."""
+    def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
+                      ) -> DDIMState:
+        """`shape` is accepted for symmetry with PNDM and ignored; `start` skips that many steps (img2img)."""
         cfg = self.config
         alpha_prod, final_alpha_prod = common.alphas_cumprod(cfg, rescale_zero_snr=cfg.rescale_betas_zero_snr)
         timesteps = common.spaced_timesteps(cfg, num_inference_steps)[::-1]
         # As diffusers: the previous timestep is always t - T // n, even for `trailing`/`linspace` spacing
         # where that is not the next entry of `timesteps`.
         prev_timesteps = timesteps - cfg.num_train_timesteps // num_inference_steps
+        timesteps, prev_timesteps = timesteps[start:], prev_timesteps[start:]
         return DDIMState(
             timesteps=jnp.asarray(timesteps, jnp.int32),
             alpha_prod_t=jnp.asarray(common.alpha_prod_at(alpha_prod, final_alpha_prod, timesteps)),

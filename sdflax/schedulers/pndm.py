@@ -49,8 +49,10 @@ class PNDMScheduler:
     def from_config(cls, config: Mapping[str, Any]) -> "PNDMScheduler":
         return cls(PNDMConfig.from_dict(config))
 
-    def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None) -> PNDMState:
-        """Unroll diffusers' stateful step() into per-evaluation tables (plain numpy, at trace time)."""
+    def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
+                      ) -> PNDMState:
+        """Unroll diffusers' stateful step() into per-evaluation tables (plain numpy, at trace time).
+        `start` skips that many evaluations, as img2img does."""
         if shape is None:
             raise ValueError("PNDM keeps a history of model outputs: call set_timesteps(n, shape=sample.shape)")
         cfg, n = self.config, num_inference_steps
@@ -69,14 +71,19 @@ class PNDMScheduler:
             prk = prk[:-1].repeat(2)[1:-1][::-1]
             plms = spaced[:-3][::-1]
 
+        # img2img begins `start` evaluations in; diffusers' `counter` then restarts at 0 on the rest.
+        evaluations = np.concatenate([prk, plms])[start:]
         rows = []  # (t, t_from, t_to, formula, push_ets, save_sample, from_saved_sample, rk_weight)
-        for c, t in enumerate(prk):  # c is diffusers' `counter`
-            stage = c % 4
-            t_to = t - (0 if c % 2 else delta // 2)
-            formula = RK4 if stage == 3 else PLAIN
-            rows.append((t, prk[c - stage], t_to, formula, stage == 0, stage == 0, True, (1 / 6, 1 / 3, 1 / 3, 0)[stage]))
-        n_ets = len(prk) // 4
-        for c, t in enumerate(plms, start=len(prk)):
+        n_ets = 0
+        for c, t in enumerate(evaluations):  # c is diffusers' `counter`
+            if c < len(prk):
+                stage = c % 4
+                t_to = t - (0 if c % 2 else delta // 2)
+                formula = RK4 if stage == 3 else PLAIN
+                rows.append((t, prk[c - stage], t_to, formula, stage == 0, stage == 0, True,
+                             (1 / 6, 1 / 3, 1 / 3, 0)[stage]))
+                n_ets += stage == 0
+                continue
             if c == 1:  # re-evaluation at the landing point of step 0: redo step 0 with the averaged ε
                 rows.append((t, t + delta, t, HEUN, False, False, True, 0.0))
                 continue
