@@ -248,8 +248,6 @@ def test_unknown_targets_and_bad_shapes_are_listed(setup, tmp_path):
 
 def test_images_match_diffusers_with_lora_fused(setup, tmp_path):
     theirs, pipe, params = setup
-    if pipe.unet.config.use_linear_projection:
-        pytest.skip("one image comparison is enough (SD 1.x-style); the params tests cover SD 2.x")
     layers = kohya_file(tmp_path / "a.safetensors", theirs)
     scale = 0.6
     fused = copy.copy(theirs)
@@ -269,8 +267,7 @@ def test_images_match_diffusers_with_lora_fused(setup, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["kohya", "peft"])
 def test_reference_merge_equals_diffusers_fuse_lora(setup, tmp_path, fmt):
-    """diffusers' own loader (needs peft) agrees with the formula the other tests use as the reference."""
-    pytest.importorskip("peft")
+    """diffusers' own loader (peft, in the test extra) agrees with the formula the other tests use as reference."""
     theirs, pipe, params = setup
     path = tmp_path / "lora.safetensors"
     layers = kohya_file(path, theirs, uniform=True) if fmt == "kohya" else peft_file(path, theirs)
