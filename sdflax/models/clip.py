@@ -1,4 +1,5 @@
-"""CLIPTextModel: the CLIP text tower (Radford et al. 2021) as transformers builds it, a causal pre-LN transformer."""
+"""CLIPTextModel: the CLIP text tower (Radford et al. 2021) as transformers builds it, a causal pre-LN transformer.
+CLIPTextModelWithProjection (SDXL's second encoder) adds transformers' `text_projection` on the pooled state."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class CLIPTextConfig:
     hidden_act: str = "quick_gelu"
     layer_norm_eps: float = 1e-5
     eos_token_id: int = 49407
+    projection_dim: int = 512  # CLIPTextModelWithProjection only
 
     @classmethod
     def from_dict(cls, config):
@@ -45,6 +47,7 @@ class CLIPTextOutput:
     last_hidden_state: jax.Array  # (B, T, D), after the final LayerNorm
     pooler_output: jax.Array  # (B, D), the final state at the end-of-text token
     hidden_states: tuple | None = None  # embeddings, then every layer's output (no final LayerNorm): L + 1 items
+    text_embeds: jax.Array | None = None  # (B, projection_dim): text_projection(pooler_output), WithProjection only
 
 
 class EncoderLayer(nn.Module):
@@ -74,6 +77,7 @@ class CLIPTextModel(Pretrained, nn.Module):
     config: CLIPTextConfig
     dtype: jnp.dtype = jnp.float32
     config_class = CLIPTextConfig
+    with_projection = False
 
     def dummy_inputs(self):
         return (jnp.zeros((1, self.config.max_position_embeddings), jnp.int32),)
@@ -99,4 +103,13 @@ class CLIPTextModel(Pretrained, nn.Module):
         else:
             eos_position = jnp.argmax(input_ids == cfg.eos_token_id, axis=-1)
         pooled = jnp.take_along_axis(x, eos_position[:, None, None], axis=1)[:, 0]
-        return CLIPTextOutput(x, pooled, tuple(hidden_states) if output_hidden_states else None)
+        text_embeds = None
+        if self.with_projection:
+            text_embeds = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)
+        return CLIPTextOutput(x, pooled, tuple(hidden_states) if output_hidden_states else None, text_embeds)
+
+
+class CLIPTextModelWithProjection(CLIPTextModel):
+    """Token ids (B, T) -> CLIPTextOutput with `text_embeds` (B, projection_dim) (SDXL's text_encoder_2)."""
+
+    with_projection = True

@@ -1,4 +1,5 @@
-"""UNet2DConditionModel: the Stable Diffusion 1.x / 2.x denoiser (Rombach et al. 2022), as diffusers builds it."""
+"""UNet2DConditionModel: the Stable Diffusion 1.x / 2.x / XL denoiser (Rombach et al. 2022; Podell et al. 2023),
+as diffusers builds it."""
 
 from __future__ import annotations
 
@@ -33,10 +34,25 @@ class UNetConfig:
     num_attention_heads: int | tuple | None = None
     use_linear_projection: bool = False
     upcast_attention: bool = False
+    # SDXL's micro-conditioning: the pooled text embedding and sinusoidally embedded size/crop ids, through
+    # an MLP added to the timestep embedding.
+    addition_embed_type: str | None = None
+    addition_time_embed_dim: int | None = None
+    projection_class_embeddings_input_dim: int | None = None
 
     @classmethod
     def from_dict(cls, config):
-        return config_from_dict(cls, config, unsupported=_UNSUPPORTED)
+        cfg = config_from_dict(cls, config, unsupported=_UNSUPPORTED)
+        if cfg.addition_embed_type not in (None, "text_time"):
+            raise ValueError(f"UNetConfig: addition_embed_type={cfg.addition_embed_type!r}; sdflax supports only "
+                             "None and 'text_time' (SDXL)")
+        if cfg.addition_embed_type and not (cfg.addition_time_embed_dim and cfg.projection_class_embeddings_input_dim):
+            raise ValueError("UNetConfig: addition_embed_type='text_time' needs addition_time_embed_dim and "
+                             "projection_class_embeddings_input_dim")
+        if any(isinstance(d, tuple) for d in cfg.per_block(cfg.transformer_layers_per_block)):
+            raise ValueError("UNetConfig: transformer_layers_per_block per layer (nested lists) is not supported; "
+                             "give an int or one int per block")
+        return cfg
 
     def per_block(self, value):
         return value if isinstance(value, tuple) else (value,) * len(self.block_out_channels)
@@ -55,7 +71,6 @@ _UNSUPPORTED = {
     "mid_block_scale_factor": 1,
     "act_fn": "silu",
     "class_embed_type": None,
-    "addition_embed_type": None,
     "encoder_hid_dim": None,
     "resnet_time_scale_shift": "default",
     "resnet_skip_time_act": False,
@@ -119,7 +134,11 @@ class Transformer2DModel(nn.Module):
 
 
 class UNet2DConditionModel(Pretrained, nn.Module):
-    """eps / v prediction from noisy latents (B, C, h, w), timesteps (B,) or (), and text states (B, 77, D)."""
+    """eps / v prediction from noisy latents (B, C, h, w), timesteps (B,) or (), and text states (B, 77, D).
+
+    SDXL (`addition_embed_type="text_time"`) also takes diffusers' `added_cond_kwargs` as keywords:
+    `text_embeds` (B, D_pooled) and `time_ids` (B, n), e.g. (original h, w, crop top, left, target h, w).
+    """
 
     config: UNetConfig
     dtype: jnp.dtype = jnp.float32
@@ -127,12 +146,16 @@ class UNet2DConditionModel(Pretrained, nn.Module):
     config_class = UNetConfig
 
     def dummy_inputs(self):
-        size = 2 ** (len(self.config.block_out_channels) - 1)
-        return (jnp.zeros((1, self.config.in_channels, size, size)), jnp.zeros((1,)),
-                jnp.zeros((1, 1, self.config.cross_attention_dim)))
+        cfg = self.config
+        size = 2 ** (len(cfg.block_out_channels) - 1)
+        inputs = (jnp.zeros((1, cfg.in_channels, size, size)), jnp.zeros((1,)), jnp.zeros((1, 1, cfg.cross_attention_dim)))
+        if cfg.addition_embed_type:  # only the concatenated width fixes add_embedding's kernel: one time id
+            text_dim = cfg.projection_class_embeddings_input_dim - cfg.addition_time_embed_dim
+            inputs += (jnp.zeros((1, text_dim)), jnp.zeros((1, 1)))
+        return inputs
 
     @nn.compact
-    def __call__(self, sample, timesteps, encoder_hidden_states):
+    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
         cfg, dtype = self.config, self.dtype
         channels = cfg.block_out_channels
         heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
@@ -145,6 +168,11 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         temb = timestep_embedding(timesteps, channels[0], cfg.flip_sin_to_cos, cfg.freq_shift).astype(dtype)
         temb = nn.Dense(channels[0] * 4, dtype=dtype, name="time_embedding_linear_1")(temb)
         temb = nn.Dense(channels[0] * 4, dtype=dtype, name="time_embedding_linear_2")(nn.silu(temb))
+        if cfg.addition_embed_type == "text_time":
+            temb = temb + self._text_time_embedding(text_embeds, time_ids, channels[0] * 4)
+        elif text_embeds is not None or time_ids is not None:
+            raise ValueError("text_embeds / time_ids given, but this UNet's config has no addition_embed_type "
+                             "(they condition SDXL UNets only)")
 
         x = jnp.transpose(sample, (0, 2, 3, 1)).astype(dtype)  # NCHW -> NHWC
         if cfg.center_input_sample:
@@ -181,3 +209,23 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
         x = conv(cfg.out_channels, name="conv_out", dtype=dtype)(x)
         return jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
+
+    def _text_time_embedding(self, text_embeds, time_ids, features):
+        """diffusers' add_embedding: MLP(concat(text_embeds, sinusoidal(time_ids) per id)), SDXL's size/crop
+        conditioning (Podell et al. 2023, §2.2)."""
+        cfg = self.config
+        if text_embeds is None or time_ids is None:
+            raise ValueError("this UNet (addition_embed_type='text_time', SDXL) needs text_embeds (B, D) and "
+                             "time_ids (B, n): the pooled text embedding and the size/crop ids")
+        time_ids = jnp.asarray(time_ids)
+        time_ids = jnp.broadcast_to(time_ids, (text_embeds.shape[0], time_ids.shape[-1]))  # (n,) or (B, n)
+        time_embeds = timestep_embedding(time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos,
+                                         cfg.freq_shift).reshape(time_ids.shape[0], -1)
+        expected = cfg.projection_class_embeddings_input_dim
+        if text_embeds.shape[-1] + time_embeds.shape[-1] != expected:
+            raise ValueError(f"text_embeds {text_embeds.shape} and {time_ids.shape[1]} time ids of "
+                             f"{cfg.addition_time_embed_dim} give {text_embeds.shape[-1] + time_embeds.shape[-1]} "
+                             f"features; this UNet expects projection_class_embeddings_input_dim={expected}")
+        emb = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(self.dtype)
+        emb = nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
+        return nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
