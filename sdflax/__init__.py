@@ -1,11 +1,12 @@
 """sdflax: Stable Diffusion inference in pure JAX/Flax."""
 
-from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+from .models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
 from .parallel import replicate, shard, unshard
 from .pipeline import StableDiffusion, StableDiffusionOutput
 from .img2img import StableDiffusionImg2Img
+from .pipeline_xl import StableDiffusionXL
 from .utils import make_image_grid
 
-__all__ = ["AutoencoderKL", "CLIPTextModel", "StableDiffusion", "StableDiffusionImg2Img",
-           "StableDiffusionOutput", "UNet2DConditionModel",
+__all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "StableDiffusion", "StableDiffusionImg2Img",
+           "StableDiffusionOutput", "StableDiffusionXL", "UNet2DConditionModel",
            "make_image_grid", "replicate", "shard", "unshard"]

@@ -31,16 +31,21 @@ class StableDiffusionOutput:
         return (self.images,)[index]
 
 
-def checkpoint_files(variant=None):
+def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer",)):
     """Which files of a diffusers pipeline repo to download: configs, tokenizer, and one weight format."""
     v = f".{variant}" if variant else ""
-    weights = [f"{c}/{stem}{v}{suffix}" for c in COMPONENTS for stem in ("diffusion_pytorch_model", "model")
+    weights = [f"{c}/{stem}{v}{suffix}" for c in components for stem in ("diffusion_pytorch_model", "model")
                for suffix in (".safetensors", "-*.safetensors", ".safetensors.index*.json")]  # "-*": shards, not .fp16
-    return ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", *weights]
+    return ["model_index.json", "*/config.json", "scheduler/*", *(f"{t}/*" for t in tokenizers), *weights]
 
 
 class StableDiffusion:
     """Holds the modules, the tokenizer and the scheduler; the weights live in the params dict you pass in."""
+
+    # What from_pretrained reads: model classes and tokenizers by folder, model_index.json entries for __init__.
+    MODELS = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    TOKENIZERS = ("tokenizer",)
+    INDEX_OPTIONS = ()
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32):
         self.text_encoder, self.unet, self.vae = text_encoder, unet, vae
@@ -63,19 +68,21 @@ class StableDiffusion:
         from .models.config import read_config_file
         from .weights import load_weights, weight_files
 
-        folder = resolve_folder(path_or_repo_id, revision, allow_patterns=checkpoint_files(variant))
+        files = checkpoint_files(variant, tuple(cls.MODELS), cls.TOKENIZERS)
+        folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
         if not os.path.isfile(os.path.join(folder, "model_index.json")):
             raise ModelNotFoundError(f"{path_or_repo_id}: no model_index.json, so not a diffusers pipeline checkpoint")
-        if any(not _has_safetensors(os.path.join(folder, c)) for c in COMPONENTS) and folder != str(path_or_repo_id):
+        if any(not _has_safetensors(os.path.join(folder, c)) for c in cls.MODELS) and folder != str(path_or_repo_id):
             # Older repos ship .bin or Flax msgpack only: fetch those for the components that need them.
-            patterns = [f"{c}/*.bin" for c in COMPONENTS] + [f"{c}/*.msgpack" for c in COMPONENTS]
-            folder = resolve_folder(path_or_repo_id, revision, allow_patterns=checkpoint_files(variant) + patterns)
+            patterns = [f"{c}/*.bin" for c in cls.MODELS] + [f"{c}/*.msgpack" for c in cls.MODELS]
+            folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
+        with open(os.path.join(folder, "model_index.json")) as f:
+            index = json.load(f)
 
         scheduler = load_scheduler(folder, scheduler, scheduler_config)  # fail fast, before the weights
-        tokenizer = load_tokenizer(os.path.join(folder, "tokenizer"))
+        tokenizers = {name: load_tokenizer(os.path.join(folder, name)) for name in cls.TOKENIZERS}
         modules, params = {}, {}
-        classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
-        for name, module_class in classes.items():
+        for name, module_class in cls.MODELS.items():
             sub = os.path.join(folder, name)
             kwargs = {"attention": attention} if name == "unet" else {}
             module = module_class.from_config(read_config_file(os.path.join(sub, "config.json")), dtype, **kwargs)
@@ -84,7 +91,8 @@ class StableDiffusion:
         for name, module in modules.items():
             params[name] = load_weights(os.path.join(folder, name), module.param_shapes(), dtype, variant)
 
-        return cls(tokenizer=tokenizer, scheduler=scheduler, dtype=dtype, **modules), params
+        options = {key: index[key] for key in cls.INDEX_OPTIONS if key in index}
+        return cls(scheduler=scheduler, dtype=dtype, **tokenizers, **modules, **options), params
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
@@ -171,7 +179,8 @@ class StableDiffusion:
 
     def _generate(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
                   guidance_scale=7.5, latents=None, neg_prompt_ids=None, callback=None, guidance_rescale=0.0,
-                  guidance=None, return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None):
+                  guidance=None, return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None,
+                  unet_kwargs=None):
         """The whole text -> images computation as a pure function; (B, H, W, 3) in [0, 1].
 
         Differentiable end to end (each sampler step is rematerialised): take `jax.grad` with respect to
@@ -180,6 +189,7 @@ class StableDiffusion:
         `guidance_rescale` is diffusers' (0 turns it off). With `return_trajectory=True` the result is
         `(images, sampling.Trajectory)`. `callback(step, num_steps, latents)` runs on the host after every
         step. `callback`, `guidance` and `return_trajectory` are static: reuse the same function objects.
+        `unet_kwargs`: extra UNet inputs for the doubled batch, unconditional rows first (SDXL's text_embeds).
         """
         height, width = self._sizes(height, width)
         batch = (prompt_ids if prompt_embeds is None else prompt_embeds).shape[0]
@@ -205,7 +215,7 @@ class StableDiffusion:
 
         if guidance is None:
             guidance = sampling.rescaled_guidance(guidance_rescale)
-        unet_fn = functools.partial(self.unet.apply, params["unet"])
+        unet_fn = functools.partial(self.unet.apply, params["unet"], **(unet_kwargs or {}))
         model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32), guidance)
         out = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key,
                                callback=callback, return_trajectory=return_trajectory, state=state)

@@ -109,3 +109,62 @@ def torch_pipeline(arch="sd1", scheduler="pndm", seed=0, **scheduler_config):
         scheduler=kinds[scheduler].from_config({**SD14_SCHEDULER, **scheduler_config}),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
+
+
+# SDXL traits: no attention in the first down block, per-block transformer depths and heads, linear projections,
+# `text_time` micro-conditioning, two text encoders whose penultimate states are concatenated (32 + 32 = 64),
+# the second with a projection, legacy eos id 2 (pooled at the largest id, as SDXL's configs have it) and "!" as
+# padding; a VAE with force_upcast.
+SDXL = dict(
+    unet=dict(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=32 + 6 * 8,
+        cross_attention_dim=64, norm_num_groups=8,
+    ),
+    vae=dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=8, sample_size=32, scaling_factor=0.13025, force_upcast=True,
+    ),
+    text_encoder=dict(
+        vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
+        pad_token_id=49407, projection_dim=32,
+    ),
+    text_encoder_2=dict(
+        vocab_size=49408, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=77, hidden_act="gelu", bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        projection_dim=32,
+    ),
+)
+
+SDXL_SCHEDULER = dict(SD14_SCHEDULER, timestep_spacing="leading", interpolation_type="linear")
+
+
+def torch_text_encoder_2(config, seed=0):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed + 1)  # not the first encoder's weights
+    return randomize_norms(CLIPTextModelWithProjection(CLIPTextConfig(**config)), seed + 1).eval()
+
+
+def torch_xl_pipeline(scheduler="euler", seed=0, force_zeros_for_empty_prompt=True, **scheduler_config):
+    """A diffusers StableDiffusionXLPipeline with small random models, the real CLIP vocabulary (padded with the
+    end token by the first tokenizer and with "!" by the second, as SDXL's) and SDXL's schedule."""
+    import diffusers
+    from diffusers import StableDiffusionXLPipeline
+    from transformers import CLIPTokenizer
+
+    kinds = {"euler": diffusers.EulerDiscreteScheduler, "ddim": diffusers.DDIMScheduler,
+             "dpmpp_2m": diffusers.DPMSolverMultistepScheduler}
+    return StableDiffusionXLPipeline(
+        vae=torch_vae(SDXL["vae"], seed), text_encoder=torch_text_encoder(SDXL["text_encoder"], seed),
+        text_encoder_2=torch_text_encoder_2(SDXL["text_encoder_2"], seed),
+        tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER),
+        tokenizer_2=CLIPTokenizer.from_pretrained(TOKENIZER, pad_token="!"),
+        unet=torch_unet(SDXL["unet"], seed),
+        scheduler=kinds[scheduler].from_config({**SDXL_SCHEDULER, **scheduler_config}),
+        force_zeros_for_empty_prompt=force_zeros_for_empty_prompt, add_watermarker=False,
+    )

@@ -148,7 +148,8 @@ class UNet2DConditionModel(Pretrained, nn.Module):
     def dummy_inputs(self):
         cfg = self.config
         size = 2 ** (len(cfg.block_out_channels) - 1)
-        inputs = (jnp.zeros((1, cfg.in_channels, size, size)), jnp.zeros((1,)), jnp.zeros((1, 1, cfg.cross_attention_dim)))
+        inputs = (jnp.zeros((1, cfg.in_channels, size, size)), jnp.zeros((1,)),
+                  jnp.zeros((1, 1, cfg.cross_attention_dim)))
         if cfg.addition_embed_type:  # only the concatenated width fixes add_embedding's kernel: one time id
             text_dim = cfg.projection_class_embeddings_input_dim - cfg.addition_time_embed_dim
             inputs += (jnp.zeros((1, text_dim)), jnp.zeros((1, 1)))
