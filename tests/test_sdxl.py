@@ -75,6 +75,37 @@ def test_unet_config_rejects_what_it_cannot_compute():
                        np.zeros((1, 4, 8, 8)), 1, np.zeros((1, 77, 64)))
 
 
+# stabilityai/stable-diffusion-xl-base-1.0's unet/config.json: the fields that shape the network
+SDXL_BASE_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(5, 10, 20),
+    transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048, use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+)
+
+
+def test_full_size_sdxl_unet_has_the_tensors_of_diffusers():
+    """Every tensor of diffusers' SDXL base UNet (on the meta device: shapes, no weights) finds our parameter of
+    its size, and nothing is left over: 2.57 B parameters, no download."""
+    from diffusers import UNet2DConditionModel as TorchUNet
+    from flax import traverse_util
+
+    from sdflax.weights import WEIGHT_LEAVES, _module_and_leaf
+
+    with torch.device("meta"):
+        theirs = {k: v.shape.numel() for k, v in TorchUNet(**SDXL_BASE_UNET).state_dict().items()}
+    ours = traverse_util.flatten_dict(UNet2DConditionModel.from_config(SDXL_BASE_UNET).param_shapes())
+    sizes = {("_".join(path[:-1]), path[-1]): int(np.prod(leaf.shape)) for path, leaf in ours.items()}
+    matched = {}
+    for key, size in theirs.items():
+        module, leaf = _module_and_leaf(key)
+        leaf = next((t for t in WEIGHT_LEAVES if (module, t) in sizes), leaf) if leaf == "weight" else leaf
+        matched[key] = sizes.get((module, leaf))
+    assert {k: v for k, v in matched.items() if v != theirs[k]} == {}
+    assert len(ours) == len(theirs) == 1680 and sum(sizes.values()) == sum(theirs.values()) == 2_567_463_684
+
+
 @pytest.mark.parametrize("eos_token_id", [2, 49407])  # SDXL's legacy id (pool at the largest id), and the fixed one
 def test_text_encoder_with_projection_matches_transformers(tmp_path, eos_token_id):
     config = {**SDXL["text_encoder_2"], "eos_token_id": eos_token_id}
