@@ -217,7 +217,8 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         cfg = self.config
         if text_embeds is None or time_ids is None:
             raise ValueError("this UNet (addition_embed_type='text_time', SDXL) needs text_embeds (B, D) and "
-                             "time_ids (B, n): the pooled text embedding and the size/crop ids")
+                             "time_ids (B, n): the pooled text embedding and the size/crop ids (StableDiffusionXL "
+                             "passes them)")
         time_ids = jnp.asarray(time_ids)
         time_ids = jnp.broadcast_to(time_ids, (text_embeds.shape[0], time_ids.shape[-1]))  # (n,) or (B, n)
         time_embeds = timestep_embedding(time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos,
