@@ -90,7 +90,7 @@ class Trajectory(NamedTuple):
 
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
-            return_trajectory=False, state=None):
+            return_trajectory=False, state=None, post_step=None):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
@@ -99,6 +99,8 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     previews), through `jax.debug.callback`, so the loop stays one compiled scan.
     `return_trajectory=True` returns `(latents, Trajectory)`. `state` is the scheduler's state to begin from
     (img2img begins part-way: `set_timesteps(n, shape, start=k)`); by default the whole schedule.
+    `post_step(x, i, state) -> x` changes x after every step, before the callback and trajectory see it
+    (inpainting with an ordinary UNet pastes the known region back).
 
     Each step is a `jax.checkpoint`: differentiating through the sampler keeps only the carry of every step
     and recomputes the UNet's activations one step at a time, so memory does not grow with the UNet per step.
@@ -115,6 +117,8 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
         prediction = model(model_input, state.timesteps[i])
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
         x, state = scheduler.step(state, prediction, i, x, key=jax.random.fold_in(key, i))
+        if post_step is not None:
+            x = post_step(x, i, state)
         if callback is not None:
             jax.debug.callback(lambda i, x: callback(int(i), num_evals, x), i, x)
         return (x, state), (Trajectory(x, pred_x0) if return_trajectory else None)

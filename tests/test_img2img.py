@@ -102,3 +102,18 @@ def test_img2img_under_pmap_equals_single_device(img2img):
     for i in (0, devices - 1):
         single = pipe(ids[i:i + 1], image[i:i + 1], params, keys[i], strength=0.5, num_inference_steps=4).images
         np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
+
+
+def test_img2img_sharded_equals_pmap(img2img):
+    """generate_sharded (jit + NamedSharding) gives the images of jit=True (pmap)."""
+    from sdflax import replicate, shard
+
+    pipe, params = img2img
+    devices = jax.local_device_count()
+    pixels = np.random.default_rng(3).uniform(0, 1, (devices, 32, 32, 3)).astype(np.float32)
+    ids, image = pipe.prepare_inputs([f"a painting number {i}" for i in range(devices)], list(pixels))
+    keys = jax.random.split(jax.random.key(0), devices)
+    pmapped = pipe(shard(ids), shard(image), replicate(params), keys, 0.5, 4, jit=True).images
+    sharded = pipe.generate_sharded(ids, image, params, keys, 0.5, 4)
+    assert sharded.shape == (devices, 32, 32, 3)
+    np.testing.assert_allclose(sharded, pmapped.reshape(sharded.shape), rtol=0, atol=1e-5)
