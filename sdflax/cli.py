@@ -1,4 +1,5 @@
-"""`sdflax generate "PROMPT"`: text -> PNG files on all local devices, each PNG carrying the settings that made it.
+"""`sdflax generate "PROMPT"`, `sdflax img2img "PROMPT" --image IN.png`, `sdflax inpaint "PROMPT" --image IN.png
+--mask MASK.png`: PNG files made on all local devices, each carrying the settings that made it.
 
 User errors (bad flags, a folder that is not a checkpoint, an unknown or uncached model, an unwritable output
 path) print one line on stderr and exit with status 2; anything else is a bug and keeps its traceback.
@@ -7,12 +8,15 @@ path) print one line on stderr and exit with status 2; anything else is a bug an
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
 import sys
 import threading
 import time
+
+import numpy as np
 
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 CACHE_ENV = "SDFLAX_CACHE_DIR"
@@ -60,43 +64,81 @@ def _seed(text):
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .schedulers import SCHEDULERS
+def _strength(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}: 1 repaints everything, small values keep "
+                                         "the image")
+    return value
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    g = commands.add_parser(
-        "generate", help="text -> PNG images", description="Generate images from a prompt and write them as PNGs "
-        "that carry their settings. Images are spread over all local devices (jax.pmap); image i uses seed S+i.")
+    common = " Images are spread over all local devices (jax.pmap); image i uses seed S+i."
+    g = commands.add_parser("generate", help="text -> PNG images", description="Generate images from a prompt and "
+                            "write them as PNGs that carry their settings." + common)
     g.add_argument("prompt", help="what to draw")
-    g.add_argument("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
-    g.add_argument("--model", default=DEFAULT_MODEL, metavar="ID_OR_DIR",
-                   help=f"hub id or local diffusers folder (default: {DEFAULT_MODEL})")
-    g.add_argument("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
-    g.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="sampler (default: the checkpoint's own)")
-    g.add_argument("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
-    g.add_argument("--guidance", type=float, default=7.5, metavar="SCALE",
-                   help="classifier-free guidance scale (default: 7.5)")
-    g.add_argument("--height", type=_positive_int, metavar="H", help="pixels, a multiple of the VAE scale factor "
-                   "(default: the model's own, 512 for SD 1.x)")
-    g.add_argument("--width", type=_positive_int, metavar="W", help="pixels (default: the model's own)")
-    g.add_argument("--seed", type=_seed, help="seed of the first image (default: random, printed and saved)")
-    g.add_argument("--num-images", type=_positive_int, metavar="N",
-                   help="images to keep (default: one per device; computed in multiples of the device count)")
-    g.add_argument("--dtype", choices=("bfloat16", "float32"),
-                   help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
-    g.add_argument("--out", default="outputs", metavar="PATH",
-                   help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
-    g.add_argument("--grid", action="store_true", help="also write all images as one grid PNG")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="status lines, download bars and a per-step bar; --no-progress prints only the results "
-                   "(default: on, with the per-step bar on the CPU only: JAX does not keep programs with a host "
-                   "callback in its disk cache, and on an accelerator compiling takes longer than sampling)")
-    g.add_argument("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: "
-                   f"${CACHE_ENV} or ~/.cache/sdflax/jax)")
-    g.set_defaults(run=generate)
+    _add_options(g)
+
+    i = commands.add_parser("img2img", help="image + text -> PNG images", description="Redraw an image after a "
+                            "prompt (SDEdit): the image is noised as far as --strength says, then denoised." + common)
+    i.add_argument("prompt", help="what to draw")
+    i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
+    i.add_argument("--strength", type=_strength, default=0.8, help="how far to noise the image, in (0, 1]: 1 "
+                   "repaints everything, small values keep the image; runs int(steps * strength) steps (default: 0.8)")
+    _add_options(i, image=True)
+
+    p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
+                            "of a mask after a prompt and keep the black part (an inpainting checkpoint, or any "
+                            "other: the kept part is pasted back after every step)." + common)
+    p.add_argument("prompt", help="what to draw in the masked region")
+    p.add_argument("--image", required=True, metavar="IN.png", help="the picture to repaint")
+    p.add_argument("--mask", required=True, metavar="MASK.png", help="greyscale, the image's size: white is "
+                   "repainted, black kept (binarised at 0.5)")
+    p.add_argument("--strength", type=_strength, default=1.0, help="in (0, 1]: 1 starts the masked region from pure "
+                   "noise, smaller values from the noised image (default: 1)")
+    _add_options(p, image=True)
     return parser
+
+
+def _add_options(command, image=False):
+    """The options all commands share."""
+    from .schedulers import SCHEDULERS
+
+    size = "resize the image to" if image else "pixels,"
+    add = command.add_argument
+    add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
+    add("--model", default=DEFAULT_MODEL, metavar="ID_OR_DIR",
+        help=f"hub id or local diffusers folder (default: {DEFAULT_MODEL})")
+    add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
+    add("--scheduler", choices=sorted(SCHEDULERS), help="sampler (default: the checkpoint's own)")
+    add("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
+    add("--guidance", type=float, default=7.5, metavar="SCALE", help="classifier-free guidance scale (default: 7.5)")
+    add("--height", type=_positive_int, metavar="H", help=f"{size} H pixels, a multiple of the VAE scale factor "
+        + ("(default: the image's own, cut down to a multiple)" if image else "(default: the model's own, 512 for "
+           "SD 1.x)"))
+    add("--width", type=_positive_int, metavar="W", help=f"{size} W pixels (default: the "
+        + ("image's own)" if image else "model's own)"))
+    add("--seed", type=_seed, help="seed of the first image (default: random, printed and saved)")
+    add("--num-images", type=_positive_int, metavar="N",
+        help="images to keep (default: one per device; computed in multiples of the device count)")
+    add("--dtype", choices=("bfloat16", "float32"),
+        help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
+    add("--out", default="outputs", metavar="PATH",
+        help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
+    add("--grid", action="store_true", help="also write all images as one grid PNG")
+    add("--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="status lines, download bars and a per-step bar; --no-progress prints only the results (default: on, "
+        "with the per-step bar on the CPU only: JAX does not keep programs with a host callback in its disk cache, "
+        "and on an accelerator compiling takes longer than sampling)")
+    add("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: ${CACHE_ENV} or "
+        "~/.cache/sdflax/jax)")
+    command.set_defaults(run=run)
 
 
 def main(argv=None) -> int:
@@ -118,11 +160,21 @@ def main(argv=None) -> int:
         return 130
 
 
-# ---- generate -----------------------------------------------------------------------------------------------
+# ---- generate, img2img, inpaint ------------------------------------------------------------------------------
 
-def generate(args) -> int:
+def run(args) -> int:
+    """All three commands: check everything cheap, load, compile and run on all devices, write the PNGs."""
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
     target = _output_target(args.out)  # before anything slow
+    pictures = _read_pictures(args)  # {"image": ..., "mask": ...} for img2img / inpaint
+    if pictures:
+        from .img2img import start_step
+
+        try:
+            start_step(args.steps, args.strength)
+        except ValueError:
+            raise UserError(f"--strength {args.strength} with --steps {args.steps} runs no denoising step: raise "
+                            f"--strength to at least {1 / args.steps:.3g} or --steps") from None
     if args.progress is False:
         from huggingface_hub.utils import disable_progress_bars
 
@@ -143,12 +195,14 @@ def generate(args) -> int:
         unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
     except (ModelNotFoundError, ValueError) as e:
         raise UserError(str(e)) from e
+    latent, unet_channels = vae.config.latent_channels, unet.config.in_channels
+    if args.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
+        raise UserError(f"{args.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
+                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
+    if args.command != "inpaint" and unet_channels == 2 * latent + 1:
+        raise UserError(f"{args.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
     factor = vae.config.scale_factor
-    height, width = args.height or unet.config.sample_size * factor, args.width or unet.config.sample_size * factor
-    for flag, value in (("--height", height), ("--width", width)):
-        if value % factor:
-            raise UserError(f"{flag} {value} is not a multiple of {factor}, the VAE scale factor of {args.model}: "
-                            f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")
+    height, width = _output_size(args, unet.config.sample_size * factor, factor, pictures)
 
     import jax  # after the checks above, so that mistakes are reported without starting JAX
 
@@ -156,6 +210,8 @@ def generate(args) -> int:
     jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile
     import jax.numpy as jnp
 
+    from .img2img import StableDiffusionImg2Img
+    from .inpaint import StableDiffusionInpaint
     from .parallel import replicate, shard
     from .pipeline import StableDiffusion
 
@@ -170,9 +226,10 @@ def generate(args) -> int:
 
     status(f"Loading {args.model} in {dtype} ...")
     start = time.perf_counter()
+    kind = {"generate": StableDiffusion, "img2img": StableDiffusionImg2Img, "inpaint": StableDiffusionInpaint}
     try:
-        pipeline, params = StableDiffusion.from_pretrained(args.model, revision=args.revision,
-                                                           dtype=getattr(jnp, dtype), scheduler=args.scheduler)
+        pipeline, params = kind[args.command].from_pretrained(args.model, revision=args.revision,
+                                                              dtype=getattr(jnp, dtype), scheduler=args.scheduler)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
     scheduler = args.scheduler or _scheduler_name(pipeline.scheduler)
@@ -181,21 +238,32 @@ def generate(args) -> int:
     # Always pass negative ids (an empty prompt is the unconditional one): one program with or without them.
     neg_ids = shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds)))
     keys = jnp.stack([jax.random.key(s) for s in seeds])
-    # Image i's noise comes from key(seed + i) alone, as pipeline(ids, params, key(seed + i)) draws it for a
-    # batch of one: an image does not depend on the batch it was made in (for deterministic samplers).
-    shape = (1, unet.config.in_channels, height // factor, width // factor)
-    latents = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[0], shape, jnp.float32))(keys)
-    latents = shard(latents.reshape(len(seeds), *shape[1:]))
-    rngs = keys[::per_device]  # each device's sampler key: its first image's
+    # Image i's random draws come from key(seed + i) alone, as a call with that key draws them for a batch of
+    # one: an image does not depend on the batch it was made in (for deterministic samplers).
+    if args.command == "generate":
+        shape = (1, unet.config.in_channels, height // factor, width // factor)
+        latents = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[0], shape, jnp.float32))(keys)
+        latents = shard(latents.reshape(len(seeds), *shape[1:]))
+        rngs = keys[::per_device]  # each device's sampler key: its first image's
+        call = functools.partial(pipeline, prompt_ids, p_params, rngs, args.steps, height, width, args.guidance,
+                                 latents, neg_ids)
+    else:
+        try:
+            _, *images = pipeline.prepare_inputs([args.prompt], *pictures.values())
+        except ValueError as e:
+            raise UserError(str(e)) from e
+        images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
+        call = functools.partial(pipeline, prompt_ids, *images, p_params, shard(keys), args.strength, args.steps,
+                                 guidance_scale=args.guidance, neg_prompt_ids=neg_ids)
     load_s = time.perf_counter() - start
 
     where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
-    status(f"Compiling for {args.steps} steps at {width}x{height}, {len(seeds)} image(s) on {where} "
+    strength = f" (strength {args.strength})" if pictures else ""
+    status(f"Compiling for {args.steps} steps{strength} at {width}x{height}, {len(seeds)} image(s) on {where} "
            f"(once per setting; kept in {cache_dir}) ...")
     with _CompileClock() as clock:
         start = time.perf_counter()
-        images = pipeline(prompt_ids, p_params, rngs, args.steps, height, width, args.guidance, latents, neg_ids,
-                          jit=True, callback=step_bar).images
+        images = call(jit=True, callback=step_bar).images
         total_s = time.perf_counter() - start
     if step_bar is not None:
         step_bar.close()
@@ -205,6 +273,8 @@ def generate(args) -> int:
                 "scheduler": scheduler, "guidance_scale": args.guidance, "width": width, "height": height,
                 "model": args.model, "revision": args.revision or ("main" if not local else ""),
                 "commit": snapshot_commit(folder) or "", "dtype": dtype, "software": f"sdflax {_version()}"}
+    if pictures:
+        settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
     paths, grid_path = target.paths(args.prompt, seeds[:num_images], args.grid)
     try:
         for path, image, s in zip(paths, images, seeds):
@@ -225,6 +295,63 @@ def generate(args) -> int:
     print(f"seed {seed}: load {load_s:.1f} s, compile {clock.seconds:.1f} s{cached}, "
           f"generate {max(total_s - clock.seconds, 0.0):.1f} s for {len(seeds)} image(s)", file=sys.stderr)
     return 0
+
+
+def _read_pictures(args) -> dict:
+    """--image (RGB) and --mask (greyscale) as PIL images, checked: readable, the same size, a grey mask."""
+    from PIL import Image, UnidentifiedImageError
+
+    pictures = {}
+    for flag in ("image", "mask"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        try:
+            with Image.open(os.path.expanduser(path)) as picture:
+                picture.load()
+        except (OSError, UnidentifiedImageError, ValueError) as e:
+            reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else e.strerror or e
+            raise UserError(f"--{flag} {path}: cannot read it ({reason}): give a PNG or JPEG file") from e
+        pictures[flag] = picture
+    if "mask" in pictures:
+        image, mask = pictures["image"], pictures["mask"]
+        if mask.size != image.size:
+            raise UserError(f"--mask {args.mask} is {mask.size[0]}x{mask.size[1]} but --image {args.image} is "
+                            f"{image.size[0]}x{image.size[1]}: give a mask of the image's size")
+        rgb = np.asarray(mask.convert("RGB"), np.int16)
+        if (rgb != rgb[..., :1]).any():  # a coloured mask would silently become its luma
+            raise UserError(f"--mask {args.mask} has colours (its red, green and blue differ): give a greyscale "
+                            "mask, white where to repaint and black where to keep")
+        pictures["mask"] = mask.convert("L")
+    if pictures:
+        pictures["image"] = pictures["image"].convert("RGB")
+    return pictures
+
+
+def _output_size(args, default, factor, pictures):
+    """(height, width): --height/--width must be multiples of the VAE scale factor; an input image is resized to
+    them, or its own size is cut down to multiples (with a warning line)."""
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        if value is not None and value % factor:
+            raise UserError(f"{flag} {value} is not a multiple of {factor}, the VAE scale factor of {args.model}: "
+                            f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")
+    if not pictures:
+        return args.height or default, args.width or default
+    from PIL import Image
+
+    own_width, own_height = pictures["image"].size
+    height = args.height or own_height - own_height % factor
+    width = args.width or own_width - own_width % factor
+    if not height or not width:
+        raise UserError(f"--image {args.image} is {own_width}x{own_height}, smaller than {factor} pixels, the VAE "
+                        f"scale factor: give a larger image")
+    if (width, height) != (own_width, own_height):
+        if (args.height is None and height != own_height) or (args.width is None and width != own_width):
+            print(f"sdflax: warning: --image {args.image} is {own_width}x{own_height}: resized to {width}x{height}, "
+                  f"a multiple of {factor} (the VAE scale factor)", file=sys.stderr)
+        for flag, picture in pictures.items():
+            pictures[flag] = picture.resize((width, height), Image.LANCZOS)
+    return height, width
 
 
 class _StepBar:
@@ -352,6 +479,8 @@ def png_info(settings):
     parameters = (f"{s['prompt']}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
                   f"{s['scheduler']}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
                   f"{s['width']}x{s['height']}, Model: {s['model']}")
+    if "strength" in s:
+        parameters += f", Denoising strength: {s['strength']}"
     info.add_text("parameters", parameters)
     return info
 

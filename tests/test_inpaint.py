@@ -103,7 +103,10 @@ def test_strength_one_sees_the_image_only_where_it_is_kept(nine):
     pixels, masks = inputs(batch=1)
     other = np.where(masks[..., None] >= 0.5, 1 - pixels, pixels)  # differs only in the repainted region
     key = jax.random.key(5)
-    run = lambda p: pipe(*pipe.prepare_inputs(PROMPTS[:1], p, masks[0]), params, key, num_inference_steps=3).images  # noqa
+
+    def run(p):
+        return pipe(*pipe.prepare_inputs(PROMPTS[:1], p, masks[0]), params, key, num_inference_steps=3).images
+
     a, b = run(pixels), run(other)
     np.testing.assert_array_equal(a, b)
     kept_changed = np.where(masks[..., None] >= 0.5, pixels, 1 - pixels)
