@@ -216,3 +216,30 @@ def test_checkpointed_gradient_memory_grows_sublinearly(sd1, inputs):
 
     four, sixteen = temp_bytes(4), temp_bytes(16)
     assert sixteen < 2 * four, (four, sixteen)  # 4x the steps, well under 2x the memory: only carries are kept
+
+
+def test_ddim_eta_through_the_pipeline(tmp_path):
+    """`scheduler_config={"eta": ...}` reaches DDIM's step; each step's noise comes from the loop's key for it."""
+    torch_pipeline("sd1", "ddim").save_pretrained(tmp_path)
+    pipe, params = StableDiffusion.from_pretrained(tmp_path, scheduler="ddim", scheduler_config={"eta": 1.0})
+    deterministic, _ = StableDiffusion.from_pretrained(tmp_path, scheduler="ddim")
+    ids = pipe.prepare_inputs(PROMPTS)
+    latents = np.random.default_rng(4).standard_normal((2, 4, 16, 16), dtype=np.float32)
+    run = lambda p, seed: p(ids, params, jax.random.key(seed), 3, latents=latents).images  # noqa: E731
+    np.testing.assert_array_equal(run(pipe, 0), run(pipe, 0))
+    assert np.abs(run(pipe, 0) - run(pipe, 1)).max() > 1e-3  # the key now matters
+    assert np.abs(run(pipe, 0) - run(deterministic, 0)).max() > 1e-3
+
+    # By hand: the same steps with eta=1 and the noise drawn from fold_in(sampler_key, i).
+    context = jnp.concatenate([pipe.encode_prompt(params, pipe._empty_prompt_ids.repeat(2, 0)),
+                               pipe.encode_prompt(params, ids)])
+    model = sampling.guided_model(lambda x, t, c: pipe.unet.apply(params["unet"], x, t, c), context, 7.5)
+    _, sampler_key = jax.random.split(jax.random.key(0))
+    scheduler = deterministic.scheduler
+    state = scheduler.set_timesteps(3, shape=latents.shape)
+    x = jnp.asarray(latents)
+    for i in range(3):
+        noise = jax.random.normal(jax.random.fold_in(sampler_key, i), x.shape)
+        x, state = scheduler.step(state, model(x, state.timesteps[i]), i, x, eta=1.0, variance_noise=noise)
+    expected = np.asarray(pipe.decode_latents(params, x))
+    np.testing.assert_allclose(run(pipe, 0), expected, rtol=0, atol=1e-4)

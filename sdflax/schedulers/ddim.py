@@ -18,6 +18,7 @@ class DDIMConfig(common.ScheduleConfig):
     clip_sample: bool = True
     clip_sample_range: float = 1.0
     rescale_betas_zero_snr: bool = False
+    eta: float = 0.0  # not a diffusers config key (diffusers passes it to step): the pipeline's default for step
 
 
 @flax.struct.dataclass
@@ -76,9 +77,11 @@ class DDIMScheduler:
         """q(x_t | x_0): √ᾱ_t x_0 + √(1-ᾱ_t) ε at t = timesteps[i] (img2img's start)."""
         return common.add_noise(original_samples, noise, state.alpha_prod_t[i])
 
-    def step(self, state: DDIMState, model_output, i, sample, key=None, eta=0.0, variance_noise=None):
+    def step(self, state: DDIMState, model_output, i, sample, key=None, eta=None, variance_noise=None):
         """x_t -> x_{t-δ}. eta = 0 is deterministic DDIM, eta = 1 is DDPM-like ancestral sampling; for
-        eta > 0 pass a PRNG `key` or the standard-normal `variance_noise` itself."""
+        eta > 0 pass a PRNG `key` or the standard-normal `variance_noise` itself. `eta` defaults to the
+        config's, so `scheduler_config={"eta": 1.0}` reaches the sampling loop."""
+        eta = self.config.eta if eta is None else eta
         try:
             adds_noise = float(eta) > 0  # as diffusers: noise only for eta > 0
         except jax.errors.ConcretizationTypeError:
