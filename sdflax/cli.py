@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import re
@@ -118,7 +119,8 @@ def _add_options(command, image=False):
     add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
     add("--scheduler", choices=sorted(SCHEDULERS), help="sampler (default: the checkpoint's own)")
     add("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
-    add("--guidance", type=float, default=7.5, metavar="SCALE", help="classifier-free guidance scale (default: 7.5)")
+    add("--guidance", type=float, default=None, metavar="SCALE",
+        help="classifier-free guidance scale (default: 7.5; 5.0 for SDXL)")
     add("--height", type=_positive_int, metavar="H", help=f"{size} H pixels, a multiple of the VAE scale factor "
         + ("(default: the image's own, cut down to a multiple)" if image else "(default: the model's own, 512 for "
            "SD 1.x)"))
@@ -193,8 +195,14 @@ def run(args) -> int:
         check_pipeline_folder(folder, args.model)
         vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
         unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
+        with open(os.path.join(folder, "model_index.json")) as f:
+            xl = str(json.load(f).get("_class_name", "")).startswith("StableDiffusionXL")
     except (ModelNotFoundError, ValueError) as e:
         raise UserError(str(e)) from e
+    if xl and args.command != "generate":
+        raise UserError(f"{args.model} is a Stable Diffusion XL checkpoint: sdflax {args.command} reads SD 1.x/2.x "
+                        "checkpoints only; use sdflax generate")
+    guidance = args.guidance if args.guidance is not None else (5.0 if xl else 7.5)
     latent, unet_channels = vae.config.latent_channels, unet.config.in_channels
     if args.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
         raise UserError(f"{args.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
@@ -214,6 +222,7 @@ def run(args) -> int:
     from .inpaint import StableDiffusionInpaint
     from .parallel import replicate, shard
     from .pipeline import StableDiffusion
+    from .pipeline_xl import StableDiffusionXL
 
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
@@ -226,7 +235,8 @@ def run(args) -> int:
 
     status(f"Loading {args.model} in {dtype} ...")
     start = time.perf_counter()
-    kind = {"generate": StableDiffusion, "img2img": StableDiffusionImg2Img, "inpaint": StableDiffusionInpaint}
+    kind = {"generate": StableDiffusionXL if xl else StableDiffusion, "img2img": StableDiffusionImg2Img,
+            "inpaint": StableDiffusionInpaint}
     try:
         pipeline, params = kind[args.command].from_pretrained(args.model, revision=args.revision,
                                                               dtype=getattr(jnp, dtype), scheduler=args.scheduler)
@@ -235,8 +245,10 @@ def run(args) -> int:
     scheduler = args.scheduler or _scheduler_name(pipeline.scheduler)
     p_params = replicate(params)
     prompt_ids = shard(pipeline.prepare_inputs([args.prompt] * len(seeds)))
-    # Always pass negative ids (an empty prompt is the unconditional one): one program with or without them.
-    neg_ids = shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds)))
+    # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
+    # SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt), so it gets None there.
+    neg_ids = (None if xl and not args.negative_prompt
+               else shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds))))
     keys = jnp.stack([jax.random.key(s) for s in seeds])
     # Image i's random draws come from key(seed + i) alone, as a call with that key draws them for a batch of
     # one: an image does not depend on the batch it was made in (for deterministic samplers).
@@ -245,8 +257,9 @@ def run(args) -> int:
         latents = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[0], shape, jnp.float32))(keys)
         latents = shard(latents.reshape(len(seeds), *shape[1:]))
         rngs = keys[::per_device]  # each device's sampler key: its first image's
-        call = functools.partial(pipeline, prompt_ids, p_params, rngs, args.steps, height, width, args.guidance,
-                                 latents, neg_ids)
+        call = functools.partial(pipeline, prompt_ids, p_params, rngs, num_inference_steps=args.steps,
+                                 height=height, width=width, guidance_scale=guidance, latents=latents,
+                                 neg_prompt_ids=neg_ids)
     else:
         try:
             _, *images = pipeline.prepare_inputs([args.prompt], *pictures.values())
@@ -254,7 +267,7 @@ def run(args) -> int:
             raise UserError(str(e)) from e
         images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
         call = functools.partial(pipeline, prompt_ids, *images, p_params, shard(keys), args.strength, args.steps,
-                                 guidance_scale=args.guidance, neg_prompt_ids=neg_ids)
+                                 guidance_scale=guidance, neg_prompt_ids=neg_ids)
     load_s = time.perf_counter() - start
 
     where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
@@ -270,7 +283,7 @@ def run(args) -> int:
     images = pipeline.numpy_to_pil(images)[:num_images]
 
     settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
-                "scheduler": scheduler, "guidance_scale": args.guidance, "width": width, "height": height,
+                "scheduler": scheduler, "guidance_scale": guidance, "width": width, "height": height,
                 "model": args.model, "revision": args.revision or ("main" if not local else ""),
                 "commit": snapshot_commit(folder) or "", "dtype": dtype, "software": f"sdflax {_version()}"}
     if pictures:

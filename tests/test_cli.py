@@ -150,3 +150,29 @@ def test_naming_helpers():
     assert slug("A photo, of an ASTRONAUT riding a horse on Mars!!") == "a-photo-of-an-astronaut-riding-a-horse"
     assert slug("!!!") == "image"
     assert [grid_shape(n) for n in (1, 2, 4, 6, 7, 8, 9)] == [(1, 1), (1, 2), (2, 2), (2, 3), (1, 7), (2, 4), (3, 3)]
+
+
+def test_sdxl_checkpoint_through_generate(tmp_path):
+    """An SDXL checkpoint picks StableDiffusionXL, guidance 5 and SDXL's zero negative embeddings by default: the PNG
+    equals the Python API's image for the same seed."""
+    import jax
+    from builders import torch_xl_pipeline
+
+    from sdflax import StableDiffusionXL
+
+    torch_xl_pipeline().save_pretrained(tmp_path / "xl")
+    result = run_cli(["generate", "a lighthouse", "--model", str(tmp_path / "xl"), "--steps", "2", "--seed", "7",
+                      "--num-images", "1", "--no-progress", "--out", str(tmp_path / "xl.png")], tmp_path, devices=1)
+    assert result.returncode == 0, result.stderr
+    written = Image.open(tmp_path / "xl.png")
+    assert written.text["guidance_scale"] == "5.0"
+
+    pipe, params = StableDiffusionXL.from_pretrained(tmp_path / "xl")
+    expected = pipe(pipe.prepare_inputs(["a lighthouse"]), params, jax.random.key(7), 2).images[0]
+    assert written.size == (expected.shape[1], expected.shape[0])
+    difference = np.abs(pixels(tmp_path / "xl.png").astype(int) - (expected * 255).round().astype(int))
+    assert difference.max() <= 1  # 8-bit rounding of float32 results computed under pmap vs jit
+
+    result = run_cli(["img2img", "a lighthouse", "--model", str(tmp_path / "xl"), "--image", str(tmp_path / "xl.png"),
+                      "--steps", "2"], tmp_path, devices=1)
+    assert result.returncode == 2 and "Stable Diffusion XL checkpoint" in result.stderr
