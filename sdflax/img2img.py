@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import sampling
-from .pipeline import StableDiffusion, StableDiffusionOutput
+from .pipeline import StableDiffusion, StableDiffusionOutput, device_count_of
 
 
 def start_step(num_inference_steps: int, strength: float) -> int:
@@ -197,10 +197,7 @@ class ImagePipeline(StableDiffusion):
                 args[name] = np.asarray(args[name], np.float32)
         self._check(args, 2 if jit else 1, height, width)
         if jit:
-            devices = args["prompt_ids"].shape[0]
-            if devices != jax.local_device_count():
-                raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
-                                 "shard(prompt_ids) splits a batch divisible by the device count")
+            devices = device_count_of(args["prompt_ids"])
             if args["prng_seed"].shape[0] != devices:
                 raise ValueError(f"prng_seed leads with {args['prng_seed'].shape[0]} for {devices} devices: one key "
                                  "per device (jax.random.split(key, devices)), or shard(keys) with one key per image")

@@ -30,6 +30,23 @@ class StableDiffusionOutput:
     def __getitem__(self, index):
         return (self.images,)[index]
 
+    @classmethod
+    def of(cls, out, return_trajectory=False):
+        """From what `_generate` returned: images, or (images, trajectory)."""
+        if return_trajectory:
+            images, trajectory = out
+            return cls(np.asarray(images), jax.tree.map(np.asarray, trajectory))
+        return cls(np.asarray(out))
+
+
+def device_count_of(prompt_ids):
+    """The leading (device) axis of pmap-shaped ids, checked against the local devices."""
+    devices = prompt_ids.shape[0]
+    if devices != jax.local_device_count():
+        raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
+                         "shard(prompt_ids) splits a batch divisible by the device count")
+    return devices
+
 
 def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer",)):
     """Which files of a diffusers pipeline repo to download: configs, tokenizer, and one weight format."""
@@ -267,20 +284,14 @@ class StableDiffusion:
         self._check_ids(prompt_ids, neg_prompt_ids, 2 if jit else 1)
         scalars = jnp.asarray(guidance_scale, jnp.float32), jnp.asarray(guidance_rescale, jnp.float32)
         if jit:
-            devices = prompt_ids.shape[0]
-            if devices != jax.local_device_count():
-                raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
-                                 "shard(prompt_ids) splits a batch divisible by the device count")
+            devices = device_count_of(prompt_ids)
             scalars = [jnp.broadcast_to(s, (devices,)) for s in scalars]
             run = self._pmapped
         else:
             run = self._jitted
         out = run(prompt_ids, params, prng_seed, num_inference_steps, height, width, scalars[0], latents,
                   neg_prompt_ids, callback, scalars[1], guidance, return_trajectory)
-        if return_trajectory:
-            images, trajectory = out
-            return StableDiffusionOutput(np.asarray(images), jax.tree.map(np.asarray, trajectory))
-        return StableDiffusionOutput(np.asarray(out))
+        return StableDiffusionOutput.of(out, return_trajectory)
 
     def generate_sharded(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
                          guidance_scale=7.5, latents=None, neg_prompt_ids=None, mesh=None):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
-from .pipeline import StableDiffusion, StableDiffusionOutput
+from .pipeline import StableDiffusion, StableDiffusionOutput, device_count_of
 
 
 class StableDiffusionXL(StableDiffusion):
@@ -164,20 +164,14 @@ class StableDiffusionXL(StableDiffusion):
         scalars = jnp.asarray(guidance_scale, jnp.float32), jnp.asarray(guidance_rescale, jnp.float32)
         sizes = self._size_conditioning(height, width, original_size, crops_coords_top_left, target_size)
         if jit:
-            devices = prompt_ids.shape[0]
-            if devices != jax.local_device_count():
-                raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
-                                 "shard(prompt_ids) splits a batch divisible by the device count")
+            devices = device_count_of(prompt_ids)
             scalars = [jnp.broadcast_to(s, (devices,)) for s in scalars]
             run = self._pmapped
         else:
             run = self._jitted
         out = run(prompt_ids, params, prng_seed, num_inference_steps, scalars[0], height, width, latents,
                   neg_prompt_ids, scalars[1], *sizes, callback, guidance, return_trajectory)
-        if return_trajectory:
-            images, trajectory = out
-            return StableDiffusionOutput(np.asarray(images), jax.tree.map(np.asarray, trajectory))
-        return StableDiffusionOutput(np.asarray(out))
+        return StableDiffusionOutput.of(out, return_trajectory)
 
     def generate_sharded(self, prompt_ids, params, prng_seed, num_inference_steps=50, guidance_scale=5.0,
                          height=None, width=None, latents=None, neg_prompt_ids=None, guidance_rescale=0.0,
