@@ -61,7 +61,6 @@ def test_reports_every_figure(checkpoint_run):
 
 
 def test_compare_torch_adds_its_figures_and_the_ratios(checkpoint_run, tmp):
-    pytest.importorskip("diffusers")
     # Random weights from tiny-sd's configs: the path of the default sd15-random, for both frameworks.
     out = parse(run_benchmark(["--model", TINY, "--random-weights", "--steps", "1", "--repeats", "1",
                                "--compare", "torch", *SIZE], tmp))
