@@ -293,6 +293,18 @@ class StableDiffusion:
                   neg_prompt_ids, callback, scalars[1], guidance, return_trajectory)
         return StableDiffusionOutput.of(out, return_trajectory)
 
+    def _sharded_checks(self, prompt_ids, neg_prompt_ids, prng_seed, height, width, mesh):
+        """The mesh (default: all local devices) and the image size, with the inputs checked for the sharded path."""
+        from .parallel import device_mesh
+
+        mesh = mesh or device_mesh()
+        height, width = self._sizes(height, width)
+        self._check_ids(prompt_ids, neg_prompt_ids, 1)
+        if prng_seed.shape[0] != mesh.size:
+            raise ValueError(f"prng_seed holds {prng_seed.shape[0]} keys for {mesh.size} devices: "
+                             "use jax.random.split(key, number_of_devices)")
+        return mesh, height, width
+
     def generate_sharded(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
                          guidance_scale=7.5, latents=None, neg_prompt_ids=None, mesh=None):
         """The `jit` + `NamedSharding` path: the batch (B, 77) is split over a one-axis device mesh.
@@ -301,14 +313,9 @@ class StableDiffusion:
         batch rows [d * B/devices, (d + 1) * B/devices) from its key, so the images equal the pmap path's.
         `params` are plain (not `replicate`d); returns (B, H, W, 3) numpy images.
         """
-        from .parallel import device_mesh, replicate_on, shard_batch
+        from .parallel import replicate_on, shard_batch
 
-        mesh = mesh or device_mesh()
-        height, width = self._sizes(height, width)
-        self._check_ids(prompt_ids, neg_prompt_ids, 1)
-        if prng_seed.shape[0] != mesh.size:
-            raise ValueError(f"prng_seed holds {prng_seed.shape[0]} keys for {mesh.size} devices: "
-                             "use jax.random.split(key, number_of_devices)")
+        mesh, height, width = self._sharded_checks(prompt_ids, neg_prompt_ids, prng_seed, height, width, mesh)
         inputs = shard_batch({"ids": prompt_ids, "latents": latents, "neg": neg_prompt_ids}, mesh)
         images = self._sharded(inputs["ids"], replicate_on(params, mesh), shard_batch(prng_seed, mesh),
                                num_inference_steps, height, width, jnp.asarray(guidance_scale, jnp.float32),

@@ -178,14 +178,9 @@ class StableDiffusionXL(StableDiffusion):
                          original_size=None, crops_coords_top_left=(0, 0), target_size=None, mesh=None):
         """The `jit` + `NamedSharding` path, as `StableDiffusion.generate_sharded`: the batch (B, 2, 77) is split
         over a one-axis device mesh, one key per device; the images equal the pmap path's. (B, H, W, 3)."""
-        from .parallel import device_mesh, replicate_on, shard_batch
+        from .parallel import replicate_on, shard_batch
 
-        mesh = mesh or device_mesh()
-        height, width = self._sizes(height, width)
-        self._check_ids(prompt_ids, neg_prompt_ids, 1)
-        if prng_seed.shape[0] != mesh.size:
-            raise ValueError(f"prng_seed holds {prng_seed.shape[0]} keys for {mesh.size} devices: "
-                             "use jax.random.split(key, number_of_devices)")
+        mesh, height, width = self._sharded_checks(prompt_ids, neg_prompt_ids, prng_seed, height, width, mesh)
         batched = shard_batch({"prompt_ids": prompt_ids, "latents": latents, "neg_prompt_ids": neg_prompt_ids}, mesh)
         sizes = self._size_conditioning(height, width, original_size, crops_coords_top_left, target_size)
         shared = {"guidance_scale": jnp.asarray(guidance_scale, jnp.float32),
