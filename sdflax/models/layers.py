@@ -6,6 +6,7 @@ Everything is NHWC. Module and parameter names follow the diffusers checkpoints 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -16,6 +17,12 @@ import numpy as np
 # How attention is computed. "xla" is a plain einsum-softmax-einsum (fastest on CPU); "cudnn" asks
 # jax.nn.dot_product_attention for the fused cuDNN kernel; None lets jax.nn.dot_product_attention choose.
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", None)
+# On the CPU, attention over many tokens runs ~1.7x faster in blocks of this many queries, whose logits stay
+# near the cache, than in one piece (SD 1.5's 1024-token self-attention: 61 -> 35 ms on 2 cores).
+CPU_QUERY_CHUNK = 256
+# On the CPU, a convolution with at most this many output pixels (batch included) is faster as one matmul over
+# its 3x3 patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280: 109 -> 50 ms on 2 cores).
+CPU_PATCH_MATMUL_PIXELS = 512
 
 
 def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation="xla"):
@@ -27,12 +34,30 @@ def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation=
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation).astype(dtype)
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)  # on q, not on the (T, S) logits: T·S/d fewer products
+    attend = functools.partial(_attention, causal=causal, dtype=dtype)
+    if causal or q.shape[1] <= CPU_QUERY_CHUNK:
+        return attend(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, cpu=functools.partial(_in_query_chunks, attend), default=attend)
+
+
+def _attention(q, k, v, *, causal, dtype):
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     if causal:
         t_q, t_k = logits.shape[-2:]
         logits = jnp.where(jnp.tril(jnp.ones((t_q, t_k), bool)), logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def _in_query_chunks(attend, q, k, v):
+    """`attend` over blocks of CPU_QUERY_CHUNK queries, one after another (queries padded to a whole block)."""
+    b, t, h, d = q.shape
+    n = -(-t // CPU_QUERY_CHUNK)
+    q = jnp.pad(q, ((0, 0), (0, n * CPU_QUERY_CHUNK - t), (0, 0), (0, 0)))
+    blocks = jnp.moveaxis(q.reshape(b, n, CPU_QUERY_CHUNK, h, d), 1, 0)
+    out = jax.lax.map(lambda block: attend(block, k, v), blocks)
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * CPU_QUERY_CHUNK, h, -1)[:, :t]
 
 
 class GroupNorm(nn.Module):
@@ -57,8 +82,43 @@ class GroupNorm(nn.Module):
 
 def conv(features, kernel=3, stride=1, padding=None, name=None, dtype=jnp.float32):
     """torch.nn.Conv2d with 'same'-style symmetric padding (k // 2), as every conv in SD uses."""
-    pad = kernel // 2 if padding is None else padding
-    return nn.Conv(features, (kernel, kernel), (stride, stride), padding=((pad, pad), (pad, pad)), name=name, dtype=dtype)
+    return Conv2d(features, kernel, stride, kernel // 2 if padding is None else padding, dtype=dtype, name=name)
+
+
+class Conv2d(nn.Module):
+    """torch.nn.Conv2d on NHWC with symmetric zero padding; params as flax's nn.Conv (kernel HWIO, bias)."""
+
+    features: int
+    kernel: int = 3
+    stride: int = 1
+    padding: int = 1
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        k, s, p = self.kernel, self.stride, self.padding
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, k, x.shape[-1], self.features))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        b, h, w = x.shape[:3]
+        out_pixels = b * ((h + 2 * p - k) // s + 1) * ((w + 2 * p - k) // s + 1)
+
+        def convolve(x, kernel):
+            return jax.lax.conv_general_dilated(x, kernel, (s, s), ((p, p), (p, p)),
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+        def patch_matmul(x, kernel):  # im2col: the k*k shifted views side by side, then one matmul
+            x = jnp.pad(x, ((0, 0), (p, p), (p, p), (0, 0)))
+            h_out, w_out = (x.shape[1] - k) // s + 1, (x.shape[2] - k) // s + 1
+            patches = jnp.concatenate([x[:, i:i + (h_out - 1) * s + 1:s, j:j + (w_out - 1) * s + 1:s]
+                                       for i in range(k) for j in range(k)], axis=-1)
+            return patches @ kernel.reshape(-1, self.features)
+
+        if out_pixels <= CPU_PATCH_MATMUL_PIXELS and k > 1:
+            y = jax.lax.platform_dependent(x, kernel, cpu=patch_matmul, default=convolve)
+        else:
+            y = convolve(x, kernel)
+        return y + bias.astype(self.dtype)
 
 
 class Attention(nn.Module):

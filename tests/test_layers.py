@@ -1,0 +1,67 @@
+"""The CPU-specific ways sdflax computes attention and convolutions give PyTorch's numbers."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import jax.numpy as jnp
+
+from sdflax.models import layers
+from sdflax.models.layers import conv, dot_product_attention
+
+RTOL, ATOL = 1e-4, 1e-5  # float32
+
+
+def compiled_text(fn, *args):
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("tokens, keys, causal", [(700, 700, False), (1024, 77, False), (77, 77, True)])
+def test_attention_matches_sdpa(tokens, keys, causal):
+    """Query blocks on the CPU (700 is not a whole number of blocks: the last one is padded) and one piece."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, tokens, 4, 40), dtype=np.float32)
+    k, v = (rng.standard_normal((2, keys, 4, 40), dtype=np.float32) for _ in range(2))
+    ours = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=causal))(q, k, v)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(t).transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=RTOL, atol=ATOL)
+    chunked = "while" in compiled_text(dot_product_attention, q, k, v)
+    assert chunked == (tokens > layers.CPU_QUERY_CHUNK and not causal)
+
+
+@pytest.mark.parametrize("size, channels, kernel, stride, padding", [
+    (8, 48, 3, 1, 1),    # 2 x 8 x 8 = 128 output pixels: one patch matmul on the CPU
+    (32, 16, 3, 1, 1),   # 2048 output pixels: XLA's convolution
+    (9, 24, 3, 2, 1),    # odd side, stride 2
+    (10, 24, 3, 2, 0),   # the VAE's downsampling (its (0, 1) pad happens before the conv)
+    (8, 48, 1, 1, 0),    # 1x1
+])
+def test_conv_matches_torch(size, channels, kernel, stride, padding):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, size, size, channels), dtype=np.float32)
+    module = conv(32, kernel=kernel, stride=stride, padding=padding)
+    params = module.init(jax.random.key(0), x)
+    params = jax.tree.map(lambda p: p + 0.1 * rng.standard_normal(p.shape, dtype=np.float32), params)  # bias != 0
+    ours = jax.jit(module.apply)(params, x)
+
+    weight = torch.from_numpy(np.array(params["params"]["kernel"])).permute(3, 2, 0, 1)
+    bias = torch.from_numpy(np.array(params["params"]["bias"]))
+    theirs = torch.nn.functional.conv2d(torch.from_numpy(x).permute(0, 3, 1, 2), weight, bias, stride, padding)
+    np.testing.assert_allclose(np.asarray(ours), theirs.permute(0, 2, 3, 1).numpy(), rtol=RTOL, atol=ATOL)
+
+    out_pixels = ours.shape[0] * ours.shape[1] * ours.shape[2]
+    as_matmul = "convolution(" not in compiled_text(module.apply, params, x)
+    assert as_matmul == (kernel > 1 and out_pixels <= layers.CPU_PATCH_MATMUL_PIXELS)
+
+
+def test_bfloat16_conv_and_attention_stay_in_bfloat16():
+    x = jnp.ones((1, 8, 8, 16), jnp.bfloat16)
+    module = conv(8, dtype=jnp.bfloat16)
+    params = module.init(jax.random.key(0), x)
+    assert module.apply(params, x).dtype == jnp.bfloat16
+    q = jnp.ones((1, 300, 2, 8), jnp.bfloat16)
+    assert dot_product_attention(q, q, q).dtype == jnp.bfloat16
