@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import flax
@@ -97,16 +98,25 @@ class StableDiffusion:
             index = json.load(f)
 
         scheduler = load_scheduler(folder, scheduler, scheduler_config)  # fail fast, before the weights
-        tokenizers = {name: load_tokenizer(os.path.join(folder, name)) for name in cls.TOKENIZERS}
-        modules, params = {}, {}
+        for name in cls.TOKENIZERS:
+            if not os.path.isdir(os.path.join(folder, name)):
+                raise FileNotFoundError(f"no tokenizer folder at {os.path.join(folder, name)}")
+        modules = {}
         for name, module_class in cls.MODELS.items():
             sub = os.path.join(folder, name)
             kwargs = {"attention": attention} if name == "unet" else {}
-            module = module_class.from_config(read_config_file(os.path.join(sub, "config.json")), dtype, **kwargs)
+            modules[name] = module_class.from_config(read_config_file(os.path.join(sub, "config.json")), dtype, **kwargs)
             weight_files(sub, variant)  # fail on a missing weights file before reading anything
-            modules[name] = module
-        for name, module in modules.items():
-            params[name] = load_weights(os.path.join(folder, name), module.param_shapes(), dtype, variant)
+        # Tracing the models for their parameter shapes and building the tokenizers hold the GIL; copying tensors
+        # into device buffers does not. So a side thread does the first while this one copies, biggest model first.
+        order = sorted(modules, key=lambda name: name != "unet")
+        with ThreadPoolExecutor(1) as side:
+            shapes = {name: side.submit(modules[name].param_shapes) for name in order}
+            tokenizers = {name: side.submit(load_tokenizer, os.path.join(folder, name)) for name in cls.TOKENIZERS}
+            params = {name: load_weights(os.path.join(folder, name), shapes[name].result(), dtype, variant)
+                      for name in order}
+            tokenizers = {name: pending.result() for name, pending in tokenizers.items()}
+        params = {name: params[name] for name in modules}
 
         options = {key: index[key] for key in cls.INDEX_OPTIONS if key in index}
         return cls(scheduler=scheduler, dtype=dtype, **tokenizers, **modules, **options), params

@@ -111,6 +111,14 @@ def test_paths_and_folders_that_are_not_checkpoints(tmp_path):
     check_pipeline_folder(str(TINY))
 
 
+def test_a_missing_tokenizer_is_named_before_the_weights_are_read(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(TINY, folder)
+    shutil.rmtree(folder / "tokenizer")
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer folder at .*no-tokenizer.tokenizer"):
+        StableDiffusion.from_pretrained(str(folder))
+
+
 def run_cli(args, env, tmp):
     env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
            "SDFLAX_CACHE_DIR": str(tmp / "jax-cache")}
