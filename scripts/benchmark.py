@@ -65,7 +65,6 @@ SD15 = {
 }
 SD15_NAME = "sd15-random"
 COMPONENTS = ("text_encoder", "unet", "vae")
-ATTENTION = {"xla": "xla", "cudnn": "cudnn", "auto": None}  # --attention -> sdflax's `attention=`
 RATIO_KEYS = ("load_s", "first_image_s", "seconds_per_call", "seconds_per_image", "unet_steps_per_s",
               "tflops_per_s", "peak_memory_bytes")
 
@@ -78,6 +77,7 @@ def log(message):
 
 
 def build_parser():
+    from sdflax.models.layers import ATTENTION_IMPLEMENTATIONS
     from sdflax.schedulers import SCHEDULERS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,8 +90,9 @@ def build_parser():
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="default: bfloat16 on an accelerator, float32 on the CPU")
     p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's own")
-    p.add_argument("--attention", choices=sorted(ATTENTION), default="xla",
-                   help="UNet attention: sdflax's XLA einsums, cuDNN flash attention, or JAX's choice (default: xla)")
+    p.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
+                   help="UNet attention: cuDNN flash attention where it runs, else XLA (auto, the default), or "
+                        "either forced")
     p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default: 7.5)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
     p.add_argument("--compare", choices=("torch",), help="also time diffusers' PyTorch pipeline")
@@ -164,7 +165,7 @@ def model_configs(args):
     return configs, os.path.join(folder, "tokenizer")
 
 
-def random_pipeline(configs, tokenizer_folder, dtype, scheduler=None, attention="xla", seed=0):
+def random_pipeline(configs, tokenizer_folder, dtype, scheduler=None, attention="auto", seed=0):
     """(StableDiffusion, params) built from config dicts with random weights."""
     from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
     from sdflax.pipeline import StableDiffusion, load_tokenizer
@@ -210,7 +211,7 @@ def benchmark_sdflax(args, dtype_name):
     from sdflax.pipeline import StableDiffusion
 
     dtype = getattr(jnp, dtype_name)
-    attention = ATTENTION[args.attention]
+    attention = args.attention
     configs, tokenizer_folder = model_configs(args)
     log(f"Building {args.model} in {dtype_name} ({'random weights' if configs else 'checkpoint weights'}) ...")
     start = time.perf_counter()
@@ -299,7 +300,7 @@ def count_flops(pipeline, compiled, program, all_args, params, latent_shape, arg
 
     from sdflax import sampling
 
-    if args.attention == "xla":
+    if "cudnn" not in compiled.as_text():  # no cuDNN custom call: XLA counts everything
         program_flops = flops(compiled.cost_analysis())
     else:
         twin = type(pipeline)(pipeline.text_encoder, pipeline.unet.clone(attention="xla"), pipeline.vae,

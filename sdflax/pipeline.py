@@ -76,7 +76,7 @@ class StableDiffusion:
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
-                        scheduler_config=None, variant=None, attention="xla"):
+                        scheduler_config=None, variant=None, attention="auto"):
         """(pipeline, params) from a diffusers checkpoint folder or hub id.
 
         `scheduler="ddim"` swaps the kind and keeps the checkpoint's config values; `scheduler_config={...}`
@@ -123,7 +123,7 @@ class StableDiffusion:
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
-                         scheduler_config=None, attention="xla", revision=None):
+                         scheduler_config=None, attention="auto", revision=None):
         """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 layout (SD 1.x or 2.x).
 
         The version is read from the tensor names. Model, tokenizer and scheduler configs come from `config` (a

@@ -223,7 +223,7 @@ def bundled_tokenizer(version: str):
 
 
 def from_single_file(cls, path, config=None, dtype=None, prediction_type=None, scheduler=None,
-                     scheduler_config=None, attention="xla", revision=None):
+                     scheduler_config=None, attention="auto", revision=None):
     """(pipeline, params) from a .safetensors / .ckpt file; `cls` is StableDiffusion. See its docstring."""
     import jax.numpy as jnp
 

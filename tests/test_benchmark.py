@@ -54,7 +54,7 @@ def test_reports_every_figure(checkpoint_run):
     assert {k: out[k] for k in ("model", "weights", "backend", "devices", "dtype", "attention", "height", "width",
                                 "steps", "unet_evals", "batch_per_device", "images_per_call")} == {
         "model": TINY, "weights": "checkpoint", "backend": "cpu", "devices": 1, "dtype": "float32",
-        "attention": "xla", "height": 32, "width": 48, "steps": 2, "unet_evals": 3, "batch_per_device": 1,
+        "attention": "auto", "height": 32, "width": 48, "steps": 2, "unet_evals": 3, "batch_per_device": 1,
         "images_per_call": 1}  # PNDM without PRK steps evaluates the UNet steps + 1 times
     assert out["cache"]["enabled"] and out["cache"]["warm"] is False  # a fresh cache folder
     assert out["flops_per_image"] > out["unet_evals"] * out["unet_eval_flops_per_image"]  # plus text and VAE

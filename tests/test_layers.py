@@ -65,3 +65,23 @@ def test_bfloat16_conv_and_attention_stay_in_bfloat16():
     assert module.apply(params, x).dtype == jnp.bfloat16
     q = jnp.ones((1, 300, 2, 8), jnp.bfloat16)
     assert dot_product_attention(q, q, q).dtype == jnp.bfloat16
+
+
+def test_auto_attention_picks_cudnn_only_where_it_runs():
+    from types import SimpleNamespace as Device
+
+    hopper, ampere = Device(platform="gpu", compute_capability="9.0"), Device(platform="gpu", compute_capability="8.0")
+    choose = layers.attention_for
+    assert [choose(d, jnp.bfloat16, hopper) for d in (40, 80, 160)] == ["cudnn"] * 3  # SD 1.5 on an H100
+    assert [choose(d, jnp.float16, ampere) for d in (40, 80, 160)] == ["cudnn", "cudnn", "xla"]
+    assert choose(64, jnp.float32, hopper) == "xla"  # flash attention is half precision only
+    assert choose(512, jnp.bfloat16, hopper) == "xla"  # the VAE's single 512-wide head
+    assert choose(36, jnp.bfloat16, hopper) == "xla"  # not a multiple of 8
+    assert choose(64, jnp.bfloat16, Device(platform="gpu")) == "xla"  # a GPU without a compute capability: ROCm
+    assert choose(64, jnp.bfloat16, Device(platform="cpu")) == "xla"
+
+
+def test_attention_implementation_is_checked():
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn'\), got 'flash'"):
+        dot_product_attention(q, q, q, implementation="flash")

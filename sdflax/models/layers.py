@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# How attention is computed. "xla" is a plain einsum-softmax-einsum (fastest on CPU); "cudnn" asks
-# jax.nn.dot_product_attention for the fused cuDNN kernel; None lets jax.nn.dot_product_attention choose.
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", None)
+# How attention is computed. "xla": sdflax's einsum-softmax-einsum (fastest on the CPU); "cudnn": cuDNN's fused
+# flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "auto": cuDNN where it runs
+# for the call's head dimension and dtype (`attention_for`), XLA elsewhere.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 # On the CPU, attention over many tokens runs ~1.7x faster in blocks of this many queries, whose logits stay
 # near the cache, than in one piece (SD 1.5's 1024-token self-attention: 61 -> 35 ms on 2 cores).
 CPU_QUERY_CHUNK = 256
@@ -25,13 +26,27 @@ CPU_QUERY_CHUNK = 256
 CPU_PATCH_MATMUL_PIXELS = 512
 
 
-def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation="xla"):
+def attention_for(head_dim: int, dtype, device=None) -> str:
+    """"cudnn" where cuDNN flash attention runs, else "xla". Its rule (jax's `check_is_flash_attention`): an NVIDIA
+    GPU, float16/bfloat16, head dim a multiple of 8 and at most 128, or 256 from Hopper (compute capability 9.0)
+    on. SD 1.5's 40/80/160 all qualify on Hopper; 160 falls back to XLA on Ampere."""
+    device = device or jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)  # NVIDIA devices only
+    if device.platform != "gpu" or capability is None or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    major = int(str(capability).split(".")[0])
+    return "cudnn" if head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128) else "xla"
+
+
+def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation="auto"):
     """softmax(q kᵀ / √d) v over (B, T, heads, head_dim) arrays; logits and softmax in float32 when `upcast`."""
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        implementation = attention_for(q.shape[-1], q.dtype)
     dtype = v.dtype
-    if implementation != "xla":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation).astype(dtype)
+    if implementation == "cudnn":  # its softmax accumulates in float32 whatever the input dtype
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(dtype)
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)  # on q, not on the (T, S) logits: T·S/d fewer products
@@ -132,7 +147,7 @@ class Attention(nn.Module):
     head_dim: int
     qkv_bias: bool = False
     upcast: bool = True
-    attention: str | None = "xla"
+    attention: str = "auto"
     norm_groups: int | None = None
     dtype: jnp.dtype = jnp.float32
 

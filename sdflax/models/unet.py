@@ -95,7 +95,7 @@ class BasicTransformerBlock(nn.Module):
     heads: int
     head_dim: int
     upcast: bool
-    attention: str | None
+    attention: str
     dtype: jnp.dtype
 
     @nn.compact
@@ -116,7 +116,7 @@ class Transformer2DModel(nn.Module):
     heads: int
     layers: int
     config: UNetConfig
-    attention: str | None
+    attention: str
     dtype: jnp.dtype
 
     @nn.compact
@@ -142,7 +142,7 @@ class UNet2DConditionModel(Pretrained, nn.Module):
 
     config: UNetConfig
     dtype: jnp.dtype = jnp.float32
-    attention: str | None = "xla"
+    attention: str = "auto"
     config_class = UNetConfig
 
     def dummy_inputs(self):
