@@ -115,8 +115,7 @@ class Conv2d(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, k, x.shape[-1], self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,))
         x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
-        b, h, w = x.shape[:3]
-        out_pixels = b * ((h + 2 * p - k) // s + 1) * ((w + 2 * p - k) // s + 1)
+        h_out, w_out = ((side + 2 * p - k) // s + 1 for side in x.shape[1:3])
 
         def convolve(x, kernel):
             return jax.lax.conv_general_dilated(x, kernel, (s, s), ((p, p), (p, p)),
@@ -124,12 +123,11 @@ class Conv2d(nn.Module):
 
         def patch_matmul(x, kernel):  # im2col: the k*k shifted views side by side, then one matmul
             x = jnp.pad(x, ((0, 0), (p, p), (p, p), (0, 0)))
-            h_out, w_out = (x.shape[1] - k) // s + 1, (x.shape[2] - k) // s + 1
             patches = jnp.concatenate([x[:, i:i + (h_out - 1) * s + 1:s, j:j + (w_out - 1) * s + 1:s]
                                        for i in range(k) for j in range(k)], axis=-1)
             return patches @ kernel.reshape(-1, self.features)
 
-        if out_pixels <= CPU_PATCH_MATMUL_PIXELS and k > 1:
+        if x.shape[0] * h_out * w_out <= CPU_PATCH_MATMUL_PIXELS and k > 1:
             y = jax.lax.platform_dependent(x, kernel, cpu=patch_matmul, default=convolve)
         else:
             y = convolve(x, kernel)
