@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_options(command, image=False):
     """The options all commands share."""
+    from .models.layers import ATTENTION_IMPLEMENTATIONS
     from .schedulers import SCHEDULERS
 
     size = "resize the image to" if image else "pixels,"
@@ -131,6 +132,9 @@ def _add_options(command, image=False):
         help="images to keep (default: one per device; computed in multiples of the device count)")
     add("--dtype", choices=("bfloat16", "float32"),
         help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
+    add("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
+        help="UNet attention: cuDNN flash attention where it runs (NVIDIA GPU, bfloat16), else XLA (auto, the "
+             "default), or either forced")
     add("--out", default="outputs", metavar="PATH",
         help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
     add("--grid", action="store_true", help="also write all images as one grid PNG")
@@ -220,12 +224,16 @@ def run(args) -> int:
 
     from .img2img import StableDiffusionImg2Img
     from .inpaint import StableDiffusionInpaint
+    from .models.layers import attention_for
     from .parallel import replicate, shard
     from .pipeline import StableDiffusion
     from .pipeline_xl import StableDiffusionXL
 
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    if args.attention == "cudnn" and attention_for(64, dtype) != "cudnn":
+        raise UserError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 (here: {backend}, {dtype}): "
+                        "use --attention auto")
     step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
     devices = jax.local_device_count()
     num_images = args.num_images or devices
@@ -239,7 +247,8 @@ def run(args) -> int:
             "inpaint": StableDiffusionInpaint}
     try:
         pipeline, params = kind[args.command].from_pretrained(args.model, revision=args.revision,
-                                                              dtype=getattr(jnp, dtype), scheduler=args.scheduler)
+                                                              dtype=getattr(jnp, dtype), scheduler=args.scheduler,
+                                                              attention=args.attention)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
     scheduler = args.scheduler or _scheduler_name(pipeline.scheduler)

@@ -117,6 +117,8 @@ def one_error_line(capsys):
     (["--seed", "-1"], "argument --seed: must be between 0 and 4294967295"),
     (["--out", "pictures.jpg"], "sdflax writes PNG files"),
     (["--revision", "v2"], "--revision applies to hub ids"),
+    (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    (["--attention", "cudnn", "--dtype", "float32"], "--attention cudnn needs an NVIDIA GPU and --dtype bfloat16"),
 ])
 def test_bad_input_is_one_line_and_status_2(args, expected, capsys, tmp_path):
     assert main(["generate", "a fox", "--model", TINY, "--out", str(tmp_path / "out"), *args]) == 2

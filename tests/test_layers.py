@@ -85,3 +85,5 @@ def test_attention_implementation_is_checked():
     q = jnp.ones((1, 4, 2, 8))
     with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn'\), got 'flash'"):
         dot_product_attention(q, q, q, implementation="flash")
+    with pytest.raises(ValueError, match="cuDNN flash attention does not run on .* with float32 and head dim 8"):
+        dot_product_attention(q, q, q, implementation="cudnn")

@@ -42,8 +42,12 @@ def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation=
     """softmax(q kᵀ / √d) v over (B, T, heads, head_dim) arrays; logits and softmax in float32 when `upcast`."""
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "auto":
-        implementation = attention_for(q.shape[-1], q.dtype)
+    choice = attention_for(q.shape[-1], q.dtype)
+    if implementation == "cudnn" and choice != "cudnn":
+        raise ValueError(f"attention='cudnn': cuDNN flash attention does not run on {jax.devices()[0].platform} "
+                         f"with {q.dtype} and head dim {q.shape[-1]}; it needs an NVIDIA GPU, bfloat16 or float16 and "
+                         "a head dim that is a multiple of 8, at most 128 (256 from Hopper on): use 'auto'")
+    implementation = choice if implementation == "auto" else implementation
     dtype = v.dtype
     if implementation == "cudnn":  # its softmax accumulates in float32 whatever the input dtype
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(dtype)
