@@ -18,9 +18,10 @@ import numpy as np
 # flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "auto": cuDNN where it runs
 # for the call's head dimension and dtype (`attention_for`), XLA elsewhere.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-# On the CPU, attention over many tokens runs ~1.7x faster in blocks of this many queries, whose logits stay
-# near the cache, than in one piece (SD 1.5's 1024-token self-attention: 61 -> 35 ms on 2 cores).
-CPU_QUERY_CHUNK = 256
+# On the CPU, attention over many tokens runs faster in blocks of this many queries, whose logits stay nearer the
+# cache, than in one piece (SD 1.5 on 2 cores: its 1024-token self-attention 61 -> 35 ms; a 512 px UNet evaluation
+# 13.4 s with blocks of 256 queries, 11.9 s with 128).
+CPU_QUERY_CHUNK = 128
 # On the CPU, a convolution with at most this many output pixels (batch included) is faster as one matmul over
 # its 3x3 patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280: 109 -> 50 ms on 2 cores).
 CPU_PATCH_MATMUL_PIXELS = 512
