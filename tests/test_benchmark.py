@@ -96,3 +96,16 @@ def test_sd15_configs_give_sd15s_parameter_counts():
         benchmark.SD15[name]).param_shapes())) for name, cls in (
         ("unet", UNet2DConditionModel), ("text_encoder", CLIPTextModel), ("vae", AutoencoderKL))}
     assert counts == {"unet": 859_520_964, "text_encoder": 123_060_480, "vae": 83_653_863}
+
+
+def test_kernel_benchmark_reports_every_kernel(tmp):
+    """scripts/benchmark_kernels.py on tiny shapes: both attention paths, both conv paths, every figure."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_kernels.py"), "--small",
+                             "--repeats", "1"], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    out = parse(result)
+    assert [row["query_blocks"] for row in out["attention"]] == [True, False]  # 300 and 64 queries
+    assert [row["patch_matmul"] for row in out["conv"]] == [True, False]  # 128 and 2048 output pixels
+    for row, count in [(row, 5) for row in out["attention"]] + [(row, 4) for row in out["conv"]]:
+        figures = {k: v for k, v in row.items() if k not in ("shape", "query_blocks", "patch_matmul")}
+        assert len(figures) == count and all(map(positive, figures.values())), row
