@@ -99,8 +99,7 @@ class StableDiffusion:
 
         scheduler = load_scheduler(folder, scheduler, scheduler_config)  # fail fast, before the weights
         for name in cls.TOKENIZERS:
-            if not os.path.isdir(os.path.join(folder, name)):
-                raise FileNotFoundError(f"no tokenizer folder at {os.path.join(folder, name)}")
+            check_tokenizer_folder(os.path.join(folder, name))  # before the weights: tokenizers load beside them
         modules = {}
         for name, module_class in cls.MODELS.items():
             sub = os.path.join(folder, name)
@@ -353,9 +352,13 @@ def load_tokenizer(folder):
     """CLIPTokenizer from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json` (transformers 5)."""
     from transformers import CLIPTokenizer
 
+    check_tokenizer_folder(folder)
+    return CLIPTokenizer.from_pretrained(folder)
+
+
+def check_tokenizer_folder(folder):
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
-    return CLIPTokenizer.from_pretrained(folder)
 
 
 def load_scheduler(folder, kind=None, overrides=None):
