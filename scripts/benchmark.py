@@ -168,7 +168,8 @@ def model_configs(args):
 def random_pipeline(configs, tokenizer_folder, dtype, scheduler=None, attention="auto", seed=0):
     """(StableDiffusion, params) built from config dicts with random weights."""
     from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
-    from sdflax.pipeline import StableDiffusion, load_tokenizer
+    from sdflax import StableDiffusion
+    from sdflax.loading import load_tokenizer
     from sdflax.schedulers import scheduler_from_config
 
     modules = {"text_encoder": CLIPTextModel.from_config(configs["text_encoder"], dtype),

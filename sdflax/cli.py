@@ -174,7 +174,7 @@ def run(args) -> int:
     target = _output_target(args.out)  # before anything slow
     pictures = _read_pictures(args)  # {"image": ..., "mask": ...} for img2img / inpaint
     if pictures:
-        from .img2img import start_step
+        from .latents import start_step
 
         try:
             start_step(args.steps, args.strength)
@@ -186,7 +186,8 @@ def run(args) -> int:
 
         disable_progress_bars()
 
-    from .hub import ModelNotFoundError, check_pipeline_folder, resolve_folder, snapshot_commit
+    from .hub import ModelNotFoundError, resolve_folder, snapshot_commit
+    from .loading import check_pipeline_folder
     from .models import AutoencoderKL, UNet2DConditionModel
     from .models.config import read_config_file
 
@@ -258,24 +259,19 @@ def run(args) -> int:
     # SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt), so it gets None there.
     neg_ids = (None if xl and not args.negative_prompt
                else shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds))))
-    keys = jnp.stack([jax.random.key(s) for s in seeds])
-    # Image i's random draws come from key(seed + i) alone, as a call with that key draws them for a batch of
-    # one: an image does not depend on the batch it was made in (for deterministic samplers).
+    # One key per image: image i's random draws come from key(seed + i) alone, as a call with that key draws them
+    # for a batch of one (`sdflax.random_draws`), so an image does not depend on the batch it was made in.
+    keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))
     if args.command == "generate":
-        shape = (1, unet.config.in_channels, height // factor, width // factor)
-        latents = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[0], shape, jnp.float32))(keys)
-        latents = shard(latents.reshape(len(seeds), *shape[1:]))
-        rngs = keys[::per_device]  # each device's sampler key: its first image's
-        call = functools.partial(pipeline, prompt_ids, p_params, rngs, num_inference_steps=args.steps,
-                                 height=height, width=width, guidance_scale=guidance, latents=latents,
-                                 neg_prompt_ids=neg_ids)
+        call = functools.partial(pipeline, prompt_ids, p_params, keys, num_inference_steps=args.steps,
+                                 height=height, width=width, guidance_scale=guidance, neg_prompt_ids=neg_ids)
     else:
         try:
             _, *images = pipeline.prepare_inputs([args.prompt], *pictures.values())
         except ValueError as e:
             raise UserError(str(e)) from e
         images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
-        call = functools.partial(pipeline, prompt_ids, *images, p_params, shard(keys), args.strength, args.steps,
+        call = functools.partial(pipeline, prompt_ids, *images, p_params, keys, args.strength, args.steps,
                                  guidance_scale=guidance, neg_prompt_ids=neg_ids)
     load_s = time.perf_counter() - start
 

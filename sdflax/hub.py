@@ -15,11 +15,6 @@ class ModelNotFoundError(FileNotFoundError):
     """The path or hub id does not lead to a checkpoint; the message says what to change."""
 
 
-# What a diffusers Stable Diffusion folder must hold (the weights are checked per component by weights.py).
-PIPELINE_FILES = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
-                  "scheduler/scheduler_config.json")
-TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))  # SD 1.x hub layout, or transformers 5
-
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -95,23 +90,6 @@ def download(repo_id, revision=None, allow_patterns=None, local_dir=None) -> str
     except HfHubHTTPError as e:  # 401 and other answers from the hub
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(f"{name}: the hub refused the download ({first_line})") from e
-
-
-def missing_pipeline_files(folder) -> list[str]:
-    """The files a diffusers Stable Diffusion folder needs that `folder` lacks (weights excepted)."""
-    missing = [f for f in PIPELINE_FILES if not os.path.isfile(os.path.join(folder, f))]
-    tokenizer = os.path.join(folder, "tokenizer")
-    if not any(all(os.path.isfile(os.path.join(tokenizer, f)) for f in files) for files in TOKENIZER_FILES):
-        missing.append("tokenizer/vocab.json + merges.txt (or tokenizer/tokenizer.json)")
-    return missing
-
-
-def check_pipeline_folder(folder, name=None) -> None:
-    """Raise ModelNotFoundError naming the missing files if `folder` is not a diffusers SD checkpoint."""
-    missing = missing_pipeline_files(folder)
-    if missing:
-        raise ModelNotFoundError(f"{name or folder} is not a diffusers Stable Diffusion checkpoint: "
-                                 f"missing {', '.join(missing)}")
 
 
 def snapshot_commit(folder) -> str | None:

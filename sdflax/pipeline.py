@@ -1,11 +1,24 @@
-"""StableDiffusion: text -> images in one compiled program, with the API of diffusers' Flax walkthrough."""
+"""Pipelines with the API of diffusers' Flax walkthrough, each a choice of pieces run by one `generate`.
+
+`Pipeline` holds the models, tokenizers and scheduler (the weights live in the params dict you pass in) and does
+what every pipeline does the same way: loading, prompts to ids, the checks before compiling, and running
+`generate.generate` under jit, pmap or jit + NamedSharding through one `runner.Runner`. A pipeline class names
+its two pieces and its public argument order:
+
+    class StableDiffusion(Pipeline):
+        conditioning = SDText      # which text encoders, ids -> UNet conditioning (conditioning.py)
+        start = FromNoise          # where the latents start (latents.py)
+        def __call__(self, prompt_ids, params, prng_seed, num_inference_steps=50, ...): ...
+
+`_generate(...)` (the pure function of `__call__`'s arguments but `jit`) and `generate_sharded(...)` follow
+from `__call__`'s signature.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
-import os
-from concurrent.futures import ThreadPoolExecutor
+import inspect
 from typing import Any
 
 import flax
@@ -13,12 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sampling
-from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
-from .schedulers import scheduler_from_config
-from .textual_inversion import expand_prompts
+from . import conditioning as text
+from .generate import Inputs, Settings, generate
+from .latents import FromNoise, start_step
+from .runner import Runner
 
-COMPONENTS = ("text_encoder", "unet", "vae")
+_INPUTS = tuple(f.name for f in dataclasses.fields(Inputs))
+_SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
 
 
 @flax.struct.dataclass
@@ -31,47 +45,24 @@ class StableDiffusionOutput:
     def __getitem__(self, index):
         return (self.images,)[index]
 
-    @classmethod
-    def of(cls, out, return_trajectory=False):
-        """From what `_generate` returned: images, or (images, trajectory)."""
-        if return_trajectory:
-            images, trajectory = out
-            return cls(np.asarray(images), jax.tree.map(np.asarray, trajectory))
-        return cls(np.asarray(out))
 
+class Pipeline:
+    """What every pipeline shares; subclasses set `conditioning`, `start` and write `__call__`."""
 
-def device_count_of(prompt_ids):
-    """The leading (device) axis of pmap-shaped ids, checked against the local devices."""
-    devices = prompt_ids.shape[0]
-    if devices != jax.local_device_count():
-        raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
-                         "shard(prompt_ids) splits a batch divisible by the device count")
-    return devices
+    conditioning = text.SDText
+    start = FromNoise
 
-
-def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer",)):
-    """Which files of a diffusers pipeline repo to download: configs, tokenizer, and one weight format."""
-    v = f".{variant}" if variant else ""
-    weights = [f"{c}/{stem}{v}{suffix}" for c in components for stem in ("diffusion_pytorch_model", "model")
-               for suffix in (".safetensors", "-*.safetensors", ".safetensors.index*.json")]  # "-*": shards, not .fp16
-    return ["model_index.json", "*/config.json", "scheduler/*", *(f"{t}/*" for t in tokenizers), *weights]
-
-
-class StableDiffusion:
-    """Holds the modules, the tokenizer and the scheduler; the weights live in the params dict you pass in."""
-
-    # What from_pretrained reads: model classes and tokenizers by folder, model_index.json entries for __init__.
-    MODELS = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
-    TOKENIZERS = ("tokenizer",)
-    INDEX_OPTIONS = ()
-
-    def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32):
-        self.text_encoder, self.unet, self.vae = text_encoder, unet, vae
-        self.tokenizer, self.scheduler, self.dtype = tokenizer, scheduler, dtype
+    def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
+                 tokenizer_2=None, force_zeros_for_empty_prompt=True):
+        self.text_encoder, self.text_encoder_2, self.unet, self.vae = text_encoder, text_encoder_2, unet, vae
+        self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
+        self.scheduler = scheduler
+        self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
+        self.conditioning.check_components(self)
         self.vae_scale_factor = vae.config.scale_factor
         # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length.
         self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
-        self._empty_prompt_ids = self.prepare_inputs([""])
+        self.empty_prompt_ids = self.conditioning.prepare_ids(self, [""])
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -80,45 +71,15 @@ class StableDiffusion:
         """(pipeline, params) from a diffusers checkpoint folder or hub id.
 
         `scheduler="ddim"` swaps the kind and keeps the checkpoint's config values; `scheduler_config={...}`
-        overrides single values. `params = {"text_encoder": ..., "unet": ..., "vae": ...}`.
+        overrides single values. `params = {"text_encoder": ..., "unet": ..., "vae": ...}` (SDXL: and
+        "text_encoder_2").
         """
-        from .hub import ModelNotFoundError, resolve_folder
-        from .models.config import read_config_file
-        from .weights import load_weights, weight_files
+        from .loading import load_pipeline
 
-        files = checkpoint_files(variant, tuple(cls.MODELS), cls.TOKENIZERS)
-        folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
-        if not os.path.isfile(os.path.join(folder, "model_index.json")):
-            raise ModelNotFoundError(f"{path_or_repo_id}: no model_index.json, so not a diffusers pipeline checkpoint")
-        if any(not _has_safetensors(os.path.join(folder, c)) for c in cls.MODELS) and folder != str(path_or_repo_id):
-            # Older repos ship .bin or Flax msgpack only: fetch those for the components that need them.
-            patterns = [f"{c}/*.bin" for c in cls.MODELS] + [f"{c}/*.msgpack" for c in cls.MODELS]
-            folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
-        with open(os.path.join(folder, "model_index.json")) as f:
-            index = json.load(f)
-
-        scheduler = load_scheduler(folder, scheduler, scheduler_config)  # fail fast, before the weights
-        for name in cls.TOKENIZERS:
-            check_tokenizer_folder(os.path.join(folder, name))  # before the weights: tokenizers load beside them
-        modules = {}
-        for name, module_class in cls.MODELS.items():
-            sub = os.path.join(folder, name)
-            kwargs = {"attention": attention} if name == "unet" else {}
-            modules[name] = module_class.from_config(read_config_file(os.path.join(sub, "config.json")), dtype, **kwargs)
-            weight_files(sub, variant)  # fail on a missing weights file before reading anything
-        # Tracing the models for their parameter shapes and building the tokenizers hold the GIL; copying tensors
-        # into device buffers does not. So a side thread does the first while this one copies, biggest model first.
-        order = sorted(modules, key=lambda name: name != "unet")
-        with ThreadPoolExecutor(1) as side:
-            shapes = {name: side.submit(modules[name].param_shapes) for name in order}
-            tokenizers = {name: side.submit(load_tokenizer, os.path.join(folder, name)) for name in cls.TOKENIZERS}
-            params = {name: load_weights(os.path.join(folder, name), shapes[name].result(), dtype, variant)
-                      for name in order}
-            tokenizers = {name: pending.result() for name, pending in tokenizers.items()}
-        params = {name: params[name] for name in modules}
-
-        options = {key: index[key] for key in cls.INDEX_OPTIONS if key in index}
-        return cls(scheduler=scheduler, dtype=dtype, **tokenizers, **modules, **options), params
+        c = cls.conditioning
+        parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
+                                      scheduler, scheduler_config, variant, attention)
+        return cls(**parts), params
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
@@ -129,10 +90,12 @@ class StableDiffusion:
         diffusers folder or hub id) or, without it, from stable-diffusion-v1-5 / stable-diffusion-2-1 defaults
         bundled with sdflax; those assume v-prediction for SD 2.x: pass `prediction_type="epsilon"` for a
         512 px SD 2.x base model. The params equal what `from_pretrained` gives for the converted checkpoint."""
-        from .single_file import from_single_file
+        from .single_file import load_single_file
 
-        return from_single_file(cls, path, config, dtype, prediction_type, scheduler, scheduler_config, attention,
-                                revision)
+        cls._sd_only("single-file checkpoints", "use a diffusers folder or hub id with from_pretrained")
+        parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
+                                         attention, revision)
+        return cls(**parts), params
 
     def load_lora(self, params, path, scale=1.0):
         """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder.
@@ -141,6 +104,7 @@ class StableDiffusion:
         jit-able merge with a traced `scale`."""
         from .lora import load_lora
 
+        self._sd_only("LoRA")
         return load_lora(params, path, scale)
 
     def load_textual_inversion(self, params, path, token=None):
@@ -150,16 +114,43 @@ class StableDiffusion:
         returned params with this pipeline; `prepare_inputs` expands the token to all its vectors."""
         from .textual_inversion import load_textual_inversion
 
+        self._sd_only("textual inversion")
         return load_textual_inversion(self, params, path, token)
+
+    @classmethod
+    def _sd_only(cls, what, instead=""):
+        if cls.conditioning is not text.SDText:
+            raise NotImplementedError(f"{what} for SDXL (two text encoders) is not supported yet"
+                                      + (f": {instead}" if instead else ""))
+
+    # ---- the pieces' state --------------------------------------------------------------------------------
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler):
+        self._scheduler = scheduler
+        self._runner = Runner(self.generate)  # compiled programs baked the old scheduler in
+
+    @property
+    def force_zeros_for_empty_prompt(self):
+        return self._force_zeros_for_empty_prompt
+
+    @force_zeros_for_empty_prompt.setter
+    def force_zeros_for_empty_prompt(self, value):
+        self._force_zeros_for_empty_prompt = bool(value)
+        self._runner = Runner(self.generate)  # compiled programs baked the old choice in
+
+    @property
+    def _jitted(self):
+        """The one-device program (its `_cache_size()` counts compiles)."""
+        return self._runner.jit
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def prepare_inputs(self, prompts) -> np.ndarray:
-        """Token ids (B, 77) int32, padded and truncated as diffusers does."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        prompts = expand_prompts(prompts, self.tokenizer)  # multi-vector textual-inversion tokens
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_length,
-                             truncation=True, return_tensors="np").input_ids
-        return ids.astype(np.int32)
+        """Token ids: (B, 77) int32 for SD, (B, 2, 77) for SDXL, padded and truncated as diffusers does."""
+        return self.conditioning.prepare_ids(self, [prompts] if isinstance(prompts, str) else list(prompts))
 
     @staticmethod
     def numpy_to_pil(images):
@@ -169,6 +160,63 @@ class StableDiffusion:
         images = np.asarray(images)
         images = images.reshape(-1, *images.shape[-3:])
         return [Image.fromarray((image * 255).round().astype(np.uint8)) for image in images]
+
+    def encode_prompt(self, params, prompt_ids):
+        """The text encoders' output for ids (SD: states (B, 77, D); SDXL: (states, pooled))."""
+        return self.conditioning.encode_prompt(self, params, prompt_ids)
+
+    def decode_latents(self, params, latents):
+        """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
+        return text.decode(self, params, latents)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def generate(self, params, inputs: Inputs, settings: Settings):
+        """`generate.generate` with this pipeline's pieces: a pure function of `params` and `inputs`."""
+        return generate(self, params, inputs, settings)
+
+    def _generate(self, *args, **kwargs):
+        """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
+        `(images, sampling.Trajectory)` with `return_trajectory=True`. jit, pmap, vmap and grad apply to it."""
+        args = self._bind(args, kwargs)
+        params = args.pop("params")
+        inputs, settings = self._split(args, leading_dims=None)
+        out = self.generate(params, inputs, settings)
+        return tuple(out) if settings.return_trajectory else out.images
+
+    def _bind(self, args, kwargs) -> dict:
+        """`__call__`'s arguments, defaults filled in, from a call with `__call__`'s signature less `jit`."""
+        signature = inspect.signature(type(self).__call__)
+        parameters = [p for name, p in signature.parameters.items() if name not in ("self", "jit")]
+        bound = signature.replace(parameters=parameters).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def _split(self, args: dict, leading_dims):
+        """(Inputs, Settings) from a call's arguments, checked before anything is traced or compiled.
+        `leading_dims`: 1 for (B, ...) inputs, 2 for pmap's (devices, B, ...), None inside a trace (no checks
+        that need concrete values)."""
+        steps = args["num_inference_steps"]
+        if steps < 1:
+            raise ValueError(f"num_inference_steps must be at least 1, got {steps}")
+        if "strength" in args:
+            start_step(steps, args["strength"])
+        values = {name: args[name] for name in _INPUTS if args.get(name) is not None}
+        for name, _ in self.start.images:
+            if not isinstance(values.get(name), jax.Array):
+                values[name] = np.asarray(values[name], np.float32)
+        for name in ("guidance_scale", "guidance_rescale"):
+            values[name] = jnp.asarray(args.get(name, Inputs.__dataclass_fields__[name].default), jnp.float32)
+        inputs = Inputs(**values)
+        if leading_dims is not None:
+            self._check_ids(inputs, leading_dims)
+        height, width = self._sizes(*self._image_size(inputs, leading_dims, args.get("height"), args.get("width")))
+        if self.conditioning is text.SDXLText:
+            sizes = text.size_conditioning(height, width, inputs.original_size, inputs.crops_coords_top_left,
+                                           inputs.target_size)
+            inputs = inputs.replace(**dict(zip(("original_size", "crops_coords_top_left", "target_size"), sizes)))
+        settings = Settings(**{**{name: args[name] for name in _SETTINGS if name in args},
+                               "height": height, "width": width})
+        return inputs, settings
 
     def _sizes(self, height, width):
         f = self.vae_scale_factor
@@ -180,197 +228,104 @@ class StableDiffusion:
                                  f"use {value // f * f} or {(value // f + 1) * f}")
         return height, width
 
-    def _check_ids(self, prompt_ids, neg_prompt_ids, leading_dims):
-        length = self.max_length
-        for name, ids in (("prompt_ids", prompt_ids), ("neg_prompt_ids", neg_prompt_ids)):
-            if ids is None:
-                continue
-            if ids.ndim != leading_dims + 1 or ids.shape[-1] != length:
-                expected = "(devices, batch, " if leading_dims == 2 else "(batch, "
-                raise ValueError(f"{name} has shape {ids.shape}; expected {expected}{length}): "
-                                 "make it with pipeline.prepare_inputs(prompts)" + (" and shard()" if leading_dims == 2 else ""))
-        if neg_prompt_ids is not None and neg_prompt_ids.shape != prompt_ids.shape:
-            raise ValueError(f"neg_prompt_ids {neg_prompt_ids.shape} and prompt_ids {prompt_ids.shape} differ: "
-                             "give one negative prompt per prompt")
+    def _check_ids(self, inputs, leading_dims):
+        tail = self.conditioning.ids_tail(self)
+        ids = inputs.prompt_ids if inputs.prompt_ids is not None else inputs.prompt_embeds
+        if ids is None:
+            raise ValueError("give prompt_ids (from pipeline.prepare_inputs(prompts)) or prompt_embeds")
+        sharded = " and shard()" if leading_dims == 2 else ""
+        for name in ("prompt_ids", "neg_prompt_ids"):
+            value = getattr(inputs, name)
+            if value is not None and (value.ndim != leading_dims + len(tail) or tuple(value.shape[-len(tail):]) != tail):
+                expected = ("(devices, batch, " if leading_dims == 2 else "(batch, ") + ", ".join(map(str, tail)) + ")"
+                both = " (ids of both tokenizers)" if len(tail) == 2 else ""
+                raise ValueError(f"{name} has shape {value.shape}; expected {expected}{both}: make it with "
+                                 f"pipeline.prepare_inputs(prompts){sharded}")
+        for name, twin in (("neg_prompt_ids", "prompt_ids"), ("neg_prompt_embeds", "prompt_embeds")):
+            a, b = getattr(inputs, name), getattr(inputs, twin)
+            if a is not None and b is not None and a.shape != b.shape:
+                raise ValueError(f"{name} {a.shape} and {twin} {b.shape} differ: give one negative prompt per prompt")
+        batch = ids.shape[:leading_dims]
+        make = "pipeline.prepare_inputs(prompts, " + ", ".join(f"{name}s" for name, _ in self.start.images) + ")"
+        size = None
+        for name, channels in self.start.images:
+            x = getattr(inputs, name)
+            expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
+            if x.ndim != leading_dims + 3 or x.shape[-3] != channels:
+                raise ValueError(f"{name} has shape {x.shape}; expected {expected}: make it with {make}{sharded}")
+            if x.shape[:leading_dims] != batch:
+                raise ValueError(f"{name} has shape {x.shape} for prompt_ids of {ids.shape}: give one {name} per "
+                                 "prompt")
+            if size is not None and x.shape[-2:] != size:
+                raise ValueError(f"{name} is {x.shape[-1]}x{x.shape[-2]} but the image is {size[1]}x{size[0]}: "
+                                 f"give a {name} of the image's size")
+            size = x.shape[-2:]
 
-    # ---- generation ---------------------------------------------------------------------------------------
-    def encode_prompt(self, params, prompt_ids):
-        return self.text_encoder.apply(params["text_encoder"], prompt_ids).last_hidden_state
+    def _image_size(self, inputs, leading_dims, height, width):
+        """(height, width): the image's for image pipelines (a given height/width must agree), else as given."""
+        if not self.start.images:
+            return height, width
+        actual = getattr(inputs, self.start.images[0][0]).shape[-2:]
+        for name, given, side in (("height", height, actual[0]), ("width", width, actual[1])):
+            if given is not None and given != side:
+                raise ValueError(f"{name}={given} but the image is {side}: resize the image, or leave {name} out")
+        return actual
 
-    def decode_latents(self, params, latents):
-        """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
-        images = self.vae.apply(params["vae"], latents / self.vae.config.scaling_factor, method="decode")
-        images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
-        return jnp.transpose(images, (0, 2, 3, 1))
+    def _run(self, args: dict):
+        """`__call__`'s work, given its `locals()`: jit on one device, or pmap over the local devices (`jit=True`)."""
+        args = {name: value for name, value in args.items() if name != "self"}
+        jit, params = args.pop("jit"), args.pop("params")
+        inputs, settings = self._split(args, 2 if jit else 1)
+        if jit:
+            devices = _batch(inputs).shape[0]
+            if devices != jax.local_device_count():
+                raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
+                                 "shard(prompt_ids) splits a batch divisible by the device count")
+            if inputs.prng_seed.shape[0] != devices:
+                raise ValueError(f"prng_seed leads with {inputs.prng_seed.shape[0]} for {devices} devices: one key "
+                                 "per device (jax.random.split(key, devices)), or shard(keys) with one key per image")
+            out = self._runner.pmap(params, inputs, settings)
+        else:
+            out = self._runner.jit(params, inputs, settings)
+        return StableDiffusionOutput(np.asarray(out.images), jax.tree.map(np.asarray, out.trajectory))
 
-    def _generate(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
-                  guidance_scale=7.5, latents=None, neg_prompt_ids=None, callback=None, guidance_rescale=0.0,
-                  guidance=None, return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None,
-                  unet_kwargs=None):
-        """The whole text -> images computation as a pure function; (B, H, W, 3) in [0, 1].
+    def generate_sharded(self, *args, mesh=None, **kwargs):
+        """The `jit` + `NamedSharding` path, with `__call__`'s arguments (but `jit`): the batch (B, ...) is split
+        over a one-axis device mesh (default: all local devices); params are plain (not `replicate`d).
+        `prng_seed` holds one key per device, (devices, 2) as for `jit=True`, device d's rows then drawing from
+        key d so that the images equal the pmap path's, or one key per image. Returns (B, H, W, 3) numpy
+        images, or (images, trajectory) with `return_trajectory=True` (trajectory leaves (evals, B, ...))."""
+        args = self._bind(args, kwargs)
+        params = args.pop("params")
+        inputs, settings = self._split(args, 1)
+        out = self._runner.run_sharded(params, inputs, settings, mesh)
+        images = np.asarray(out.images)
+        return (images, jax.tree.map(np.asarray, out.trajectory)) if settings.return_trajectory else images
 
-        Differentiable end to end (each sampler step is rematerialised): take `jax.grad` with respect to
-        `latents`, `prompt_embeds` (text states (B, 77, D) that replace `prompt_ids`' encoding) or `params`.
-        `guidance(uncond, cond, scale) -> prediction` replaces classifier-free guidance (see `sampling`);
-        `guidance_rescale` is diffusers' (0 turns it off). With `return_trajectory=True` the result is
-        `(images, sampling.Trajectory)`. `callback(step, num_steps, latents)` runs on the host after every
-        step. `callback`, `guidance` and `return_trajectory` are static: reuse the same function objects.
-        `unet_kwargs`: extra UNet inputs for the doubled batch, unconditional rows first (SDXL's text_embeds).
-        """
-        height, width = self._sizes(height, width)
-        batch = (prompt_ids if prompt_embeds is None else prompt_embeds).shape[0]
-        if prompt_embeds is None:
-            prompt_embeds = self.encode_prompt(params, prompt_ids)
-        if neg_prompt_embeds is None:
-            if neg_prompt_ids is None:
-                neg_prompt_ids = self._empty_prompt_ids
-            neg_prompt_embeds = jnp.broadcast_to(self.encode_prompt(params, neg_prompt_ids), prompt_embeds.shape)
-        context = jnp.concatenate([neg_prompt_embeds, prompt_embeds]).astype(self.dtype)
 
-        shape = (batch, self.unet.config.in_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
-        noise_key, sampler_key = jax.random.split(prng_seed)
-        if latents is None:
-            latents = jax.random.normal(noise_key, shape, jnp.float32)
-        elif latents.shape != shape:
-            raise ValueError(f"latents have shape {latents.shape}; expected {shape} for a batch of {batch} "
-                             f"at {height}x{width}")
-        # The first σ can depend on the step count (Euler with leading spacing): the state knows it.
-        state = self.scheduler.set_timesteps(num_inference_steps, shape=shape)
-        init_noise_sigma = getattr(state, "init_noise_sigma", None) or self.scheduler.init_noise_sigma
-        latents = latents.astype(jnp.float32) * init_noise_sigma
+def _batch(inputs):
+    return inputs.prompt_ids if inputs.prompt_ids is not None else inputs.prompt_embeds
 
-        if guidance is None:
-            guidance = sampling.rescaled_guidance(guidance_rescale)
-        unet_fn = functools.partial(self.unet.apply, params["unet"], **(unet_kwargs or {}))
-        model = sampling.guided_model(unet_fn, context, jnp.asarray(guidance_scale, jnp.float32), guidance)
-        out = sampling.denoise(model, self.scheduler, latents, num_inference_steps, sampler_key,
-                               callback=callback, return_trajectory=return_trajectory, state=state)
-        if return_trajectory:
-            latents, trajectory = out
-            return self.decode_latents(params, latents), trajectory
-        return self.decode_latents(params, out)
 
-    # _generate's arguments as (name, how pmap maps it): 0 = split over devices, None = broadcast, "static".
-    _GENERATE_ARGS = (("prompt_ids", 0), ("params", 0), ("prng_seed", 0), ("num_inference_steps", "static"),
-                      ("height", "static"), ("width", "static"), ("guidance_scale", 0), ("latents", 0),
-                      ("neg_prompt_ids", 0), ("callback", "static"), ("guidance_rescale", 0), ("guidance", "static"),
-                      ("return_trajectory", "static"))
-    _STATIC = tuple(name for name, axis in _GENERATE_ARGS if axis == "static")
+class StableDiffusion(Pipeline):
+    """Text-to-image with SD 1.x / 2.x checkpoints."""
 
-    @functools.cached_property
-    def _jitted(self):
-        return jax.jit(self._generate, static_argnames=self._STATIC)
-
-    @functools.cached_property
-    def _pmapped(self):
-        axes = [axis for _, axis in self._GENERATE_ARGS]
-        return jax.pmap(self._generate, in_axes=tuple(None if a == "static" else a for a in axes),
-                        static_broadcasted_argnums=tuple(i for i, a in enumerate(axes) if a == "static"))
-
-    @property
-    def scheduler(self):
-        return self._scheduler
-
-    @scheduler.setter
-    def scheduler(self, scheduler):
-        # Compiled programs baked the old scheduler in: drop them.
-        self._scheduler = scheduler
-        for name in ("_jitted", "_pmapped", "_sharded"):
-            self.__dict__.pop(name, None)
+    conditioning, start = text.SDText, FromNoise
 
     def __call__(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
                  guidance_scale=7.5, latents=None, neg_prompt_ids=None, jit=False, callback=None,
-                 guidance_rescale=0.0, guidance=None, return_trajectory=False):
-        """Generate images. With `jit=True` the inputs are sharded over devices (see `sdflax.shard`), params
-        replicated (`sdflax.replicate`), and the call runs under `jax.pmap`: images are (devices, B, H, W, 3).
+                 guidance_rescale=0.0, guidance=None, return_trajectory=False, prompt_embeds=None,
+                 neg_prompt_embeds=None):
+        """Images (B, H, W, 3) in [0, 1]. With `jit=True` the inputs are sharded over devices (`sdflax.shard`),
+        params replicated (`sdflax.replicate`), and the call runs under `jax.pmap`: (devices, B, H, W, 3).
 
-        `callback(step, num_steps, latents)` runs on the host after each step (once per device under pmap);
-        `guidance`, `guidance_rescale` and `return_trajectory` as in `_generate` (the trajectory lands in
-        `output.trajectory` as numpy arrays, with a leading device axis under `jit=True`)."""
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be at least 1, got {num_inference_steps}")
-        height, width = self._sizes(height, width)
-        self._check_ids(prompt_ids, neg_prompt_ids, 2 if jit else 1)
-        scalars = jnp.asarray(guidance_scale, jnp.float32), jnp.asarray(guidance_rescale, jnp.float32)
-        if jit:
-            devices = device_count_of(prompt_ids)
-            scalars = [jnp.broadcast_to(s, (devices,)) for s in scalars]
-            run = self._pmapped
-        else:
-            run = self._jitted
-        out = run(prompt_ids, params, prng_seed, num_inference_steps, height, width, scalars[0], latents,
-                  neg_prompt_ids, callback, scalars[1], guidance, return_trajectory)
-        return StableDiffusionOutput.of(out, return_trajectory)
-
-    def _sharded_checks(self, prompt_ids, neg_prompt_ids, prng_seed, height, width, mesh):
-        """The mesh (default: all local devices) and the image size, with the inputs checked for the sharded path."""
-        from .parallel import device_mesh
-
-        mesh = mesh or device_mesh()
-        height, width = self._sizes(height, width)
-        self._check_ids(prompt_ids, neg_prompt_ids, 1)
-        if prng_seed.shape[0] != mesh.size:
-            raise ValueError(f"prng_seed holds {prng_seed.shape[0]} keys for {mesh.size} devices: "
-                             "use jax.random.split(key, number_of_devices)")
-        return mesh, height, width
-
-    def generate_sharded(self, prompt_ids, params, prng_seed, num_inference_steps=50, height=None, width=None,
-                         guidance_scale=7.5, latents=None, neg_prompt_ids=None, mesh=None):
-        """The `jit` + `NamedSharding` path: the batch (B, 77) is split over a one-axis device mesh.
-
-        `prng_seed` holds one key per device, (devices, 2) as for `jit=True`; device d draws the noise of
-        batch rows [d * B/devices, (d + 1) * B/devices) from its key, so the images equal the pmap path's.
-        `params` are plain (not `replicate`d); returns (B, H, W, 3) numpy images.
+        `prng_seed`: one key (one per device with `jit=True`), or one per image. `latents` (B, 4, h, w):
+        standard-normal start noise (scaled by the scheduler's initial σ, as diffusers). `prompt_embeds`
+        (B, 77, D) replace `prompt_ids`' encoding (pass `None` ids). `guidance(uncond, cond, scale)` replaces
+        classifier-free guidance (see `sampling`); `guidance_rescale` is diffusers' (0 turns it off).
+        `callback(step, num_steps, latents)` runs on the host after every step (once per device under pmap).
+        `return_trajectory=True` fills `output.trajectory` (a `sampling.Trajectory` of (evals, B, ...) numpy
+        arrays; (devices, evals, B, ...) with `jit=True`). `callback`, `guidance`, `return_trajectory`, the
+        step count and the size are static; everything else is traced and never recompiles.
         """
-        from .parallel import replicate_on, shard_batch
-
-        mesh, height, width = self._sharded_checks(prompt_ids, neg_prompt_ids, prng_seed, height, width, mesh)
-        inputs = shard_batch({"ids": prompt_ids, "latents": latents, "neg": neg_prompt_ids}, mesh)
-        images = self._sharded(inputs["ids"], replicate_on(params, mesh), shard_batch(prng_seed, mesh),
-                               num_inference_steps, height, width, jnp.asarray(guidance_scale, jnp.float32),
-                               inputs["latents"], inputs["neg"])
-        return np.asarray(images)
-
-    @functools.cached_property
-    def _sharded(self):
-        def generate(prompt_ids, params, keys, steps, height, width, guidance_scale, latents, neg_prompt_ids):
-            devices = keys.shape[0]
-            per_device = lambda x: None if x is None else x.reshape(devices, -1, *x.shape[1:])  # noqa: E731
-            images = jax.vmap(self._generate, in_axes=(0, None, 0, None, None, None, None, 0, 0))(
-                per_device(prompt_ids), params, keys, steps, height, width, guidance_scale,
-                per_device(latents), per_device(neg_prompt_ids))
-            return images.reshape(-1, *images.shape[2:])
-
-        return jax.jit(generate, static_argnums=(3, 4, 5))
-
-
-def _has_safetensors(folder):
-    return os.path.isdir(folder) and any(name.endswith(".safetensors") for name in os.listdir(folder))
-
-
-def load_tokenizer(folder):
-    """CLIPTokenizer from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json` (transformers 5)."""
-    from transformers import CLIPTokenizer
-
-    check_tokenizer_folder(folder)
-    return CLIPTokenizer.from_pretrained(folder)
-
-
-def check_tokenizer_folder(folder):
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no tokenizer folder at {folder}")
-
-
-def load_scheduler(folder, kind=None, overrides=None):
-    """The checkpoint's scheduler, another kind by name with the checkpoint's config, or a scheduler object."""
-    if kind is not None and not isinstance(kind, str):
-        if overrides:
-            raise ValueError("scheduler_config applies to a scheduler given by name, not to a scheduler object")
-        return kind
-    path = os.path.join(folder, "scheduler", "scheduler_config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no scheduler/scheduler_config.json in {folder}")
-    with open(path) as f:
-        config = json.load(f)
-    config.update(overrides or {})
-    return scheduler_from_config(config, kind)
+        return self._run(locals())

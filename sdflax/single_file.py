@@ -222,15 +222,16 @@ def bundled_tokenizer(version: str):
     return CLIPTokenizer.from_pretrained(folder, **({"pad_token": "!"} if version == "sd2" else {}))
 
 
-def from_single_file(cls, path, config=None, dtype=None, prediction_type=None, scheduler=None,
-                     scheduler_config=None, attention="auto", revision=None):
-    """(pipeline, params) from a .safetensors / .ckpt file; `cls` is StableDiffusion. See its docstring."""
+def load_single_file(path, config=None, dtype=None, prediction_type=None, scheduler=None, scheduler_config=None,
+                     attention="auto", revision=None):
+    """(a pipeline's constructor arguments, params) from a .safetensors / .ckpt file; see
+    `StableDiffusion.from_single_file`."""
     import jax.numpy as jnp
 
     from .checkpoint_files import read_checkpoint
+    from .loading import build_models, load_scheduler, load_tokenizer
     from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
     from .models.config import read_config_file
-    from .pipeline import load_scheduler, load_tokenizer
     from .weights import CheckpointMismatchError, convert_state_dict
 
     dtype = jnp.float32 if dtype is None else dtype
@@ -258,8 +259,7 @@ def from_single_file(cls, path, config=None, dtype=None, prediction_type=None, s
     scheduler = load_scheduler(folder, scheduler, overrides or None)
 
     classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
-    modules = {c: classes[c].from_config(model_configs[c], dtype, **({"attention": attention} if c == "unet" else {}))
-               for c in classes}
+    modules = build_models(classes, model_configs, dtype, attention)
     where = os.path.basename(name)
     try:
         components = split_components(state_dict, {c: m.config for c, m in modules.items()}, version)
@@ -270,4 +270,4 @@ def from_single_file(cls, path, config=None, dtype=None, prediction_type=None, s
             f"sdflax's bundled {DEFAULTS[version]} configs")
         raise SingleFileError(f"{e}\nThe model configs came from {source}: for another architecture pass "
                               "config=<a diffusers folder or hub id of the same model>") from None
-    return cls(tokenizer=tokenizer, scheduler=scheduler, dtype=dtype, **modules), params
+    return {"tokenizer": tokenizer, "scheduler": scheduler, "dtype": dtype, **modules}, params

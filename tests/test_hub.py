@@ -15,8 +15,9 @@ from huggingface_hub.utils import filter_repo_objects
 from PIL import Image
 
 from sdflax import StableDiffusion
-from sdflax.hub import ModelNotFoundError, check_pipeline_folder, resolve_folder, snapshot_commit
-from sdflax.pipeline import checkpoint_files
+from sdflax.hub import ModelNotFoundError, resolve_folder, snapshot_commit
+from sdflax.loading import check_pipeline_folder
+from sdflax.loading import checkpoint_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "weights" / "tiny-sd"

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sdflax import StableDiffusionInpaint, replicate, sampling, shard
-from sdflax.img2img import random_draws
+from sdflax import random_draws
 from sdflax.schedulers import DDIMScheduler
 
 ATOL = 1e-3  # images in [0, 1], float32

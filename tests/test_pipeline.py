@@ -68,7 +68,7 @@ def test_python_loop_mode_equals_scan(sd1):
 
     pipe, params = sd1
     ids = pipe.prepare_inputs(PROMPTS)
-    context = pipe.encode_prompt(params, jnp.concatenate([jnp.broadcast_to(pipe._empty_prompt_ids, ids.shape), ids]))
+    context = pipe.encode_prompt(params, jnp.concatenate([jnp.broadcast_to(pipe.empty_prompt_ids, ids.shape), ids]))
     unet = lambda x, t, c: pipe.unet.apply(params["unet"], x, t, c)  # noqa: E731
     model = sampling.guided_model(unet, context, 7.5)
     latents = jax.random.normal(jax.random.key(1), (2, 4, 16, 16))

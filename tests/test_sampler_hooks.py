@@ -118,7 +118,7 @@ def test_outside_scheduler_runs_through_the_pipeline(sd1, inputs):
     ours = pipe(ids, params, key, steps, latents=latents, guidance_scale=scale).images
 
     # By hand: the same UNet calls, the posterior formula in float64, the noise the loop draws for step i.
-    context = jnp.concatenate([pipe.encode_prompt(params, pipe._empty_prompt_ids.repeat(2, 0)),
+    context = jnp.concatenate([pipe.encode_prompt(params, pipe.empty_prompt_ids.repeat(2, 0)),
                                pipe.encode_prompt(params, ids)])
     betas = np.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=np.float64) ** 2
     alpha_prod = np.cumprod(1 - betas)
@@ -162,7 +162,7 @@ def test_swapping_the_scheduler_recompiles(sd1, inputs):
 def final_latents_fn(pipe, params, ids, steps):
     """Initial latents -> a scalar of the final latents, through the whole guided sampler."""
     weights = jax.random.normal(jax.random.key(5), (2, 4, 16, 16))
-    context = jnp.concatenate([pipe.encode_prompt(params, pipe._empty_prompt_ids.repeat(2, 0)),
+    context = jnp.concatenate([pipe.encode_prompt(params, pipe.empty_prompt_ids.repeat(2, 0)),
                                pipe.encode_prompt(params, ids)])
 
     def f(latents):
@@ -231,7 +231,7 @@ def test_ddim_eta_through_the_pipeline(tmp_path):
     assert np.abs(run(pipe, 0) - run(deterministic, 0)).max() > 1e-3
 
     # By hand: the same steps with eta=1 and the noise drawn from fold_in(sampler_key, i).
-    context = jnp.concatenate([pipe.encode_prompt(params, pipe._empty_prompt_ids.repeat(2, 0)),
+    context = jnp.concatenate([pipe.encode_prompt(params, pipe.empty_prompt_ids.repeat(2, 0)),
                                pipe.encode_prompt(params, ids)])
     model = sampling.guided_model(lambda x, t, c: pipe.unet.apply(params["unet"], x, t, c), context, 7.5)
     _, sampler_key = jax.random.split(jax.random.key(0))

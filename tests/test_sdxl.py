@@ -265,8 +265,8 @@ def test_bfloat16_runs_and_the_vae_decodes_in_float32(euler, tmp_path):
     scaled = jnp.asarray(latents) * pipe.vae.config.scaling_factor
     # force_upcast: every VAE conv of the decode runs in float32 on the upcast bfloat16 weights ...
     assert conv_dtypes(pipe.decode_latents, params, scaled) == {jnp.dtype(jnp.float32)}
-    assert conv_dtypes(functools.partial(StableDiffusion.decode_latents, pipe), params, scaled) == {
-        jnp.dtype(jnp.bfloat16)}  # (SD's decode keeps the VAE in bfloat16)
+    assert conv_dtypes(lambda p, x: pipe.vae.apply(p["vae"], x, method="decode"), params, scaled) == {
+        jnp.dtype(jnp.bfloat16)}  # (the VAE alone, as SD's decode runs it, stays in bfloat16)
     vae32 = AutoencoderKL(pipe.vae.config, jnp.float32)
     upcast = jax.tree.map(lambda p: p.astype(jnp.float32), params["vae"])
     expected = vae32.apply(upcast, jnp.asarray(latents), method="decode")

@@ -1,0 +1,153 @@
+"""Text conditioning of a model family: which models and tokenizers it loads, how prompts become ids, how ids
+become what the UNet sees (`generate.Cond`), and how latents are decoded.
+
+- `SDText`: SD 1.x / 2.x, one CLIP text encoder (its last hidden state).
+- `SDXLText`: SDXL (Podell et al. 2023): two text encoders (the penultimate layer of each, concatenated; the
+  second's projected pooled output conditions the UNet too), size and crop micro-conditioning (`time_ids`), zero
+  negative embeddings when no negative prompt is given (`force_zeros_for_empty_prompt`), and a VAE that decodes
+  in float32 (`force_upcast`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .generate import Cond
+from .models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
+from .textual_inversion import expand_prompts
+
+
+class SDText:
+    """SD 1.x / 2.x: ids (B, 77), text states (B, 77, D) from one CLIP text encoder."""
+
+    models = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    tokenizers = ("tokenizer",)
+    index_options = ()  # model_index.json entries the pipeline takes
+    default_guidance = 7.5
+
+    @staticmethod
+    def check_components(pipeline):
+        if pipeline.unet.config.addition_embed_type is not None:
+            raise ValueError("this UNet is an SDXL UNet (addition_embed_type='text_time'): use StableDiffusionXL")
+
+    @staticmethod
+    def prepare_ids(pipeline, prompts) -> np.ndarray:
+        """Token ids (B, 77) int32, padded and truncated as diffusers does."""
+        prompts = expand_prompts(prompts, pipeline.tokenizer)  # multi-vector textual-inversion tokens
+        ids = pipeline.tokenizer(prompts, padding="max_length", max_length=pipeline.max_length, truncation=True,
+                                 return_tensors="np").input_ids
+        return ids.astype(np.int32)
+
+    @staticmethod
+    def ids_tail(pipeline) -> tuple:
+        return (pipeline.max_length,)
+
+    @staticmethod
+    def encode_prompt(pipeline, params, prompt_ids):
+        return pipeline.text_encoder.apply(params["text_encoder"], prompt_ids).last_hidden_state
+
+    @classmethod
+    def encode(cls, pipeline, params, inputs, settings) -> Cond:
+        embeds = inputs.prompt_embeds
+        if embeds is None:
+            embeds = cls.encode_prompt(pipeline, params, inputs.prompt_ids)
+        neg = inputs.neg_prompt_embeds
+        if neg is None:
+            neg_ids = pipeline.empty_prompt_ids if inputs.neg_prompt_ids is None else inputs.neg_prompt_ids
+            neg = jnp.broadcast_to(cls.encode_prompt(pipeline, params, neg_ids), embeds.shape)
+        return Cond(jnp.concatenate([neg, embeds]).astype(pipeline.dtype), {})
+
+    @staticmethod
+    def decode_in_float32(pipeline) -> bool:
+        return False
+
+
+class SDXLText:
+    """SDXL: ids (B, 2, 77) (one row per tokenizer), states (B, 77, D1 + D2), pooled (B, P), time ids (B, 6)."""
+
+    models = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
+              "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    tokenizers = ("tokenizer", "tokenizer_2")
+    index_options = ("force_zeros_for_empty_prompt",)
+    default_guidance = 5.0
+
+    @staticmethod
+    def check_components(pipeline):
+        if pipeline.unet.config.addition_embed_type != "text_time":
+            raise ValueError("StableDiffusionXL needs an SDXL UNet (addition_embed_type='text_time'); this one has "
+                             f"{pipeline.unet.config.addition_embed_type!r}: use StableDiffusion")
+        if pipeline.text_encoder_2 is None or pipeline.tokenizer_2 is None:
+            raise ValueError("SDXL pipelines need text_encoder_2 and tokenizer_2")
+
+    @staticmethod
+    def prepare_ids(pipeline, prompts) -> np.ndarray:
+        """Token ids (B, 2, 77) int32: each tokenizer's, padded and truncated as diffusers does (the second pads
+        with its own pad token, "!" in SDXL)."""
+        ids = [tokenizer(prompts, padding="max_length", max_length=pipeline.max_length, truncation=True,
+                         return_tensors="np").input_ids for tokenizer in (pipeline.tokenizer, pipeline.tokenizer_2)]
+        return np.stack(ids, axis=1).astype(np.int32)
+
+    @staticmethod
+    def ids_tail(pipeline) -> tuple:
+        return (2, pipeline.max_length)
+
+    @staticmethod
+    def encode_prompt(pipeline, params, prompt_ids):
+        """(B, 2, 77) ids -> (text states (B, 77, D1 + D2), pooled (B, P)): both encoders' penultimate layer,
+        concatenated, and the second's projected pooled output, as diffusers' SDXL does (clip_skip None)."""
+        first = pipeline.text_encoder.apply(params["text_encoder"], prompt_ids[:, 0], output_hidden_states=True)
+        second = pipeline.text_encoder_2.apply(params["text_encoder_2"], prompt_ids[:, 1], output_hidden_states=True)
+        return jnp.concatenate([first.hidden_states[-2], second.hidden_states[-2]], axis=-1), second.text_embeds
+
+    @classmethod
+    def encode(cls, pipeline, params, inputs, settings) -> Cond:
+        """Without `neg_prompt_ids` the unconditional embeddings are zeros if the checkpoint says
+        `force_zeros_for_empty_prompt`, else those of the empty prompt."""
+        context, pooled = cls.encode_prompt(pipeline, params, inputs.prompt_ids)
+        if inputs.neg_prompt_ids is None and pipeline.force_zeros_for_empty_prompt:
+            neg_context, neg_pooled = jnp.zeros_like(context), jnp.zeros_like(pooled)
+        else:
+            neg = pipeline.empty_prompt_ids if inputs.neg_prompt_ids is None else inputs.neg_prompt_ids
+            neg_context, neg_pooled = cls.encode_prompt(pipeline, params, neg)
+            neg_context = jnp.broadcast_to(neg_context, context.shape)
+            neg_pooled = jnp.broadcast_to(neg_pooled, pooled.shape)
+        ids = time_ids(settings.height, settings.width, inputs.original_size, inputs.crops_coords_top_left,
+                       inputs.target_size)
+        # diffusers uses the same time ids for the unconditional rows (no negative_original_size).
+        unet_kwargs = {"text_embeds": jnp.concatenate([neg_pooled, pooled]),
+                       "time_ids": jnp.broadcast_to(ids, (2 * context.shape[0], ids.shape[0]))}
+        return Cond(jnp.concatenate([neg_context, context]).astype(pipeline.dtype), unet_kwargs)
+
+    @staticmethod
+    def decode_in_float32(pipeline) -> bool:
+        """SDXL's VAE overflows in half precision: diffusers decodes in float32 when its config says force_upcast."""
+        return bool(pipeline.vae.config.force_upcast)
+
+
+def size_conditioning(height, width, original_size=None, crops_coords_top_left=None, target_size=None):
+    """original (h, w), crop (top, left), target (h, w) as float32 arrays, sizes defaulting to (height, width).
+    (Filled in before the compiled call too, so that other values reuse the same program.)"""
+    sizes = ((height, width) if original_size is None else original_size,
+             (0, 0) if crops_coords_top_left is None else crops_coords_top_left,
+             (height, width) if target_size is None else target_size)
+    return [jnp.asarray(v, jnp.float32) for v in sizes]
+
+
+def time_ids(height, width, original_size=None, crops_coords_top_left=None, target_size=None):
+    """SDXL's micro-conditioning (6,): original (h, w), crop (top, left), target (h, w)."""
+    sizes = size_conditioning(height, width, original_size, crops_coords_top_left, target_size)
+    return jnp.concatenate([v.reshape(-1) for v in sizes])
+
+
+def decode(pipeline, params, latents):
+    """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]; in float32 where the family says so
+    (the params and the latents are cast inside the program)."""
+    vae, vae_params = pipeline.vae, params["vae"]
+    if pipeline.conditioning.decode_in_float32(pipeline) and jnp.dtype(vae.dtype) != jnp.float32:
+        vae, vae_params = vae.clone(dtype=jnp.float32), jax.tree.map(lambda p: p.astype(jnp.float32), vae_params)
+        latents = latents.astype(jnp.float32)
+    images = vae.apply(vae_params, latents / vae.config.scaling_factor, method="decode")
+    images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
+    return jnp.transpose(images, (0, 2, 3, 1))

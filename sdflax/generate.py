@@ -1,0 +1,134 @@
+"""The one generate every pipeline runs: text conditioning -> initial latents -> the guided scan -> decode.
+
+A pipeline is a choice of pieces (see `pipeline.Pipeline`): a model family's text conditioning
+(`conditioning.SDText`, `conditioning.SDXLText`) and a way to start the latents (`latents.FromNoise`,
+`FromImage`, `FromImageMask`). What may change between calls without recompiling is one pytree, `Inputs`;
+what fixes the compiled program is one frozen, hashable value, `Settings`. `runner.Runner` builds the jit, pmap
+and jit + NamedSharding programs of `generate` from those two types alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from . import sampling
+
+
+def _batched(default=None):
+    """An `Inputs` field with one row per image: split over devices under pmap and the sharded path."""
+    return flax.struct.field(default=default, metadata={"batched": True})
+
+
+@flax.struct.dataclass
+class Inputs:
+    """Every traced input of a generate call; leaves left None are not used. Batched fields lead with the
+    batch (B, ...), or (devices, B / devices, ...) under pmap; the rest are shared by all images."""
+
+    prompt_ids: Any = _batched()  # (B, 77) for SD, (B, 2, 77) for SDXL (one row per tokenizer)
+    neg_prompt_ids: Any = _batched()  # as prompt_ids; None: the empty prompt (SDXL: zeros, if its config says)
+    prompt_embeds: Any = _batched()  # (B, 77, D): text states that replace prompt_ids' encoding (SD)
+    neg_prompt_embeds: Any = _batched()
+    latents: Any = _batched()  # (B, C, h, w) standard-normal start noise of text-to-image (unscaled)
+    noise: Any = _batched()  # (B, C, h, w) standard-normal noise added to an image's latents
+    image: Any = _batched()  # (B, 3, H, W) in [-1, 1]
+    mask: Any = _batched()  # (B, 1, H, W), >= 0.5 repainted
+    prng_seed: Any = _batched()  # one key, or one key per image (B,); under pmap one per device or per image
+    guidance_scale: Any = 7.5
+    guidance_rescale: Any = 0.0
+    # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
+    original_size: Any = None
+    crops_coords_top_left: Any = None
+    target_size: Any = None
+
+    @classmethod
+    def batched_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("batched"))
+
+    @classmethod
+    def axes(cls) -> "Inputs":
+        """The pytree prefix of in_axes for pmap and vmap: 0 for batched fields, None for shared ones."""
+        return cls(**{f.name: 0 if f.metadata.get("batched") else None for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything that fixes the compiled program; one compile per distinct value. Functions are compared by
+    identity: reuse the same `guidance` and `callback` objects."""
+
+    num_inference_steps: int = 50
+    height: int | None = None  # None: the UNet's sample size, or the image's
+    width: int | None = None
+    strength: float = 1.0  # image pipelines: how much of the schedule runs (1: all of it)
+    guidance: Callable | None = None  # guidance(uncond, cond, scale) -> prediction; None: CFG with the rescale
+    callback: Callable | None = None  # callback(step, num_steps, latents) on the host after every evaluation
+    return_trajectory: bool = False
+
+
+class Cond(NamedTuple):
+    """What the text conditioning gives the UNet, for the [unconditional; conditional] batch (2B, ...)."""
+
+    context: Any  # (2B, T, D) text states
+    unet_kwargs: dict  # extra UNet inputs, e.g. SDXL's text_embeds and time_ids
+
+
+class Start(NamedTuple):
+    """Where sampling begins, and how the UNet and the loop are changed for it."""
+
+    latents: Any  # x at the first evaluation, already scaled as the scheduler expects
+    state: Any  # the scheduler state to begin from (part-way through the schedule for img2img)
+    sampler_key: Any  # the key of the scheduler's own noise (ancestral samplers)
+    wrap_unet: Callable | None = None  # unet_fn -> unet_fn (an inpainting UNet's extra channels)
+    post_step: Callable | None = None  # post_step(x, i, state) -> x (an ordinary UNet's inpainting paste)
+
+
+class Output(NamedTuple):
+    """What `generate` returns: images (B, H, W, 3) in [0, 1], and with `return_trajectory` a Trajectory."""
+
+    images: Any
+    trajectory: Any = None
+
+
+def random_draws(prng_seed, shape, count):
+    """`count` standard-normal arrays of `shape` (B, ...) and the sampler's key, from one PRNG key, or from one key
+    per image (B,), image b then drawing exactly what a batch of one with key b draws (diffusers' list of
+    generators). The sampler's key is then image 0's: samplers that add noise at every step draw it for the batch.
+
+    This is how every pipeline turns its key into noise, so image n of a seed list can be made alone.
+    """
+    typed = jnp.issubdtype(prng_seed.dtype, jax.dtypes.prng_key)
+    if prng_seed.ndim == (0 if typed else 1):
+        keys = jax.random.split(prng_seed, count + 1)
+        return [jax.random.normal(keys[j], shape, jnp.float32) for j in range(count)], keys[count]
+    if prng_seed.shape[0] != shape[0]:
+        raise ValueError(f"{prng_seed.shape[0]} PRNG keys for a batch of {shape[0]}: give one key, or one per image")
+    keys = jax.vmap(lambda k: jax.random.split(k, count + 1))(prng_seed)  # (B, count + 1)
+    one = (1, *shape[1:])
+    draws = [jax.vmap(lambda k: jax.random.normal(k, one, jnp.float32))(keys[:, j]).reshape(shape)
+             for j in range(count)]
+    return draws, keys[0, count]
+
+
+def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
+    """The whole prompt (+ image) -> images computation as a pure function of `params` and `inputs`.
+
+    `pipeline` supplies the models, the scheduler and its two pieces, `pipeline.conditioning` and
+    `pipeline.start`. Differentiable end to end (each sampler step is rematerialised).
+    """
+    cond = pipeline.conditioning.encode(pipeline, params, inputs, settings)
+    start = pipeline.start.begin(pipeline, params, inputs, settings)
+    unet_fn = functools.partial(pipeline.unet.apply, params["unet"], **cond.unet_kwargs)
+    if start.wrap_unet is not None:
+        unet_fn = start.wrap_unet(unet_fn)
+    guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
+    model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32), guidance)
+    out = sampling.denoise(model, pipeline.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
+                           callback=settings.callback, return_trajectory=settings.return_trajectory,
+                           state=start.state, post_step=start.post_step)
+    latents, trajectory = out if settings.return_trajectory else (out, None)
+    return Output(pipeline.decode_latents(params, latents), trajectory)

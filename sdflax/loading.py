@@ -1,0 +1,135 @@
+"""Everything that turns files into a pipeline's parts: which files of a checkpoint repo to fetch, the folder
+check (one for the library and the CLI), tokenizers, the scheduler, and models built from config + weights.
+
+`StableDiffusion.from_pretrained`, the models' own `from_pretrained` and `from_single_file` all come through
+here; the models themselves never touch the hub or the file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import jax.numpy as jnp
+
+from .hub import ModelNotFoundError, resolve_folder
+from .models.config import read_config_file
+from .schedulers import scheduler_from_config
+
+COMPONENTS = ("text_encoder", "unet", "vae")  # an SD 1.x / 2.x pipeline's models
+TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))  # SD 1.x hub layout, or transformers 5
+
+
+def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer",)):
+    """Which files of a diffusers pipeline repo to download: configs, tokenizer, and one weight format."""
+    v = f".{variant}" if variant else ""
+    weights = [f"{c}/{stem}{v}{suffix}" for c in components for stem in ("diffusion_pytorch_model", "model")
+               for suffix in (".safetensors", "-*.safetensors", ".safetensors.index*.json")]  # "-*": shards, not .fp16
+    return ["model_index.json", "*/config.json", "scheduler/*", *(f"{t}/*" for t in tokenizers), *weights]
+
+
+def missing_pipeline_files(folder, components=COMPONENTS, tokenizers=("tokenizer",)) -> list[str]:
+    """The files a diffusers pipeline folder needs that `folder` lacks (weights excepted: `weights.py` names those)."""
+    needed = ["model_index.json", *(f"{c}/config.json" for c in components), "scheduler/scheduler_config.json"]
+    missing = [f for f in needed if not os.path.isfile(os.path.join(folder, f))]
+    for name in tokenizers:
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            missing.append(f"{name}/ (no tokenizer folder at {path})")
+        elif not any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in TOKENIZER_FILES):
+            missing.append(f"{name}/vocab.json + merges.txt (or {name}/tokenizer.json)")
+    return missing
+
+
+def check_pipeline_folder(folder, name=None, components=COMPONENTS, tokenizers=("tokenizer",)) -> None:
+    """Raise ModelNotFoundError naming the missing files if `folder` is not a diffusers pipeline checkpoint."""
+    missing = missing_pipeline_files(folder, components, tokenizers)
+    if missing:
+        raise ModelNotFoundError(f"{name or folder} is not a diffusers Stable Diffusion checkpoint: "
+                                 f"missing {', '.join(missing)}")
+
+
+def load_tokenizer(folder):
+    """CLIPTokenizer from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json` (transformers 5)."""
+    from transformers import CLIPTokenizer
+
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no tokenizer folder at {folder}")
+    return CLIPTokenizer.from_pretrained(folder)
+
+
+def load_scheduler(folder, kind=None, overrides=None):
+    """The checkpoint's scheduler, another kind by name with the checkpoint's config, or a scheduler object."""
+    if kind is not None and not isinstance(kind, str):
+        if overrides:
+            raise ValueError("scheduler_config applies to a scheduler given by name, not to a scheduler object")
+        return kind
+    path = os.path.join(folder, "scheduler", "scheduler_config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no scheduler/scheduler_config.json in {folder}")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(overrides or {})
+    return scheduler_from_config(config, kind)
+
+
+def build_models(classes: dict, configs: dict, dtype, attention="auto") -> dict:
+    """{name: module} from config dicts; the attention choice reaches the UNet."""
+    return {name: cls.from_config(configs[name], dtype, **({"attention": attention} if name == "unet" else {}))
+            for name, cls in classes.items()}
+
+
+def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None, **kwargs):
+    """(module, params) of one model from a diffusers/transformers model folder or hub id."""
+    from .weights import load_weights
+
+    folder = resolve_folder(path_or_repo_id, revision)
+    if subfolder:
+        folder = os.path.join(folder, subfolder)
+    module = cls.from_config(read_config_file(os.path.join(folder, "config.json")), dtype, **kwargs)
+    return module, load_weights(folder, module.param_shapes(), dtype, variant)
+
+
+def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_options: tuple = (), revision=None,
+                  dtype=jnp.float32, scheduler=None, scheduler_config=None, variant=None, attention="auto"):
+    """(the pipeline's constructor arguments, params) from a diffusers checkpoint folder or hub id.
+
+    `models` maps folder names to model classes, `tokenizers` names the tokenizer folders, `index_options` the
+    model_index.json entries passed on (SDXL's force_zeros_for_empty_prompt).
+    """
+    from .weights import load_weights, weight_files
+
+    files = checkpoint_files(variant, tuple(models), tokenizers)
+    folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
+    if not os.path.isfile(os.path.join(folder, "model_index.json")):
+        raise ModelNotFoundError(f"{path_or_repo_id}: no model_index.json, so not a diffusers pipeline checkpoint")
+    if any(not _has_safetensors(os.path.join(folder, c)) for c in models) and folder != str(path_or_repo_id):
+        # Older repos ship .bin or Flax msgpack only: fetch those for the components that need them.
+        patterns = [f"{c}/*.bin" for c in models] + [f"{c}/*.msgpack" for c in models]
+        folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
+    check_pipeline_folder(folder, str(path_or_repo_id), tuple(models), tokenizers)  # before anything slow
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+
+    scheduler = load_scheduler(folder, scheduler, scheduler_config)
+    modules = build_models(models, {name: read_config_file(os.path.join(folder, name, "config.json"))
+                                    for name in models}, dtype, attention)
+    for name in models:
+        weight_files(os.path.join(folder, name), variant)  # fail on a missing weights file before reading anything
+    # Tracing the models for their parameter shapes and building the tokenizers hold the GIL; copying tensors
+    # into device buffers does not. So a side thread does the first while this one copies, biggest model first.
+    order = sorted(modules, key=lambda name: name != "unet")
+    with ThreadPoolExecutor(1) as side:
+        shapes = {name: side.submit(modules[name].param_shapes) for name in order}
+        pending = {name: side.submit(load_tokenizer, os.path.join(folder, name)) for name in tokenizers}
+        params = {name: load_weights(os.path.join(folder, name), shapes[name].result(), dtype, variant)
+                  for name in order}
+        loaded = {name: future.result() for name, future in pending.items()}
+    options = {key: index[key] for key in index_options if key in index}
+    parts = {**modules, **loaded, **options, "scheduler": scheduler, "dtype": dtype}
+    return parts, {name: params[name] for name in models}
+
+
+def _has_safetensors(folder):
+    return os.path.isdir(folder) and any(name.endswith(".safetensors") for name in os.listdir(folder))
