@@ -219,7 +219,7 @@ _ALLOWED_GLOBALS = {
 }
 
 
-class _TensorOnlyUnpickler(pickle.Unpickler):
+class TensorOnlyUnpickler(pickle.Unpickler):
     """Unpickles a torch data.pkl, resolving only tensor-rebuilding globals to local stand-ins.
 
     find_class runs when the pickle names a global, before anything is called, so a refusal here
@@ -314,7 +314,7 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
             return storage
 
         with archive.open(members[pickles[0]]) as pickle_file:
-            unpickler = _TensorOnlyUnpickler(pickle_file, checkpoint_name=name, read_storage=read_storage)
+            unpickler = TensorOnlyUnpickler(pickle_file, checkpoint_name=name, read_storage=read_storage)
             obj = unpickler.load()
 
     if not isinstance(obj, dict):

@@ -33,6 +33,10 @@ class SDText:
             raise ValueError("this UNet is an SDXL UNet (addition_embed_type='text_time'): use StableDiffusionXL")
 
     @staticmethod
+    def check_inputs(inputs):
+        pass
+
+    @staticmethod
     def prepare_ids(pipeline, prompts) -> np.ndarray:
         """Token ids (B, 77) int32, padded and truncated as diffusers does."""
         prompts = expand_prompts(prompts, pipeline.tokenizer)  # multi-vector textual-inversion tokens
@@ -82,6 +86,14 @@ class SDXLText:
             raise ValueError("SDXL pipelines need text_encoder_2 and tokenizer_2")
 
     @staticmethod
+    def check_inputs(inputs):
+        for states, pooled in (("prompt_embeds", "pooled_prompt_embeds"),
+                               ("neg_prompt_embeds", "neg_pooled_prompt_embeds")):
+            if (getattr(inputs, states) is None) != (getattr(inputs, pooled) is None):
+                raise ValueError(f"SDXL takes {states} and {pooled} together: (states, pooled) = "
+                                 "pipeline.encode_prompt(params, ids)")
+
+    @staticmethod
     def prepare_ids(pipeline, prompts) -> np.ndarray:
         """Token ids (B, 2, 77) int32: each tokenizer's, padded and truncated as diffusers does (the second pads
         with its own pad token, "!" in SDXL)."""
@@ -103,10 +115,16 @@ class SDXLText:
 
     @classmethod
     def encode(cls, pipeline, params, inputs, settings) -> Cond:
-        """Without `neg_prompt_ids` the unconditional embeddings are zeros if the checkpoint says
-        `force_zeros_for_empty_prompt`, else those of the empty prompt."""
-        context, pooled = cls.encode_prompt(pipeline, params, inputs.prompt_ids)
-        if inputs.neg_prompt_ids is None and pipeline.force_zeros_for_empty_prompt:
+        """Text states and pooled embeddings from ids, or given (`prompt_embeds` with `pooled_prompt_embeds`, as
+        `encode_prompt` returns them). Without a negative prompt the unconditional embeddings are zeros if the
+        checkpoint says `force_zeros_for_empty_prompt`, else those of the empty prompt."""
+        if inputs.prompt_embeds is None:
+            context, pooled = cls.encode_prompt(pipeline, params, inputs.prompt_ids)
+        else:
+            context, pooled = inputs.prompt_embeds, inputs.pooled_prompt_embeds
+        if inputs.neg_prompt_embeds is not None:
+            neg_context, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
+        elif inputs.neg_prompt_ids is None and pipeline.force_zeros_for_empty_prompt:
             neg_context, neg_pooled = jnp.zeros_like(context), jnp.zeros_like(pooled)
         else:
             neg = pipeline.empty_prompt_ids if inputs.neg_prompt_ids is None else inputs.neg_prompt_ids

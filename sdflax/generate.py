@@ -32,8 +32,10 @@ class Inputs:
 
     prompt_ids: Any = _batched()  # (B, 77) for SD, (B, 2, 77) for SDXL (one row per tokenizer)
     neg_prompt_ids: Any = _batched()  # as prompt_ids; None: the empty prompt (SDXL: zeros, if its config says)
-    prompt_embeds: Any = _batched()  # (B, 77, D): text states that replace prompt_ids' encoding (SD)
+    prompt_embeds: Any = _batched()  # (B, 77, D): text states that replace prompt_ids' encoding
     neg_prompt_embeds: Any = _batched()
+    pooled_prompt_embeds: Any = _batched()  # SDXL: (B, P), the second encoder's projected pooled output
+    neg_pooled_prompt_embeds: Any = _batched()
     latents: Any = _batched()  # (B, C, h, w) standard-normal start noise of text-to-image (unscaled)
     noise: Any = _batched()  # (B, C, h, w) standard-normal noise added to an image's latents
     image: Any = _batched()  # (B, 3, H, W) in [-1, 1]

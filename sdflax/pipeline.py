@@ -208,6 +208,7 @@ class Pipeline:
             values[name] = jnp.asarray(args.get(name, Inputs.__dataclass_fields__[name].default), jnp.float32)
         inputs = Inputs(**values)
         if leading_dims is not None:
+            self.conditioning.check_inputs(inputs)
             self._check_ids(inputs, leading_dims)
         height, width = self._sizes(*self._image_size(inputs, leading_dims, args.get("height"), args.get("width")))
         if self.conditioning is text.SDXLText:

@@ -23,7 +23,10 @@ class StableDiffusionXL(Pipeline):
     def __call__(self, prompt_ids, params, prng_seed, num_inference_steps=50, guidance_scale=5.0, height=None,
                  width=None, latents=None, neg_prompt_ids=None, guidance_rescale=0.0, original_size=None,
                  crops_coords_top_left=(0, 0), target_size=None, jit=False, callback=None, guidance=None,
-                 return_trajectory=False):
+                 return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None, pooled_prompt_embeds=None,
+                 neg_pooled_prompt_embeds=None):
         """Images (B, H, W, 3); with `jit=True` under `jax.pmap`, inputs sharded (`sdflax.shard`) and params
-        replicated (`sdflax.replicate`): (devices, B, H, W, 3). The rest as `StableDiffusion.__call__`."""
+        replicated (`sdflax.replicate`): (devices, B, H, W, 3). `prompt_embeds` (B, 77, D1 + D2) and
+        `pooled_prompt_embeds` (B, P) replace the ids' encoding (`pipeline.encode_prompt(params, ids)` gives
+        both); the negative ones likewise. The rest as `StableDiffusion.__call__`."""
         return self._run(locals())

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint_files import _TensorOnlyUnpickler, read_safetensors
+from .checkpoint_files import TensorOnlyUnpickler, read_safetensors
 
 __all__ = ["expand_prompts", "load_textual_inversion", "read_embedding"]
 
@@ -48,7 +48,7 @@ def _read_torch_object(path):
             return raw[: raw.size - raw.size % dtype.itemsize].view(dtype)
 
         with archive.open(pickles[0]) as f:
-            return _TensorOnlyUnpickler(f, checkpoint_name=name, read_storage=read_storage).load()
+            return TensorOnlyUnpickler(f, checkpoint_name=name, read_storage=read_storage).load()
 
 
 def read_embedding(path, token=None) -> tuple[str, np.ndarray]:

@@ -1,0 +1,75 @@
+"""The shape of the package: no import cycles between sdflax's modules, and the README's layout names its files."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from builders import REPO
+
+PACKAGE = REPO / "sdflax"
+
+
+def module_name(path):
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path):
+    """The sdflax modules `path` imports, at the top or inside functions (a lazy import is still a dependency)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t.startswith("sdflax"))
+    return found
+
+
+def test_no_import_cycle():
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: {t for t in imports_of(path) if t in modules and t != name} for name, path in modules.items()}
+    # A package imports its own submodules in __init__; a submodule importing a sibling via the package is fine.
+    graph = {name: {t for t in deps if not name.startswith(t + ".")} for name, deps in graph.items()}
+    state = {}
+
+    def visit(name, trail):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                cycle = trail[trail.index(dep):] + [dep] if dep in trail else [name, dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, trail + [dep])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_models_do_not_import_the_hub():
+    """Models load through `sdflax.loading`; only it and the CLI talk to huggingface_hub."""
+    for path in (PACKAGE / "models").glob("*.py"):
+        assert not {t for t in imports_of(path) if t.startswith("sdflax.hub")}, path.name
+
+
+def test_readme_layout_names_every_module():
+    block = re.search(r"## Layout\n\n```\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    named = set()
+    for line in block.splitlines():
+        entry = line.split("  ")[0]
+        for part in entry.split(", "):
+            named.add(part if "/" in part else f"sdflax/{part}")
+    files = {f"sdflax/{p.name}" for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    folders = {f"sdflax/{p.name}/" for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert files | folders == named
