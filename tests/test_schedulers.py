@@ -59,7 +59,7 @@ def run_diffusers(cls, config, n, noises=None, **step_kwargs):
 def run_ours(cls, config, n, noises=None, **step_kwargs):
     sched = cls.from_config(config)
     state = sched.set_timesteps(n, shape=SHAPE)
-    x = jnp.asarray(X_T) * sched.init_noise_sigma
+    x = jnp.asarray(X_T) * state.init_noise_sigma
     trajectory = []
     for i in range(len(state.timesteps)):
         x = sched.scale_model_input(state, x, i)
@@ -251,7 +251,8 @@ def test_scheduler_from_config_and_hashing():
     assert PNDMScheduler.from_config({}).config.set_alpha_to_one is False  # diffusers' per-class defaults
     assert DDIMScheduler.from_config({}).config.set_alpha_to_one is True
     assert DDIMScheduler.from_config({}).config.clip_sample is True
-    assert a.init_noise_sigma == 1.0 and DDIMScheduler.from_config(SD14).init_noise_sigma == 1.0
+    assert a.set_timesteps(10, SHAPE).init_noise_sigma == 1.0
+    assert DDIMScheduler.from_config(SD14).set_timesteps(10).init_noise_sigma == 1.0
     with pytest.raises(ValueError, match="shape"):
         a.set_timesteps(10)
 
@@ -269,3 +270,54 @@ def test_bad_config_values_raise(cls, field, value):
 def test_pndm_rejects_sample_prediction():
     with pytest.raises(ValueError, match="prediction_type"):
         PNDMScheduler.from_config({**SD14, "prediction_type": "sample"})
+
+
+# ---- the step-count check --------------------------------------------------------------------------------------------
+
+
+def outcome(call):
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return type(error), str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", [*SCHEDULERS, "pndm-prk"])
+@pytest.mark.parametrize("spacing", ["leading", "trailing", "linspace"])
+def test_check_steps_refuses_what_set_timesteps_refuses(kind, spacing):
+    """`scheduler.check_steps(n)` raises exactly when `set_timesteps(n)` would, so a caller (pipeline, CLI) can
+    run it before compiling anything."""
+    cls = SCHEDULERS[kind.removesuffix("-prk")]
+    sched = cls.from_config({**SD14, "num_train_timesteps": 100, "timestep_spacing": spacing,
+                             "skip_prk_steps": not kind.endswith("-prk")})
+    refused = set()
+    for n in [*range(-1, 12), 33, 49, 50, 51, 99, 100, 101, np.int64(20), 2.5, True]:
+        with np.errstate(divide="ignore", invalid="ignore"):  # DPM-Solver at n + 1 > T points: h = 0, as diffusers
+            expected = outcome(lambda: sched.set_timesteps(n, shape=SHAPE))
+        assert outcome(lambda: sched.check_steps(n)) == expected, n
+        if expected is not None:
+            refused.add(repr(n))
+    assert {"-1", "0", "101", "2.5", "True"} <= refused
+    if kind != "pndm-prk":
+        assert not {"1", "2", "3", "11", "np.int64(20)"} & refused
+    with pytest.raises(ValueError, match=r"num_inference_steps must be in \[1, 100\]"):
+        sched.check_steps(101)
+    with pytest.raises(TypeError, match="num_inference_steps must be an int"):
+        sched.check_steps(2.5)
+    if kind == "pndm-prk":
+        assert {"1", "2", "3"} <= refused
+        with pytest.raises(ValueError, match="PRK"):
+            sched.check_steps(3)
+    if spacing == "leading":  # steps_offset = 1 would put the first of 100 steps at t = 100
+        with pytest.raises(ValueError, match="first step at t=100, past the last training timestep 99"):
+            sched.check_steps(100)
+
+
+@pytest.mark.parametrize("cls", [PNDMScheduler, DDIMScheduler])
+def test_start_past_the_schedule_raises(cls):
+    sched = cls.from_config(SD14)
+    evals = sched.set_timesteps(10, shape=SHAPE).timesteps.shape[0]
+    assert sched.set_timesteps(10, shape=SHAPE, start=evals - 1).timesteps.shape == (1,)
+    with pytest.raises(ValueError, match="start"):
+        sched.set_timesteps(10, shape=SHAPE, start=evals)

@@ -1,7 +1,9 @@
 """Parity of the Euler, Euler ancestral, LMS and DPM-Solver++ 2M schedulers with diffusers' PyTorch classes, step by
-step; predict_x0 / add_noise for every scheduler (PNDM and DDIM too); scan compatibility; end-to-end images."""
+step; predict_x0 / add_noise for every scheduler (PNDM and DDIM too); scan compatibility; the
+Scheduler protocol for every scheduler (and scripts/example_scheduler.py); end-to-end images."""
 
 import json
+import sys
 from functools import partial
 
 import diffusers
@@ -10,20 +12,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from builders import torch_pipeline
+from builders import REPO, torch_pipeline
 from test_pipeline import ATOL, NEGATIVE, PROMPTS, run_both
 from test_schedulers import SD14, SHAPE, X_T, fake_model
 
 from sdflax import StableDiffusion
 from sdflax.schedulers import (
+    SCHEDULERS,
     DDIMScheduler,
     DPMSolverScheduler,
     EulerAncestralScheduler,
     EulerScheduler,
     LMSScheduler,
     PNDMScheduler,
+    Scheduler,
+    SchedulerState,
     scheduler_from_config,
 )
+
+sys.path.insert(0, str(REPO / "scripts"))
+from example_scheduler import DDPMAncestral  # noqa: E402
 
 ATOL_SAMPLES = 1e-5  # every intermediate sample, float32, for SD's schedule: samples start at σ_max ≈ 14.6 × N(0, 1)
 # Fractional timesteps (linspace spacing, Karras σ) come from log σ; torch's float32 sqrt is not correctly rounded,
@@ -122,8 +130,9 @@ def assert_parity(cls, config, n, noises=None, monkeypatch=None, start=0):
         assert our_t.dtype == np.float32
         np.testing.assert_allclose(our_t, their_t, rtol=0, atol=ATOL_TIMESTEPS)
     assert our_sigma == pytest.approx(their_sigma, rel=1e-6)
-    if config.get("timestep_spacing", "linspace") != "leading" and n > 1:
-        assert cls.from_config(config).init_noise_sigma == pytest.approx(their_sigma, rel=1e-6)
+    if config.get("timestep_spacing", "linspace") != "leading" and n > 1:  # then it does not depend on n
+        assert cls.from_config(config).set_timesteps(2, shape=SHAPE).init_noise_sigma == pytest.approx(
+            their_sigma, rel=1e-6)
     for name in ("inputs", "x0", "samples"):
         assert ours[name].dtype == np.float32 and ours[name].shape == theirs[name].shape, name
         assert np.isfinite(theirs[name]).all(), name
@@ -397,6 +406,32 @@ def test_jit_scan_equals_eager(cls, config):
         np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=0, atol=ATOL_SAMPLES)
 
 
+PROTOCOL_CASES = {**{kind: cls.from_config(SD14) for kind, cls in SCHEDULERS.items()},
+                  "outside": DDPMAncestral.from_config(SD14)}  # scripts/example_scheduler.py
+
+
+@pytest.mark.parametrize("name", list(PROTOCOL_CASES))
+def test_every_scheduler_follows_the_protocol(name):
+    """isinstance checks the names; a compiled scan over exactly the protocol's calls checks that they work."""
+    sched = PROTOCOL_CASES[name]
+    assert isinstance(sched, Scheduler)
+    assert type(sched).from_config(SD14) == sched and hash(sched) == hash(type(sched).from_config(dict(SD14)))
+    assert not hasattr(sched, "init_noise_sigma")  # one place: the state
+    sched.check_steps(5)
+    state = sched.set_timesteps(5, shape=SHAPE)
+    assert isinstance(state, SchedulerState)
+    evals = state.timesteps.shape[0]
+    assert state.timesteps.shape == (evals,) and evals >= 5
+    assert isinstance(state.init_noise_sigma, float) and state.init_noise_sigma >= 1.0
+
+    x = jnp.asarray(X_T) * state.init_noise_sigma
+    samples, x0 = scan_loop(sched, state, x, jax.random.split(jax.random.key(0), evals))
+    assert samples.shape == x0.shape == (evals, *SHAPE) and x0.dtype == jnp.float32
+    assert np.isfinite(np.asarray(samples)).all() and np.isfinite(np.asarray(x0)).all()
+    noisy = sched.add_noise(state, jnp.asarray(IMAGE), jnp.asarray(IMAGE_NOISE), 0)
+    assert noisy.shape == SHAPE and np.isfinite(np.asarray(noisy)).all()
+
+
 @pytest.mark.parametrize("cls", [EulerScheduler, EulerAncestralScheduler, LMSScheduler, DPMSolverScheduler])
 def test_low_precision_sample_keeps_dtype(cls):
     sched = cls.from_config(SD1)
@@ -433,21 +468,21 @@ def test_class_defaults_follow_diffusers():
     dpm = DPMSolverScheduler.from_config({}).config
     assert (dpm.solver_order, dpm.algorithm_type, dpm.lower_order_final, dpm.final_sigmas_type) == (
         2, "dpmsolver++", True, "zero")
-    assert DPMSolverScheduler.from_config(SD1).init_noise_sigma == 1.0
+    assert DPMSolverScheduler.from_config(SD1).set_timesteps(10, shape=SHAPE).init_noise_sigma == 1.0
     a, b = EulerScheduler.from_config({**SD1, **KARRAS}), EulerScheduler.from_config(dict({**SD1, **KARRAS}))
     assert a == b and hash(a) == hash(b)  # usable as a jit static argument
 
 
 def test_leading_spacing_init_noise_sigma_depends_on_steps():
-    """diffusers' √(σ_first² + 1) for `leading` spacing needs the step count: the state has it, the scheduler
-    property says so instead of guessing."""
+    """diffusers' √(σ_first² + 1) for `leading` spacing needs the step count: it lives on the state, which has it."""
     sched = EulerScheduler.from_config({**SD1, **LEADING})
-    with pytest.raises(ValueError, match="num_inference_steps"):
-        sched.init_noise_sigma
+    ours = {}
     for n in (10, 50):
         theirs = diffusers.EulerDiscreteScheduler.from_config({**SD1, **LEADING})
         theirs.set_timesteps(n)
-        assert sched.set_timesteps(n).init_noise_sigma == pytest.approx(float(theirs.init_noise_sigma), rel=1e-6)
+        ours[n] = sched.set_timesteps(n).init_noise_sigma
+        assert ours[n] == pytest.approx(float(theirs.init_noise_sigma), rel=1e-6)
+    assert ours[10] != pytest.approx(ours[50], rel=1e-3)  # it does depend on n
 
 
 @pytest.mark.parametrize("cls, field, value", [
@@ -515,8 +550,11 @@ def test_switching_to_euler_karras_on_a_pndm_checkpoint(tmp_path):
     pipe, params = StableDiffusion.from_pretrained(tmp_path, scheduler="euler", scheduler_config=KARRAS)
     assert type(pipe.scheduler) is EulerScheduler and pipe.scheduler.config.use_karras_sigmas
     assert pipe.scheduler.config.timestep_spacing == "leading" and pipe.scheduler.config.beta_end == 0.012
-    with pytest.raises(ValueError, match="leading"):
-        pipe.scheduler.init_noise_sigma
+    saved = json.loads((tmp_path / "scheduler" / "scheduler_config.json").read_text())  # what from_pretrained read
+    leading = diffusers.EulerDiscreteScheduler.from_config({**saved, **KARRAS})
+    assert leading.config.timestep_spacing == "leading"
+    leading.set_timesteps(3)  # the initial noise scale depends on the step count: the state has it
+    assert pipe.scheduler.set_timesteps(3).init_noise_sigma == pytest.approx(float(leading.init_noise_sigma), rel=1e-6)
 
     overrides = {**KARRAS, **TRAILING}
     pipe, params = StableDiffusion.from_pretrained(tmp_path, scheduler="euler", scheduler_config=overrides)

@@ -1,5 +1,6 @@
 """Noise schedulers as pure functions, matching diffusers: PNDM (Liu et al. 2022), DDIM (Song et al. 2021), Euler and
-Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022)."""
+Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022). Each follows `Scheduler`
+(protocol.py); `scheduler.check_steps(n)` raises early for a step count `set_timesteps(n)` would refuse."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .euler import EulerConfig, EulerScheduler, EulerState
 from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
 from .lms import LMSConfig, LMSScheduler, LMSState
 from .pndm import PNDMConfig, PNDMScheduler, PNDMState
+from .protocol import Scheduler, SchedulerState
 
 SCHEDULERS = {
     "pndm": PNDMScheduler,
@@ -69,5 +71,7 @@ __all__ = [
     "PNDMScheduler",
     "PNDMState",
     "SCHEDULERS",
+    "Scheduler",
+    "SchedulerState",
     "scheduler_from_config",
 ]

@@ -4,6 +4,8 @@ and the σ view of the same schedule that the Euler / LMS / DPM-Solver samplers 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import typing
 from functools import partial
 from typing import Any, Mapping
 
@@ -114,17 +116,45 @@ def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
     return (1.0 - alphas).astype(np.float32)
 
 
-def spaced_timesteps(config: ScheduleConfig, num_inference_steps: int) -> np.ndarray:
-    """The num_inference_steps training timesteps to visit, ascending (diffusers' `timestep_spacing`)."""
+def check_steps(config: ScheduleConfig, num_inference_steps) -> None:
+    """Raise unless 1 <= n <= T (n distinct training timesteps, at most all T of them) and the first is one:
+    `leading` spacing starts at (n-1)⌊T/n⌋ + steps_offset, which is T for n = T and steps_offset = 1 (where
+    diffusers' schedulers fail or degenerate: DDIM / PNDM index past ᾱ, LMS divides by 0, DPM-Solver's n + 1
+    points have stride 0, Euler clamps t to T - 1)."""
     T, n = config.num_train_timesteps, num_inference_steps
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"num_inference_steps must be an int, got {n!r}")
     if not 1 <= n <= T:
         raise ValueError(f"num_inference_steps must be in [1, {T}] (num_train_timesteps), got {n}")
-    if config.timestep_spacing == "linspace":
-        return np.linspace(0, T - 1, n).round().astype(np.int64)
-    if config.timestep_spacing == "leading":
-        return np.arange(n, dtype=np.int64) * (T // n) + config.steps_offset
-    # trailing: count back from T in equal (fractional) strides, so the first step is at T - 1.
-    return np.round(np.arange(T, 0, -T / n))[::-1].astype(np.int64) - 1
+    if config.timestep_spacing == "leading" and (first := (n - 1) * (T // n) + config.steps_offset) >= T:
+        raise ValueError(
+            f"num_inference_steps={n} with timestep_spacing='leading' and steps_offset={config.steps_offset} puts the "
+            f"first step at t={first}, past the last training timestep {T - 1}: use fewer steps or another spacing"
+        )
+
+
+def spaced_timesteps(config: ScheduleConfig, num_inference_steps: int, fractional: bool = False,
+                     extra_point: bool = False) -> np.ndarray:
+    """The n training timesteps to visit, descending (diffusers' `timestep_spacing`): int64, float64 if fractional.
+
+    diffusers' schedulers space alike but for two details, kept here for exact parity: the σ samplers (Euler,
+    Euler ancestral, LMS) keep `linspace` timesteps fractional (`fractional`); DPM-Solver spaces n + 1 points for
+    `linspace` and `leading` and drops the smallest (`extra_point`). `trailing` is the same for all.
+    """
+    check_steps(config, num_inference_steps)
+    T, n = config.num_train_timesteps, num_inference_steps
+    points = n + 1 if extra_point else n
+    if config.timestep_spacing == "trailing":
+        # count back from T in equal (fractional) strides, so the first step is at T - 1
+        return np.round(np.arange(T, 0, -T / n)).astype(np.int64) - 1
+    if config.timestep_spacing == "linspace":  # t_k = k (T-1)/(points-1)
+        timesteps = np.linspace(0, T - 1, points)
+        if not fractional:
+            timesteps = timesteps.round().astype(np.int64)
+    else:  # leading: t_k = k ⌊T/points⌋ + steps_offset
+        timesteps = np.arange(points, dtype=np.int64) * (T // points) + config.steps_offset
+    timesteps = timesteps[::-1]
+    return timesteps[:-1] if extra_point else timesteps
 
 
 def alpha_prod_at(alpha_prod: np.ndarray, final_alpha_prod, timesteps: np.ndarray) -> np.ndarray:
@@ -161,9 +191,17 @@ def add_noise(original_samples, noise, alpha_prod_t):
 # Generative Models", §2 and Appendix C.2: discrete DDPM schedules seen as a variance-exploding ODE) --------------
 
 
-def train_sigmas(alpha_prod: np.ndarray) -> np.ndarray:
-    """σ_t = √((1-ᾱ_t)/ᾱ_t) for t = 0..T-1, float32 like diffusers."""
+def train_sigmas(config: ScheduleConfig, zero_snr: bool = False) -> np.ndarray:
+    """σ_t = √((1-ᾱ_t)/ᾱ_t) for t = 0..T-1, float32 from torch-rounded ᾱ, like diffusers' σ samplers."""
+    alpha_prod, _ = alphas_cumprod(config, rescale_zero_snr=zero_snr, torch_rounding=True)
+    if zero_snr:
+        alpha_prod[-1] = 2.0**-24  # as diffusers: keeps σ_{T-1} finite
     return np.sqrt((1.0 - alpha_prod) / alpha_prod).astype(np.float32)
+
+
+def with_final_sigma(sigmas: np.ndarray, train: np.ndarray, final_sigma: str) -> np.ndarray:
+    """σ_0..σ_{n-1} and σ_n, where the last step lands: 0 ("zero") or the smallest training σ ("sigma_min")."""
+    return np.append(sigmas, {"zero": 0.0, "sigma_min": train[0]}[final_sigma]).astype(np.float32)
 
 
 def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
@@ -190,30 +228,19 @@ def discrete_sigma_schedule(config, num_inference_steps: int, karras: bool = Fal
     `karras` the σ are redistributed by eq. 5 between the spaced end points and the timesteps follow them.
     σ_n, after the last step, is 0 (`final_sigma="zero"`) or σ_0 ("sigma_min").
     """
-    T, n = config.num_train_timesteps, num_inference_steps
-    if not 1 <= n <= T:
-        raise ValueError(f"num_inference_steps must be in [1, {T}] (num_train_timesteps), got {n}")
-    alpha_prod, _ = alphas_cumprod(config, rescale_zero_snr=zero_snr, torch_rounding=True)
-    if zero_snr:
-        alpha_prod[-1] = 2.0**-24  # as diffusers: keeps σ_{T-1} finite
-    sigmas = train_sigmas(alpha_prod)
-    if config.timestep_spacing == "linspace":
-        timesteps = np.linspace(0, T - 1, n, dtype=np.float32)[::-1]
-    elif config.timestep_spacing == "leading":
-        timesteps = (np.arange(n) * (T // n)).round()[::-1].astype(np.float32) + config.steps_offset
-    else:  # trailing
-        timesteps = np.arange(T, 0, -T / n).round().astype(np.float32) - 1
-    spaced = np.interp(timesteps, np.arange(T), sigmas)
+    timesteps = spaced_timesteps(config, num_inference_steps, fractional=True).astype(np.float32)
+    sigmas = train_sigmas(config, zero_snr)
+    spaced = np.interp(timesteps, np.arange(len(sigmas)), sigmas)
     if karras:
         lo = sigma_min if sigma_min is not None else spaced[-1]
         hi = sigma_max if sigma_max is not None else spaced[0]
-        spaced = karras_sigmas(lo, hi, n)
+        spaced = karras_sigmas(lo, hi, num_inference_steps)
         timesteps = sigma_to_t(spaced, np.log(sigmas))
-    last = {"zero": 0.0, "sigma_min": sigmas[0]}[final_sigma]
-    return timesteps.astype(np.float32), np.append(spaced, last).astype(np.float32)
+    return timesteps.astype(np.float32), with_final_sigma(spaced, sigmas, final_sigma)
 
 
 def check_start(start: int, num_evals: int):
+    """img2img skips the first `start` of the schedule's `num_evals` model evaluations: at least one must remain."""
     if not 0 <= start < num_evals:
         raise ValueError(f"start={start} must be in [0, {num_evals}): the number of steps img2img skips")
 
@@ -225,20 +252,24 @@ def init_noise_sigma(config, sigma_first) -> float:
     return float(sigma_first)
 
 
-class SigmaSampler:
-    """What the Euler, Euler ancestral and LMS samplers share. They integrate dx/dσ = (x - x̂_0) / σ on
-    x = x_0 + σ ε (Karras et al. 2022 eq. 4 with σ(t) = t), starting from x ~ N(0, σ_max²); `state.sigmas`."""
+class SchedulerBase:
+    """What every built-in scheduler shares (see `protocol.Scheduler`): `from_config`, which parses the dict with
+    the class of the scheduler's `config` field, and `check_steps`."""
 
-    @property
-    def init_noise_sigma(self) -> float:
-        """σ_max, which fresh N(0, I) noise is multiplied by (diffusers' value after set_timesteps(n ≥ 2))."""
-        if self.config.timestep_spacing == "leading":
-            raise ValueError(
-                f"{type(self).__name__} with timestep_spacing='leading': diffusers' initial noise scale "
-                "√(σ_first² + 1) depends on num_inference_steps; use `scheduler.set_timesteps(n).init_noise_sigma`, "
-                "or timestep_spacing='linspace' / 'trailing'"
-            )
-        return self.set_timesteps(2, shape=(1,)).init_noise_sigma
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]):
+        """Build from a diffusers scheduler_config.json dict (other keys ignored, unsupported values rejected)."""
+        return cls(typing.get_type_hints(cls)["config"].from_dict(config))
+
+    def check_steps(self, num_inference_steps: int) -> None:
+        """Raise now, before anything is compiled, if `set_timesteps(num_inference_steps)` would."""
+        check_steps(self.config, num_inference_steps)
+
+
+class SigmaSampler(SchedulerBase):
+    """What the Euler, Euler ancestral and LMS samplers share. They integrate dx/dσ = (x - x̂_0) / σ on
+    x = x_0 + σ ε (Karras et al. 2022 eq. 4 with σ(t) = t), starting from x ~ N(0, σ_max²); `state.sigmas`.
+    Their states carry `init_noise_sigma`, diffusers' value for the step count (see `init_noise_sigma` above)."""
 
     def scale_model_input(self, state, sample, i):
         """x / √(σ² + 1): the UNet was trained on √ᾱ_t x = x_t, which has unit variance."""

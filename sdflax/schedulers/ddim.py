@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax
 import jax
@@ -27,27 +26,23 @@ class DDIMState:
     alpha_prod_t: jnp.ndarray  # float32 [n]: ᾱ_t
     alpha_prod_t_prev: jnp.ndarray  # float32 [n]: ᾱ_{t-δ}, δ = T // n (ᾱ_final past the end)
     num_inference_steps: int = flax.struct.field(pytree_node=False)
-    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)
+    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)  # x_T ~ N(0, I)
 
 
 @dataclasses.dataclass(frozen=True)
-class DDIMScheduler:
+class DDIMScheduler(common.SchedulerBase):
     config: DDIMConfig
-    init_noise_sigma = 1.0
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "DDIMScheduler":
-        return cls(DDIMConfig.from_dict(config))
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> DDIMState:
         """`shape` is accepted for symmetry with PNDM and ignored; `start` skips that many steps (img2img)."""
         cfg = self.config
         alpha_prod, final_alpha_prod = common.alphas_cumprod(cfg, rescale_zero_snr=cfg.rescale_betas_zero_snr)
-        timesteps = common.spaced_timesteps(cfg, num_inference_steps)[::-1]
+        timesteps = common.spaced_timesteps(cfg, num_inference_steps)
         # As diffusers: the previous timestep is always t - T // n, even for `trailing`/`linspace` spacing
         # where that is not the next entry of `timesteps`.
         prev_timesteps = timesteps - cfg.num_train_timesteps // num_inference_steps
+        common.check_start(start, len(timesteps))
         timesteps, prev_timesteps = timesteps[start:], prev_timesteps[start:]
         return DDIMState(
             timesteps=jnp.asarray(timesteps, jnp.int32),

@@ -5,7 +5,6 @@ with algorithm_type="dpmsolver++"."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax
 import jax.numpy as jnp
@@ -54,27 +53,12 @@ class DPMSolverState:
     coef_d1: jnp.ndarray  # float32 [n]: c_i, 0 for first-order steps
     prev_x0: jnp.ndarray  # float32 [*shape]: x̂_0 of the previous step (m_{i-1})
     num_inference_steps: int = flax.struct.field(pytree_node=False)
-    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)
-
-
-def spaced_timesteps(config: DPMSolverConfig, n: int) -> np.ndarray:
-    """diffusers' DPMSolverMultistepScheduler spacing (n+1 points, the last dropped), descending int64."""
-    T = config.num_train_timesteps
-    if config.timestep_spacing == "linspace":
-        return np.linspace(0, T - 1, n + 1).round()[::-1][:-1].astype(np.int64)
-    if config.timestep_spacing == "leading":
-        return (np.arange(n + 1) * (T // (n + 1))).round()[::-1][:-1].astype(np.int64) + config.steps_offset
-    return np.arange(T, 0, -T / n).round().astype(np.int64) - 1  # trailing
+    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)  # variance preserving: x_T ~ N(0, I)
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverScheduler:
+class DPMSolverScheduler(common.SchedulerBase):
     config: DPMSolverConfig
-    init_noise_sigma = 1.0  # a variance-preserving sampler: x_T ~ N(0, I)
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "DPMSolverScheduler":
-        return cls(DPMSolverConfig.from_dict(config))
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> DPMSolverState:
@@ -82,21 +66,15 @@ class DPMSolverScheduler:
         if shape is None:
             raise ValueError("DPM-Solver++ 2M keeps the previous x̂_0: call set_timesteps(n, shape=sample.shape)")
         cfg, n = self.config, num_inference_steps
-        if not 1 <= n <= cfg.num_train_timesteps:
-            raise ValueError(f"num_inference_steps must be in [1, {cfg.num_train_timesteps}], got {n}")
-        alpha_prod, _ = common.alphas_cumprod(cfg, rescale_zero_snr=cfg.rescale_betas_zero_snr, torch_rounding=True)
-        if cfg.rescale_betas_zero_snr:
-            alpha_prod[-1] = 2.0**-24  # as diffusers: keeps σ_{T-1} finite
-        train = common.train_sigmas(alpha_prod)
-        timesteps = spaced_timesteps(cfg, n)
+        timesteps = common.spaced_timesteps(cfg, n, extra_point=True)
+        train = common.train_sigmas(cfg, zero_snr=cfg.rescale_betas_zero_snr)
         if cfg.use_karras_sigmas:
             # Karras et al. 2022 eq. 5 over the whole training range; the timesteps follow, rounded.
             sigmas = common.karras_sigmas(train[0], train[-1], n)
             timesteps = common.sigma_to_t(sigmas, np.log(train)).round().astype(np.int64)
         else:
             sigmas = np.interp(timesteps, np.arange(len(train)), train)
-        last = {"zero": 0.0, "sigma_min": train[0]}[cfg.final_sigmas_type]
-        sigmas = np.append(sigmas, last).astype(np.float32)
+        sigmas = common.with_final_sigma(sigmas, train, cfg.final_sigmas_type)
         n = len(timesteps)
         common.check_start(start, n)
 

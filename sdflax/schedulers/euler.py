@@ -5,7 +5,6 @@ EulerDiscreteScheduler."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax
 import jax.numpy as jnp
@@ -42,10 +41,6 @@ class EulerState:
 @dataclasses.dataclass(frozen=True)
 class EulerScheduler(common.SigmaSampler):
     config: EulerConfig
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "EulerScheduler":
-        return cls(EulerConfig.from_dict(config))
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> EulerState:

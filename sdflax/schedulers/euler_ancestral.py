@@ -5,7 +5,6 @@ EulerAncestralDiscreteScheduler."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax
 import jax
@@ -35,10 +34,6 @@ class EulerAncestralState:
 @dataclasses.dataclass(frozen=True)
 class EulerAncestralScheduler(common.SigmaSampler):
     config: EulerAncestralConfig
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "EulerAncestralScheduler":
-        return cls(EulerAncestralConfig.from_dict(config))
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> EulerAncestralState:

@@ -4,7 +4,6 @@ Adams–Bashforth idea of PLMS, Liu et al. 2022), order 4, matching diffusers' L
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax
 import jax.numpy as jnp
@@ -53,10 +52,6 @@ def lms_coefficients(sigmas: np.ndarray, order: int = ORDER) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class LMSScheduler(common.SigmaSampler):
     config: LMSConfig
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "LMSScheduler":
-        return cls(LMSConfig.from_dict(config))
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> LMSState:

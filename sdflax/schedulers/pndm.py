@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax
 import jax.numpy as jnp
@@ -37,17 +36,18 @@ class PNDMState:
     saved_sample: jnp.ndarray  # float32 [*shape]
     rk_sum: jnp.ndarray  # float32 [*shape]: Σ of the weighted RK4 stages so far
     num_inference_steps: int = flax.struct.field(pytree_node=False)
-    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)
+    init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)  # x_T ~ N(0, I)
 
 
 @dataclasses.dataclass(frozen=True)
-class PNDMScheduler:
+class PNDMScheduler(common.SchedulerBase):
     config: PNDMConfig
-    init_noise_sigma = 1.0
 
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "PNDMScheduler":
-        return cls(PNDMConfig.from_dict(config))
+    def check_steps(self, num_inference_steps: int) -> None:
+        """As every scheduler's, and n >= 4 for the PRK warm-up (three RK4 steps over the last four timesteps)."""
+        super().check_steps(num_inference_steps)
+        if not self.config.skip_prk_steps and num_inference_steps < 4:
+            raise ValueError(f"PNDM with PRK steps needs num_inference_steps >= 4, got {num_inference_steps}")
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> PNDMState:
@@ -55,24 +55,25 @@ class PNDMScheduler:
         `start` skips that many evaluations, as img2img does."""
         if shape is None:
             raise ValueError("PNDM keeps a history of model outputs: call set_timesteps(n, shape=sample.shape)")
+        self.check_steps(num_inference_steps)
         cfg, n = self.config, num_inference_steps
         alpha_prod, final_alpha_prod = common.alphas_cumprod(cfg)
-        spaced = common.spaced_timesteps(cfg, n)  # ascending
+        spaced = common.spaced_timesteps(cfg, n)[::-1]  # ascending
         delta = cfg.num_train_timesteps // n
         if cfg.skip_prk_steps:
             prk = np.array([], np.int64)
             # The second evaluation revisits the first landing point (it becomes a Heun step, see below).
             plms = np.concatenate([spaced[:-1], spaced[-2:-1], spaced[-1:]])[::-1]
         else:
-            if n < 4:
-                raise ValueError(f"PNDM with PRK steps needs num_inference_steps >= 4, got {n}")
             # Three RK4 steps over the last 4 timesteps, each evaluated at t, t - δ/2, t - δ/2, t - δ.
             prk = spaced[-4:].repeat(2) + np.tile([0, delta // 2], 4)
             prk = prk[:-1].repeat(2)[1:-1][::-1]
             plms = spaced[:-3][::-1]
 
         # img2img begins `start` evaluations in; diffusers' `counter` then restarts at 0 on the rest.
-        evaluations = np.concatenate([prk, plms])[start:]
+        evaluations = np.concatenate([prk, plms])
+        common.check_start(start, len(evaluations))
+        evaluations = evaluations[start:]
         rows = []  # (t, t_from, t_to, formula, push_ets, save_sample, from_saved_sample, rk_weight)
         n_ets = 0
         for c, t in enumerate(evaluations):  # c is diffusers' `counter`
