@@ -1,6 +1,9 @@
-"""The CPU-specific ways sdflax computes attention and convolutions give PyTorch's numbers."""
+"""CPU-specific attention and convolution paths give PyTorch's numbers; the Kernels value picks the paths."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -84,6 +87,38 @@ def test_auto_attention_picks_cudnn_only_where_it_runs():
 def test_attention_implementation_is_checked():
     q = jnp.ones((1, 4, 2, 8))
     with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn'\), got 'flash'"):
-        dot_product_attention(q, q, q, implementation="flash")
+        dot_product_attention(q, q, q, kernels=layers.resolve_kernels("flash"))
     with pytest.raises(ValueError, match="cuDNN flash attention does not run on .* with float32 and head dim 8"):
-        dot_product_attention(q, q, q, implementation="cudnn")
+        dot_product_attention(q, q, q, kernels=layers.resolve_kernels("cudnn"))
+
+
+def test_kernels_are_resolved_once_into_one_hashable_value():
+    from types import SimpleNamespace as Device
+
+    hopper = layers.resolve_kernels(device=Device(platform="gpu", compute_capability="9.0"))
+    assert hopper == layers.Kernels("gpu", "9.0", "auto") and hash(hopper) == hash(layers.Kernels("gpu", "9.0"))
+    assert layers.resolve_kernels("xla") == layers.Kernels(jax.devices()[0].platform, None, "xla")
+    assert hopper.attention_kernel(80, jnp.bfloat16) == "cudnn"
+    assert dataclasses.replace(hopper, attention="xla").attention_kernel(80, jnp.bfloat16) == "xla"
+    with pytest.raises(ValueError, match="attention='cudnn': cuDNN flash attention does not run on gpu with float32"):
+        dataclasses.replace(hopper, attention="cudnn").attention_kernel(80, jnp.float32)
+    with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn'\), got 'flash'"):
+        layers.Kernels("cpu", attention="flash")
+
+
+def test_the_kernels_platform_picks_the_paths():
+    """The CPU's query blocks and patch matmul follow the Kernels value, not the compiling device: a GPU's choice
+    compiled here has neither, and gives the same numbers."""
+    gpu = layers.Kernels("gpu", "9.0")  # float32: XLA's attention, in one piece
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 700, 2, 16), dtype=np.float32) for _ in range(3))
+    on_gpu = functools.partial(dot_product_attention, kernels=gpu)
+    assert "while" not in compiled_text(on_gpu, q, k, v) and "while" in compiled_text(dot_product_attention, q, k, v)
+    np.testing.assert_allclose(jax.jit(on_gpu)(q, k, v), jax.jit(dot_product_attention)(q, k, v), rtol=RTOL, atol=ATOL)
+
+    x = rng.standard_normal((2, 8, 8, 48), dtype=np.float32)
+    here, there = conv(32), conv(32, kernels=gpu)
+    params = here.init(jax.random.key(0), x)
+    assert "convolution(" not in compiled_text(here.apply, params, x)
+    assert "convolution(" in compiled_text(there.apply, params, x)
+    np.testing.assert_allclose(jax.jit(there.apply)(params, x), jax.jit(here.apply)(params, x), rtol=RTOL, atol=ATOL)

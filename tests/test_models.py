@@ -13,6 +13,7 @@ from builders import BUILDERS, CONFIGS, torch_unet, torch_vae
 import jax.numpy as jnp
 
 from sdflax import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+from sdflax.models import Kernels, resolve_kernels
 from sdflax.weights import CheckpointMismatchError
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity, per module
@@ -159,3 +160,31 @@ def test_missing_weights_file_is_reported(tmp_path):
         AutoencoderKL.from_pretrained(folder)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         AutoencoderKL.from_pretrained(tmp_path)
+
+
+def test_models_take_one_kernels_value():
+    """from_config resolves the kernels once, or takes them, and each model hands them to its attention."""
+    xla = resolve_kernels("xla")
+    for cls, name in ((CLIPTextModel, "text_encoder"), (UNet2DConditionModel, "unet"), (AutoencoderKL, "vae")):
+        config = CONFIGS["sd1"][name]
+        assert cls.from_config(config).kernels == resolve_kernels()
+        assert cls.from_config(config, attention="xla").kernels == xla == cls.from_config(config, kernels=xla).kernels
+        with pytest.raises(ValueError, match="give the choice in one place"):
+            cls.from_config(config, attention="cudnn", kernels=xla)
+        with pytest.raises(ValueError, match="attention='cudnn': cuDNN flash attention does not run on cpu"):
+            cls.from_config(config, attention="cudnn").param_shapes()
+
+
+def test_unet_paths_follow_its_kernels():
+    """The Kernels platform reaches every layer: the UNet built for a GPU, compiled here, runs its 256-token
+    self-attention in one piece (no CPU query blocks) and every 3x3 conv as a convolution, with the same numbers."""
+    unet = UNet2DConditionModel.from_config(CONFIGS["sd1"]["unet"])
+    gpu = unet.clone(kernels=Kernels("gpu", "9.0"))
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(lambda p: 0.2 * rng.standard_normal(p.shape, dtype=np.float32), unet.param_shapes())
+    inputs = (rng.standard_normal((1, 4, 16, 16), dtype=np.float32), np.array([10]),
+              rng.standard_normal((1, 77, 32), dtype=np.float32))
+    here, there = (jax.jit(m.apply).lower(params, *inputs).compile() for m in (unet, gpu))
+    assert "while" in here.as_text() and "while" not in there.as_text()
+    assert there.as_text().count("convolution(") > here.as_text().count("convolution(")
+    np.testing.assert_allclose(there(params, *inputs), here(params, *inputs), rtol=RTOL, atol=ATOL)

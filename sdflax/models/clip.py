@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import config_from_dict
-from .layers import dot_product_attention
+from .layers import Kernels, dot_product_attention, resolve_kernels
 from .pretrained import Pretrained
 
 ACTIVATIONS = {
@@ -53,6 +53,7 @@ class CLIPTextOutput:
 class EncoderLayer(nn.Module):
     config: CLIPTextConfig
     dtype: jnp.dtype
+    kernels: Kernels
 
     @nn.compact
     def __call__(self, x):
@@ -64,7 +65,7 @@ class EncoderLayer(nn.Module):
         h = norm("layer_norm1")(x)
         split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
         q, k, v = (split(dense(cfg.hidden_size, f"self_attn_{n}_proj")(h)) for n in "qkv")
-        attn = dot_product_attention(q, k, v, causal=True).reshape(x.shape)
+        attn = dot_product_attention(q, k, v, causal=True, kernels=self.kernels).reshape(x.shape)
         x = x + dense(cfg.hidden_size, "self_attn_out_proj")(attn)
 
         h = ACTIVATIONS[cfg.hidden_act](dense(cfg.intermediate_size, "mlp_fc1")(norm("layer_norm2")(x)))
@@ -76,6 +77,7 @@ class CLIPTextModel(Pretrained, nn.Module):
 
     config: CLIPTextConfig
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = CLIPTextConfig
     with_projection = False
 
@@ -93,7 +95,7 @@ class CLIPTextModel(Pretrained, nn.Module):
 
         hidden_states = [x]
         for i in range(cfg.num_hidden_layers):
-            x = EncoderLayer(cfg, self.dtype, name=f"encoder_layers_{i}")(x)
+            x = EncoderLayer(cfg, self.dtype, self.kernels, name=f"encoder_layers_{i}")(x)
             hidden_states.append(x)
         x = nn.LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, name="final_layer_norm")(x)
 

@@ -6,6 +6,7 @@ Everything is NHWC. Module and parameter names follow the diffusers checkpoints 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -16,7 +17,7 @@ import numpy as np
 
 # How attention is computed. "xla": sdflax's einsum-softmax-einsum (fastest on the CPU); "cudnn": cuDNN's fused
 # flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "auto": cuDNN where it runs
-# for the call's head dimension and dtype (`attention_for`), XLA elsewhere.
+# for the call's head dimension and dtype (`Kernels.cudnn_runs`), XLA elsewhere.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 # On the CPU, attention over many tokens runs faster in blocks of this many queries, whose logits stay nearer the
 # cache, than in one piece (SD 1.5 on 2 cores: its 1024-token self-attention 61 -> 35 ms; a 512 px UNet evaluation
@@ -27,38 +28,73 @@ CPU_QUERY_CHUNK = 128
 CPU_PATCH_MATMUL_PIXELS = 512
 
 
-def attention_for(head_dim: int, dtype, device=None) -> str:
-    """"cudnn" where cuDNN flash attention runs, else "xla". Its rule (jax's `check_is_flash_attention`): an NVIDIA
-    GPU, float16/bfloat16, head dim a multiple of 8 and at most 128, or 256 from Hopper (compute capability 9.0)
-    on. SD 1.5's 40/80/160 all qualify on Hopper; 160 falls back to XLA on Ampere."""
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """How attention and convolutions are computed: the facts of the target device that decide it, and the user's
+    attention choice. Frozen and hashable; resolved once (`resolve_kernels`) and handed to every layer.
+
+    The CPU's query blocks and patch matmuls are chosen from `platform` here, not by `lax.platform_dependent` at
+    lowering: one value decides every kernel, a program holds only the path it runs, and the choice for another
+    device can be compiled and checked on this one.
+    """
+
+    platform: str  # jax's: "cpu", "gpu", "tpu"
+    compute_capability: str | None = None  # NVIDIA GPUs only, e.g. "9.0"
+    attention: str = "auto"  # one of ATTENTION_IMPLEMENTATIONS
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                             f"got {self.attention!r}")
+
+    def cudnn_runs(self, head_dim: int, dtype) -> bool:
+        """Whether cuDNN flash attention runs. Its rule (jax's `check_is_flash_attention`): an NVIDIA GPU,
+        float16/bfloat16, head dim a multiple of 8 and at most 128, or 256 from Hopper (compute capability 9.0)
+        on. SD 1.5's 40/80/160 all qualify on Hopper; 160 falls back to XLA on Ampere."""
+        if self.platform != "gpu" or self.compute_capability is None:
+            return False
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            return False
+        major = int(self.compute_capability.split(".")[0])
+        return head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128)
+
+    def attention_kernel(self, head_dim: int, dtype) -> str:
+        """"cudnn" or "xla" for one attention call; a forced "cudnn" where it cannot run is an error."""
+        runs = self.cudnn_runs(head_dim, dtype)
+        if self.attention == "cudnn" and not runs:
+            raise ValueError(f"attention='cudnn': cuDNN flash attention does not run on {self.platform} with "
+                             f"{jnp.dtype(dtype)} and head dim {head_dim}; it needs an NVIDIA GPU, bfloat16 or float16 "
+                             "and a head dim that is a multiple of 8, at most 128 (256 from Hopper on): use 'auto'")
+        return "cudnn" if runs and self.attention != "xla" else "xla"
+
+
+def resolve_kernels(attention: str = "auto", device=None) -> Kernels:
+    """The Kernels for `device` (default: jax's first device) and the attention choice ("auto", "xla", "cudnn")."""
     device = device or jax.devices()[0]
     capability = getattr(device, "compute_capability", None)  # NVIDIA devices only
-    if device.platform != "gpu" or capability is None or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return "xla"
-    major = int(str(capability).split(".")[0])
-    return "cudnn" if head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128) else "xla"
+    return Kernels(device.platform, None if capability is None else str(capability), attention)
 
 
-def dot_product_attention(q, k, v, *, causal=False, upcast=True, implementation="auto"):
-    """softmax(q kᵀ / √d) v over (B, T, heads, head_dim) arrays; logits and softmax in float32 when `upcast`."""
-    if implementation not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
-    choice = attention_for(q.shape[-1], q.dtype)
-    if implementation == "cudnn" and choice != "cudnn":
-        raise ValueError(f"attention='cudnn': cuDNN flash attention does not run on {jax.devices()[0].platform} "
-                         f"with {q.dtype} and head dim {q.shape[-1]}; it needs an NVIDIA GPU, bfloat16 or float16 and "
-                         "a head dim that is a multiple of 8, at most 128 (256 from Hopper on): use 'auto'")
-    implementation = choice if implementation == "auto" else implementation
+def attention_for(head_dim: int, dtype, device=None) -> str:
+    """"cudnn" where cuDNN flash attention runs on `device` (default: jax's first) for this head dim and dtype,
+    else "xla" (`Kernels.cudnn_runs`)."""
+    return "cudnn" if resolve_kernels(device=device).cudnn_runs(head_dim, dtype) else "xla"
+
+
+def dot_product_attention(q, k, v, *, causal=False, upcast=True, kernels: Kernels | None = None):
+    """softmax(q kᵀ / √d) v over (B, T, heads, head_dim) arrays; logits and softmax in float32 when `upcast`.
+    `kernels` defaults to `resolve_kernels()` for calls outside the models, which always pass theirs."""
+    kernels = kernels or resolve_kernels()
     dtype = v.dtype
-    if implementation == "cudnn":  # its softmax accumulates in float32 whatever the input dtype
+    if kernels.attention_kernel(q.shape[-1], q.dtype) == "cudnn":  # its softmax accumulates in float32 always
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(dtype)
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)  # on q, not on the (T, S) logits: T·S/d fewer products
     attend = functools.partial(_attention, causal=causal, dtype=dtype)
-    if causal or q.shape[1] <= CPU_QUERY_CHUNK:
-        return attend(q, k, v)
-    return jax.lax.platform_dependent(q, k, v, cpu=functools.partial(_in_query_chunks, attend), default=attend)
+    if kernels.platform == "cpu" and not causal and q.shape[1] > CPU_QUERY_CHUNK:
+        return _in_query_chunks(attend, q, k, v)
+    return attend(q, k, v)
 
 
 def _attention(q, k, v, *, causal, dtype):
@@ -100,9 +136,10 @@ class GroupNorm(nn.Module):
         return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
-def conv(features, kernel=3, stride=1, padding=None, name=None, dtype=jnp.float32):
+def conv(features, kernel=3, stride=1, padding=None, name=None, dtype=jnp.float32, kernels: Kernels | None = None):
     """torch.nn.Conv2d with 'same'-style symmetric padding (k // 2), as every conv in SD uses."""
-    return Conv2d(features, kernel, stride, kernel // 2 if padding is None else padding, dtype=dtype, name=name)
+    return Conv2d(features, kernel, stride, kernel // 2 if padding is None else padding, dtype=dtype,
+                  kernels=kernels or resolve_kernels(), name=name)
 
 
 class Conv2d(nn.Module):
@@ -113,6 +150,7 @@ class Conv2d(nn.Module):
     stride: int = 1
     padding: int = 1
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
     def __call__(self, x):
@@ -132,44 +170,38 @@ class Conv2d(nn.Module):
                                        for i in range(k) for j in range(k)], axis=-1)
             return patches @ kernel.reshape(-1, self.features)
 
-        if x.shape[0] * h_out * w_out <= CPU_PATCH_MATMUL_PIXELS and k > 1:
-            y = jax.lax.platform_dependent(x, kernel, cpu=patch_matmul, default=convolve)
-        else:
-            y = convolve(x, kernel)
+        small = x.shape[0] * h_out * w_out <= CPU_PATCH_MATMUL_PIXELS and k > 1
+        y = (patch_matmul if small and self.kernels.platform == "cpu" else convolve)(x, kernel)
         return y + bias.astype(self.dtype)
 
 
 class Attention(nn.Module):
-    """Multi-head attention as diffusers' `Attention`: to_q/to_k/to_v (+bias), to_out_0.
-
-    With `norm_groups` set it is the VAE's spatial self-attention: GroupNorm over (B, H, W, C), attention
-    over the H*W pixels, and a residual connection.
-    """
+    """Multi-head attention as diffusers' `Attention`: to_q/to_k/to_v (+bias), to_out_0."""
 
     heads: int
     head_dim: int
     qkv_bias: bool = False
     upcast: bool = True
-    attention: str = "auto"
-    norm_groups: int | None = None
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
-    def __call__(self, x, context=None):  # x: (B, T, C) or (B, H, W, C) with norm_groups; context: (B, S, D)
-        residual = x
-        if self.norm_groups is not None:
-            x = GroupNorm(self.norm_groups, 1e-6, self.dtype, name="group_norm")(x)
-            x = x.reshape(x.shape[0], -1, x.shape[-1])
-        context = x if context is None else context
-        inner = self.heads * self.head_dim
-        dense = lambda n, features, bias: nn.Dense(features, use_bias=bias, name=n, dtype=self.dtype)  # noqa: E731
-        split = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
-        q = split(dense("to_q", inner, self.qkv_bias)(x))
-        k = split(dense("to_k", inner, self.qkv_bias)(context))
-        v = split(dense("to_v", inner, self.qkv_bias)(context))
-        out = dot_product_attention(q, k, v, upcast=self.upcast, implementation=self.attention)
-        out = dense("to_out_0", x.shape[-1], True)(out.reshape(*out.shape[:2], inner))
-        return residual + out.reshape(residual.shape) if self.norm_groups is not None else out
+    def __call__(self, x, context=None):  # x: (B, T, C); context: (B, S, D), x itself when None
+        return multi_head_attention(x, x if context is None else context, self.heads, self.head_dim,
+                                    qkv_bias=self.qkv_bias, upcast=self.upcast, dtype=self.dtype, kernels=self.kernels)
+
+
+def multi_head_attention(x, context, heads, head_dim, *, qkv_bias, upcast, dtype, kernels):
+    """to_out_0(attention(to_q(x), to_k(context), to_v(context))) split into heads; (B, T, C) -> (B, T, C).
+    Called inside a compact method: the four projections become the caller's submodules, named as in diffusers."""
+    inner = heads * head_dim
+    dense = lambda n, features, bias: nn.Dense(features, use_bias=bias, name=n, dtype=dtype)  # noqa: E731
+    split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
+    q = split(dense("to_q", inner, qkv_bias)(x))
+    k = split(dense("to_k", inner, qkv_bias)(context))
+    v = split(dense("to_v", inner, qkv_bias)(context))
+    out = dot_product_attention(q, k, v, upcast=upcast, kernels=kernels)
+    return dense("to_out_0", x.shape[-1], True)(out.reshape(*out.shape[:2], inner))
 
 
 class ResnetBlock2D(nn.Module):
@@ -179,17 +211,19 @@ class ResnetBlock2D(nn.Module):
     groups: int = 32
     eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
     def __call__(self, x, temb=None):
+        convolution = functools.partial(conv, dtype=self.dtype, kernels=self.kernels)
         h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm1")(x))
-        h = conv(self.out_channels, name="conv1", dtype=self.dtype)(h)
+        h = convolution(self.out_channels, name="conv1")(h)
         if temb is not None:
             h = h + nn.Dense(self.out_channels, name="time_emb_proj", dtype=self.dtype)(nn.silu(temb))[:, None, None, :]
         h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm2")(h))
-        h = conv(self.out_channels, name="conv2", dtype=self.dtype)(h)
+        h = convolution(self.out_channels, name="conv2")(h)
         if x.shape[-1] != self.out_channels:
-            x = conv(self.out_channels, kernel=1, name="conv_shortcut", dtype=self.dtype)(x)
+            x = convolution(self.out_channels, kernel=1, name="conv_shortcut")(x)
         return x + h
 
 
@@ -199,12 +233,14 @@ class Downsample2D(nn.Module):
     channels: int
     padding: int = 1
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
     def __call__(self, x):
         if self.padding == 0:
             x = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
-        return conv(self.channels, stride=2, padding=self.padding, name="conv", dtype=self.dtype)(x)
+        return conv(self.channels, stride=2, padding=self.padding, name="conv", dtype=self.dtype,
+                    kernels=self.kernels)(x)
 
 
 def nearest_indices(in_size: int, out_size: int) -> np.ndarray:
@@ -218,6 +254,7 @@ class Upsample2D(nn.Module):
 
     channels: int
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
     def __call__(self, x, size=None):
@@ -226,7 +263,7 @@ class Upsample2D(nn.Module):
             x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
         else:  # as diffusers' UNet does for latents whose sides are not multiples of its total downsampling
             x = x[:, nearest_indices(h, size[0])][:, :, nearest_indices(w, size[1])]
-        return conv(self.channels, name="conv", dtype=self.dtype)(x)
+        return conv(self.channels, name="conv", dtype=self.dtype, kernels=self.kernels)(x)
 
 
 def timestep_embedding(timesteps, dim, flip_sin_to_cos=False, freq_shift=1.0, max_period=10000):

@@ -7,9 +7,12 @@ import os
 import jax
 import jax.numpy as jnp
 
+from .layers import Kernels, resolve_kernels
+
 
 class Pretrained:
-    """Mixed into each model. Subclasses set `config_class` and define `dummy_inputs()` for shape inference."""
+    """Mixed into each model. Subclasses set `config_class`, define `dummy_inputs()` for shape inference and take
+    a `kernels` field (`layers.Kernels`) that they hand to every layer."""
 
     def apply(self, variables, *args, **kwargs):
         if "params" not in variables:  # a bare params tree, as `from_pretrained` returns it
@@ -17,8 +20,13 @@ class Pretrained:
         return super().apply(variables, *args, **kwargs)
 
     @classmethod
-    def from_config(cls, config: dict, dtype=jnp.float32, **kwargs):
-        return cls(cls.config_class.from_dict(config), dtype=dtype, **kwargs)
+    def from_config(cls, config: dict, dtype=jnp.float32, attention="auto", kernels: Kernels | None = None):
+        """The model for a config.json dict; its kernels are `kernels`, or resolved here, once, for jax's first
+        device and the `attention` choice."""
+        if kernels is not None and attention not in ("auto", kernels.attention):
+            raise ValueError(f"attention={attention!r} and kernels with attention={kernels.attention!r}: give the "
+                             "choice in one place (resolve_kernels(attention))")
+        return cls(cls.config_class.from_dict(config), dtype=dtype, kernels=kernels or resolve_kernels(attention))
 
     def param_shapes(self):
         """The params tree as ShapeDtypeStructs, without computing anything."""

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from .config import config_from_dict
 from .pretrained import Pretrained
-from .layers import Attention, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv, timestep_embedding
+from .layers import (Attention, Downsample2D, GroupNorm, Kernels, ResnetBlock2D, Upsample2D, conv, resolve_kernels,
+                     timestep_embedding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +96,14 @@ class BasicTransformerBlock(nn.Module):
     heads: int
     head_dim: int
     upcast: bool
-    attention: str
     dtype: jnp.dtype
+    kernels: Kernels
 
     @nn.compact
     def __call__(self, x, context):
         dim = x.shape[-1]
-        attn = lambda name: Attention(self.heads, self.head_dim, upcast=self.upcast, attention=self.attention,  # noqa
-                                      dtype=self.dtype, name=name)
+        attn = lambda name: Attention(self.heads, self.head_dim, upcast=self.upcast, dtype=self.dtype,  # noqa: E731
+                                      kernels=self.kernels, name=name)
         norm = lambda name: nn.LayerNorm(1e-5, dtype=self.dtype, name=name)  # noqa: E731
         x = x + attn("attn1")(norm("norm1")(x))
         x = x + attn("attn2")(norm("norm2")(x), context)
@@ -116,20 +117,20 @@ class Transformer2DModel(nn.Module):
     heads: int
     layers: int
     config: UNetConfig
-    attention: str
     dtype: jnp.dtype
+    kernels: Kernels
 
     @nn.compact
     def __call__(self, x, context):
         b, h, w, c = x.shape
         linear = self.config.use_linear_projection
         project = lambda name: (nn.Dense(c, dtype=self.dtype, name=name) if linear  # noqa: E731
-                                else conv(c, kernel=1, name=name, dtype=self.dtype))
+                                else conv(c, kernel=1, name=name, dtype=self.dtype, kernels=self.kernels))
         hidden = GroupNorm(self.config.norm_num_groups, 1e-6, self.dtype, name="norm")(x)
         hidden = project("proj_in")(hidden).reshape(b, h * w, c)
         for i in range(self.layers):
-            hidden = BasicTransformerBlock(self.heads, c // self.heads, self.config.upcast_attention, self.attention,
-                                           self.dtype, name=f"transformer_blocks_{i}")(hidden, context)
+            hidden = BasicTransformerBlock(self.heads, c // self.heads, self.config.upcast_attention, self.dtype,
+                                           self.kernels, name=f"transformer_blocks_{i}")(hidden, context)
         return x + project("proj_out")(hidden.reshape(b, h, w, c))
 
 
@@ -142,7 +143,7 @@ class UNet2DConditionModel(Pretrained, nn.Module):
 
     config: UNetConfig
     dtype: jnp.dtype = jnp.float32
-    attention: str = "auto"
+    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = UNetConfig
 
     def dummy_inputs(self):
@@ -157,12 +158,13 @@ class UNet2DConditionModel(Pretrained, nn.Module):
 
     @nn.compact
     def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
-        cfg, dtype = self.config, self.dtype
+        cfg, dtype, kernels = self.config, self.dtype, self.kernels
         channels = cfg.block_out_channels
         heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
-        resnet = lambda out, name: ResnetBlock2D(out, cfg.norm_num_groups, cfg.norm_eps, dtype, name=name)  # noqa
-        transformer = lambda block, name: Transformer2DModel(heads[block], depths[block], cfg, self.attention,  # noqa
-                                                             dtype, name=name)
+        resnet = lambda out, name: ResnetBlock2D(out, cfg.norm_num_groups, cfg.norm_eps, dtype,  # noqa: E731
+                                                 kernels=kernels, name=name)
+        transformer = lambda block, name: Transformer2DModel(heads[block], depths[block], cfg, dtype,  # noqa: E731
+                                                             kernels, name=name)
         context = encoder_hidden_states.astype(dtype)
 
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (sample.shape[0],))
@@ -178,7 +180,7 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         x = jnp.transpose(sample, (0, 2, 3, 1)).astype(dtype)  # NCHW -> NHWC
         if cfg.center_input_sample:
             x = 2 * x - 1.0
-        x = conv(channels[0], name="conv_in", dtype=dtype)(x)
+        x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
 
         skips = [x]
         for i, (kind, out) in enumerate(zip(cfg.down_block_types, channels)):
@@ -188,7 +190,8 @@ class UNet2DConditionModel(Pretrained, nn.Module):
                     x = transformer(i, f"down_blocks_{i}_attentions_{j}")(x, context)
                 skips.append(x)
             if i < len(channels) - 1:
-                x = Downsample2D(out, cfg.downsample_padding, dtype, name=f"down_blocks_{i}_downsamplers_0")(x)
+                x = Downsample2D(out, cfg.downsample_padding, dtype, kernels=kernels,
+                                 name=f"down_blocks_{i}_downsamplers_0")(x)
                 skips.append(x)
 
         x = resnet(channels[-1], "mid_block_resnets_0")(x, temb)
@@ -202,13 +205,13 @@ class UNet2DConditionModel(Pretrained, nn.Module):
                 x = jnp.concatenate([x, skips.pop()], axis=-1)
                 x = resnet(out, f"up_blocks_{i}_resnets_{j}")(x, temb)
                 if kind == "CrossAttnUpBlock2D":
-                    x = Transformer2DModel(up_heads[i], up_depths[i], cfg, self.attention, dtype,
+                    x = Transformer2DModel(up_heads[i], up_depths[i], cfg, dtype, kernels,
                                            name=f"up_blocks_{i}_attentions_{j}")(x, context)
             if i < len(channels) - 1:
-                x = Upsample2D(out, dtype, name=f"up_blocks_{i}_upsamplers_0")(x, skips[-1].shape[1:3])
+                x = Upsample2D(out, dtype, kernels=kernels, name=f"up_blocks_{i}_upsamplers_0")(x, skips[-1].shape[1:3])
 
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
-        x = conv(cfg.out_channels, name="conv_out", dtype=dtype)(x)
+        x = conv(cfg.out_channels, name="conv_out", dtype=dtype, kernels=kernels)(x)
         return jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
 
     def _text_time_embedding(self, text_embeds, time_ids, features):

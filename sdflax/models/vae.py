@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from .config import config_from_dict
 from .pretrained import Pretrained
-from .layers import Attention, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
+from .layers import (Downsample2D, GroupNorm, Kernels, ResnetBlock2D, Upsample2D, conv, multi_head_attention,
+                     resolve_kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,57 +66,81 @@ class DiagonalGaussian:
         return self.mean
 
 
+class SpatialSelfAttention(nn.Module):
+    """x + attention(GroupNorm(x)) with one head over the H*W pixels: diffusers' VAE `Attention` (group_norm,
+    to_q/to_k/to_v with bias, to_out_0)."""
+
+    groups: int
+    dtype: jnp.dtype
+    kernels: Kernels
+
+    @nn.compact
+    def __call__(self, x):  # (B, H, W, C)
+        b, h, w, c = x.shape
+        tokens = GroupNorm(self.groups, 1e-6, self.dtype, name="group_norm")(x).reshape(b, h * w, c)
+        out = multi_head_attention(tokens, tokens, 1, c, qkv_bias=True, upcast=True, dtype=self.dtype,
+                                   kernels=self.kernels)
+        return x + out.reshape(x.shape)
+
+
 class MidBlock(nn.Module):
     """ResNet, single-head self-attention over all pixels, ResNet."""
 
     config: VAEConfig
     dtype: jnp.dtype
+    kernels: Kernels
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
         c = x.shape[-1]
-        x = ResnetBlock2D(c, cfg.norm_num_groups, 1e-6, self.dtype, name="resnets_0")(x)
+        resnet = lambda name: ResnetBlock2D(c, cfg.norm_num_groups, 1e-6, self.dtype, kernels=self.kernels,  # noqa
+                                            name=name)
+        x = resnet("resnets_0")(x)
         if cfg.mid_block_add_attention:
-            x = Attention(1, c, qkv_bias=True, norm_groups=cfg.norm_num_groups, dtype=self.dtype, name="attentions_0")(x)
-        return ResnetBlock2D(c, cfg.norm_num_groups, 1e-6, self.dtype, name="resnets_1")(x)
+            x = SpatialSelfAttention(cfg.norm_num_groups, self.dtype, self.kernels, name="attentions_0")(x)
+        return resnet("resnets_1")(x)
 
 
 class Encoder(nn.Module):
     config: VAEConfig
     dtype: jnp.dtype
+    kernels: Kernels
 
     @nn.compact
     def __call__(self, x):  # (B, H, W, 3) -> (B, H/f, W/f, 2 * latent)
-        cfg = self.config
-        x = conv(cfg.block_out_channels[0], name="conv_in", dtype=self.dtype)(x)
+        cfg, dtype, kernels = self.config, self.dtype, self.kernels
+        x = conv(cfg.block_out_channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
         for i, out in enumerate(cfg.block_out_channels):
             for j in range(cfg.layers_per_block):
-                x = ResnetBlock2D(out, cfg.norm_num_groups, 1e-6, self.dtype, name=f"down_blocks_{i}_resnets_{j}")(x)
+                x = ResnetBlock2D(out, cfg.norm_num_groups, 1e-6, dtype, kernels=kernels,
+                                  name=f"down_blocks_{i}_resnets_{j}")(x)
             if i < len(cfg.block_out_channels) - 1:
-                x = Downsample2D(out, 0, self.dtype, name=f"down_blocks_{i}_downsamplers_0")(x)
-        x = MidBlock(cfg, self.dtype, name="mid_block")(x)
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, self.dtype, name="conv_norm_out")(x))
-        return conv(2 * cfg.latent_channels, name="conv_out", dtype=self.dtype)(x)
+                x = Downsample2D(out, 0, dtype, kernels=kernels, name=f"down_blocks_{i}_downsamplers_0")(x)
+        x = MidBlock(cfg, dtype, kernels, name="mid_block")(x)
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dtype, name="conv_norm_out")(x))
+        return conv(2 * cfg.latent_channels, name="conv_out", dtype=dtype, kernels=kernels)(x)
 
 
 class Decoder(nn.Module):
     config: VAEConfig
     dtype: jnp.dtype
+    kernels: Kernels
 
     @nn.compact
     def __call__(self, z):  # (B, h, w, latent) -> (B, h*f, w*f, 3)
-        cfg = self.config
+        cfg, dtype, kernels = self.config, self.dtype, self.kernels
         channels = cfg.block_out_channels[::-1]
-        x = conv(channels[0], name="conv_in", dtype=self.dtype)(z)
-        x = MidBlock(cfg, self.dtype, name="mid_block")(x)
+        x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(z)
+        x = MidBlock(cfg, dtype, kernels, name="mid_block")(x)
         for i, out in enumerate(channels):
             for j in range(cfg.layers_per_block + 1):
-                x = ResnetBlock2D(out, cfg.norm_num_groups, 1e-6, self.dtype, name=f"up_blocks_{i}_resnets_{j}")(x)
+                x = ResnetBlock2D(out, cfg.norm_num_groups, 1e-6, dtype, kernels=kernels,
+                                  name=f"up_blocks_{i}_resnets_{j}")(x)
             if i < len(channels) - 1:
-                x = Upsample2D(out, self.dtype, name=f"up_blocks_{i}_upsamplers_0")(x)
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, self.dtype, name="conv_norm_out")(x))
-        return conv(cfg.out_channels, name="conv_out", dtype=self.dtype)(x)
+                x = Upsample2D(out, dtype, kernels=kernels, name=f"up_blocks_{i}_upsamplers_0")(x)
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dtype, name="conv_norm_out")(x))
+        return conv(cfg.out_channels, name="conv_out", dtype=dtype, kernels=kernels)(x)
 
 
 class AutoencoderKL(Pretrained, nn.Module):
@@ -125,6 +150,7 @@ class AutoencoderKL(Pretrained, nn.Module):
 
     config: VAEConfig
     dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = VAEConfig
 
     def dummy_inputs(self):
@@ -133,11 +159,11 @@ class AutoencoderKL(Pretrained, nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.encoder = Encoder(cfg, self.dtype)
-        self.decoder = Decoder(cfg, self.dtype)
-        latent2 = 2 * cfg.latent_channels
-        self.quant_conv = conv(latent2, kernel=1, dtype=self.dtype) if cfg.use_quant_conv else None
-        self.post_quant_conv = conv(cfg.latent_channels, kernel=1, dtype=self.dtype) if cfg.use_post_quant_conv else None
+        self.encoder = Encoder(cfg, self.dtype, self.kernels)
+        self.decoder = Decoder(cfg, self.dtype, self.kernels)
+        one_by_one = lambda features: conv(features, kernel=1, dtype=self.dtype, kernels=self.kernels)  # noqa: E731
+        self.quant_conv = one_by_one(2 * cfg.latent_channels) if cfg.use_quant_conv else None
+        self.post_quant_conv = one_by_one(cfg.latent_channels) if cfg.use_post_quant_conv else None
 
     def encode(self, images):
         moments = self.encoder(jnp.transpose(images, (0, 2, 3, 1)).astype(self.dtype))
