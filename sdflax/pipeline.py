@@ -198,6 +198,7 @@ class Pipeline:
         steps = args["num_inference_steps"]
         if steps < 1:
             raise ValueError(f"num_inference_steps must be at least 1, got {steps}")
+        self.scheduler.check_steps(steps)
         if "strength" in args:
             start_step(steps, args["strength"])
         values = {name: args[name] for name in _INPUTS if args.get(name) is not None}

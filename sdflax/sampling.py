@@ -1,12 +1,8 @@
 """The denoising loop: one `lax.scan` over a scheduler's pure `step`, with guidance around the UNet.
 
-A scheduler is anything with
-    state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)   # state.timesteps: (evals,)
-    scheduler.init_noise_sigma                                                 # what fresh noise is scaled by
-    x = scheduler.scale_model_input(state, x, i)
-    x, state = scheduler.step(state, model_output, i, x, key=key)
-    x0 = scheduler.predict_x0(state, model_output, i, x)                       # for trajectories
-where `i` indexes the model evaluations (a traced int32 inside the scan).
+A scheduler is anything that follows `sdflax.schedulers.Scheduler` (a typing.Protocol): `set_timesteps` gives a
+state (`state.timesteps`: (evals,), `state.init_noise_sigma`), and `scale_model_input`, `step`, `predict_x0` and
+`add_noise` are pure functions of it and of `i`, the index of the model evaluation (a traced int32 in the scan).
 
 A guidance function combines the unconditional and conditional predictions:
     guidance(uncond, cond, scale) -> prediction
