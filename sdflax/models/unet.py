@@ -13,6 +13,10 @@ from .pretrained import Pretrained
 from .layers import (Attention, Downsample2D, GroupNorm, Kernels, ResnetBlock2D, Upsample2D, conv, resolve_kernels,
                      timestep_embedding)
 
+# The blocks sdflax builds; diffusers' others (Simple*, KDownBlock2D, AttnDownBlock2D, ...) compute otherwise.
+DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
+UP_BLOCK_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
+
 
 @dataclasses.dataclass(frozen=True)
 class UNetConfig:
@@ -44,6 +48,14 @@ class UNetConfig:
     @classmethod
     def from_dict(cls, config):
         cfg = config_from_dict(cls, config, unsupported=_UNSUPPORTED)
+        for key, supported in (("down_block_types", DOWN_BLOCK_TYPES), ("up_block_types", UP_BLOCK_TYPES)):
+            types = getattr(cfg, key)
+            unknown = [t for t in types if t not in supported]
+            if unknown:
+                raise ValueError(f"UNetConfig: {key} has {unknown[0]!r}; sdflax supports {', '.join(supported)}")
+            if len(types) != len(cfg.block_out_channels):
+                raise ValueError(f"UNetConfig: {len(types)} {key} for {len(cfg.block_out_channels)} "
+                                 "block_out_channels; give one per block")
         if cfg.addition_embed_type not in (None, "text_time"):
             raise ValueError(f"UNetConfig: addition_embed_type={cfg.addition_embed_type!r}; sdflax supports only "
                              "None and 'text_time' (SDXL)")
@@ -139,6 +151,9 @@ class UNet2DConditionModel(Pretrained, nn.Module):
 
     SDXL (`addition_embed_type="text_time"`) also takes diffusers' `added_cond_kwargs` as keywords:
     `text_embeds` (B, D_pooled) and `time_ids` (B, n), e.g. (original h, w, crop top, left, target h, w).
+    ControlNet's outputs enter as in diffusers, both or neither: `down_block_additional_residuals`, one (B, C, h, w)
+    array per skip connection (conv_in's output, each down resnet's, each downsampler's), added to the skips once
+    the down blocks are done, and `mid_block_additional_residual`, added to the mid block's output.
     """
 
     config: UNetConfig
@@ -157,7 +172,8 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         return inputs
 
     @nn.compact
-    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
+    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
+                 down_block_additional_residuals=None, mid_block_additional_residual=None):
         cfg, dtype, kernels = self.config, self.dtype, self.kernels
         channels = cfg.block_out_channels
         heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
@@ -165,6 +181,9 @@ class UNet2DConditionModel(Pretrained, nn.Module):
                                                  kernels=kernels, name=name)
         transformer = lambda block, name: Transformer2DModel(heads[block], depths[block], cfg, dtype,  # noqa: E731
                                                              kernels, name=name)
+        if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
+            raise ValueError("down_block_additional_residuals and mid_block_additional_residual go together, as "
+                             "ControlNet gives them; got only one")
         context = encoder_hidden_states.astype(dtype)
 
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (sample.shape[0],))
@@ -193,10 +212,18 @@ class UNet2DConditionModel(Pretrained, nn.Module):
                 x = Downsample2D(out, cfg.downsample_padding, dtype, kernels=kernels,
                                  name=f"down_blocks_{i}_downsamplers_0")(x)
                 skips.append(x)
+        if down_block_additional_residuals is not None:
+            if len(down_block_additional_residuals) != len(skips):
+                raise ValueError(f"down_block_additional_residuals: expected {len(skips)} arrays, one per skip "
+                                 f"connection, got {len(down_block_additional_residuals)}")
+            skips = [skip + _residual(r, skip, f"down_block_additional_residuals[{i}]")
+                     for i, (skip, r) in enumerate(zip(skips, down_block_additional_residuals))]
 
         x = resnet(channels[-1], "mid_block_resnets_0")(x, temb)
         x = transformer(-1, "mid_block_attentions_0")(x, context)
         x = resnet(channels[-1], "mid_block_resnets_1")(x, temb)
+        if mid_block_additional_residual is not None:
+            x = x + _residual(mid_block_additional_residual, x, "mid_block_additional_residual")
 
         up_heads = heads[::-1]
         up_depths = depths[::-1]
@@ -234,3 +261,11 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         emb = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(self.dtype)
         emb = nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
         return nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
+
+
+def _residual(residual, target, name):
+    """An NCHW residual as the NHWC `target`'s summand: transposed, in its dtype, after a shape check."""
+    expected = (target.shape[0], target.shape[3], *target.shape[1:3])
+    if tuple(jnp.shape(residual)) != expected:
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(jnp.shape(residual))}")
+    return jnp.transpose(residual, (0, 2, 3, 1)).astype(target.dtype)
