@@ -23,6 +23,7 @@ same compute as the real weights. `--random-weights` does the same with a folder
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -207,9 +208,8 @@ def benchmark_sdflax(args, dtype_name):
     import jax
     import jax.numpy as jnp
 
-    from sdflax import replicate, shard
+    from sdflax import Inputs, Settings, StableDiffusion, replicate, shard
     from sdflax.cli import _CompileClock, _scheduler_name
-    from sdflax.pipeline import StableDiffusion
 
     dtype = getattr(jnp, dtype_name)
     attention = args.attention
@@ -228,39 +228,31 @@ def benchmark_sdflax(args, dtype_name):
     devices = jax.local_device_count()
     b = args.batch
     ids = pipeline.prepare_inputs([PROMPT] * (b * devices))
-    scale = jnp.asarray(args.guidance, jnp.float32)
-    rescale = jnp.asarray(0.0, jnp.float32)
-    key = jax.random.key(0)
-    static = dict(num_inference_steps=args.steps, height=height, width=width, callback=None, guidance=None,
-                  return_trajectory=False)
+    inputs = Inputs(prompt_ids=ids, prng_seed=key, guidance_scale=jnp.asarray(args.guidance, jnp.float32),
+                    guidance_rescale=jnp.asarray(0.0, jnp.float32))
+    settings = Settings(num_inference_steps=args.steps, height=height, width=width)
     if devices == 1:  # what pipeline(...) runs on one device
-        program = pipeline._jitted
-        inputs = dict(prompt_ids=ids, params=params, prng_seed=key, guidance_scale=scale, latents=None,
-                      neg_prompt_ids=None, guidance_rescale=rescale)
+        program, call_args = pipeline._runner.jit, (params, inputs)
     else:  # pipeline(..., jit=True): pmap over the local devices, `b` images each
-        program = pipeline._pmapped
-        inputs = dict(prompt_ids=shard(ids), params=replicate(params), prng_seed=jax.random.split(key, devices),
-                      guidance_scale=jnp.broadcast_to(scale, (devices,)), latents=None, neg_prompt_ids=None,
-                      guidance_rescale=jnp.broadcast_to(rescale, (devices,)))
-    # In _generate's order (pmap takes no keywords); arguments added there later run with None, their default.
-    all_args = [{**inputs, **static}.get(name) for name, _ in pipeline._GENERATE_ARGS]
-    dynamic = [inputs.get(name) for name, axis in pipeline._GENERATE_ARGS if axis != "static"]
+        program = pipeline._runner.pmap
+        call_args = (replicate(params), inputs.replace(prompt_ids=shard(ids), prng_seed=jax.random.split(key, devices)))
+    all_args = (*call_args, settings)
 
     log(f"Compiling {args.steps} steps at {width}x{height}, {b} image(s) on each of {devices} "
         f"{jax.default_backend().upper()} device(s) ...")
     with _CompileClock() as clock:
         start = time.perf_counter()
-        compiled = program.lower(*all_args).compile()
+        compiled = program.lower(*all_args).compile()  # pmap: settings is its static argument
         compile_s = time.perf_counter() - start
     start = time.perf_counter()
-    jax.block_until_ready(compiled(*dynamic))
+    jax.block_until_ready(compiled(*call_args))
     first_call_s = time.perf_counter() - start
 
     times = []
     for i in range(args.repeats):
         log(f"Timed call {i + 1}/{args.repeats} ...")
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*dynamic))
+        jax.block_until_ready(compiled(*call_args))
         times.append(time.perf_counter() - start)
     seconds_per_call = statistics.median(times)
 
@@ -304,9 +296,10 @@ def count_flops(pipeline, compiled, program, all_args, params, latent_shape, arg
     if "cudnn" not in compiled.as_text():  # no cuDNN custom call: XLA counts everything
         program_flops = flops(compiled.cost_analysis())
     else:
-        twin = type(pipeline)(pipeline.text_encoder, pipeline.unet.clone(attention="xla"), pipeline.vae,
-                              pipeline.tokenizer, pipeline.scheduler, pipeline.dtype)
-        program_flops = flops(getattr(twin, "_jitted" if program is pipeline._jitted else "_pmapped")
+        unet = pipeline.unet.clone(kernels=dataclasses.replace(pipeline.unet.kernels, attention="xla"))
+        twin = type(pipeline)(pipeline.text_encoder, unet, pipeline.vae, pipeline.tokenizer, pipeline.scheduler,
+                              pipeline.dtype)
+        program_flops = flops(getattr(twin._runner, "jit" if program is pipeline._runner.jit else "pmap")
                               .lower(*all_args).cost_analysis())
         pipeline = twin
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .conditioning import SDText
 from .img2img import as_list, multiple_size, preprocess_images
-from .latents import FromImageMask
+from .latents import FromImageMask, is_inpainting_unet
 from .pipeline import Pipeline
 
 
@@ -73,6 +73,11 @@ class StableDiffusionInpaint(Pipeline):
                                  f"{image_size[1]}: give a mask the size of its image")
         return (prompt_ids, preprocess_images(images, self.vae_scale_factor),
                 preprocess_masks(masks, self.vae_scale_factor))
+
+    @property
+    def inpainting_unet(self) -> bool:
+        """True for a 9-channel inpainting UNet, False for an ordinary one (the known region is pasted back)."""
+        return is_inpainting_unet(self)
 
     def __call__(self, prompt_ids, image, mask, params, prng_seed, strength=1.0, num_inference_steps=50,
                  height=None, width=None, guidance_scale=7.5, noise=None, neg_prompt_ids=None, jit=False,

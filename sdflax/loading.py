@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .hub import ModelNotFoundError, resolve_folder
 from .models.config import read_config_file
+from .models.layers import resolve_kernels
 from .schedulers import scheduler_from_config
 
 COMPONENTS = ("text_encoder", "unet", "vae")  # an SD 1.x / 2.x pipeline's models
@@ -75,9 +76,9 @@ def load_scheduler(folder, kind=None, overrides=None):
 
 
 def build_models(classes: dict, configs: dict, dtype, attention="auto") -> dict:
-    """{name: module} from config dicts; the attention choice reaches the UNet."""
-    return {name: cls.from_config(configs[name], dtype, **({"attention": attention} if name == "unet" else {}))
-            for name, cls in classes.items()}
+    """{name: module} from config dicts, all with the one kernel choice made here for the default device."""
+    kernels = resolve_kernels(attention)
+    return {name: cls.from_config(configs[name], dtype, kernels=kernels) for name, cls in classes.items()}
 
 
 def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None, **kwargs):

@@ -18,7 +18,9 @@ from builders import REPO, torch_pipeline, torch_xl_pipeline
 KINDS = ("sd", "img2img", "inpaint", "xl")
 MODES = ("call", "pmap", "sharded")
 DEVICES, BATCH = 2, 2
-ATOL = 1e-5  # the same float32 computation, batched differently
+ATOL = 1e-5  # images in [0, 1]: the same float32 computation, batched differently
+# Trajectory latents reach |x| ~ 10 (σ-scaled); batch 1 vs batch 2 matmuls round differently by a few ulps there.
+TRAJECTORY_RTOL, TRAJECTORY_ATOL = 1e-5, 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,8 @@ def test_trajectories_have_the_documented_shapes_and_agree(results, kind):
         assert pmapped.shape[:3] == (DEVICES, evals, BATCH // DEVICES)  # (devices, evals, B / devices, C, h, w)
         assert arrays[f"{kind}/rescale/sharded/{field}"].shape == call.shape
         for mode in ("pmap", "sharded"):
-            np.testing.assert_allclose(as_call(arrays[f"{kind}/rescale/{mode}/{field}"], mode), call, rtol=0,
-                                       atol=ATOL)
+            np.testing.assert_allclose(as_call(arrays[f"{kind}/rescale/{mode}/{field}"], mode), call,
+                                       rtol=TRAJECTORY_RTOL, atol=TRAJECTORY_ATOL)
     assert np.abs(arrays[f"{kind}/rescale/call/latents"][0] - arrays[f"{kind}/rescale/call/latents"][-1]).max() > 0.1
 
 

@@ -41,12 +41,6 @@ class Pretrained:
     def from_pretrained(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None,
                         **kwargs):
         """(module, params) from a diffusers/transformers model folder or hub id; `subfolder` e.g. "unet"."""
-        from ..hub import resolve_folder
-        from ..weights import load_weights
-        from .config import read_config_file
+        from ..loading import load_model
 
-        folder = resolve_folder(path_or_repo_id, revision)
-        if subfolder:
-            folder = os.path.join(folder, subfolder)
-        module = cls.from_config(read_config_file(os.path.join(folder, "config.json")), dtype, **kwargs)
-        return module, load_weights(folder, module.param_shapes(), dtype, variant)
+        return load_model(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs)
