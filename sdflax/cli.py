@@ -8,6 +8,7 @@ path) print one line on stderr and exit with status 2; anything else is a bug an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -169,45 +170,104 @@ def main(argv=None) -> int:
 # ---- generate, img2img, inpaint ------------------------------------------------------------------------------
 
 def run(args) -> int:
-    """All three commands: check everything cheap, load, compile and run on all devices, write the PNGs."""
+    """All three commands: check everything cheap, load, prepare the inputs, compile and run, write the PNGs."""
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
     target = _output_target(args.out)  # before anything slow
     pictures = _read_pictures(args)  # {"image": ..., "mask": ...} for img2img / inpaint
-    if pictures:
-        from .latents import start_step
+    if args.progress is False:
+        from huggingface_hub.utils import disable_progress_bars
 
+        disable_progress_bars()
+    checkpoint = _check_checkpoint(args, pictures)
+
+    import jax  # after the checks above, so that mistakes are reported without starting JAX
+
+    cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile
+    backend = jax.default_backend()
+    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    _check_attention(args, backend, dtype)
+
+    status(f"Loading {args.model} in {dtype} ...")
+    start = time.perf_counter()
+    pipeline, params = _load(args, checkpoint, dtype)
+    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures)
+    load_s = time.perf_counter() - start
+
+    devices = jax.local_device_count()
+    where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
+    strength = f" (strength {args.strength})" if pictures else ""
+    status(f"Compiling for {args.steps} steps{strength} at {checkpoint.width}x{checkpoint.height}, {len(seeds)} "
+           f"image(s) on {where} (once per setting; kept in {cache_dir}) ...")
+    step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
+    with _CompileClock() as clock:
+        start = time.perf_counter()
+        images = call(jit=True, callback=step_bar).images
+        total_s = time.perf_counter() - start
+    if step_bar is not None:
+        step_bar.close()
+    num_images = args.num_images or devices
+    images = pipeline.numpy_to_pil(images)[:num_images]
+
+    settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
+                "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
+                "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
+                "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
+                "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
+    if pictures:
+        settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
+    _save(args, target, images, seeds[:num_images], settings)
+
+    cached = " (from the disk cache)" if clock.cache_hits else ""
+    print(f"seed {seeds[0]}: load {load_s:.1f} s, compile {clock.seconds:.1f} s{cached}, "
+          f"generate {max(total_s - clock.seconds, 0.0):.1f} s for {len(seeds)} image(s)", file=sys.stderr)
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    """What the configs say, read before any weight: the folder, the kind of pipeline, the image size."""
+
+    folder: str
+    local: bool
+    commit: str
+    xl: bool
+    guidance: float
+    height: int
+    width: int
+
+
+def _check_checkpoint(args, pictures) -> _Checkpoint:
+    """Read the checkpoint's configs (kilobytes) and check the command against them with the library's own
+    checks, so that a size, step count or strength the model cannot take fails before gigabytes download."""
+    from .hub import ModelNotFoundError, resolve_folder, snapshot_commit
+    from .latents import start_step
+    from .loading import check_pipeline_folder, load_scheduler
+    from .models import AutoencoderKL, UNet2DConditionModel
+    from .models.config import read_config_file
+
+    if pictures:
         try:
             start_step(args.steps, args.strength)
         except ValueError:
             raise UserError(f"--strength {args.strength} with --steps {args.steps} runs no denoising step: raise "
                             f"--strength to at least {1 / args.steps:.3g} or --steps") from None
-    if args.progress is False:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-
-    from .hub import ModelNotFoundError, resolve_folder, snapshot_commit
-    from .loading import check_pipeline_folder
-    from .models import AutoencoderKL, UNet2DConditionModel
-    from .models.config import read_config_file
-
     local = os.path.isdir(os.path.expanduser(args.model))
     if local and args.revision:
         raise UserError(f"--revision applies to hub ids, but {args.model} is a local folder: drop --revision")
     try:
-        # Configs first (kilobytes), so that a size the model cannot make fails before gigabytes download.
         folder = resolve_folder(args.model, args.revision, allow_patterns=CONFIG_FILES)
         check_pipeline_folder(folder, args.model)
         vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
         unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
         with open(os.path.join(folder, "model_index.json")) as f:
             xl = str(json.load(f).get("_class_name", "")).startswith("StableDiffusionXL")
-    except (ModelNotFoundError, ValueError) as e:
+        load_scheduler(folder, args.scheduler).check_steps(args.steps)
+    except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
     if xl and args.command != "generate":
         raise UserError(f"{args.model} is a Stable Diffusion XL checkpoint: sdflax {args.command} reads SD 1.x/2.x "
                         "checkpoints only; use sdflax generate")
-    guidance = args.guidance if args.guidance is not None else (5.0 if xl else 7.5)
     latent, unet_channels = vae.config.latent_channels, unet.config.in_channels
     if args.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
         raise UserError(f"{args.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
@@ -216,84 +276,68 @@ def run(args) -> int:
         raise UserError(f"{args.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
     factor = vae.config.scale_factor
     height, width = _output_size(args, unet.config.sample_size * factor, factor, pictures)
+    guidance = args.guidance if args.guidance is not None else (5.0 if xl else 7.5)
+    return _Checkpoint(folder, local, snapshot_commit(folder) or "", xl, guidance, height, width)
 
-    import jax  # after the checks above, so that mistakes are reported without starting JAX
 
-    cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
-    jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile
-    import jax.numpy as jnp
-
-    from .img2img import StableDiffusionImg2Img
-    from .inpaint import StableDiffusionInpaint
+def _check_attention(args, backend, dtype):
     from .models.layers import attention_for
-    from .parallel import replicate, shard
-    from .pipeline import StableDiffusion
-    from .pipeline_xl import StableDiffusionXL
 
-    backend = jax.default_backend()
-    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     if args.attention == "cudnn" and attention_for(64, dtype) != "cudnn":
         raise UserError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 (here: {backend}, {dtype}): "
                         "use --attention auto")
-    step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
-    devices = jax.local_device_count()
-    num_images = args.num_images or devices
-    per_device = -(-num_images // devices)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
-    seeds = [(seed + i) % 2**32 for i in range(per_device * devices)]
 
-    status(f"Loading {args.model} in {dtype} ...")
-    start = time.perf_counter()
-    kind = {"generate": StableDiffusionXL if xl else StableDiffusion, "img2img": StableDiffusionImg2Img,
-            "inpaint": StableDiffusionInpaint}
+
+def _load(args, checkpoint, dtype):
+    """(pipeline, params) of the command's pipeline class."""
+    import jax.numpy as jnp
+
+    from . import StableDiffusion, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL
+
+    kind = {"generate": StableDiffusionXL if checkpoint.xl else StableDiffusion,
+            "img2img": StableDiffusionImg2Img, "inpaint": StableDiffusionInpaint}[args.command]
     try:
-        pipeline, params = kind[args.command].from_pretrained(args.model, revision=args.revision,
-                                                              dtype=getattr(jnp, dtype), scheduler=args.scheduler,
-                                                              attention=args.attention)
+        return kind.from_pretrained(args.model, revision=args.revision, dtype=getattr(jnp, dtype),
+                                    scheduler=args.scheduler, attention=args.attention)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
-    scheduler = args.scheduler or _scheduler_name(pipeline.scheduler)
-    p_params = replicate(params)
+
+
+def _prepare(args, pipeline, params, checkpoint, pictures):
+    """(seeds, the pipeline call with everything but `jit` and `callback`): the images fill every local device,
+    and image i has its own key, seed + i, so it does not depend on the batch it was made in."""
+    import jax
+    import jax.numpy as jnp
+
+    from .parallel import replicate, shard
+
+    devices = jax.local_device_count()
+    per_device = -(-(args.num_images or devices) // devices)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+    seeds = [(seed + i) % 2**32 for i in range(per_device * devices)]
     prompt_ids = shard(pipeline.prepare_inputs([args.prompt] * len(seeds)))
     # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
     # SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt), so it gets None there.
-    neg_ids = (None if xl and not args.negative_prompt
+    neg_ids = (None if checkpoint.xl and not args.negative_prompt
                else shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds))))
-    # One key per image: image i's random draws come from key(seed + i) alone, as a call with that key draws them
-    # for a batch of one (`sdflax.random_draws`), so an image does not depend on the batch it was made in.
-    keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))
-    if args.command == "generate":
-        call = functools.partial(pipeline, prompt_ids, p_params, keys, num_inference_steps=args.steps,
-                                 height=height, width=width, guidance_scale=guidance, neg_prompt_ids=neg_ids)
-    else:
-        try:
-            _, *images = pipeline.prepare_inputs([args.prompt], *pictures.values())
-        except ValueError as e:
-            raise UserError(str(e)) from e
-        images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
-        call = functools.partial(pipeline, prompt_ids, *images, p_params, keys, args.strength, args.steps,
-                                 guidance_scale=guidance, neg_prompt_ids=neg_ids)
-    load_s = time.perf_counter() - start
+    keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))  # one key per image (sdflax.random_draws)
+    if not pictures:
+        return seeds, functools.partial(pipeline, prompt_ids, replicate(params), keys,
+                                        num_inference_steps=args.steps, height=checkpoint.height,
+                                        width=checkpoint.width, guidance_scale=checkpoint.guidance,
+                                        neg_prompt_ids=neg_ids)
+    try:
+        _, *images = pipeline.prepare_inputs([args.prompt], *pictures.values())
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
+    return seeds, functools.partial(pipeline, prompt_ids, *images, replicate(params), keys, args.strength,
+                                    args.steps, guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids)
 
-    where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
-    strength = f" (strength {args.strength})" if pictures else ""
-    status(f"Compiling for {args.steps} steps{strength} at {width}x{height}, {len(seeds)} image(s) on {where} "
-           f"(once per setting; kept in {cache_dir}) ...")
-    with _CompileClock() as clock:
-        start = time.perf_counter()
-        images = call(jit=True, callback=step_bar).images
-        total_s = time.perf_counter() - start
-    if step_bar is not None:
-        step_bar.close()
-    images = pipeline.numpy_to_pil(images)[:num_images]
 
-    settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
-                "scheduler": scheduler, "guidance_scale": guidance, "width": width, "height": height,
-                "model": args.model, "revision": args.revision or ("main" if not local else ""),
-                "commit": snapshot_commit(folder) or "", "dtype": dtype, "software": f"sdflax {_version()}"}
-    if pictures:
-        settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
-    paths, grid_path = target.paths(args.prompt, seeds[:num_images], args.grid)
+def _save(args, target, images, seeds, settings):
+    """Each image as a PNG with the settings that make it again (and the grid), never over an existing file."""
+    paths, grid_path = target.paths(args.prompt, seeds, args.grid)
     try:
         for path, image, s in zip(paths, images, seeds):
             image.save(path, pnginfo=png_info({**settings, "seed": s}))
@@ -301,18 +345,12 @@ def run(args) -> int:
         if grid_path:
             from .utils import make_image_grid
 
-            rows, cols = grid_shape(num_images)
-            seeds_text = ",".join(str(s) for s in seeds[:num_images])
+            rows, cols = grid_shape(len(images))
             make_image_grid(images, rows, cols).save(
-                grid_path, pnginfo=png_info({**settings, "seed": seeds[0], "seeds": seeds_text}))
+                grid_path, pnginfo=png_info({**settings, "seed": seeds[0], "seeds": ",".join(map(str, seeds))}))
             print(grid_path)
     except OSError as e:
         raise UserError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from e
-
-    cached = " (from the disk cache)" if clock.cache_hits else ""
-    print(f"seed {seed}: load {load_s:.1f} s, compile {clock.seconds:.1f} s{cached}, "
-          f"generate {max(total_s - clock.seconds, 0.0):.1f} s for {len(seeds)} image(s)", file=sys.stderr)
-    return 0
 
 
 def _read_pictures(args) -> dict:

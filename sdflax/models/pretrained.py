@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
