@@ -37,6 +37,10 @@ class SDText:
         pass
 
     @staticmethod
+    def fill_inputs(inputs, height, width):
+        return inputs
+
+    @staticmethod
     def prepare_ids(pipeline, prompts) -> np.ndarray:
         """Token ids (B, 77) int32, padded and truncated as diffusers does."""
         prompts = expand_prompts(prompts, pipeline.tokenizer)  # multi-vector textual-inversion tokens
@@ -84,6 +88,13 @@ class SDXLText:
                              f"{pipeline.unet.config.addition_embed_type!r}: use StableDiffusion")
         if pipeline.text_encoder_2 is None or pipeline.tokenizer_2 is None:
             raise ValueError("SDXL pipelines need text_encoder_2 and tokenizer_2")
+
+    @staticmethod
+    def fill_inputs(inputs, height, width):
+        """The size ids filled in before the compiled call, so that other values reuse the same program."""
+        sizes = size_conditioning(height, width, inputs.original_size, inputs.crops_coords_top_left,
+                                  inputs.target_size)
+        return inputs.replace(**dict(zip(("original_size", "crops_coords_top_left", "target_size"), sizes)))
 
     @staticmethod
     def check_inputs(inputs):
@@ -145,8 +156,7 @@ class SDXLText:
 
 
 def size_conditioning(height, width, original_size=None, crops_coords_top_left=None, target_size=None):
-    """original (h, w), crop (top, left), target (h, w) as float32 arrays, sizes defaulting to (height, width).
-    (Filled in before the compiled call too, so that other values reuse the same program.)"""
+    """original (h, w), crop (top, left), target (h, w) as float32 arrays, sizes defaulting to (height, width)."""
     sizes = ((height, width) if original_size is None else original_size,
              (0, 0) if crops_coords_top_left is None else crops_coords_top_left,
              (height, width) if target_size is None else target_size)

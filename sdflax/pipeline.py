@@ -210,12 +210,9 @@ class Pipeline:
         inputs = Inputs(**values)
         if leading_dims is not None:
             self.conditioning.check_inputs(inputs)
-            self._check_ids(inputs, leading_dims)
-        height, width = self._sizes(*self._image_size(inputs, leading_dims, args.get("height"), args.get("width")))
-        if self.conditioning is text.SDXLText:
-            sizes = text.size_conditioning(height, width, inputs.original_size, inputs.crops_coords_top_left,
-                                           inputs.target_size)
-            inputs = inputs.replace(**dict(zip(("original_size", "crops_coords_top_left", "target_size"), sizes)))
+            self._check_shapes(inputs, leading_dims)
+        height, width = self._sizes(*self._image_size(inputs, args.get("height"), args.get("width")))
+        inputs = self.conditioning.fill_inputs(inputs, height, width)
         settings = Settings(**{**{name: args[name] for name in _SETTINGS if name in args},
                                "height": height, "width": width})
         return inputs, settings
@@ -230,7 +227,7 @@ class Pipeline:
                                  f"use {value // f * f} or {(value // f + 1) * f}")
         return height, width
 
-    def _check_ids(self, inputs, leading_dims):
+    def _check_shapes(self, inputs, leading_dims):
         tail = self.conditioning.ids_tail(self)
         ids = inputs.prompt_ids if inputs.prompt_ids is not None else inputs.prompt_embeds
         if ids is None:
@@ -238,7 +235,7 @@ class Pipeline:
         sharded = " and shard()" if leading_dims == 2 else ""
         for name in ("prompt_ids", "neg_prompt_ids"):
             value = getattr(inputs, name)
-            if value is not None and (value.ndim != leading_dims + len(tail) or tuple(value.shape[-len(tail):]) != tail):
+            if value is not None and (value.ndim != leading_dims + len(tail) or value.shape[-len(tail):] != tail):
                 expected = ("(devices, batch, " if leading_dims == 2 else "(batch, ") + ", ".join(map(str, tail)) + ")"
                 both = " (ids of both tokenizers)" if len(tail) == 2 else ""
                 raise ValueError(f"{name} has shape {value.shape}; expected {expected}{both}: make it with "
@@ -263,7 +260,7 @@ class Pipeline:
                                  f"give a {name} of the image's size")
             size = x.shape[-2:]
 
-    def _image_size(self, inputs, leading_dims, height, width):
+    def _image_size(self, inputs, height, width):
         """(height, width): the image's for image pipelines (a given height/width must agree), else as given."""
         if not self.start.images:
             return height, width

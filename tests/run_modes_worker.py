@@ -39,7 +39,10 @@ class Recorder:
 def compiles_during(fn):
     """(fn's result, the number of XLA compiles it caused)."""
     events = []
-    listener = lambda name, *_, **__: events.append(name) if name == "/jax/core/compile/backend_compile_duration" else None  # noqa: E731
+    def listener(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            events.append(name)
+
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         out = fn()

@@ -19,8 +19,9 @@ KINDS = ("sd", "img2img", "inpaint", "xl")
 MODES = ("call", "pmap", "sharded")
 DEVICES, BATCH = 2, 2
 ATOL = 1e-5  # images in [0, 1]: the same float32 computation, batched differently
-# Trajectory latents reach |x| ~ 10 (σ-scaled); batch 1 vs batch 2 matmuls round differently by a few ulps there.
-TRAJECTORY_RTOL, TRAJECTORY_ATOL = 1e-5, 1e-5
+# Trajectories hold σ-scaled latents (|x| up to ~15) and x̂₀ = (x - σ ε̂) / α: batch 1 and batch 2 matmuls round
+# differently, and the samplers carry that at the scale of the largest values, so the tolerance is relative to it.
+TRAJECTORY_TOL = 1e-5  # times the trajectory's largest |value|
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def results(tmp_path_factory):
 
 
 def as_call(x, mode):
-    """(devices, ..., B / devices, ...) from pmap -> the layout of jit=False: images (B, ...), trajectories (evals, B, ...)."""
+    """pmap's (devices, ..., B / devices, ...) -> jit=False's layout: images (B, ...), trajectories (evals, B, ...)."""
     if mode != "pmap":
         return x
     if x.ndim == 5:  # images (devices, B / devices, H, W, 3)
@@ -72,9 +73,10 @@ def test_trajectories_have_the_documented_shapes_and_agree(results, kind):
         assert pmapped.shape[:3] == (DEVICES, evals, BATCH // DEVICES)  # (devices, evals, B / devices, C, h, w)
         assert arrays[f"{kind}/rescale/sharded/{field}"].shape == call.shape
         for mode in ("pmap", "sharded"):
-            np.testing.assert_allclose(as_call(arrays[f"{kind}/rescale/{mode}/{field}"], mode), call,
-                                       rtol=TRAJECTORY_RTOL, atol=TRAJECTORY_ATOL)
-    assert np.abs(arrays[f"{kind}/rescale/call/latents"][0] - arrays[f"{kind}/rescale/call/latents"][-1]).max() > 0.1
+            np.testing.assert_allclose(as_call(arrays[f"{kind}/rescale/{mode}/{field}"], mode), call, rtol=0,
+                                       atol=TRAJECTORY_TOL * np.abs(call).max())
+    latents = arrays[f"{kind}/rescale/call/latents"]
+    assert np.abs(latents[0] - latents[-1]).max() > 1e-2  # the sampler moved: the comparison means something
 
 
 @pytest.mark.parametrize("kind", KINDS)
