@@ -228,6 +228,7 @@ def benchmark_sdflax(args, dtype_name):
     devices = jax.local_device_count()
     b = args.batch
     ids = pipeline.prepare_inputs([PROMPT] * (b * devices))
+    key = jax.random.key(0)
     inputs = Inputs(prompt_ids=ids, prng_seed=key, guidance_scale=jnp.asarray(args.guidance, jnp.float32),
                     guidance_rescale=jnp.asarray(0.0, jnp.float32))
     settings = Settings(num_inference_steps=args.steps, height=height, width=width)
