@@ -10,7 +10,6 @@ and jit + NamedSharding programs of `generate` from those two types alone.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple
 
 import flax
@@ -86,6 +85,8 @@ class Start(NamedTuple):
     state: Any  # the scheduler state to begin from (part-way through the schedule for img2img)
     sampler_key: Any  # the key of the scheduler's own noise (ancestral samplers)
     wrap_unet: Callable | None = None  # unet_fn -> unet_fn (an inpainting UNet's extra channels)
+    # (a UNet function is unet_fn(x, t, context, step, **residuals): step is the evaluation index, residuals the
+    # UNet's extra keyword inputs, e.g. ControlNet's down_block_additional_residuals)
     post_step: Callable | None = None  # post_step(x, i, state) -> x (an ordinary UNet's inpainting paste)
 
 
@@ -119,18 +120,24 @@ def random_draws(prng_seed, shape, count):
 def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
     """The whole prompt (+ image) -> images computation as a pure function of `params` and `inputs`.
 
-    `pipeline` supplies the models, the scheduler and its two pieces, `pipeline.conditioning` and
-    `pipeline.start`. Differentiable end to end (each sampler step is rematerialised).
+    `pipeline` supplies the models, the scheduler and its pieces: `pipeline.conditioning`, `pipeline.start`
+    and `pipeline.controls` (UNet wrappers such as ControlNet, each `wrap(...) -> (unet_fn -> unet_fn)`).
+    Differentiable end to end (each sampler step is rematerialised).
     """
     cond = pipeline.conditioning.encode(pipeline, params, inputs, settings)
     start = pipeline.start.begin(pipeline, params, inputs, settings)
-    unet_fn = functools.partial(pipeline.unet.apply, params["unet"], **cond.unet_kwargs)
+
+    def unet_fn(x, t, context, step, **residuals):
+        return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+
     if start.wrap_unet is not None:
         unet_fn = start.wrap_unet(unet_fn)
+    for control in pipeline.controls:  # each wraps the last, so the first listed is the innermost
+        unet_fn = control.wrap(pipeline, params, inputs, settings, cond, start)(unet_fn)
     guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
     model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32), guidance)
     out = sampling.denoise(model, pipeline.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
-                           state=start.state, post_step=start.post_step)
+                           state=start.state, post_step=start.post_step, model_takes_step=True)
     latents, trajectory = out if settings.return_trajectory else (out, None)
     return Output(pipeline.decode_latents(params, latents), trajectory)

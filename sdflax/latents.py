@@ -136,7 +136,8 @@ class FromImageMask:
 
 def _with_channels(condition, unet_fn):
     """An inpainting UNet's input: [latents (scaled by the scheduler), mask, masked image latents] on channels."""
-    return lambda x, t, context: unet_fn(jnp.concatenate([x, condition.astype(x.dtype)], axis=1), t, context)
+    return lambda x, t, context, step, **residuals: unet_fn(jnp.concatenate([x, condition.astype(x.dtype)], axis=1),
+                                                           t, context, step, **residuals)
 
 
 def _paste_known(scheduler, image_latents, noise, latent_mask, x, i, state):

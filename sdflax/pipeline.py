@@ -51,6 +51,7 @@ class Pipeline:
 
     conditioning = text.SDText
     start = FromNoise
+    controls = ()  # UNet wrappers (ControlNet), see generate.generate
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
                  tokenizer_2=None, force_zeros_for_empty_prompt=True):

@@ -67,11 +67,13 @@ def thresholded_guidance(mimic_scale: float = 7.0, percentile: float = 0.995):
 def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guidance):
     """One UNet call on the doubled batch [unconditional; conditional], combined by `guidance`.
 
-    `unet_fn(x, t, context) -> prediction`; `context` is (2B, T, D), unconditional rows first.
+    `unet_fn(x, t, context) -> prediction`; `context` is (2B, T, D), unconditional rows first. Called as
+    `model(x, t, i)` (see `denoise(..., model_takes_step=True)`) it calls `unet_fn(x, t, context, i)`, so that
+    UNet wrappers can depend on the evaluation index (ControlNet's guidance window).
     """
 
-    def model(x, t):
-        out = unet_fn(jnp.concatenate([x, x]), t, context).astype(jnp.float32)
+    def model(x, t, *step):
+        out = unet_fn(jnp.concatenate([x, x]), t, context, *step).astype(jnp.float32)
         uncond, cond = jnp.split(out, 2)
         return guidance(uncond, cond, guidance_scale)
 
@@ -86,7 +88,7 @@ class Trajectory(NamedTuple):
 
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
-            return_trajectory=False, state=None, post_step=None):
+            return_trajectory=False, state=None, post_step=None, model_takes_step=False):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
@@ -96,7 +98,8 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     `return_trajectory=True` returns `(latents, Trajectory)`. `state` is the scheduler's state to begin from
     (img2img begins part-way: `set_timesteps(n, shape, start=k)`); by default the whole schedule.
     `post_step(x, i, state) -> x` changes x after every step, before the callback and trajectory see it
-    (inpainting with an ordinary UNet pastes the known region back).
+    (inpainting with an ordinary UNet pastes the known region back). With `model_takes_step=True` the model is
+    called as `model(x, t, i)`, i the index of the evaluation.
 
     Each step is a `jax.checkpoint`: differentiating through the sampler keeps only the carry of every step
     and recomputes the UNet's activations one step at a time, so memory does not grow with the UNet per step.
@@ -110,7 +113,7 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     def step(carry, i):
         x, state = carry
         model_input = scheduler.scale_model_input(state, x, i)
-        prediction = model(model_input, state.timesteps[i])
+        prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
         x, state = scheduler.step(state, prediction, i, x, key=jax.random.fold_in(key, i))
         if post_step is not None:
