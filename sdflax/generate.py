@@ -39,9 +39,14 @@ class Inputs:
     noise: Any = _batched()  # (B, C, h, w) standard-normal noise added to an image's latents
     image: Any = _batched()  # (B, 3, H, W) in [-1, 1]
     mask: Any = _batched()  # (B, 1, H, W), >= 0.5 repainted
+    control_image: Any = _batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per ControlNet
     prng_seed: Any = _batched()  # one key, or one key per image (B,); under pmap one per device or per image
     guidance_scale: Any = 7.5
     guidance_rescale: Any = 0.0
+    # ControlNet: a value, or one per net; the guidance window is the fraction of the steps a net acts in
+    controlnet_conditioning_scale: Any = None
+    control_guidance_start: Any = None
+    control_guidance_end: Any = None
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None
@@ -50,6 +55,10 @@ class Inputs:
     @classmethod
     def batched_fields(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("batched"))
+
+    @classmethod
+    def shared_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("batched"))
 
     @classmethod
     def axes(cls) -> "Inputs":
@@ -69,6 +78,7 @@ class Settings:
     guidance: Callable | None = None  # guidance(uncond, cond, scale) -> prediction; None: CFG with the rescale
     callback: Callable | None = None  # callback(step, num_steps, latents) on the host after every evaluation
     return_trajectory: bool = False
+    guess_mode: bool = False  # ControlNet: the nets see only the conditional batch
 
 
 class Cond(NamedTuple):

@@ -13,7 +13,7 @@ from .latents import FromImage
 from .pipeline import Pipeline
 
 
-def _to_pil(image, what="image"):
+def to_pil(image, what="image"):
     """A PIL image from a PIL image or an (H, W, C) array (uint8, or float in [0, 1])."""
     from PIL import Image
 
@@ -57,7 +57,7 @@ def preprocess_images(images, scale_factor: int) -> np.ndarray:
 
     out = []
     for image in as_list(images):
-        image = _to_pil(image).convert("RGB")
+        image = to_pil(image).convert("RGB")
         size = multiple_size(image.size, scale_factor)
         if size != image.size:
             image = image.resize(size, Image.LANCZOS)

@@ -52,10 +52,17 @@ class Pipeline:
     conditioning = text.SDText
     start = FromNoise
     controls = ()  # UNet wrappers (ControlNet), see generate.generate
+    renamed = {}  # __call__'s argument names that differ from the Inputs field they fill
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
-                 tokenizer_2=None, force_zeros_for_empty_prompt=True):
+                 tokenizer_2=None, force_zeros_for_empty_prompt=True, controlnet=None):
         self.text_encoder, self.text_encoder_2, self.unet, self.vae = text_encoder, text_encoder_2, unet, vae
+        # one ControlNet module or a list of them; their params go in params["controlnet"] (a list for a list)
+        self.controlnets = () if controlnet is None else tuple(controlnet) if isinstance(controlnet, (list, tuple)) \
+            else (controlnet,)
+        if self.controls and not self.controlnets:
+            raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
+                             "ControlNetModel.from_pretrained")
         self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
         self.scheduler = scheduler
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
@@ -68,19 +75,19 @@ class Pipeline:
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
-                        scheduler_config=None, variant=None, attention="auto"):
+                        scheduler_config=None, variant=None, attention="auto", **components):
         """(pipeline, params) from a diffusers checkpoint folder or hub id.
 
         `scheduler="ddim"` swaps the kind and keeps the checkpoint's config values; `scheduler_config={...}`
         overrides single values. `params = {"text_encoder": ..., "unet": ..., "vae": ...}` (SDXL: and
-        "text_encoder_2").
+        "text_encoder_2"). Other components are passed on as given (`controlnet=`).
         """
         from .loading import load_pipeline
 
         c = cls.conditioning
         parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
                                       scheduler, scheduler_config, variant, attention)
-        return cls(**parts), params
+        return cls(**parts, **components), params
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
@@ -202,17 +209,19 @@ class Pipeline:
         self.scheduler.check_steps(steps)
         if "strength" in args:
             start_step(steps, args["strength"])
+        args = {self.renamed.get(name, name): value for name, value in args.items()}
         values = {name: args[name] for name in _INPUTS if args.get(name) is not None}
-        for name, _ in self.start.images:
-            if not isinstance(values.get(name), jax.Array):
-                values[name] = np.asarray(values[name], np.float32)
-        for name in ("guidance_scale", "guidance_rescale"):
-            values[name] = jnp.asarray(args.get(name, Inputs.__dataclass_fields__[name].default), jnp.float32)
+        for name in [name for name, _ in self.start.images] + ["control_image"] * bool(self.controls):
+            values[name] = jax.tree.map(_float32_array, values[name])
+        values.setdefault("guidance_rescale", 0.0)
+        for name in Inputs.shared_fields():  # arrays, so that a Python float and an array share one program
+            if name in values:
+                values[name] = jnp.asarray(values[name], jnp.float32)
         inputs = Inputs(**values)
         if leading_dims is not None:
             self.conditioning.check_inputs(inputs)
             self._check_shapes(inputs, leading_dims)
-        height, width = self._sizes(*self._image_size(inputs, args.get("height"), args.get("width")))
+        height, width = self._sizes(*self._image_size(inputs, leading_dims, args.get("height"), args.get("width")))
         inputs = self.conditioning.fill_inputs(inputs, height, width)
         settings = Settings(**{**{name: args[name] for name in _SETTINGS if name in args},
                                "height": height, "width": width})
@@ -261,15 +270,25 @@ class Pipeline:
                                  f"give a {name} of the image's size")
             size = x.shape[-2:]
 
-    def _image_size(self, inputs, height, width):
-        """(height, width): the image's for image pipelines (a given height/width must agree), else as given."""
-        if not self.start.images:
+    def _image_size(self, inputs, leading_dims, height, width):
+        """(height, width): the images' for pipelines that take images (a given height/width must agree), else as
+        given."""
+        sizes = [(name, getattr(inputs, name).shape[-2:]) for name, _ in self.start.images]
+        for control in self.controls:
+            if leading_dims is not None:
+                control.check(self, inputs, leading_dims, _batch(inputs).shape[:leading_dims])
+            sizes.append(("the control image", control.size(inputs)))
+        if not sizes:
             return height, width
-        actual = getattr(inputs, self.start.images[0][0]).shape[-2:]
+        (first, actual), *others = sizes
+        for name, size in others:
+            if tuple(size) != tuple(actual):
+                raise ValueError(f"{name} is {size[1]}x{size[0]} but {first} is {actual[1]}x{actual[0]}: give "
+                                 "images of one size")
         for name, given, side in (("height", height, actual[0]), ("width", width, actual[1])):
             if given is not None and given != side:
                 raise ValueError(f"{name}={given} but the image is {side}: resize the image, or leave {name} out")
-        return actual
+        return tuple(actual)
 
     def _run(self, args: dict):
         """`__call__`'s work, given its `locals()`: jit on one device, or pmap over the local devices (`jit=True`)."""
@@ -305,6 +324,10 @@ class Pipeline:
 
 def _batch(inputs):
     return inputs.prompt_ids if inputs.prompt_ids is not None else inputs.prompt_embeds
+
+
+def _float32_array(x):
+    return x if isinstance(x, jax.Array) else np.asarray(x, np.float32)
 
 
 class StableDiffusion(Pipeline):
