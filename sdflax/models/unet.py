@@ -19,15 +19,14 @@ UP_BLOCK_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
 
 
 @dataclasses.dataclass(frozen=True)
-class UNetConfig:
-    sample_size: int = 64
+class UNetEncoderConfig:
+    """The fields of the UNet's encoder half (timestep embedding, conv_in, down blocks, mid block), which the UNet
+    and ControlNet share."""
+
     in_channels: int = 4
-    out_channels: int = 4
-    center_input_sample: bool = False
     flip_sin_to_cos: bool = True
     freq_shift: int = 0
     down_block_types: tuple = ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
-    up_block_types: tuple = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
     block_out_channels: tuple = (320, 640, 1280, 1280)
     layers_per_block: int = 2
     downsample_padding: int = 1
@@ -45,25 +44,28 @@ class UNetConfig:
     addition_time_embed_dim: int | None = None
     projection_class_embeddings_input_dim: int | None = None
 
+    block_types = (("down_block_types", DOWN_BLOCK_TYPES),)  # the config keys naming blocks, and what they may be
+
     @classmethod
     def from_dict(cls, config):
         cfg = config_from_dict(cls, config, unsupported=_UNSUPPORTED)
-        for key, supported in (("down_block_types", DOWN_BLOCK_TYPES), ("up_block_types", UP_BLOCK_TYPES)):
+        name = cls.__name__
+        for key, supported in cls.block_types:
             types = getattr(cfg, key)
             unknown = [t for t in types if t not in supported]
             if unknown:
-                raise ValueError(f"UNetConfig: {key} has {unknown[0]!r}; sdflax supports {', '.join(supported)}")
+                raise ValueError(f"{name}: {key} has {unknown[0]!r}; sdflax supports {', '.join(supported)}")
             if len(types) != len(cfg.block_out_channels):
-                raise ValueError(f"UNetConfig: {len(types)} {key} for {len(cfg.block_out_channels)} "
+                raise ValueError(f"{name}: {len(types)} {key} for {len(cfg.block_out_channels)} "
                                  "block_out_channels; give one per block")
         if cfg.addition_embed_type not in (None, "text_time"):
-            raise ValueError(f"UNetConfig: addition_embed_type={cfg.addition_embed_type!r}; sdflax supports only "
+            raise ValueError(f"{name}: addition_embed_type={cfg.addition_embed_type!r}; sdflax supports only "
                              "None and 'text_time' (SDXL)")
         if cfg.addition_embed_type and not (cfg.addition_time_embed_dim and cfg.projection_class_embeddings_input_dim):
-            raise ValueError("UNetConfig: addition_embed_type='text_time' needs addition_time_embed_dim and "
+            raise ValueError(f"{name}: addition_embed_type='text_time' needs addition_time_embed_dim and "
                              "projection_class_embeddings_input_dim")
         if any(isinstance(d, tuple) for d in cfg.per_block(cfg.transformer_layers_per_block)):
-            raise ValueError("UNetConfig: transformer_layers_per_block per layer (nested lists) is not supported; "
+            raise ValueError(f"{name}: transformer_layers_per_block per layer (nested lists) is not supported; "
                              "give an int or one int per block")
         return cfg
 
@@ -77,6 +79,16 @@ class UNetConfig:
         return self.per_block(self.num_attention_heads or self.attention_head_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class UNetConfig(UNetEncoderConfig):
+    sample_size: int = 64
+    out_channels: int = 4
+    center_input_sample: bool = False
+    up_block_types: tuple = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
+
+    block_types = (("down_block_types", DOWN_BLOCK_TYPES), ("up_block_types", UP_BLOCK_TYPES))
+
+
 _UNSUPPORTED = {
     "mid_block_type": "UNetMidBlock2DCrossAttn",
     "only_cross_attention": False,
@@ -84,6 +96,7 @@ _UNSUPPORTED = {
     "mid_block_scale_factor": 1,
     "act_fn": "silu",
     "class_embed_type": None,
+    "num_class_embeds": None,
     "encoder_hid_dim": None,
     "resnet_time_scale_shift": "default",
     "resnet_skip_time_act": False,
@@ -128,7 +141,7 @@ class Transformer2DModel(nn.Module):
 
     heads: int
     layers: int
-    config: UNetConfig
+    config: UNetEncoderConfig
     dtype: jnp.dtype
     kernels: Kernels
 
@@ -146,7 +159,93 @@ class Transformer2DModel(nn.Module):
         return x + project("proj_out")(hidden.reshape(b, h, w, c))
 
 
-class UNet2DConditionModel(Pretrained, nn.Module):
+class UNetEncoder:
+    """The UNet's encoder half, mixed into the UNet and into ControlNet (its trainable copy): the timestep embedding,
+    the down blocks and the mid block. Called from the model's compact `__call__`, so the submodules are the
+    model's own, named as in the diffusers checkpoints. The model has `config`, `dtype` and `kernels`."""
+
+    def dummy_inputs(self, *middle):
+        """The smallest inputs: latents as deep as the down blocks go, one timestep, one text token, then `middle`
+        (the model's own arguments), then SDXL's text_embeds and time_ids."""
+        cfg = self.config
+        size = 2 ** (len(cfg.block_out_channels) - 1)
+        inputs = (jnp.zeros((1, cfg.in_channels, size, size)), jnp.zeros((1,)),
+                  jnp.zeros((1, 1, cfg.cross_attention_dim)), *middle)
+        if cfg.addition_embed_type:  # only the concatenated width fixes add_embedding's kernel: one time id
+            text_dim = cfg.projection_class_embeddings_input_dim - cfg.addition_time_embed_dim
+            inputs += (jnp.zeros((1, text_dim)), jnp.zeros((1, 1)))
+        return inputs
+
+    def resnet(self, out, name):
+        cfg = self.config
+        return ResnetBlock2D(out, cfg.norm_num_groups, cfg.norm_eps, self.dtype, kernels=self.kernels, name=name)
+
+    def embed_time(self, timesteps, batch, text_embeds=None, time_ids=None):
+        """(B,) or () timesteps -> (B, 4 * C0): MLP(sinusoidal(t)), plus SDXL's text_time embedding."""
+        cfg, dtype, features = self.config, self.dtype, self.config.block_out_channels[0] * 4
+        timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (batch,))
+        temb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        temb = nn.Dense(features, dtype=dtype, name="time_embedding_linear_1")(temb.astype(dtype))
+        temb = nn.Dense(features, dtype=dtype, name="time_embedding_linear_2")(nn.silu(temb))
+        if cfg.addition_embed_type == "text_time":
+            return temb + self._text_time_embedding(text_embeds, time_ids, features)
+        if text_embeds is not None or time_ids is not None:
+            raise ValueError(f"text_embeds / time_ids given, but this {type(self).__name__}'s config has no "
+                             "addition_embed_type (they condition SDXL models only)")
+        return temb
+
+    def _text_time_embedding(self, text_embeds, time_ids, features):
+        """diffusers' add_embedding: MLP(concat(text_embeds, sinusoidal(time_ids) per id)), SDXL's size/crop
+        conditioning (Podell et al. 2023, §2.2)."""
+        cfg = self.config
+        if text_embeds is None or time_ids is None:
+            raise ValueError(f"this {type(self).__name__} (addition_embed_type='text_time', SDXL) needs text_embeds "
+                             "(B, D) and time_ids (B, n): the pooled text embedding and the size/crop ids "
+                             "(StableDiffusionXL passes them)")
+        time_ids = jnp.asarray(time_ids)
+        time_ids = jnp.broadcast_to(time_ids, (text_embeds.shape[0], time_ids.shape[-1]))  # (n,) or (B, n)
+        time_embeds = timestep_embedding(time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos,
+                                         cfg.freq_shift).reshape(time_ids.shape[0], -1)
+        expected = cfg.projection_class_embeddings_input_dim
+        if text_embeds.shape[-1] + time_embeds.shape[-1] != expected:
+            raise ValueError(f"text_embeds {text_embeds.shape} and {time_ids.shape[1]} time ids of "
+                             f"{cfg.addition_time_embed_dim} give {text_embeds.shape[-1] + time_embeds.shape[-1]} "
+                             f"features; this {type(self).__name__} expects "
+                             f"projection_class_embeddings_input_dim={expected}")
+        emb = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(self.dtype)
+        emb = nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
+        return nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
+
+    def down_blocks(self, x, temb, context):
+        """conv_in's NHWC output -> (the deepest features, the skips): conv_in's output, each down resnet's (with
+        its attention), each downsampler's, in diffusers' down_block_res_samples order."""
+        cfg = self.config
+        heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
+        skips = [x]
+        for i, (kind, out) in enumerate(zip(cfg.down_block_types, cfg.block_out_channels)):
+            for j in range(cfg.layers_per_block):
+                x = self.resnet(out, f"down_blocks_{i}_resnets_{j}")(x, temb)
+                if kind == "CrossAttnDownBlock2D":
+                    x = Transformer2DModel(heads[i], depths[i], cfg, self.dtype, self.kernels,
+                                           name=f"down_blocks_{i}_attentions_{j}")(x, context)
+                skips.append(x)
+            if i < len(cfg.block_out_channels) - 1:
+                x = Downsample2D(out, cfg.downsample_padding, self.dtype, kernels=self.kernels,
+                                 name=f"down_blocks_{i}_downsamplers_0")(x)
+                skips.append(x)
+        return x, skips
+
+    def mid_block(self, x, temb, context):
+        """resnet, transformer, resnet at the deepest level."""
+        cfg = self.config
+        depth = cfg.per_block(cfg.transformer_layers_per_block)[-1]
+        x = self.resnet(cfg.block_out_channels[-1], "mid_block_resnets_0")(x, temb)
+        x = Transformer2DModel(cfg.heads[-1], depth, cfg, self.dtype, self.kernels, name="mid_block_attentions_0")(
+            x, context)
+        return self.resnet(cfg.block_out_channels[-1], "mid_block_resnets_1")(x, temb)
+
+
+class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     """eps / v prediction from noisy latents (B, C, h, w), timesteps (B,) or (), and text states (B, 77, D).
 
     SDXL (`addition_embed_type="text_time"`) also takes diffusers' `added_cond_kwargs` as keywords:
@@ -161,57 +260,22 @@ class UNet2DConditionModel(Pretrained, nn.Module):
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = UNetConfig
 
-    def dummy_inputs(self):
-        cfg = self.config
-        size = 2 ** (len(cfg.block_out_channels) - 1)
-        inputs = (jnp.zeros((1, cfg.in_channels, size, size)), jnp.zeros((1,)),
-                  jnp.zeros((1, 1, cfg.cross_attention_dim)))
-        if cfg.addition_embed_type:  # only the concatenated width fixes add_embedding's kernel: one time id
-            text_dim = cfg.projection_class_embeddings_input_dim - cfg.addition_time_embed_dim
-            inputs += (jnp.zeros((1, text_dim)), jnp.zeros((1, 1)))
-        return inputs
-
     @nn.compact
     def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
                  down_block_additional_residuals=None, mid_block_additional_residual=None):
         cfg, dtype, kernels = self.config, self.dtype, self.kernels
         channels = cfg.block_out_channels
-        heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
-        resnet = lambda out, name: ResnetBlock2D(out, cfg.norm_num_groups, cfg.norm_eps, dtype,  # noqa: E731
-                                                 kernels=kernels, name=name)
-        transformer = lambda block, name: Transformer2DModel(heads[block], depths[block], cfg, dtype,  # noqa: E731
-                                                             kernels, name=name)
         if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
             raise ValueError("down_block_additional_residuals and mid_block_additional_residual go together, as "
                              "ControlNet gives them; got only one")
         context = encoder_hidden_states.astype(dtype)
-
-        timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (sample.shape[0],))
-        temb = timestep_embedding(timesteps, channels[0], cfg.flip_sin_to_cos, cfg.freq_shift).astype(dtype)
-        temb = nn.Dense(channels[0] * 4, dtype=dtype, name="time_embedding_linear_1")(temb)
-        temb = nn.Dense(channels[0] * 4, dtype=dtype, name="time_embedding_linear_2")(nn.silu(temb))
-        if cfg.addition_embed_type == "text_time":
-            temb = temb + self._text_time_embedding(text_embeds, time_ids, channels[0] * 4)
-        elif text_embeds is not None or time_ids is not None:
-            raise ValueError("text_embeds / time_ids given, but this UNet's config has no addition_embed_type "
-                             "(they condition SDXL UNets only)")
+        temb = self.embed_time(timesteps, sample.shape[0], text_embeds, time_ids)
 
         x = jnp.transpose(sample, (0, 2, 3, 1)).astype(dtype)  # NCHW -> NHWC
         if cfg.center_input_sample:
             x = 2 * x - 1.0
         x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
-
-        skips = [x]
-        for i, (kind, out) in enumerate(zip(cfg.down_block_types, channels)):
-            for j in range(cfg.layers_per_block):
-                x = resnet(out, f"down_blocks_{i}_resnets_{j}")(x, temb)
-                if kind == "CrossAttnDownBlock2D":
-                    x = transformer(i, f"down_blocks_{i}_attentions_{j}")(x, context)
-                skips.append(x)
-            if i < len(channels) - 1:
-                x = Downsample2D(out, cfg.downsample_padding, dtype, kernels=kernels,
-                                 name=f"down_blocks_{i}_downsamplers_0")(x)
-                skips.append(x)
+        x, skips = self.down_blocks(x, temb, context)
         if down_block_additional_residuals is not None:
             if len(down_block_additional_residuals) != len(skips):
                 raise ValueError(f"down_block_additional_residuals: expected {len(skips)} arrays, one per skip "
@@ -219,18 +283,16 @@ class UNet2DConditionModel(Pretrained, nn.Module):
             skips = [skip + _residual(r, skip, f"down_block_additional_residuals[{i}]")
                      for i, (skip, r) in enumerate(zip(skips, down_block_additional_residuals))]
 
-        x = resnet(channels[-1], "mid_block_resnets_0")(x, temb)
-        x = transformer(-1, "mid_block_attentions_0")(x, context)
-        x = resnet(channels[-1], "mid_block_resnets_1")(x, temb)
+        x = self.mid_block(x, temb, context)
         if mid_block_additional_residual is not None:
             x = x + _residual(mid_block_additional_residual, x, "mid_block_additional_residual")
 
-        up_heads = heads[::-1]
-        up_depths = depths[::-1]
+        up_heads = cfg.heads[::-1]
+        up_depths = cfg.per_block(cfg.transformer_layers_per_block)[::-1]
         for i, (kind, out) in enumerate(zip(cfg.up_block_types, channels[::-1])):
             for j in range(cfg.layers_per_block + 1):
                 x = jnp.concatenate([x, skips.pop()], axis=-1)
-                x = resnet(out, f"up_blocks_{i}_resnets_{j}")(x, temb)
+                x = self.resnet(out, f"up_blocks_{i}_resnets_{j}")(x, temb)
                 if kind == "CrossAttnUpBlock2D":
                     x = Transformer2DModel(up_heads[i], up_depths[i], cfg, dtype, kernels,
                                            name=f"up_blocks_{i}_attentions_{j}")(x, context)
@@ -240,27 +302,6 @@ class UNet2DConditionModel(Pretrained, nn.Module):
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
         x = conv(cfg.out_channels, name="conv_out", dtype=dtype, kernels=kernels)(x)
         return jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
-
-    def _text_time_embedding(self, text_embeds, time_ids, features):
-        """diffusers' add_embedding: MLP(concat(text_embeds, sinusoidal(time_ids) per id)), SDXL's size/crop
-        conditioning (Podell et al. 2023, §2.2)."""
-        cfg = self.config
-        if text_embeds is None or time_ids is None:
-            raise ValueError("this UNet (addition_embed_type='text_time', SDXL) needs text_embeds (B, D) and "
-                             "time_ids (B, n): the pooled text embedding and the size/crop ids (StableDiffusionXL "
-                             "passes them)")
-        time_ids = jnp.asarray(time_ids)
-        time_ids = jnp.broadcast_to(time_ids, (text_embeds.shape[0], time_ids.shape[-1]))  # (n,) or (B, n)
-        time_embeds = timestep_embedding(time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos,
-                                         cfg.freq_shift).reshape(time_ids.shape[0], -1)
-        expected = cfg.projection_class_embeddings_input_dim
-        if text_embeds.shape[-1] + time_embeds.shape[-1] != expected:
-            raise ValueError(f"text_embeds {text_embeds.shape} and {time_ids.shape[1]} time ids of "
-                             f"{cfg.addition_time_embed_dim} give {text_embeds.shape[-1] + time_embeds.shape[-1]} "
-                             f"features; this UNet expects projection_class_embeddings_input_dim={expected}")
-        emb = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(self.dtype)
-        emb = nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
-        return nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
 
 
 def _residual(residual, target, name):
