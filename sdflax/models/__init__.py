@@ -1,7 +1,9 @@
 from .clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTextOutput
+from .controlnet import ControlNetConfig, ControlNetModel
 from .layers import Kernels, resolve_kernels
-from .unet import UNet2DConditionModel, UNetConfig
+from .unet import UNet2DConditionModel, UNetConfig, UNetEncoderConfig
 from .vae import AutoencoderKL, DiagonalGaussian, VAEConfig
 
 __all__ = ["AutoencoderKL", "CLIPTextConfig", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTextOutput",
-           "DiagonalGaussian", "Kernels", "UNet2DConditionModel", "UNetConfig", "VAEConfig", "resolve_kernels"]
+           "ControlNetConfig", "ControlNetModel", "DiagonalGaussian", "Kernels", "UNet2DConditionModel", "UNetConfig",
+           "UNetEncoderConfig", "VAEConfig", "resolve_kernels"]

@@ -1,0 +1,203 @@
+"""ControlNetModel (Zhang et al. 2023) against diffusers' PyTorch ControlNetModel, on small random ControlNets made
+from the SD 1.x, 2.x and SDXL-shaped test UNets, and the UNet fed its residuals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+from builders import SD1, SD2, SDXL, torch_unet
+from flax import traverse_util
+from test_flax_msgpack import to_flax_msgpack
+from test_unet_residuals import skip_shapes, xl_inputs
+
+from sdflax import UNet2DConditionModel
+from sdflax.models import ControlNetConfig, ControlNetModel
+
+RTOL, ATOL = 1e-4, 1e-5  # float32 parity
+ZERO_CONVS = ("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")
+
+# arch -> (UNet config, condition encoder channels, channel order): three condition scales (2, 4, 8), both orders.
+CASES = {"sd1": (SD1["unet"], (8, 16, 16), "rgb"), "sd2": (SD2["unet"], (8, 16), "bgr"),
+         "sdxl": (SDXL["unet"], (8, 8, 16, 16), "rgb")}
+
+
+def torch_controlnet(unet, channels, order="rgb", seed=0):
+    """diffusers' ControlNetModel.from_unet, with the zero convolutions made random so the residuals mean something."""
+    from diffusers import ControlNetModel as TorchControlNet
+
+    controlnet = TorchControlNet.from_unet(unet, conditioning_embedding_out_channels=channels,
+                                           controlnet_conditioning_channel_order=order)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in controlnet.named_parameters():
+            if name.startswith(ZERO_CONVS):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return controlnet.eval()
+
+
+def inputs(cfg, scale, seed=0):
+    """Batch-2 latents 16x10 (an odd downsampling: 16x10 -> 8x5 -> 4x3), a condition image `scale` times their size,
+    7 text tokens, and SDXL's pooled embedding and size ids."""
+    rng = np.random.default_rng(seed)
+    added = xl_inputs(cfg, rng, 2) if cfg.get("addition_embed_type") else {}
+    return dict(sample=rng.standard_normal((2, 4, 16, 10), dtype=np.float32), timesteps=np.array([999, 37]),
+                encoder_hidden_states=rng.standard_normal((2, 7, cfg["cross_attention_dim"]), dtype=np.float32),
+                controlnet_cond=rng.uniform(0, 1, (2, 3, 16 * scale, 10 * scale)).astype(np.float32), **added)
+
+
+def torch_residuals(controlnet, x, conditioning_scale=1.0, guess_mode=False):
+    added = {k: torch.from_numpy(x[k]) for k in ("text_embeds", "time_ids") if k in x} or None
+    with torch.no_grad():
+        down, mid = controlnet(torch.from_numpy(x["sample"]), torch.from_numpy(x["timesteps"]),
+                               torch.from_numpy(x["encoder_hidden_states"]), torch.from_numpy(x["controlnet_cond"]),
+                               conditioning_scale, added_cond_kwargs=added, guess_mode=guess_mode, return_dict=False)
+    return [r.numpy() for r in down], mid.numpy()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    """diffusers' UNet and ControlNet, saved and loaded by sdflax, with one jitted apply each."""
+    cfg, channels, order = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    theirs_unet = torch_unet(cfg)
+    theirs = torch_controlnet(theirs_unet, channels, order)
+    theirs_unet.save_pretrained(folder / "unet")
+    theirs.save_pretrained(folder / "controlnet")
+    unet, unet_params = UNet2DConditionModel.from_pretrained(folder / "unet")
+    controlnet, params = ControlNetModel.from_pretrained(folder / "controlnet")
+    return dict(arch=request.param, cfg=cfg, theirs_unet=theirs_unet, theirs=theirs, unet=unet,
+                unet_params=unet_params, controlnet=controlnet, params=params,
+                run=jax.jit(controlnet.apply, static_argnames="guess_mode"), x=inputs(cfg, 2 ** (len(channels) - 1)))
+
+
+@pytest.mark.parametrize("conditioning_scale, guess_mode", [(1.0, False), (0.5, False), (0.5, True)])
+def test_residuals_match_diffusers(case, conditioning_scale, guess_mode):
+    x = case["x"]
+    down, mid = case["run"](case["params"], **x, conditioning_scale=conditioning_scale, guess_mode=guess_mode)
+    expected_down, expected_mid = torch_residuals(case["theirs"], x, conditioning_scale, guess_mode)
+    down_shapes, mid_shape = skip_shapes(case["cfg"], 2, 16, 10)
+    assert [r.shape for r in down] == down_shapes and mid.shape == mid_shape  # what the UNet takes
+    for i, (ours, theirs) in enumerate(zip(down, expected_down, strict=True)):
+        np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL, err_msg=f"down residual {i}")
+        assert np.abs(theirs).max() > 0.01, f"down residual {i} is ~0: the test would mean nothing"
+    np.testing.assert_allclose(mid, expected_mid, rtol=RTOL, atol=ATOL, err_msg="mid residual")
+    assert np.abs(expected_mid).max() > 0.01
+
+
+# SD 2.x's residuals differ from SD 1.x's only in count and shapes, which test_residuals_match_diffusers checks
+# against what the UNet takes; its UNet compile (the slowest step here) is left out.
+@pytest.mark.parametrize("case", ["sd1", "sdxl"], indirect=True)
+def test_unet_fed_residuals_matches_diffusers(case):
+    x = case["x"]
+    down, mid = case["run"](case["params"], **x, conditioning_scale=0.8)
+    theirs_down, theirs_mid = torch_residuals(case["theirs"], x, 0.8)
+    added = {k: x[k] for k in ("text_embeds", "time_ids") if k in x}
+    ours = jax.jit(case["unet"].apply)(case["unet_params"], x["sample"], x["timesteps"], x["encoder_hidden_states"],
+                                       **added, down_block_additional_residuals=down, mid_block_additional_residual=mid)
+    sample, t, context = (torch.from_numpy(x[k]) for k in ("sample", "timesteps", "encoder_hidden_states"))
+    with torch.no_grad():
+        expected = case["theirs_unet"](
+            sample, t, context, added_cond_kwargs={k: torch.from_numpy(v) for k, v in added.items()} or None,
+            down_block_additional_residuals=tuple(map(torch.from_numpy, theirs_down)),
+            mid_block_additional_residual=torch.from_numpy(theirs_mid)).sample.numpy()
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_from_unet_copies_the_encoder_and_zeroes_the_zero_convs(case):
+    """The trainable copy starts as the UNet's encoder and the zero convolutions at zero, so the ControlNet first
+    adds nothing (§3.1); config and copied weights as diffusers' from_unet makes them."""
+    controlnet = ControlNetModel.from_unet(case["unet"], conditioning_embedding_out_channels=CASES[case["arch"]][1])
+    loaded = case["controlnet"]
+    assert controlnet.config == dataclasses.replace(loaded.config, controlnet_conditioning_channel_order="rgb")
+    assert hash(controlnet.config) and (controlnet.dtype, controlnet.kernels) == (loaded.dtype, loaded.kernels)
+    params = traverse_util.flatten_dict(controlnet.params_from_unet(case["unet_params"]))
+    theirs = traverse_util.flatten_dict(case["params"])  # diffusers' from_unet copy, zero convs made random
+    assert params.keys() == theirs.keys()
+    for path, value in params.items():
+        if path[0].startswith("controlnet_"):
+            zero_conv = path[0] != "controlnet_cond_embedding" or path[1] == "conv_out"
+            assert (np.abs(np.asarray(value)).max() == 0) == zero_conv, path  # the condition encoder's others random
+        else:
+            np.testing.assert_array_equal(value, theirs[path], err_msg="/".join(path))
+    down, mid = case["run"](traverse_util.unflatten_dict(params), **case["x"], conditioning_scale=1.0, guess_mode=False)
+    assert all(np.abs(np.asarray(r)).max() == 0 for r in (*down, mid))
+
+
+# diffusers' Flax ControlNet always has 32 groups and a condition encoder of four levels (its init draws an image
+# 8x the latents), so this one does too.
+FLAX_UNET = dict(sample_size=8, layers_per_block=1, block_out_channels=(32, 64), norm_num_groups=32,
+                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=4)
+
+
+def test_bin_and_diffusers_flax_msgpack_load(tmp_path, monkeypatch):
+    from diffusers import FlaxControlNetModel
+
+    # diffusers' from_pt reads only the shapes of the random init it makes first, which takes 40 s eagerly.
+    init = FlaxControlNetModel.init_weights
+    monkeypatch.setattr(FlaxControlNetModel, "init_weights", lambda self, rng: jax.tree.map(
+        lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(lambda key: init(self, key), rng)))
+    theirs = torch_controlnet(torch_unet(FLAX_UNET), (8, 8, 16, 16))
+    to_flax_msgpack(theirs, FlaxControlNetModel, tmp_path)  # tmp_path / "pt": .bin, tmp_path / "flax": msgpack
+    x = inputs(FLAX_UNET, 8)
+    expected_down, expected_mid = torch_residuals(theirs, x)
+    run = None
+    for folder in ("pt", "flax"):
+        controlnet, params = ControlNetModel.from_pretrained(tmp_path / folder)
+        run = run or jax.jit(controlnet.apply)
+        down, mid = run(params, **x)
+        for ours, expected in zip((*down, mid), (*expected_down, expected_mid), strict=True):
+            np.testing.assert_allclose(ours, expected, rtol=RTOL, atol=ATOL, err_msg=folder)
+
+
+def test_global_pool_conditions(tmp_path):
+    """The shuffle ControlNet's spatially averaged residuals, given at full size (what the UNet adds is the same)."""
+    from diffusers import ControlNetModel as TorchControlNet
+
+    made = torch_controlnet(torch_unet(FLAX_UNET), (8, 16))
+    theirs = TorchControlNet.from_config(made.config, global_pool_conditions=True).eval()
+    theirs.load_state_dict(made.state_dict())
+    theirs.save_pretrained(tmp_path)
+    controlnet, params = ControlNetModel.from_pretrained(tmp_path)
+    assert controlnet.config.global_pool_conditions
+    x = inputs(FLAX_UNET, 2)
+    down, mid = jax.jit(controlnet.apply, static_argnames="guess_mode")(params, **x, conditioning_scale=0.5,
+                                                                       guess_mode=True)  # no log scale when pooled
+    expected_down, expected_mid = torch_residuals(theirs, x, 0.5, guess_mode=True)
+    for ours, expected in zip((*down, mid), (*expected_down, expected_mid), strict=True):
+        assert expected.shape[2:] == (1, 1)
+        np.testing.assert_allclose(ours, np.broadcast_to(expected, ours.shape), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("controlnet_conditioning_channel_order", "rbg",
+     "controlnet_conditioning_channel_order='rbg'; it is 'rgb' or 'bgr'"),
+    ("mid_block_type", "UNetMidBlock2D", "mid_block_type='UNetMidBlock2D', which sdflax does not support"),
+    ("down_block_types", ("CrossAttnDownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+     "down_block_types has 'AttnDownBlock2D'"),
+    ("addition_embed_type", "text", "addition_embed_type='text'; sdflax supports only None and 'text_time'"),
+    ("conditioning_embedding_out_channels", [], "conditioning_embedding_out_channels is empty"),
+])
+def test_unsupported_configs_are_refused(key, value, message):
+    assert ControlNetConfig.from_dict(SD1["unet"]).conditioning_embedding_out_channels == (16, 32, 96, 256)
+    with pytest.raises(ValueError, match=f"ControlNetConfig: .*{message}"):
+        ControlNetConfig.from_dict({**SD1["unet"], key: value})
+
+
+def test_condition_image_is_checked():
+    controlnet = ControlNetModel.from_config({**SD1["unet"], "conditioning_embedding_out_channels": (8, 16, 16)})
+    params = controlnet.param_shapes()
+    x = inputs(SD1["unet"], 4)
+    run = lambda **kwargs: jax.eval_shape(controlnet.apply, params, **{**x, **kwargs})  # noqa: E731
+    assert run()[1].shape == (2, 64, 4, 3)
+    with pytest.raises(ValueError, match=r"controlnet_cond \(2, 3, 32, 20\) encodes to 8x5, the latents are 16x10: "
+                                         "the condition image is 4 times the latents' size"):
+        run(controlnet_cond=np.zeros((2, 3, 32, 20), np.float32))
+    with pytest.raises(ValueError, match="this ControlNet takes 3-channel images"):
+        run(controlnet_cond=np.zeros((2, 1, 64, 40), np.float32))
+    with pytest.raises(ValueError, match="this ControlNetModel's config has no addition_embed_type"):
+        run(text_embeds=np.zeros((2, 8), np.float32), time_ids=np.zeros((2, 6), np.float32))
