@@ -1,14 +1,16 @@
 """sdflax: Stable Diffusion inference in pure JAX/Flax."""
 
-from .models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
+from .models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, ControlNetModel, UNet2DConditionModel
 from .parallel import replicate, shard, unshard
 from .generate import Inputs, Settings, generate, random_draws
 from .pipeline import StableDiffusion, StableDiffusionOutput
 from .img2img import StableDiffusionImg2Img
 from .pipeline_xl import StableDiffusionXL
+from .pipeline_controlnet import StableDiffusionControlNet
 from .inpaint import StableDiffusionInpaint
 from .utils import make_image_grid
 
-__all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "Inputs", "Settings", "StableDiffusion",
-           "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
-           "UNet2DConditionModel", "generate", "make_image_grid", "random_draws", "replicate", "shard", "unshard"]
+__all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "ControlNetModel", "Inputs", "Settings",
+           "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionImg2Img", "StableDiffusionInpaint",
+           "StableDiffusionOutput", "StableDiffusionXL", "UNet2DConditionModel", "generate", "make_image_grid",
+           "random_draws", "replicate", "shard", "unshard"]

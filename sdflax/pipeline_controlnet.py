@@ -139,11 +139,12 @@ class StableDiffusionControlNet(Pipeline):
     def __call__(self, prompt_ids, image, params, prng_seed, num_inference_steps=50, guidance_scale=7.5,
                  latents=None, neg_prompt_ids=None, controlnet_conditioning_scale=1.0, jit=False, callback=None,
                  guidance_rescale=0.0, guidance=None, return_trajectory=False, prompt_embeds=None,
-                 neg_prompt_embeds=None, control_guidance_start=0.0, control_guidance_end=1.0, guess_mode=False):
+                 neg_prompt_embeds=None, control_guidance_start=0.0, control_guidance_end=1.0, guess_mode=False,
+                 height=None, width=None):
         """Images (B, H, W, 3) in [0, 1]; (devices, B, H, W, 3) with `jit=True` (ids and control images
         `shard`ed, params `replicate`d). `image`: the control image (B, 3, H, W) in [0, 1], or a list of them,
         one per net. `controlnet_conditioning_scale`, `control_guidance_start` and `control_guidance_end` (a
         value, or one per net: the fraction of the steps in which each net acts) are traced; `guess_mode`
-        (the nets see only the conditional batch, their residuals scaled up with depth) is static. The rest as
-        `StableDiffusion.__call__`."""
+        (the nets see only the conditional batch, their residuals scaled up with depth) is static. `height` and
+        `width`, if given, must be the control image's. The rest as `StableDiffusion.__call__`."""
         return self._run(locals())

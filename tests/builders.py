@@ -168,3 +168,20 @@ def torch_xl_pipeline(scheduler="euler", seed=0, force_zeros_for_empty_prompt=Tr
         scheduler=kinds[scheduler].from_config({**SDXL_SCHEDULER, **scheduler_config}),
         force_zeros_for_empty_prompt=force_zeros_for_empty_prompt, add_watermarker=False,
     )
+
+
+def torch_controlnet(unet, channels=(8, 16), order="rgb", seed=0):
+    """diffusers' ControlNetModel.from_unet with its zero convolutions made non-zero (random, as after training),
+    so that its residuals change what the UNet computes. `channels`: conditioning_embedding_out_channels."""
+    from diffusers import ControlNetModel
+
+    torch.manual_seed(seed)
+    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=channels,
+                                    controlnet_conditioning_channel_order=order)
+    g = torch.Generator().manual_seed(seed)
+    zero = [*net.controlnet_down_blocks, net.controlnet_mid_block, net.controlnet_cond_embedding.conv_out]
+    with torch.no_grad():
+        for conv in zero:
+            conv.weight.copy_(0.3 * torch.randn(conv.weight.shape, generator=g))
+            conv.bias.copy_(0.1 * torch.randn(conv.bias.shape, generator=g))
+    return net.eval()  # the norms come from the UNet's (randomized by torch_unet)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from builders import SD1, SD2, SDXL, torch_unet
+from builders import SD1, SD2, SDXL, torch_controlnet, torch_unet
 from flax import traverse_util
 from test_flax_msgpack import to_flax_msgpack
 from test_unet_residuals import skip_shapes, xl_inputs
@@ -18,25 +18,10 @@ from sdflax import UNet2DConditionModel
 from sdflax.models import ControlNetConfig, ControlNetModel
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity
-ZERO_CONVS = ("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")
 
 # arch -> (UNet config, condition encoder channels, channel order): three condition scales (2, 4, 8), both orders.
 CASES = {"sd1": (SD1["unet"], (8, 16, 16), "rgb"), "sd2": (SD2["unet"], (8, 16), "bgr"),
          "sdxl": (SDXL["unet"], (8, 8, 16, 16), "rgb")}
-
-
-def torch_controlnet(unet, channels, order="rgb", seed=0):
-    """diffusers' ControlNetModel.from_unet, with the zero convolutions made random so the residuals mean something."""
-    from diffusers import ControlNetModel as TorchControlNet
-
-    controlnet = TorchControlNet.from_unet(unet, conditioning_embedding_out_channels=channels,
-                                           controlnet_conditioning_channel_order=order)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in controlnet.named_parameters():
-            if name.startswith(ZERO_CONVS):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return controlnet.eval()
 
 
 def inputs(cfg, scale, seed=0):

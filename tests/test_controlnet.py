@@ -1,0 +1,152 @@
+"""StableDiffusionControlNet against diffusers' StableDiffusionControlNetPipeline (one net and a MultiControlNet),
+the pmap walkthrough with one control image per device, and the bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from builders import CONFIGS, torch_controlnet, torch_pipeline, torch_unet
+
+import jax
+
+from sdflax import StableDiffusionControlNet, replicate, shard
+from sdflax.models import ControlNetModel
+
+ATOL = 1e-3  # images in [0, 1], float32
+PROMPTS = ["a house by a lake", "a robot in a field"]
+NEGATIVE = ["blurry", "dark"]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(diffusers pipeline, two diffusers ControlNets, our pipeline, our params with both nets' params)."""
+    folder = tmp_path_factory.mktemp("controlnet")
+    theirs = torch_pipeline("sd1", "ddim")
+    nets = [torch_controlnet(theirs.unet, seed=seed) for seed in (1, 2)]
+    theirs.save_pretrained(folder / "sd")
+    loaded = []
+    for k, net in enumerate(nets):
+        net.save_pretrained(folder / f"net{k}")
+        loaded.append(ControlNetModel.from_pretrained(folder / f"net{k}"))
+    pipe, params = StableDiffusionControlNet.from_pretrained(folder / "sd", controlnet=[m for m, _ in loaded])
+    params["controlnet"] = [p for _, p in loaded]
+    return theirs, nets, pipe, params
+
+
+def control_images(batch=2, seed=0):
+    """PIL images (diffusers reads numpy images as floats in [0, 1])."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(batch)]
+
+
+def latents(batch=2):
+    return np.random.default_rng(1).standard_normal((batch, 4, 16, 16), dtype=np.float32)
+
+
+def diffusers_images(theirs, nets, images, **kwargs):
+    from diffusers import StableDiffusionControlNetPipeline
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    components = {k: v for k, v in theirs.components.items() if k not in ("image_encoder",)}
+    controlnet = nets[0] if len(nets) == 1 else MultiControlNetModel(nets)
+    if len(nets) > 1:  # diffusers nests several nets' images per prompt: [[prompt 0's per net], ...]
+        images = [list(per_prompt) for per_prompt in zip(*images)]
+    pipeline = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
+    with torch.no_grad():
+        return pipeline(PROMPTS, images, num_inference_steps=STEPS, negative_prompt=NEGATIVE,
+                        latents=torch.from_numpy(latents()), output_type="np", **kwargs).images
+
+
+def single(pipe, params, net=0):
+    """The pipeline with one of the nets."""
+    one = StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
+                                    controlnet=pipe.controlnets[net])
+    return one, {**params, "controlnet": params["controlnet"][net]}
+
+
+@pytest.fixture(scope="module")
+def one_net(models):
+    _, _, pipe, params = models
+    return single(pipe, params)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"controlnet_conditioning_scale": 0.5},
+    {"control_guidance_end": 0.6},
+    {"guess_mode": True},
+])
+def test_one_net_matches_diffusers(models, one_net, kwargs):
+    theirs, nets, _, _ = models
+    pipe, params = one_net
+    images = control_images()
+    expected = diffusers_images(theirs, nets[:1], images, **kwargs)
+    ours = pipe(pipe.prepare_text_inputs(PROMPTS), pipe.prepare_image_inputs(images), params, jax.random.key(0),
+                STEPS, latents=latents(), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE), **kwargs).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    # the setting under test changes the oracle's image: against the defaults, and the defaults against no net
+    baseline = diffusers_images(theirs, nets[:1], images, **({} if kwargs else {"controlnet_conditioning_scale": 0.0}))
+    assert np.abs(expected - baseline).max() > 1e-2
+
+
+def test_two_nets_match_diffusers_multicontrolnet(models):
+    theirs, nets, pipe, params = models
+    images = [control_images(seed=0), control_images(seed=1)]
+    kwargs = {"controlnet_conditioning_scale": [1.0, 0.5], "control_guidance_start": [0.0, 0.3]}
+    expected = diffusers_images(theirs, nets, images, **kwargs)
+    ours = pipe(pipe.prepare_text_inputs(PROMPTS), [pipe.prepare_image_inputs(i) for i in images], params,
+                jax.random.key(0), STEPS, latents=latents(), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
+                **kwargs).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    only_first = diffusers_images(theirs, nets[:1], images[0])
+    assert np.abs(expected - only_first).max() > 1e-2  # the second net changes the image
+
+
+def test_walkthrough_on_eight_devices_and_traced_scale(one_net):
+    pipe, params = one_net
+    devices = jax.local_device_count()
+    prompts = [f"a drawing number {i}" for i in range(devices)]
+    ids = pipe.prepare_text_inputs(prompts)
+    image = pipe.prepare_image_inputs(control_images(devices, seed=3))
+    rng = jax.random.split(jax.random.key(0), devices)
+    p_params = replicate(params)
+    out = pipe(shard(ids), shard(image), p_params, rng, STEPS, jit=True).images
+    assert out.shape == (devices, 1, 32, 32, 3)
+    for i in (0, 5):
+        alone = pipe(ids[i:i + 1], image[i:i + 1], params, rng[i], STEPS).images
+        np.testing.assert_allclose(out[i], alone, rtol=0, atol=1e-5)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    weaker = pipe(shard(ids), shard(image), p_params, rng, STEPS, jit=True, controlnet_conditioning_scale=0.3,
+                  control_guidance_end=0.5).images
+    assert not compiles, "a traced ControlNet value caused a compile"
+    assert np.abs(weaker - out).max() > 1e-3
+
+
+def test_bad_inputs_say_what_to_change(models, one_net, tmp_path):
+    _, _, two, two_params = models
+    pipe, params = one_net
+    ids, key = pipe.prepare_text_inputs(PROMPTS), jax.random.key(0)
+    image = pipe.prepare_image_inputs(control_images())
+    with pytest.raises(ValueError, match="height=64 but the image is 32"):
+        pipe(ids, image, params, key, STEPS, height=64)
+    with pytest.raises(ValueError, match="1 control images for 2 ControlNets"):
+        two(ids, image, two_params, key, STEPS)
+    with pytest.raises(ValueError, match=r"control image 1 is 16x16, the first 32x32"):
+        two(ids, [image, image[:, :, :16, :16]], two_params, key, STEPS)
+    with pytest.raises(ValueError, match=r"has shape \(1, 3, 32, 32\) for a batch of \(2,\)"):
+        pipe(ids, image[:1], params, key, STEPS)
+    net = torch_controlnet(torch_unet(CONFIGS["sd2"]["unet"]))  # SD 2.x-shaped: another cross-attention width
+    net.save_pretrained(tmp_path / "sd2-net")
+    other, other_params = ControlNetModel.from_pretrained(tmp_path / "sd2-net")
+    mixed = StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
+                                      controlnet=other)
+    with pytest.raises(ValueError, match="a ControlNet of another model family"):
+        mixed(ids, image, {**params, "controlnet": other_params}, key, STEPS)
+    with pytest.raises(ValueError, match="needs controlnet="):
+        StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
