@@ -6,11 +6,13 @@ from .generate import Inputs, Settings, generate, random_draws
 from .pipeline import StableDiffusion, StableDiffusionOutput
 from .img2img import StableDiffusionImg2Img
 from .pipeline_xl import StableDiffusionXL
-from .pipeline_controlnet import StableDiffusionControlNet
+from .pipeline_controlnet import (StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
+                                  StableDiffusionXLControlNet)
 from .inpaint import StableDiffusionInpaint
 from .utils import make_image_grid
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "ControlNetModel", "Inputs", "Settings",
-           "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionImg2Img", "StableDiffusionInpaint",
-           "StableDiffusionOutput", "StableDiffusionXL", "UNet2DConditionModel", "generate", "make_image_grid",
-           "random_draws", "replicate", "shard", "unshard"]
+           "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
+           "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
+           "StableDiffusionXLControlNet", "UNet2DConditionModel", "generate", "make_image_grid", "random_draws",
+           "replicate", "shard", "unshard"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .conditioning import SDText
-from .img2img import as_list, multiple_size, to_pil
-from .latents import FromNoise
+from .conditioning import SDText, SDXLText
+from .img2img import as_list, multiple_size, preprocess_images, to_pil
+from .latents import FromImage, FromNoise
 from .pipeline import Pipeline
 
 
@@ -38,8 +38,9 @@ class ControlNet:
             channels = net.config.conditioning_channels
             if image.ndim != leading_dims + 3 or image.shape[-3] != channels:
                 expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
+                sharded = " and shard()" if leading_dims == 2 else ""
                 raise ValueError(f"{name} has shape {image.shape}; expected {expected}: make it with "
-                                 "pipeline.prepare_image_inputs(images)" + (" and shard()" if leading_dims == 2 else ""))
+                                 f"pipeline.prepare_image_inputs(images){sharded}")
             if image.shape[:leading_dims] != batch:
                 raise ValueError(f"{name} has shape {image.shape} for a batch of {batch}: give one control image "
                                  "per prompt")
@@ -114,6 +115,16 @@ def preprocess_control_images(images, scale_factor: int) -> np.ndarray:
     return np.stack(out).transpose(0, 3, 1, 2)
 
 
+def prepare_text_inputs(pipeline, prompts):
+    """= prepare_inputs (the old Flax API's name)."""
+    return pipeline.prepare_inputs(prompts)
+
+
+def prepare_image_inputs(pipeline, images):
+    """Control images -> float32 (B, 3, H, W) in [0, 1]."""
+    return preprocess_control_images(images, pipeline.vae_scale_factor)
+
+
 class StableDiffusionControlNet(Pipeline):
     """Text-to-image steered by one or several ControlNets (SD 1.x / 2.x), as diffusers' Flax ControlNet pipeline:
 
@@ -129,12 +140,7 @@ class StableDiffusionControlNet(Pipeline):
 
     conditioning, start, controls = SDText, FromNoise, (ControlNet,)
     renamed = {"image": "control_image"}  # the old Flax API's name
-
-    def prepare_text_inputs(self, prompts):
-        return self.prepare_inputs(prompts)
-
-    def prepare_image_inputs(self, images):
-        return preprocess_control_images(images, self.vae_scale_factor)
+    prepare_text_inputs, prepare_image_inputs = prepare_text_inputs, prepare_image_inputs
 
     def __call__(self, prompt_ids, image, params, prng_seed, num_inference_steps=50, guidance_scale=7.5,
                  latents=None, neg_prompt_ids=None, controlnet_conditioning_scale=1.0, jit=False, callback=None,
@@ -147,4 +153,45 @@ class StableDiffusionControlNet(Pipeline):
         value, or one per net: the fraction of the steps in which each net acts) are traced; `guess_mode`
         (the nets see only the conditional batch, their residuals scaled up with depth) is static. `height` and
         `width`, if given, must be the control image's. The rest as `StableDiffusion.__call__`."""
+        return self._run(locals())
+
+
+class StableDiffusionXLControlNet(Pipeline):
+    """SDXL text-to-image steered by SDXL ControlNets (diffusers' StableDiffusionXLControlNetPipeline); the API of
+    `StableDiffusionControlNet` with StableDiffusionXL's arguments (size conditioning, (B, 2, 77) ids)."""
+
+    conditioning, start, controls = SDXLText, FromNoise, (ControlNet,)
+    renamed = {"image": "control_image"}
+    prepare_text_inputs, prepare_image_inputs = prepare_text_inputs, prepare_image_inputs
+
+    def __call__(self, prompt_ids, image, params, prng_seed, num_inference_steps=50, guidance_scale=5.0,
+                 latents=None, neg_prompt_ids=None, controlnet_conditioning_scale=1.0, jit=False, callback=None,
+                 guidance_rescale=0.0, guidance=None, return_trajectory=False, original_size=None,
+                 crops_coords_top_left=(0, 0), target_size=None, prompt_embeds=None, neg_prompt_embeds=None,
+                 pooled_prompt_embeds=None, neg_pooled_prompt_embeds=None, control_guidance_start=0.0,
+                 control_guidance_end=1.0, guess_mode=False, height=None, width=None):
+        """As `StableDiffusionControlNet.__call__`, with `StableDiffusionXL.__call__`'s SDXL arguments."""
+        return self._run(locals())
+
+
+class StableDiffusionControlNetImg2Img(Pipeline):
+    """Image-to-image steered by ControlNets (diffusers' StableDiffusionControlNetImg2ImgPipeline):
+    `prepare_inputs(prompts, images, control_images) -> (prompt_ids, image, control_image)`."""
+
+    conditioning, start, controls = SDText, FromImage, (ControlNet,)
+
+    def prepare_inputs(self, prompts, images=None, control_images=None):
+        prompt_ids = super().prepare_inputs(prompts)
+        if images is None and control_images is None:
+            return prompt_ids
+        return (prompt_ids, preprocess_images(images, self.vae_scale_factor),
+                preprocess_control_images(control_images, self.vae_scale_factor))
+
+    def __call__(self, prompt_ids, image, control_image, params, prng_seed, strength=0.8, num_inference_steps=50,
+                 height=None, width=None, guidance_scale=7.5, noise=None, neg_prompt_ids=None,
+                 controlnet_conditioning_scale=0.8, jit=False, callback=None, guidance_rescale=0.0, guidance=None,
+                 return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None, control_guidance_start=0.0,
+                 control_guidance_end=1.0, guess_mode=False):
+        """`StableDiffusionImg2Img.__call__` with a control image (B, 3, H, W) in [0, 1] of the image's size (or a
+        list, one per net) and the ControlNet arguments of `StableDiffusionControlNet.__call__`."""
         return self._run(locals())

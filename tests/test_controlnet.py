@@ -1,5 +1,6 @@
-"""StableDiffusionControlNet against diffusers' StableDiffusionControlNetPipeline (one net and a MultiControlNet),
-the pmap walkthrough with one control image per device, and the bad inputs."""
+"""The ControlNet pipelines against diffusers': StableDiffusionControlNetPipeline (one net and a MultiControlNet),
+StableDiffusionXLControlNetPipeline and StableDiffusionControlNetImg2ImgPipeline; the pmap walkthrough with one
+control image per device; the bad inputs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from builders import CONFIGS, torch_controlnet, torch_pipeline, torch_unet
 
 import jax
 
-from sdflax import StableDiffusionControlNet, replicate, shard
-from sdflax.models import ControlNetModel
+from sdflax import ControlNetModel, StableDiffusionControlNet, UNet2DConditionModel, replicate, shard
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a house by a lake", "a robot in a field"]
@@ -150,3 +150,82 @@ def test_bad_inputs_say_what_to_change(models, one_net, tmp_path):
         mixed(ids, image, {**params, "controlnet": other_params}, key, STEPS)
     with pytest.raises(ValueError, match="needs controlnet="):
         StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
+
+
+def components_for(cls, pipeline, **extra):
+    """A diffusers pipeline of class `cls` from another pipeline's components."""
+    import inspect
+
+    names = inspect.signature(cls.__init__).parameters
+    return cls(**{k: v for k, v in pipeline.components.items() if k in names}, **extra)
+
+
+def test_sdxl_controlnet_matches_diffusers(tmp_path):
+    from builders import torch_xl_pipeline
+    from diffusers import StableDiffusionXLControlNetPipeline
+
+    from sdflax import StableDiffusionXLControlNet
+
+    base = torch_xl_pipeline("euler")
+    net = torch_controlnet(base.unet, seed=3)
+    base.save_pretrained(tmp_path / "xl")
+    net.save_pretrained(tmp_path / "net")
+    controlnet, net_params = ControlNetModel.from_pretrained(tmp_path / "net")
+    pipe, params = StableDiffusionXLControlNet.from_pretrained(tmp_path / "xl", controlnet=controlnet)
+    params["controlnet"] = net_params
+    theirs = components_for(StableDiffusionXLControlNetPipeline, base, controlnet=net)
+    side = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    images = [image.resize((side, side)) for image in control_images()]
+    noise = np.random.default_rng(1).standard_normal((2, 4, pipe.unet.config.sample_size,
+                                                      pipe.unet.config.sample_size), dtype=np.float32)
+    for kwargs in ({}, {"controlnet_conditioning_scale": 0.5, "guess_mode": True}):
+        with torch.no_grad():
+            expected = theirs(PROMPTS, image=images, num_inference_steps=STEPS, negative_prompt=NEGATIVE,
+                              latents=torch.from_numpy(noise), output_type="np", **kwargs).images
+        ours = pipe(pipe.prepare_text_inputs(PROMPTS), pipe.prepare_image_inputs(images), params, jax.random.key(0),
+                    STEPS, latents=noise, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE), **kwargs).images
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    with torch.no_grad():
+        without = theirs(PROMPTS, image=images, num_inference_steps=STEPS, negative_prompt=NEGATIVE, output_type="np",
+                         latents=torch.from_numpy(noise), controlnet_conditioning_scale=0.0).images
+    assert np.abs(expected - without).max() > 1e-2  # the net changes the image
+    with pytest.raises(ValueError, match="a ControlNet of another model family"):
+        sd_net = ControlNetModel.from_unet(UNet2DConditionModel.from_config(CONFIGS["sd1"]["unet"]))
+        StableDiffusionXLControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
+                                    text_encoder_2=pipe.text_encoder_2, tokenizer_2=pipe.tokenizer_2,
+                                    controlnet=sd_net)(pipe.prepare_text_inputs(PROMPTS),
+                                                       pipe.prepare_image_inputs(images), params, jax.random.key(0),
+                                                       STEPS)
+
+
+def test_img2img_controlnet_matches_diffusers(models, monkeypatch):
+    import diffusers.models.autoencoders.vae as torch_vae_module
+    import diffusers.pipelines.controlnet.pipeline_controlnet_img2img as torch_module
+    from diffusers import StableDiffusionControlNetImg2ImgPipeline
+
+    from sdflax import StableDiffusionControlNetImg2Img
+
+    theirs, nets, pipe, params = models
+    ours = StableDiffusionControlNetImg2Img(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
+                                            controlnet=pipe.controlnets[0])
+    params = {**params, "controlnet": params["controlnet"][0]}
+    rng = np.random.default_rng(5)
+    pixels = list(rng.uniform(0, 1, (2, 32, 32, 3)).astype(np.float32))
+    ids, image, control = ours.prepare_inputs(PROMPTS, pixels, control_images())
+    noise = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
+    key = jax.random.key(3)
+    posterior = np.asarray(jax.random.normal(jax.random.split(key, 3)[0], (2, 4, 16, 16)))  # our posterior draw
+    monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: torch.from_numpy(posterior))
+    monkeypatch.setattr(torch_module, "randn_tensor", lambda *a, **k: torch.from_numpy(noise))
+    img2img = components_for(StableDiffusionControlNetImg2ImgPipeline, theirs, controlnet=nets[0])
+    with torch.no_grad():
+        expected = img2img(PROMPTS, image=torch.from_numpy(image), control_image=control_images(), strength=0.75,
+                           num_inference_steps=4, negative_prompt=NEGATIVE, output_type="np").images
+    got = ours(ids, image, control, params, key, strength=0.75, num_inference_steps=4, noise=noise,
+               neg_prompt_ids=ours.prepare_inputs(NEGATIVE)).images
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+    with torch.no_grad():
+        without = img2img(PROMPTS, image=torch.from_numpy(image), control_image=control_images(), strength=0.75,
+                          num_inference_steps=4, negative_prompt=NEGATIVE, output_type="np",
+                          controlnet_conditioning_scale=0.0).images
+    assert np.abs(expected - without).max() > 1e-2
