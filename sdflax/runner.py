@@ -39,9 +39,8 @@ class Runner:
 
         def run(params, inputs, settings):
             devices = inputs.prng_seed.shape[0]
-            per_device = {name: value.reshape(devices, -1, *value.shape[1:])
-                          for name in Inputs.batched_fields() if name != "prng_seed"
-                          and (value := getattr(inputs, name)) is not None}
+            per_device = {name: jax.tree.map(lambda x: x.reshape(devices, -1, *x.shape[1:]), getattr(inputs, name))
+                          for name in Inputs.batched_fields() if name != "prng_seed"}
             out = jax.vmap(lambda p, x: self.fn(p, x, settings), in_axes=(None, Inputs.axes()))(
                 params, inputs.replace(**per_device))
             trajectory = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:]),

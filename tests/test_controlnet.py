@@ -119,6 +119,8 @@ def test_walkthrough_on_eight_devices_and_traced_scale(one_net):
     for i in (0, 5):
         alone = pipe(ids[i:i + 1], image[i:i + 1], params, rng[i], STEPS).images
         np.testing.assert_allclose(out[i], alone, rtol=0, atol=1e-5)
+    sharded = pipe.generate_sharded(ids, image, params, rng, STEPS)  # jit + NamedSharding: the same images
+    np.testing.assert_allclose(sharded, out.reshape(-1, *out.shape[2:]), rtol=0, atol=1e-5)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
