@@ -9,6 +9,7 @@ import typing
 from functools import partial
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -185,6 +186,17 @@ def add_noise(original_samples, noise, alpha_prod_t):
     """q(x_t | x_0) = N(√ᾱ_t x_0, (1-ᾱ_t) I) sampled with `noise` (Ho et al. 2020 eq. 4), in the samples' dtype."""
     x0, eps = original_samples.astype(jnp.float32), noise.astype(jnp.float32)
     return (jnp.sqrt(alpha_prod_t) * x0 + jnp.sqrt(1.0 - alpha_prod_t) * eps).astype(original_samples.dtype)
+
+
+def step_noise(key, shape) -> jnp.ndarray:
+    """Fresh N(0, I) noise of `shape` (B, ...), float32, for a stochastic step: from one PRNG key for the whole
+    batch, or from one key per image (B keys), image b's noise then being what a batch of one with key b draws.
+    Every sampler that adds noise draws it here."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if key.ndim == (0 if typed else 1):
+        return jax.random.normal(key, shape, jnp.float32)
+    one = (1, *shape[1:])
+    return jax.vmap(lambda k: jax.random.normal(k, one, jnp.float32))(key).reshape(shape)
 
 
 # ---- the σ view: x_t / √ᾱ_t = x_0 + σ_t ε (Karras et al. 2022, "Elucidating the Design Space of Diffusion-Based

@@ -101,6 +101,6 @@ class DDIMScheduler(common.SchedulerBase):
         prev_sample = jnp.sqrt(alpha_prod_t_prev) * pred_x0 + direction
         if adds_noise:
             if variance_noise is None:
-                variance_noise = jax.random.normal(key, sample.shape, jnp.float32)
+                variance_noise = common.step_noise(key, sample.shape)
             prev_sample = prev_sample + std_dev_t * variance_noise.astype(jnp.float32)
         return prev_sample.astype(sample.dtype), state

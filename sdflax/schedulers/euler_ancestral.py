@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import flax
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,7 +63,7 @@ class EulerAncestralScheduler(common.SigmaSampler):
         if (key is None) == (variance_noise is None):
             raise ValueError("Euler ancestral adds fresh noise each step: pass either a PRNG `key` or `variance_noise`")
         if variance_noise is None:
-            variance_noise = jax.random.normal(key, sample.shape, jnp.float32)
+            variance_noise = common.step_noise(key, sample.shape)
         x = sample.astype(jnp.float32)
         sigma = state.sigmas[i]
         derivative = (x - self.predict_x0(state, model_output, i, x)) / sigma
