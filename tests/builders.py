@@ -94,7 +94,8 @@ BUILDERS = {"unet": torch_unet, "vae": torch_vae, "text_encoder": torch_text_enc
 
 
 def torch_pipeline(arch="sd1", scheduler="pndm", seed=0, **scheduler_config):
-    """A diffusers StableDiffusionPipeline with small random models, the real tokenizer and SD 1.4's schedule."""
+    """A diffusers StableDiffusionPipeline with small random models, the real tokenizer and SD 1.4's schedule;
+    `scheduler` is one of sdflax's short names below or a diffusers scheduler class name."""
     import diffusers
     from diffusers import StableDiffusionPipeline
     from transformers import CLIPTokenizer
@@ -106,7 +107,8 @@ def torch_pipeline(arch="sd1", scheduler="pndm", seed=0, **scheduler_config):
     return StableDiffusionPipeline(
         vae=torch_vae(config["vae"], seed), text_encoder=torch_text_encoder(config["text_encoder"], seed),
         tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER), unet=torch_unet(config["unet"], seed),
-        scheduler=kinds[scheduler].from_config({**SD14_SCHEDULER, **scheduler_config}),
+        scheduler=(kinds.get(scheduler) or getattr(diffusers, scheduler)).from_config(
+            {**SD14_SCHEDULER, **scheduler_config}),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
 
