@@ -7,12 +7,13 @@ from .pipeline import StableDiffusion, StableDiffusionOutput
 from .img2img import StableDiffusionImg2Img
 from .pipeline_xl import StableDiffusionXL
 from .pipeline_controlnet import (StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
-                                  StableDiffusionXLControlNet)
+                                  StableDiffusionControlNetInpaint, StableDiffusionXLControlNet)
 from .inpaint import StableDiffusionInpaint
 from .utils import make_image_grid
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "ControlNetModel", "Inputs", "Settings",
            "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
+           "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLControlNet", "UNet2DConditionModel", "generate", "make_image_grid", "random_draws",
            "replicate", "shard", "unshard"]

@@ -51,6 +51,21 @@ def preprocess_masks(masks, scale_factor: int) -> np.ndarray:
     return np.stack(out)[:, None]
 
 
+def preprocess_images_and_masks(images, masks, scale_factor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Images and their masks, one mask per image and of its size -> (preprocess_images, preprocess_masks)."""
+    if images is None or masks is None:
+        raise ValueError("inpainting takes images and masks: prepare_inputs(prompts, images, masks)")
+    images, masks = as_list(images), as_list(masks, (2, 3))
+    if len(images) != len(masks):
+        raise ValueError(f"{len(images)} images and {len(masks)} masks: give one mask per image")
+    for image, mask in zip(images, masks):
+        image_size, mask_size = _size(image), _size(mask)
+        if image_size != mask_size:
+            raise ValueError(f"mask of {mask_size[0]}x{mask_size[1]} for an image of {image_size[0]}x"
+                             f"{image_size[1]}: give a mask the size of its image")
+    return preprocess_images(images, scale_factor), preprocess_masks(masks, scale_factor)
+
+
 class StableDiffusionInpaint(Pipeline):
     """`from_pretrained` as StableDiffusion (an inpainting checkpoint or any other);
     `prepare_inputs(prompts, images, masks) -> (prompt_ids, images, masks)`."""
@@ -61,18 +76,7 @@ class StableDiffusionInpaint(Pipeline):
         prompt_ids = super().prepare_inputs(prompts)
         if images is None and masks is None:
             return prompt_ids
-        if images is None or masks is None:
-            raise ValueError("inpainting takes images and masks: prepare_inputs(prompts, images, masks)")
-        images, masks = as_list(images), as_list(masks, (2, 3))
-        if len(images) != len(masks):
-            raise ValueError(f"{len(images)} images and {len(masks)} masks: give one mask per image")
-        for image, mask in zip(images, masks):
-            image_size, mask_size = _size(image), _size(mask)
-            if image_size != mask_size:
-                raise ValueError(f"mask of {mask_size[0]}x{mask_size[1]} for an image of {image_size[0]}x"
-                                 f"{image_size[1]}: give a mask the size of its image")
-        return (prompt_ids, preprocess_images(images, self.vae_scale_factor),
-                preprocess_masks(masks, self.vae_scale_factor))
+        return (prompt_ids, *preprocess_images_and_masks(images, masks, self.vae_scale_factor))
 
     @property
     def inpainting_unet(self) -> bool:

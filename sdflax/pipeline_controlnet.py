@@ -13,7 +13,8 @@ import numpy as np
 
 from .conditioning import SDText, SDXLText
 from .img2img import as_list, multiple_size, preprocess_images, to_pil
-from .latents import FromImage, FromNoise
+from .inpaint import preprocess_images_and_masks
+from .latents import FromImage, FromImageMask, FromNoise
 from .pipeline import Pipeline
 
 
@@ -194,4 +195,31 @@ class StableDiffusionControlNetImg2Img(Pipeline):
                  control_guidance_end=1.0, guess_mode=False):
         """`StableDiffusionImg2Img.__call__` with a control image (B, 3, H, W) in [0, 1] of the image's size (or a
         list, one per net) and the ControlNet arguments of `StableDiffusionControlNet.__call__`."""
+        return self._run(locals())
+
+
+class StableDiffusionControlNetInpaint(Pipeline):
+    """Inpainting steered by ControlNets (diffusers' StableDiffusionControlNetInpaintPipeline), with inpainting
+    UNets or ordinary ones as `StableDiffusionInpaint`; the nets see the 4-channel latents. `prepare_inputs(prompts,
+    images, masks, control_images) -> (prompt_ids, image, mask, control_image)`. An inpainting ControlNet
+    (control_v11p_sd15_inpaint) wants the image with the repainted pixels set to -1 as its control image: pass
+    that (B, 3, H, W) float array directly."""
+
+    conditioning, start, controls = SDText, FromImageMask, (ControlNet,)
+
+    def prepare_inputs(self, prompts, images=None, masks=None, control_images=None):
+        prompt_ids = super().prepare_inputs(prompts)
+        if images is None and masks is None and control_images is None:
+            return prompt_ids
+        return (prompt_ids, *preprocess_images_and_masks(images, masks, self.vae_scale_factor),
+                preprocess_control_images(control_images, self.vae_scale_factor))
+
+    def __call__(self, prompt_ids, image, mask, control_image, params, prng_seed, strength=1.0,
+                 num_inference_steps=50, height=None, width=None, guidance_scale=7.5, noise=None, neg_prompt_ids=None,
+                 controlnet_conditioning_scale=0.5, jit=False, callback=None, guidance_rescale=0.0, guidance=None,
+                 return_trajectory=False, prompt_embeds=None, neg_prompt_embeds=None, control_guidance_start=0.0,
+                 control_guidance_end=1.0, guess_mode=False):
+        """`StableDiffusionInpaint.__call__` with a control image (B, 3, H, W) in [0, 1] of the image's size (or a
+        list, one per net) and the ControlNet arguments of `StableDiffusionControlNet.__call__` (the scale defaults
+        to 0.5, as diffusers')."""
         return self._run(locals())

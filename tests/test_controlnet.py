@@ -159,7 +159,7 @@ def components_for(cls, pipeline, **extra):
     import inspect
 
     names = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in pipeline.components.items() if k in names}, **extra)
+    return cls(**{**{k: v for k, v in pipeline.components.items() if k in names}, **extra})
 
 
 def test_sdxl_controlnet_matches_diffusers(tmp_path):
@@ -231,3 +231,50 @@ def test_img2img_controlnet_matches_diffusers(models, monkeypatch):
                           num_inference_steps=4, negative_prompt=NEGATIVE, output_type="np",
                           controlnet_conditioning_scale=0.0).images
     assert np.abs(expected - without).max() > 1e-2
+
+
+@pytest.mark.parametrize("unet_channels, strength", [(9, 1.0), (4, 0.75)])
+def test_inpaint_controlnet_matches_diffusers(models, monkeypatch, tmp_path, unet_channels, strength):
+    """An inpainting UNet (the nets see the 4-channel latents) and an ordinary one (the known region pasted back)."""
+    import diffusers.models.autoencoders.vae as torch_vae_module
+    import diffusers.pipelines.controlnet.pipeline_controlnet_inpaint as torch_module
+    from diffusers import StableDiffusionControlNetInpaintPipeline
+    from test_inpaint import inputs
+
+    from sdflax import StableDiffusionControlNetInpaint, random_draws
+
+    theirs, nets, _, _ = models
+    extra = {"controlnet": nets[0]}
+    if unet_channels == 9:
+        extra["unet"] = torch_unet({**CONFIGS["sd1"]["unet"], "in_channels": 9}, seed=1)
+    inpaint = components_for(StableDiffusionControlNetInpaintPipeline, theirs, **extra)
+    inpaint.save_pretrained(tmp_path)
+    controlnet, net_params = ControlNetModel.from_pretrained(tmp_path / "controlnet")
+    pipe, params = StableDiffusionControlNetInpaint.from_pretrained(tmp_path, controlnet=controlnet)
+    params["controlnet"] = net_params
+    assert pipe.start.images == (("image", 3), ("mask", 1)) and pipe.unet.config.in_channels == unet_channels
+
+    pixels, masks = inputs()
+    ids, image, mask, control = pipe.prepare_inputs(PROMPTS, list(pixels), list(masks), control_images())
+    key = jax.random.key(3)
+    (image_eps, masked_eps, noise), _ = random_draws(key, (2, 4, 16, 16), 3)  # what our pipeline draws
+    posterior = [image_eps, masked_eps] if strength < 1 or unet_channels == 4 else [masked_eps]
+    posterior = [torch.from_numpy(np.array(eps)) for eps in posterior]
+    monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: posterior.pop(0))
+    monkeypatch.setattr(torch_module, "randn_tensor", lambda *a, **k: torch.from_numpy(np.array(noise)))
+
+    def diffusers_run(**kwargs):
+        with torch.no_grad():
+            return inpaint(PROMPTS, image=torch.from_numpy(image), mask_image=torch.from_numpy(masks[:, None]),
+                           control_image=control_images(), strength=strength, num_inference_steps=4,
+                           negative_prompt=NEGATIVE, output_type="np", **kwargs).images
+
+    expected = diffusers_run()
+    assert not posterior, "diffusers drew fewer posterior samples than expected"
+    got = pipe(ids, image, mask, control, params, key, strength=strength, num_inference_steps=4,
+               neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+    posterior = [image_eps, masked_eps] if strength < 1 or unet_channels == 4 else [masked_eps]
+    posterior = [torch.from_numpy(np.array(eps)) for eps in posterior]
+    without = diffusers_run(controlnet_conditioning_scale=0.0)
+    assert np.abs(expected - without).max() > 1e-2  # the net (at diffusers' default scale 0.5) changes the image
