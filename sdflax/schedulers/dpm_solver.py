@@ -1,6 +1,8 @@
 """DPM-Solver++ 2M: Lu et al. 2022, "DPM-Solver++: Fast Solver for Guided Sampling of Diffusion Probabilistic
 Models", Algorithm 2 (multistep, second order, data prediction), matching diffusers' DPMSolverMultistepScheduler
-with algorithm_type="dpmsolver++"."""
+with algorithm_type="dpmsolver++"; and its SDE variant (algorithm_type="sde-dpmsolver++", `dpmpp_2m_sde`), the
+same multistep data prediction integrated along the reverse SDE (Lu et al. 2022 §3.3 / Appendix: the noise is
+re-injected each step; diffusers' and k-diffusion's `sample_dpmpp_2m_sde` with eta = 1)."""
 
 from __future__ import annotations
 
@@ -21,20 +23,20 @@ class DPMSolverConfig(common.ScheduleConfig):
     solver_type: str = "midpoint"
     lower_order_final: bool = True
     euler_at_final: bool = False
-    use_karras_sigmas: bool = False
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
 
     choices = {
         "solver_order": (1, 2),
-        "algorithm_type": ("dpmsolver++",),
+        "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
         "solver_type": ("midpoint", "heun"),
         "final_sigmas_type": ("zero", "sigma_min"),
     }
     unsupported = {
         "use_lu_lambdas": (False, None),
-        "use_exponential_sigmas": (False, None),
-        "use_beta_sigmas": (False, None),
         "use_flow_sigmas": (False, None),
         "use_dynamic_shifting": (False, None),
         "lambda_min_clipped": (-float("inf"),),
@@ -51,6 +53,7 @@ class DPMSolverState:
     coef_sample: jnp.ndarray  # float32 [n]: a_i in x_{i+1} = a_i x_i + b_i m_i + c_i (m_i - m_{i-1})
     coef_d0: jnp.ndarray  # float32 [n]: b_i
     coef_d1: jnp.ndarray  # float32 [n]: c_i, 0 for first-order steps
+    coef_noise: jnp.ndarray  # float32 [n]: std of the fresh noise step i adds (0 but for the SDE variant)
     prev_x0: jnp.ndarray  # float32 [*shape]: x̂_0 of the previous step (m_{i-1})
     num_inference_steps: int = flax.struct.field(pytree_node=False)
     init_noise_sigma: float = flax.struct.field(pytree_node=False, default=1.0)  # variance preserving: x_T ~ N(0, I)
@@ -66,14 +69,8 @@ class DPMSolverScheduler(common.SchedulerBase):
         if shape is None:
             raise ValueError("DPM-Solver++ 2M keeps the previous x̂_0: call set_timesteps(n, shape=sample.shape)")
         cfg, n = self.config, num_inference_steps
-        timesteps = common.spaced_timesteps(cfg, n, extra_point=True)
-        train = common.train_sigmas(cfg, zero_snr=cfg.rescale_betas_zero_snr)
-        if cfg.use_karras_sigmas:
-            # Karras et al. 2022 eq. 5 over the whole training range; the timesteps follow, rounded.
-            sigmas = common.karras_sigmas(train[0], train[-1], n)
-            timesteps = common.sigma_to_t(sigmas, np.log(train)).round().astype(np.int64)
-        else:
-            sigmas = np.interp(timesteps, np.arange(len(train)), train)
+        # Spaced timesteps and σ, or Karras / exponential / beta σ over the training range with timesteps following.
+        timesteps, sigmas, train = common.multistep_sigma_schedule(cfg, n, zero_snr=cfg.rescale_betas_zero_snr)
         sigmas = common.with_final_sigma(sigmas, train, cfg.final_sigmas_type)
         n = len(timesteps)
         common.check_start(start, n)
@@ -84,11 +81,19 @@ class DPMSolverScheduler(common.SchedulerBase):
             alpha = 1 / np.sqrt(sig**2 + 1)
             s = sig * alpha
             lam = np.log(alpha) - np.log(s)
-        a, b, c = np.zeros(n), np.zeros(n), np.zeros(n)
+        sde = cfg.algorithm_type == "sde-dpmsolver++"
+        a, b, c, noise = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         for i in range(n):
             h = lam[i + 1] - lam[i]
-            a[i] = s[i + 1] / s[i]
-            b[i] = -alpha[i + 1] * np.expm1(-h)  # α_{i+1} (1 - e^{-h})
+            if sde:
+                # x_{i+1} = (s_{i+1}/s_i) e^{-h} x_i + α_{i+1}(1 - e^{-2h}) D + s_{i+1} √(1 - e^{-2h}) z: the data-
+                # prediction SDE solved exactly for a constant x̂_0; twice the ODE's step in e^{-h}, the rest noise.
+                a[i] = s[i + 1] / s[i] * np.exp(-h)
+                b[i] = -alpha[i + 1] * np.expm1(-2 * h)
+                noise[i] = s[i + 1] * np.sqrt(-np.expm1(-2 * h))
+            else:
+                a[i] = s[i + 1] / s[i]
+                b[i] = -alpha[i + 1] * np.expm1(-h)  # α_{i+1} (1 - e^{-h})
             final = i == n - 1 and (
                 cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
             )
@@ -97,6 +102,8 @@ class DPMSolverScheduler(common.SchedulerBase):
             r = (lam[i] - lam[i - 1]) / h  # r_i = h_{i-1} / h_i
             if cfg.solver_type == "midpoint":  # Algorithm 2: D_i = (1 + 1/(2r)) m_i - 1/(2r) m_{i-1}
                 c[i] = 0.5 * b[i] / r
+            elif sde:  # "heun": + α_{i+1} ((1 - e^{-2h})/(-2h) + 1) (m_i - m_{i-1}) / r
+                c[i] = alpha[i + 1] * (np.expm1(-2 * h) / (2 * h) + 1) / r
             else:  # "heun" (diffusers): + α_{i+1} ((e^{-h} - 1)/h + 1) (m_i - m_{i-1}) / r
                 c[i] = alpha[i + 1] * (np.expm1(-h) / h + 1) / r
         return DPMSolverState(
@@ -107,6 +114,7 @@ class DPMSolverScheduler(common.SchedulerBase):
             coef_sample=jnp.asarray(a[start:], jnp.float32),
             coef_d0=jnp.asarray(b[start:], jnp.float32),
             coef_d1=jnp.asarray(c[start:], jnp.float32),
+            coef_noise=jnp.asarray(noise[start:], jnp.float32),
             prev_x0=jnp.zeros(tuple(shape), jnp.float32),
             num_inference_steps=num_inference_steps,
         )
@@ -124,16 +132,38 @@ class DPMSolverScheduler(common.SchedulerBase):
             return alpha * x - s * out
         return out  # "sample"
 
-    def step(self, state: DPMSolverState, model_output, i, sample, key=None):
+    def step(self, state: DPMSolverState, model_output, i, sample, key=None, variance_noise=None):
         """x_{i+1} = (s_{i+1}/s_i) x_i + α_{i+1}(1 - e^{-h}) (m_i + (m_i - m_{i-1}) / (2r)),  m = x̂_0,
         h = λ_{i+1} - λ_i, r = h_{i-1}/h: Algorithm 2's update. Its coefficients are precomputed; c_i = 0 gives
-        the first-order step (the first, and the last with lower_order_final) without a branch."""
+        the first-order step (the first, and the last with lower_order_final) without a branch. The SDE variant
+        adds fresh noise z from `key` (or `variance_noise`) with std coef_noise_i; the ODE ignores the key."""
         x = sample.astype(jnp.float32)
         m = self.predict_x0(state, model_output, i, x)
         prev_sample = state.coef_sample[i] * x + state.coef_d0[i] * m + state.coef_d1[i] * (m - state.prev_x0)
+        if self.config.algorithm_type == "sde-dpmsolver++":
+            z = common.draw_step_noise(key, variance_noise, sample.shape, "DPM-Solver++ 2M SDE")
+            prev_sample = prev_sample + state.coef_noise[i] * z
         return prev_sample.astype(sample.dtype), state.replace(prev_x0=m)
 
     def add_noise(self, state: DPMSolverState, original_samples, noise, i):
         """α_i x_0 + s_i ε: the sample to start sampling at evaluation i from (img2img)."""
         noisy = state.alpha_t[i] * original_samples.astype(jnp.float32) + state.sigma_t[i] * noise.astype(jnp.float32)
         return noisy.astype(original_samples.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPMPP2MSDEConfig(DPMSolverConfig):
+    algorithm_type: str = "sde-dpmsolver++"
+    choices = {**DPMSolverConfig.choices, "algorithm_type": ("sde-dpmsolver++",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPMPP2MSDEScheduler(DPMSolverScheduler):
+    """DPM-Solver++ 2M SDE (`dpmpp_2m_sde`): DPMSolverScheduler with algorithm_type="sde-dpmsolver++", whatever the
+    config dict says; the name picks the algorithm, a checkpoint's scheduler config the schedule."""
+
+    config: DPMPP2MSDEConfig
+
+    @classmethod
+    def from_config(cls, config):
+        return super().from_config({**config, "algorithm_type": "sde-dpmsolver++"})

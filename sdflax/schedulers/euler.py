@@ -15,8 +15,10 @@ from . import common
 @dataclasses.dataclass(frozen=True)
 class EulerConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False
-    sigma_min: float | None = None  # Karras end points; default: the spaced schedule's
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None  # their end points; default: the spaced schedule's
     sigma_max: float | None = None
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
@@ -24,8 +26,6 @@ class EulerConfig(common.ScheduleConfig):
     choices = {"final_sigmas_type": ("zero", "sigma_min")}
     unsupported = {
         "interpolation_type": ("linear",),
-        "use_exponential_sigmas": (False, None),
-        "use_beta_sigmas": (False, None),
         "timestep_type": ("discrete",),
     }
 
@@ -48,8 +48,8 @@ class EulerScheduler(common.SigmaSampler):
         steps (img2img)."""
         cfg = self.config
         timesteps, sigmas = common.discrete_sigma_schedule(
-            cfg, num_inference_steps, karras=bool(cfg.use_karras_sigmas), sigma_min=cfg.sigma_min,
-            sigma_max=cfg.sigma_max, final_sigma=cfg.final_sigmas_type, zero_snr=cfg.rescale_betas_zero_snr,
+            cfg, num_inference_steps, sigma_min=cfg.sigma_min, sigma_max=cfg.sigma_max,
+            final_sigma=cfg.final_sigmas_type, zero_snr=cfg.rescale_betas_zero_snr,
         )
         common.check_start(start, len(timesteps))
         return EulerState(

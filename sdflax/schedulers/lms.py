@@ -18,8 +18,9 @@ ORDER = 4  # diffusers' default `order` of LMSDiscreteScheduler.step
 @dataclasses.dataclass(frozen=True)
 class LMSConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False
-    unsupported = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
 
 
 @flax.struct.dataclass
@@ -59,9 +60,7 @@ class LMSScheduler(common.SigmaSampler):
         coefficients; the derivatives from before `start` that they would weigh are 0 (an empty history)."""
         if shape is None:
             raise ValueError("LMS keeps a history of derivatives: call set_timesteps(n, shape=sample.shape)")
-        timesteps, sigmas = common.discrete_sigma_schedule(
-            self.config, num_inference_steps, karras=bool(self.config.use_karras_sigmas)
-        )
+        timesteps, sigmas = common.discrete_sigma_schedule(self.config, num_inference_steps)
         common.check_start(start, len(timesteps))
         return LMSState(
             timesteps=jnp.asarray(timesteps[start:]),
