@@ -10,6 +10,9 @@ One file holds the three models under their LDM names:
 Each model's names go through a table built from its config: LDM module prefix -> diffusers module prefix,
 plus renames of the leaves inside that module (`in_layers.0` -> `norm1`). A fused q/k/v tensor maps to three
 names and is split in equal thirds. The diffusers-named tensors then take the ordinary path of `weights.py`.
+
+ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`): the UNet encoder's names,
+`zero_convs.*`, `middle_block_out.*` and `input_hint_block.*`, under `control_model.` in ControlNet 1.0 files.
 """
 
 from __future__ import annotations
@@ -58,11 +61,13 @@ class SingleFileError(ValueError):
     """The file is not a single-file SD 1.x / 2.x checkpoint, or holds tensors no table maps."""
 
 
-def unet_table(cfg) -> dict:
-    """LDM UNet module prefix -> diffusers prefix (or (prefix, leaf renames)), laid out as the config builds it."""
+def encoder_table(cfg) -> dict:
+    """LDM names of the UNet's encoder half -> diffusers prefixes (or (prefix, leaf renames)), laid out as the
+    config builds it; the ControlNet copies this half under the same names."""
     levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
     table = {"time_embed.0": "time_embedding.linear_1", "time_embed.2": "time_embedding.linear_2",
-             "input_blocks.0.0": "conv_in", "out.0": "conv_norm_out", "out.2": "conv_out",
+             "label_emb.0.0": "add_embedding.linear_1", "label_emb.0.2": "add_embedding.linear_2",  # SDXL
+             "input_blocks.0.0": "conv_in",
              "middle_block.0": ("mid_block.resnets.0", RESNET), "middle_block.1": "mid_block.attentions.0",
              "middle_block.2": ("mid_block.resnets.1", RESNET)}
     i = 1  # input_blocks: one entry per resnet (+ attention), then one per downsampler
@@ -75,6 +80,13 @@ def unet_table(cfg) -> dict:
         if b < levels - 1:
             table[f"input_blocks.{i}.0.op"] = f"down_blocks.{b}.downsamplers.0.conv"
             i += 1
+    return table
+
+
+def unet_table(cfg) -> dict:
+    """LDM UNet module prefix -> diffusers prefix (or (prefix, leaf renames)), laid out as the config builds it."""
+    levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
+    table = {**encoder_table(cfg), "out.0": "conv_norm_out", "out.2": "conv_out"}
     i = 0  # output_blocks: resnet, attention, and the upsampler inside the block's last entry
     for b, kind in enumerate(cfg.up_block_types):
         cross = kind == "CrossAttnUpBlock2D"
@@ -85,6 +97,22 @@ def unet_table(cfg) -> dict:
             if j == per_block and b < levels - 1:
                 table[f"output_blocks.{i}.{2 if cross else 1}.conv"] = f"up_blocks.{b}.upsamplers.0.conv"
             i += 1
+    return table
+
+
+def controlnet_table(cfg) -> dict:
+    """The original ControlNet layout (lllyasviel's cldm.py) -> diffusers: the UNet encoder's names, one zero
+    convolution per skip (`zero_convs.k.0`) and the mid block's (`middle_block_out.0`), and the condition encoder
+    `input_hint_block`, a Sequential of convs with a SiLU after each but the last (so the convs sit at even
+    indices): conv_in, then the blocks, then conv_out."""
+    levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
+    skips = 1 + levels * per_block + levels - 1  # conv_in, every resnet (+ attention), every downsampler
+    table = {**encoder_table(cfg), "middle_block_out.0": "controlnet_mid_block",
+             "input_hint_block.0": "controlnet_cond_embedding.conv_in"}
+    table.update({f"zero_convs.{k}.0": f"controlnet_down_blocks.{k}" for k in range(skips)})
+    blocks = 2 * (len(cfg.conditioning_embedding_out_channels) - 1)
+    table.update({f"input_hint_block.{2 * (j + 1)}": f"controlnet_cond_embedding.blocks.{j}" for j in range(blocks)})
+    table[f"input_hint_block.{2 * (blocks + 1)}"] = "controlnet_cond_embedding.conv_out"
     return table
 
 
@@ -230,8 +258,10 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
 
     from .checkpoint_files import read_checkpoint
     from .loading import build_models, load_scheduler, load_tokenizer
-    from .models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+    from .models.clip import CLIPTextModel
     from .models.config import read_config_file
+    from .models.unet import UNet2DConditionModel
+    from .models.vae import AutoencoderKL
     from .weights import CheckpointMismatchError, convert_state_dict
 
     dtype = jnp.float32 if dtype is None else dtype
@@ -271,3 +301,82 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
         raise SingleFileError(f"{e}\nThe model configs came from {source}: for another architecture pass "
                               "config=<a diffusers folder or hub id of the same model>") from None
     return {"tokenizer": tokenizer, "scheduler": scheduler, "dtype": dtype, **modules}, params
+
+
+CONTROLNET_PREFIX = "control_model."  # ControlNet 1.0 files hold a whole SD model besides the net
+CROSS_ATTENTION_VERSIONS = {768: "sd1", 1024: "sd2"}
+
+
+def controlnet_config(state_dict: dict, name: str) -> dict:
+    """A diffusers ControlNet config.json dict for an SD 1.x / 2.x net in the original layout: the bundled UNet
+    config of the family its cross-attention width names, and the condition encoder's channels read off the
+    `input_hint_block` convs (conv_in's width, then every stride-2 conv's)."""
+    widths = {state_dict[k].shape[1] for k in state_dict if re.search(r"attn2\.to_k\.weight$", k)}
+    if len(widths) != 1 or (version := CROSS_ATTENTION_VERSIONS.get(widths.pop())) is None:
+        raise SingleFileError(f"{name}: cannot tell the base model of this ControlNet from its tensors (an SDXL "
+                              "net?): pass config=<the diffusers folder or hub id of a ControlNet of the same "
+                              "architecture>")
+    from .models.config import read_config_file
+
+    config = read_config_file(os.path.join(bundled_config_folder(version), "unet", "config.json"))
+    hint = sorted(int(m[1]) for k in state_dict if (m := re.fullmatch(r"input_hint_block\.(\d+)\.weight", k)))
+    if not hint or hint != list(range(0, 2 * len(hint), 2)):
+        raise SingleFileError(f"{name}: the condition encoder (input_hint_block.N.weight) has convs at {hint}; "
+                              "expected 0, 2, 4, ...")
+    levels = len(hint) // 2  # conv_in, two convs per further level, conv_out
+    channels = [state_dict["input_hint_block.0.weight"].shape[0]]
+    channels += [state_dict[f"input_hint_block.{4 * i + 4}.weight"].shape[0] for i in range(levels - 1)]
+    # upcast_attention off, as diffusers' converter configures such nets (SD 2.1's UNet config turns it on)
+    return {**config, "upcast_attention": False,
+            "conditioning_channels": int(state_dict["input_hint_block.0.weight"].shape[1]),
+            "conditioning_embedding_out_channels": channels}
+
+
+def load_controlnet(cls, path, config=None, dtype=None, attention="auto", revision=None):
+    """(cls (ControlNetModel), params) from a ControlNet file in the original layout (control_v11p_sd15_canny.pth /
+    .safetensors, or a ControlNet 1.0 file under `control_model.`); see `ControlNetModel.from_single_file`."""
+    import jax.numpy as jnp
+
+    from .checkpoint_files import read_checkpoint
+    from .models.config import read_config_file
+    from .weights import CheckpointMismatchError, convert_state_dict
+
+    dtype = jnp.float32 if dtype is None else dtype
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"no ControlNet file at {name}")
+    where = os.path.basename(name)
+    state_dict = read_checkpoint(name)
+    if any(k.startswith(CONTROLNET_PREFIX) for k in state_dict):
+        state_dict = {k[len(CONTROLNET_PREFIX):]: v for k, v in state_dict.items() if k.startswith(CONTROLNET_PREFIX)}
+    if "input_hint_block.0.weight" not in state_dict or "time_embed.0.weight" not in state_dict:
+        found = "diffusers names: use ControlNetModel.from_pretrained" if "conv_in.weight" in state_dict else (
+            "a Stable Diffusion checkpoint: use StableDiffusion.from_single_file"
+            if any(k.startswith("model.diffusion_model.") for k in state_dict) else "other tensors")
+        raise SingleFileError(f"{where} is not a ControlNet in the original layout (no input_hint_block / "
+                              f"time_embed tensors; found {found})")
+    if config is not None:
+        from .hub import resolve_folder
+
+        folder = resolve_folder(config, revision, allow_patterns=["config.json"])
+        model_config = read_config_file(os.path.join(folder, "config.json"))
+    else:
+        model_config = controlnet_config(state_dict, where)
+    model = cls.from_config(model_config, dtype, attention)
+    table = controlnet_table(model.config)
+    named, unknown = {}, []
+    for key, array in state_dict.items():
+        names = map_key(key, table)
+        if names is None:
+            unknown.append(key)
+        else:
+            named[names[0]] = array
+    try:
+        if unknown:
+            raise SingleFileError(f"{len(unknown)} tensors that no table maps: {_listing(unknown)}")
+        params = convert_state_dict(named, model.param_shapes(), dtype, where=where)
+    except (SingleFileError, CheckpointMismatchError) as e:
+        source = f"the config in {config}" if config is not None else "the tensors and sdflax's bundled UNet configs"
+        raise SingleFileError(f"{e}\nThe ControlNet config came from {source}: for another architecture pass "
+                              "config=<the diffusers folder or hub id of a ControlNet of the same architecture>") from None
+    return model, params

@@ -4,6 +4,7 @@ from the SD 1.x, 2.x and SDXL-shaped test UNets, and the UNet fed its residuals.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -186,3 +187,103 @@ def test_condition_image_is_checked():
         run(controlnet_cond=np.zeros((2, 1, 64, 40), np.float32))
     with pytest.raises(ValueError, match="this ControlNetModel's config has no addition_embed_type"):
         run(text_embeds=np.zeros((2, 8), np.float32), time_ids=np.zeros((2, 6), np.float32))
+
+
+# ---- single files in the original layout (lllyasviel's cldm.py names) -------------------------------------------
+
+def controlnet_to_ldm(state, config):
+    """diffusers ControlNet names -> the original layout, written independently of sdflax/single_file.py: the
+    encoder as the UNet's (test_single_file.unet_to_ldm), zero convs, and the condition encoder's Sequential."""
+    from test_single_file import unet_to_ldm
+
+    blocks = 2 * (len(config["conditioning_embedding_out_channels"]) - 1)
+    special = {"controlnet_mid_block": "middle_block_out.0", "controlnet_cond_embedding.conv_in": "input_hint_block.0",
+               "controlnet_cond_embedding.conv_out": f"input_hint_block.{2 * blocks + 2}",
+               "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
+    out, encoder = {}, {}
+    for key, value in state.items():
+        module, leaf = key.rsplit(".", 1)
+        if module in special:
+            out[f"{special[module]}.{leaf}"] = value
+        elif m := re.fullmatch(r"controlnet_down_blocks\.(\d+)", module):
+            out[f"zero_convs.{m[1]}.0.{leaf}"] = value
+        elif m := re.fullmatch(r"controlnet_cond_embedding\.blocks\.(\d+)", module):
+            out[f"input_hint_block.{2 * int(m[1]) + 2}.{leaf}"] = value
+        else:
+            encoder[key] = value
+    ldm = unet_to_ldm(encoder, {**config, "up_block_types": ()})
+    out.update({k.removeprefix("model.diffusion_model."): v for k, v in ldm.items()})
+    return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def test_diffusers_converts_the_test_layout_back():
+    """The oracle for controlnet_to_ldm: diffusers' own converter (which knows the standard 4-level condition
+    encoder and no SDXL embedding) reads the file back to the net's state dict."""
+    from diffusers.loaders.single_file_utils import convert_controlnet_checkpoint
+
+    net = torch_controlnet(torch_unet(SD1["unet"]), channels=(16, 32, 96, 256))
+    state = net.state_dict()
+    ldm = controlnet_to_ldm(state, dict(net.config))
+    converted = convert_controlnet_checkpoint({f"control_model.{k}": v for k, v in ldm.items()}, dict(net.config))
+    assert converted.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(converted[key], value), key
+
+
+def test_single_file_loads_the_params_from_pretrained_gives(case, tmp_path):
+    from safetensors.torch import save_file
+
+    from sdflax import single_file
+
+    folder = tmp_path / "diffusers"
+    case["theirs"].save_pretrained(folder)
+    ldm = controlnet_to_ldm(case["theirs"].state_dict(), dict(case["theirs"].config))
+    save_file(ldm, tmp_path / "control.safetensors")
+    # ControlNet 1.0 files: a whole SD model beside the net, which is under control_model.
+    torch.save({**{f"control_model.{k}": v for k, v in ldm.items()},
+                "model.diffusion_model.out.2.weight": torch.zeros(4, 4, 3, 3)}, tmp_path / "control.pth")
+    for name in ("control.safetensors", "control.pth"):
+        net, params = ControlNetModel.from_single_file(tmp_path / name, config=folder)
+        assert net.config == case["controlnet"].config
+        flat, expected = traverse_util.flatten_dict(params), traverse_util.flatten_dict(case["params"])
+        assert flat.keys() == expected.keys()
+        for path, value in expected.items():
+            np.testing.assert_array_equal(flat[path], value, err_msg="/".join(path))
+    with pytest.raises(single_file.SingleFileError, match="cannot tell the base model"):  # 32-wide test nets
+        ControlNetModel.from_single_file(tmp_path / "control.safetensors")
+    save_file({k: v.contiguous() for k, v in case["theirs"].state_dict().items()}, tmp_path / "diffusers.safetensors")
+    with pytest.raises(single_file.SingleFileError, match="diffusers names: use ControlNetModel.from_pretrained"):
+        ControlNetModel.from_single_file(tmp_path / "diffusers.safetensors")
+    del ldm["zero_convs.0.0.bias"]
+    ldm["zero_convs.99.0.bias"] = torch.zeros(1)
+    save_file(ldm, tmp_path / "broken.safetensors")
+    with pytest.raises(single_file.SingleFileError, match="zero_convs.99.0.bias"):
+        ControlNetModel.from_single_file(tmp_path / "broken.safetensors", config=folder)
+
+
+# diffusers configs of the published nets: lllyasviel/control_v11p_sd15_canny, thibaud/controlnet-sd21-canny-diffusers
+PUBLISHED = {
+    "sd1": {"cross_attention_dim": 768, "attention_head_dim": 8, "use_linear_projection": False},
+    "sd2": {"cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True},
+}
+
+
+@pytest.mark.parametrize("version", sorted(PUBLISHED))
+def test_full_size_single_files_need_no_config(version):
+    """The architecture of a full-size SD 1.x / 2.x net is read off its tensors: a diffusers net of the published
+    config, built on the meta device and written in the original layout, maps onto exactly our params' names."""
+    import diffusers
+
+    from sdflax import single_file
+
+    config = {**PUBLISHED[version], "conditioning_embedding_out_channels": (16, 32, 96, 256)}
+    with torch.device("meta"):
+        theirs = diffusers.ControlNetModel(**config)
+    state = {k: np.broadcast_to(np.zeros((), np.float16), tuple(v.shape)) for k, v in theirs.state_dict().items()}
+    ldm = controlnet_to_ldm(state, dict(theirs.config))
+    inferred = single_file.controlnet_config(ldm, "control.safetensors")
+    ours = ControlNetModel.from_config(inferred)
+    assert ours.config == ControlNetModel.from_config(dict(theirs.config)).config
+    table = single_file.controlnet_table(ours.config)
+    mapped = {single_file.map_key(k, table)[0] for k in ldm}
+    assert mapped == set(state)

@@ -132,6 +132,16 @@ class ControlNetModel(UNetEncoder, Pretrained, nn.Module):
         return tuple(outputs[:-1]), outputs[-1]
 
     @classmethod
+    def from_single_file(cls, path, config=None, dtype=jnp.float32, attention="auto", revision=None):
+        """(controlnet, params) from a ControlNet file in the original layout (control_v11p_sd15_canny.pth or
+        .safetensors; ControlNet 1.0 files' `control_model.*`). The architecture is read off the tensors for SD
+        1.x / 2.x nets; `config` (a diffusers ControlNet folder or hub id) gives it otherwise (SDXL nets, the
+        shuffle net's global pooling). Pickled .pth files are read without running their code."""
+        from ..single_file import load_controlnet
+
+        return load_controlnet(cls, path, config, dtype, attention, revision)
+
+    @classmethod
     def from_unet(cls, unet, conditioning_channels=3, conditioning_embedding_out_channels=(16, 32, 96, 256)):
         """A ControlNet shaped as `unet`'s encoder (its config, dtype and kernels); its params start from
         `params_from_unet`."""
