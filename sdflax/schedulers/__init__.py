@@ -1,5 +1,6 @@
 """Noise schedulers as pure functions, matching diffusers: PNDM (Liu et al. 2022), DDIM (Song et al. 2021), Euler and
-Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022). Each follows `Scheduler`
+Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022); DDPM (Ho et al. 2020), LCM (Luo et al.
+2023) and TCD (Zheng et al. 2024). Each follows `Scheduler`
 (protocol.py); `scheduler.check_steps(n)` raises early for a step count `set_timesteps(n)` would refuse."""
 
 from __future__ import annotations
@@ -7,12 +8,17 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .ddim import DDIMConfig, DDIMScheduler, DDIMState
+from .ddpm import DDPMConfig, DDPMScheduler, DDPMState
+from .dpm2 import DPM2AncestralConfig, DPM2AncestralScheduler, DPM2Config, DPM2Scheduler, DPM2State
 from .dpm_solver import DPMSolverConfig, DPMSolverScheduler, DPMSolverState
 from .euler import EulerConfig, EulerScheduler, EulerState
 from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
+from .heun import HeunConfig, HeunScheduler, HeunState
+from .lcm import LCMConfig, LCMScheduler, LCMState
 from .lms import LMSConfig, LMSScheduler, LMSState
 from .pndm import PNDMConfig, PNDMScheduler, PNDMState
 from .protocol import Scheduler, SchedulerState
+from .tcd import TCDConfig, TCDScheduler, TCDState
 
 SCHEDULERS = {
     "pndm": PNDMScheduler,
@@ -21,6 +27,12 @@ SCHEDULERS = {
     "euler_ancestral": EulerAncestralScheduler,
     "dpmpp_2m": DPMSolverScheduler,
     "lms": LMSScheduler,
+    "heun": HeunScheduler,
+    "dpm2": DPM2Scheduler,
+    "dpm2_ancestral": DPM2AncestralScheduler,
+    "ddpm": DDPMScheduler,
+    "lcm": LCMScheduler,
+    "tcd": TCDScheduler,
 }
 
 # diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
@@ -31,6 +43,12 @@ DIFFUSERS_NAMES = {
     "EulerAncestralDiscreteScheduler": EulerAncestralScheduler,
     "DPMSolverMultistepScheduler": DPMSolverScheduler,
     "LMSDiscreteScheduler": LMSScheduler,
+    "HeunDiscreteScheduler": HeunScheduler,
+    "KDPM2DiscreteScheduler": DPM2Scheduler,
+    "KDPM2AncestralDiscreteScheduler": DPM2AncestralScheduler,
+    "DDPMScheduler": DDPMScheduler,
+    "LCMScheduler": LCMScheduler,
+    "TCDScheduler": TCDScheduler,
 }
 
 _BY_NAME = {name.lower(): cls for name, cls in SCHEDULERS.items()}
@@ -55,6 +73,14 @@ __all__ = [
     "DDIMConfig",
     "DDIMScheduler",
     "DDIMState",
+    "DDPMConfig",
+    "DDPMScheduler",
+    "DDPMState",
+    "DPM2AncestralConfig",
+    "DPM2AncestralScheduler",
+    "DPM2Config",
+    "DPM2Scheduler",
+    "DPM2State",
     "DPMSolverConfig",
     "DPMSolverScheduler",
     "DPMSolverState",
@@ -64,6 +90,12 @@ __all__ = [
     "EulerConfig",
     "EulerScheduler",
     "EulerState",
+    "HeunConfig",
+    "HeunScheduler",
+    "HeunState",
+    "LCMConfig",
+    "LCMScheduler",
+    "LCMState",
     "LMSConfig",
     "LMSScheduler",
     "LMSState",
@@ -73,5 +105,8 @@ __all__ = [
     "SCHEDULERS",
     "Scheduler",
     "SchedulerState",
+    "TCDConfig",
+    "TCDScheduler",
+    "TCDState",
     "scheduler_from_config",
 ]
