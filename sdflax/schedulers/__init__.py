@@ -11,6 +11,8 @@ from .ddim import DDIMConfig, DDIMScheduler, DDIMState
 from .ddpm import DDPMConfig, DDPMScheduler, DDPMState
 from .dpm2 import DPM2AncestralConfig, DPM2AncestralScheduler, DPM2Config, DPM2Scheduler, DPM2State
 from .dpm_solver import DPMSolverConfig, DPMSolverScheduler, DPMSolverState
+from .dpmpp_2s_ancestral import DPMpp2SAncestralConfig, DPMpp2SAncestralScheduler, DPMpp2SAncestralState
+from .dpmpp_sde import DPMSolverSDEConfig, DPMSolverSDEScheduler, DPMSolverSDEState
 from .euler import EulerConfig, EulerScheduler, EulerState
 from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
 from .heun import HeunConfig, HeunScheduler, HeunState
@@ -30,6 +32,8 @@ SCHEDULERS = {
     "heun": HeunScheduler,
     "dpm2": DPM2Scheduler,
     "dpm2_ancestral": DPM2AncestralScheduler,
+    "dpmpp_2s_ancestral": DPMpp2SAncestralScheduler,
+    "dpmpp_sde": DPMSolverSDEScheduler,
     "ddpm": DDPMScheduler,
     "lcm": LCMScheduler,
     "tcd": TCDScheduler,
@@ -46,6 +50,7 @@ DIFFUSERS_NAMES = {
     "HeunDiscreteScheduler": HeunScheduler,
     "KDPM2DiscreteScheduler": DPM2Scheduler,
     "KDPM2AncestralDiscreteScheduler": DPM2AncestralScheduler,
+    "DPMSolverSDEScheduler": DPMSolverSDEScheduler,
     "DDPMScheduler": DDPMScheduler,
     "LCMScheduler": LCMScheduler,
     "TCDScheduler": TCDScheduler,
@@ -83,7 +88,13 @@ __all__ = [
     "DPM2State",
     "DPMSolverConfig",
     "DPMSolverScheduler",
+    "DPMSolverSDEConfig",
+    "DPMSolverSDEScheduler",
+    "DPMSolverSDEState",
     "DPMSolverState",
+    "DPMpp2SAncestralConfig",
+    "DPMpp2SAncestralScheduler",
+    "DPMpp2SAncestralState",
     "EulerAncestralConfig",
     "EulerAncestralScheduler",
     "EulerAncestralState",
