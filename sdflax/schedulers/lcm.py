@@ -1,6 +1,6 @@
 """Latent Consistency Model sampler: Luo et al. 2023, "Latent Consistency Models: Synthesizing High-Resolution
-Images with Few-Step Inference" (Algorithm 3, multistep consistency sampling; the boundary condition of Song et al.
-2023, "Consistency Models", §3 and Appendix C), matching diffusers' LCMScheduler.
+Images with Few-Step Inference" (multistep latent consistency sampling; the boundary condition of Song et al. 2023,
+"Consistency Models"), matching diffusers' LCMScheduler.
 
 Also the timestep schedule that TCD (tcd.py) shares: the n steps are taken from the `original_inference_steps`
 evenly spaced timesteps the model was distilled on.

@@ -1,5 +1,5 @@
 """Trajectory Consistency Distillation sampler: Zheng et al. 2024, "Trajectory Consistency Distillation: Improved
-Latent Consistency Distillation by Semi-Linear Consistency Function with Trajectory Mapping" (§4.2, strategic
+Latent Consistency Distillation by Semi-Linear Consistency Function with Trajectory Mapping" (its strategic
 stochastic sampling), matching diffusers' TCDScheduler. Steps over LCM's schedule (lcm.py)."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class TCDScheduler(ConsistencySampler):
         stochastic = self.config.eta > 0 and len(timesteps) > 1
         # x_{t'} = √(ᾱ_{t'}/ᾱ_s) x_s + √(1 - ᾱ_{t'}/ᾱ_s) z: forward from s back up to t' (not at the last step)
         ratio = a_next / a_s
-        renoise = np.arange(len(timesteps)) < len(timesteps) - 1 if stochastic else np.zeros(len(timesteps), bool)
+        renoise = stochastic & (np.arange(len(timesteps)) < len(timesteps) - 1)
         sqrt_ratio = np.where(renoise, np.sqrt(ratio), np.float32(1.0))
         sqrt_one_minus_ratio = np.where(renoise, np.sqrt(np.float32(1.0) - ratio), np.float32(0.0))
         return TCDState(
