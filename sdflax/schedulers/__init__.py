@@ -1,6 +1,7 @@
 """Noise schedulers as pure functions, matching diffusers: PNDM (Liu et al. 2022), DDIM (Song et al. 2021), Euler and
 Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022); DDPM (Ho et al. 2020), LCM (Luo et al.
-2023) and TCD (Zheng et al. 2024). Each follows `Scheduler`
+2023) and TCD (Zheng et al. 2024); UniPC (Zhao et al. 2023), DEIS (Zhang & Chen 2023), DPM-Solver++ 2M SDE and
+3M SDE (Lu et al. 2022; Crowson's k-diffusion). Each follows `Scheduler`
 (protocol.py); `scheduler.check_steps(n)` raises early for a step count `set_timesteps(n)` would refuse."""
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from typing import Any, Mapping
 
 from .ddim import DDIMConfig, DDIMScheduler, DDIMState
 from .ddpm import DDPMConfig, DDPMScheduler, DDPMState
+from .deis import DEISConfig, DEISScheduler, DEISState
 from .dpm2 import DPM2AncestralConfig, DPM2AncestralScheduler, DPM2Config, DPM2Scheduler, DPM2State
 from .dpm_solver import DPMSolverConfig, DPMSolverScheduler, DPMSolverState
+from .dpm_solver import DPMPP2MSDEConfig, DPMPP2MSDEScheduler
 from .dpmpp_2s_ancestral import DPMpp2SAncestralConfig, DPMpp2SAncestralScheduler, DPMpp2SAncestralState
+from .dpmpp_3m_sde import DPMPP3MSDEConfig, DPMPP3MSDEScheduler, DPMPP3MSDEState
 from .dpmpp_sde import DPMSolverSDEConfig, DPMSolverSDEScheduler, DPMSolverSDEState
 from .euler import EulerConfig, EulerScheduler, EulerState
 from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
@@ -21,6 +25,7 @@ from .lms import LMSConfig, LMSScheduler, LMSState
 from .pndm import PNDMConfig, PNDMScheduler, PNDMState
 from .protocol import Scheduler, SchedulerState
 from .tcd import TCDConfig, TCDScheduler, TCDState
+from .unipc import UniPCConfig, UniPCScheduler, UniPCState
 
 SCHEDULERS = {
     "pndm": PNDMScheduler,
@@ -37,6 +42,10 @@ SCHEDULERS = {
     "ddpm": DDPMScheduler,
     "lcm": LCMScheduler,
     "tcd": TCDScheduler,
+    "dpmpp_2m_sde": DPMPP2MSDEScheduler,
+    "dpmpp_3m_sde": DPMPP3MSDEScheduler,
+    "unipc": UniPCScheduler,
+    "deis": DEISScheduler,
 }
 
 # diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
@@ -54,6 +63,8 @@ DIFFUSERS_NAMES = {
     "DDPMScheduler": DDPMScheduler,
     "LCMScheduler": LCMScheduler,
     "TCDScheduler": TCDScheduler,
+    "UniPCMultistepScheduler": UniPCScheduler,
+    "DEISMultistepScheduler": DEISScheduler,
 }
 
 _BY_NAME = {name.lower(): cls for name, cls in SCHEDULERS.items()}
@@ -81,11 +92,19 @@ __all__ = [
     "DDPMConfig",
     "DDPMScheduler",
     "DDPMState",
+    "DEISConfig",
+    "DEISScheduler",
+    "DEISState",
     "DPM2AncestralConfig",
     "DPM2AncestralScheduler",
     "DPM2Config",
     "DPM2Scheduler",
     "DPM2State",
+    "DPMPP2MSDEConfig",
+    "DPMPP2MSDEScheduler",
+    "DPMPP3MSDEConfig",
+    "DPMPP3MSDEScheduler",
+    "DPMPP3MSDEState",
     "DPMSolverConfig",
     "DPMSolverScheduler",
     "DPMSolverSDEConfig",
@@ -119,5 +138,8 @@ __all__ = [
     "TCDConfig",
     "TCDScheduler",
     "TCDState",
+    "UniPCConfig",
+    "UniPCScheduler",
+    "UniPCState",
     "scheduler_from_config",
 ]

@@ -431,3 +431,37 @@ class SigmaSampler(SchedulerBase):
         """x_0 + σ_i ε: the sample to start sampling at evaluation i from (img2img)."""
         noisy = original_samples.astype(jnp.float32) + noise.astype(jnp.float32) * state.sigmas[i]
         return noisy.astype(original_samples.dtype)
+
+
+class VPSolver(SchedulerBase):
+    """What the DPM-Solver++, UniPC and DEIS schedulers share. They work on the variance-preserving x_t = α_t x_0 +
+    s_t ε itself (α = 1/√(σ²+1) = √ᾱ, s = σ α = √(1-ᾱ); Lu et al. 2022 §2), from x_T ~ N(0, I): the UNet's input
+    is x unscaled. Their states carry `alpha_t` and `sigma_t` (s), float32 (evals,)."""
+
+    def scale_model_input(self, state, sample, i):
+        return sample
+
+    def predict_x0(self, state, model_output, i, sample):
+        """x̂_0 = (x - s ε̂) / α, the data prediction, from an ε, v or x_0 output. float32."""
+        alpha, s = state.alpha_t[i], state.sigma_t[i]
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        if self.config.prediction_type == "epsilon":
+            return (x - s * out) / alpha
+        if self.config.prediction_type == "v_prediction":  # v = α ε - s x_0 (Salimans & Ho 2022)
+            return alpha * x - s * out
+        return out  # "sample"
+
+    def add_noise(self, state, original_samples, noise, i):
+        """α_i x_0 + s_i ε: the sample to start sampling at evaluation i from (img2img)."""
+        noisy = state.alpha_t[i] * original_samples.astype(jnp.float32) + state.sigma_t[i] * noise.astype(jnp.float32)
+        return noisy.astype(original_samples.dtype)
+
+
+def vp_coefficients(sigmas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(α, s, λ) float64 for each σ: α = 1/√(σ²+1), s = σ α, λ = log(α/s) = -log σ, the half log-SNR in which the
+    exponential integrators step (Lu et al. 2022 §3). σ = 0 gives s = 0, λ = ∞, which their formulas take."""
+    with np.errstate(divide="ignore"):
+        sig = np.asarray(sigmas, np.float64)
+        alpha = 1 / np.sqrt(sig**2 + 1)
+        s = sig * alpha
+        return alpha, s, np.log(alpha) - np.log(s)

@@ -1,8 +1,8 @@
 """DPM-Solver++ 2M: Lu et al. 2022, "DPM-Solver++: Fast Solver for Guided Sampling of Diffusion Probabilistic
 Models", Algorithm 2 (multistep, second order, data prediction), matching diffusers' DPMSolverMultistepScheduler
 with algorithm_type="dpmsolver++"; and its SDE variant (algorithm_type="sde-dpmsolver++", `dpmpp_2m_sde`), the
-same multistep data prediction integrated along the reverse SDE (Lu et al. 2022 §3.3 / Appendix: the noise is
-re-injected each step; diffusers' and k-diffusion's `sample_dpmpp_2m_sde` with eta = 1)."""
+same multistep data prediction integrated along the reverse SDE instead of the ODE (the noise is
+re-injected each step; k-diffusion's `sample_dpmpp_2m_sde` with eta = 1)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class DPMSolverState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverScheduler(common.SchedulerBase):
+class DPMSolverScheduler(common.VPSolver):
     config: DPMSolverConfig
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
@@ -75,19 +75,15 @@ class DPMSolverScheduler(common.SchedulerBase):
         n = len(timesteps)
         common.check_start(start, n)
 
-        # The VP view: α = 1/√(σ²+1), s = σ α, λ = log(α/s) the half log-SNR (paper §3). float64 here.
-        with np.errstate(divide="ignore"):  # σ_n = 0: s = 0, λ = ∞, which the formulas below take
-            sig = sigmas.astype(np.float64)
-            alpha = 1 / np.sqrt(sig**2 + 1)
-            s = sig * alpha
-            lam = np.log(alpha) - np.log(s)
+        alpha, s, lam = common.vp_coefficients(sigmas)  # the VP view, float64; σ_n = 0 gives λ_n = ∞
         sde = cfg.algorithm_type == "sde-dpmsolver++"
         a, b, c, noise = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         for i in range(n):
             h = lam[i + 1] - lam[i]
             if sde:
-                # x_{i+1} = (s_{i+1}/s_i) e^{-h} x_i + α_{i+1}(1 - e^{-2h}) D + s_{i+1} √(1 - e^{-2h}) z: the data-
-                # prediction SDE solved exactly for a constant x̂_0; twice the ODE's step in e^{-h}, the rest noise.
+                # x_{i+1} = (s_{i+1}/s_i) e^{-h} x_i + α_{i+1}(1 - e^{-2h}) D + s_{i+1} √(1 - e^{-2h}) z: the reverse
+                # SDE in λ solved exactly for a constant x̂_0 = D; it forgets x_i twice as fast (e^{-2h} where the
+                # ODE has e^{-h}) and replaces the forgotten noise with fresh z.
                 a[i] = s[i + 1] / s[i] * np.exp(-h)
                 b[i] = -alpha[i + 1] * np.expm1(-2 * h)
                 noise[i] = s[i + 1] * np.sqrt(-np.expm1(-2 * h))
@@ -119,19 +115,6 @@ class DPMSolverScheduler(common.SchedulerBase):
             num_inference_steps=num_inference_steps,
         )
 
-    def scale_model_input(self, state: DPMSolverState, sample, i):
-        return sample
-
-    def predict_x0(self, state: DPMSolverState, model_output, i, sample):
-        """x̂_0 = (x - s ε̂) / α, the data prediction the solver integrates, from an ε, v or x_0 output. float32."""
-        alpha, s = state.alpha_t[i], state.sigma_t[i]
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
-        if self.config.prediction_type == "epsilon":
-            return (x - s * out) / alpha
-        if self.config.prediction_type == "v_prediction":  # v = α ε - s x_0 (Salimans & Ho 2022)
-            return alpha * x - s * out
-        return out  # "sample"
-
     def step(self, state: DPMSolverState, model_output, i, sample, key=None, variance_noise=None):
         """x_{i+1} = (s_{i+1}/s_i) x_i + α_{i+1}(1 - e^{-h}) (m_i + (m_i - m_{i-1}) / (2r)),  m = x̂_0,
         h = λ_{i+1} - λ_i, r = h_{i-1}/h: Algorithm 2's update. Its coefficients are precomputed; c_i = 0 gives
@@ -144,11 +127,6 @@ class DPMSolverScheduler(common.SchedulerBase):
             z = common.draw_step_noise(key, variance_noise, sample.shape, "DPM-Solver++ 2M SDE")
             prev_sample = prev_sample + state.coef_noise[i] * z
         return prev_sample.astype(sample.dtype), state.replace(prev_x0=m)
-
-    def add_noise(self, state: DPMSolverState, original_samples, noise, i):
-        """α_i x_0 + s_i ε: the sample to start sampling at evaluation i from (img2img)."""
-        noisy = state.alpha_t[i] * original_samples.astype(jnp.float32) + state.sigma_t[i] * noise.astype(jnp.float32)
-        return noisy.astype(original_samples.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
