@@ -136,6 +136,15 @@ def _add_options(command, image=False):
     add("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
         help="UNet attention: cuDNN flash attention where it runs (NVIDIA GPU, bfloat16), else XLA (auto, the "
              "default), or either forced")
+    add("--controlnet", action="append", default=[], metavar="ID_OR_PATH",
+        help="a ControlNet to steer by --control-image: hub id, diffusers folder, or an original-layout "
+             ".safetensors/.pth file (SD 1.x/2.x); repeat for several nets")
+    add("--control-image", action="append", default=[], metavar="IMG",
+        help="the condition image (edges, pose, depth, ...) of each --controlnet, in their order; resized to the "
+             "output size")
+    add("--control-scale", action="append", default=[], type=float, metavar="S",
+        help="how strongly the nets steer: one value for all or one per net (default: 1.0 for generate, 0.8 for "
+             "img2img, 0.5 for inpaint, as diffusers)")
     add("--out", default="outputs", metavar="PATH",
         help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
     add("--grid", action="store_true", help="also write all images as one grid PNG")
@@ -174,11 +183,12 @@ def run(args) -> int:
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
     target = _output_target(args.out)  # before anything slow
     pictures = _read_pictures(args)  # {"image": ..., "mask": ...} for img2img / inpaint
+    controls = _read_controls(args)  # the --control-image pictures, one per --controlnet
     if args.progress is False:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    checkpoint = _check_checkpoint(args, pictures)
+    checkpoint = _check_checkpoint(args, pictures, controls)
 
     import jax  # after the checks above, so that mistakes are reported without starting JAX
 
@@ -191,7 +201,7 @@ def run(args) -> int:
     status(f"Loading {args.model} in {dtype} ...")
     start = time.perf_counter()
     pipeline, params = _load(args, checkpoint, dtype)
-    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures)
+    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures, controls)
     load_s = time.perf_counter() - start
 
     devices = jax.local_device_count()
@@ -216,6 +226,9 @@ def run(args) -> int:
                 "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
     if pictures:
         settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
+    if controls:  # lists, one entry per net in their order (JSON in the PNG)
+        settings.update(controlnet=args.controlnet, control_image=args.control_image,
+                        control_scale=list(controls.scales))
     _save(args, target, images, seeds[:num_images], settings)
 
     cached = " (from the disk cache)" if clock.cache_hits else ""
@@ -237,7 +250,7 @@ class _Checkpoint:
     width: int
 
 
-def _check_checkpoint(args, pictures) -> _Checkpoint:
+def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
     """Read the checkpoint's configs (kilobytes) and check the command against them with the library's own
     checks, so that a size, step count or strength the model cannot take fails before gigabytes download."""
     from .hub import ModelNotFoundError, resolve_folder, snapshot_commit
@@ -274,10 +287,33 @@ def _check_checkpoint(args, pictures) -> _Checkpoint:
                         f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
     if args.command != "inpaint" and unet_channels == 2 * latent + 1:
         raise UserError(f"{args.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
+    _check_controlnets(args, unet.config)
     factor = vae.config.scale_factor
-    height, width = _output_size(args, unet.config.sample_size * factor, factor, pictures)
+    height, width = _output_size(args, unet.config.sample_size * factor, factor, pictures, controls)
     guidance = args.guidance if args.guidance is not None else (5.0 if xl else 7.5)
     return _Checkpoint(folder, local, snapshot_commit(folder) or "", xl, guidance, height, width)
+
+
+def _check_controlnets(args, unet):
+    """Each --controlnet exists and, where its config.json can be read (a folder or hub id: kilobytes), was made
+    for the checkpoint's model family. An original-layout file is checked when it loads."""
+    from .hub import ModelNotFoundError, resolve_folder
+    from .models.config import read_config_file
+    from .models.controlnet import ControlNetConfig
+
+    for name in args.controlnet:
+        if os.path.isfile(os.path.expanduser(name)):
+            continue
+        try:
+            folder = resolve_folder(name, None, allow_patterns=["config.json"])
+            config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
+        except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
+            raise UserError(f"--controlnet {name}: {e}") from e
+        if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
+                                                                        unet.addition_embed_type):
+            raise UserError(f"--controlnet {name} was made for another model family than {args.model} (text width "
+                            f"{config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet trained "
+                            "for this base model")
 
 
 def _check_attention(args, backend, dtype):
@@ -292,18 +328,37 @@ def _load(args, checkpoint, dtype):
     """(pipeline, params) of the command's pipeline class."""
     import jax.numpy as jnp
 
-    from . import StableDiffusion, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL
+    from . import (ControlNetModel, StableDiffusion, StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
+                   StableDiffusionControlNetInpaint, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL,
+                   StableDiffusionXLControlNet)
 
-    kind = {"generate": StableDiffusionXL if checkpoint.xl else StableDiffusion,
-            "img2img": StableDiffusionImg2Img, "inpaint": StableDiffusionInpaint}[args.command]
+    if args.controlnet:
+        kind = {"generate": StableDiffusionXLControlNet if checkpoint.xl else StableDiffusionControlNet,
+                "img2img": StableDiffusionControlNetImg2Img, "inpaint": StableDiffusionControlNetInpaint}
+    else:
+        kind = {"generate": StableDiffusionXL if checkpoint.xl else StableDiffusion,
+                "img2img": StableDiffusionImg2Img, "inpaint": StableDiffusionInpaint}
+    dtype = getattr(jnp, dtype)
     try:
-        return kind.from_pretrained(args.model, revision=args.revision, dtype=getattr(jnp, dtype),
-                                    scheduler=args.scheduler, attention=args.attention)
+        nets = []
+        for name in args.controlnet:
+            path = os.path.expanduser(name)
+            if os.path.isfile(path):  # an original-layout file
+                nets.append(ControlNetModel.from_single_file(path, dtype=dtype, attention=args.attention))
+            else:
+                nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=args.attention))
+        extra = {"controlnet": [net for net, _ in nets]} if nets else {}
+        pipeline, params = kind[args.command].from_pretrained(args.model, revision=args.revision, dtype=dtype,
+                                                              scheduler=args.scheduler, attention=args.attention,
+                                                              **extra)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
+    if nets:
+        params["controlnet"] = [net_params for _, net_params in nets]
+    return pipeline, params
 
 
-def _prepare(args, pipeline, params, checkpoint, pictures):
+def _prepare(args, pipeline, params, checkpoint, pictures, controls=None):
     """(seeds, the pipeline call with everything but `jit` and `callback`): the images fill every local device,
     and image i has its own key, seed + i, so it does not depend on the batch it was made in."""
     import jax
@@ -321,18 +376,36 @@ def _prepare(args, pipeline, params, checkpoint, pictures):
     neg_ids = (None if checkpoint.xl and not args.negative_prompt
                else shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds))))
     keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))  # one key per image (sdflax.random_draws)
+    extra, control = {}, []
+    if controls:
+        from .pipeline_controlnet import preprocess_control_images
+
+        control = [shard(np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(seeds), 0))
+                   for picture in controls.pictures]  # the same control image for every seed
+        extra["controlnet_conditioning_scale"] = list(controls.scales)
+        if not pictures:
+            return seeds, functools.partial(pipeline, prompt_ids, control, replicate(params), keys,
+                                            num_inference_steps=args.steps, guidance_scale=checkpoint.guidance,
+                                            neg_prompt_ids=neg_ids, **extra)
     if not pictures:
         return seeds, functools.partial(pipeline, prompt_ids, replicate(params), keys,
                                         num_inference_steps=args.steps, height=checkpoint.height,
                                         width=checkpoint.width, guidance_scale=checkpoint.guidance,
                                         neg_prompt_ids=neg_ids)
+    from .img2img import preprocess_images
+    from .inpaint import preprocess_images_and_masks
+
     try:
-        _, *images = pipeline.prepare_inputs([args.prompt], *pictures.values())
+        if "mask" in pictures:
+            images = preprocess_images_and_masks([pictures["image"]], [pictures["mask"]], pipeline.vae_scale_factor)
+        else:
+            images = [preprocess_images([pictures["image"]], pipeline.vae_scale_factor)]
     except ValueError as e:
         raise UserError(str(e)) from e
     images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
-    return seeds, functools.partial(pipeline, prompt_ids, *images, replicate(params), keys, args.strength,
-                                    args.steps, guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids)
+    return seeds, functools.partial(pipeline, prompt_ids, *images, *([control] if control else []),
+                                    replicate(params), keys, args.strength, args.steps,
+                                    guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids, **extra)
 
 
 def _save(args, target, images, seeds, settings):
@@ -353,22 +426,51 @@ def _save(args, target, images, seeds, settings):
         raise UserError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from e
 
 
-def _read_pictures(args) -> dict:
-    """--image (RGB) and --mask (greyscale) as PIL images, checked: readable, the same size, a grey mask."""
+def _read_picture(flag, path):
     from PIL import Image, UnidentifiedImageError
 
-    pictures = {}
-    for flag in ("image", "mask"):
-        path = getattr(args, flag, None)
-        if path is None:
-            continue
-        try:
-            with Image.open(os.path.expanduser(path)) as picture:
-                picture.load()
-        except (OSError, UnidentifiedImageError, ValueError) as e:
-            reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else e.strerror or e
-            raise UserError(f"--{flag} {path}: cannot read it ({reason}): give a PNG or JPEG file") from e
-        pictures[flag] = picture
+    try:
+        with Image.open(os.path.expanduser(path)) as picture:
+            picture.load()
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else e.strerror or e
+        raise UserError(f"{flag} {path}: cannot read it ({reason}): give a PNG or JPEG file") from e
+    return picture
+
+
+@dataclasses.dataclass
+class _Controls:
+    """The --control-image pictures and the scale of each --controlnet, in their order."""
+
+    pictures: list
+    scales: tuple
+
+
+DEFAULT_CONTROL_SCALES = {"generate": 1.0, "img2img": 0.8, "inpaint": 0.5}  # diffusers' pipelines' defaults
+
+
+def _read_controls(args) -> _Controls | None:
+    """The ControlNet flags checked against each other, and the control images read (RGB)."""
+    nets, images, scales = args.controlnet, args.control_image, args.control_scale
+    if not nets and not images and not scales:
+        return None
+    if len(images) != len(nets):
+        raise UserError(f"{len(nets)} --controlnet and {len(images)} --control-image: give one --control-image per "
+                        "--controlnet, in the same order")
+    if len(scales) not in (0, 1, len(nets)):
+        raise UserError(f"{len(scales)} --control-scale for {len(nets)} --controlnet: give one for all nets or one "
+                        "per net")
+    for scale in scales:
+        if not math.isfinite(scale):
+            raise UserError(f"--control-scale {scale}: give a finite number (1 steers fully, 0 not at all)")
+    scales = tuple(scales) * (len(nets) if len(scales) == 1 else 1) or (DEFAULT_CONTROL_SCALES[args.command],) * len(nets)
+    return _Controls([_read_picture("--control-image", path).convert("RGB") for path in images], scales)
+
+
+def _read_pictures(args) -> dict:
+    """--image (RGB) and --mask (greyscale) as PIL images, checked: readable, the same size, a grey mask."""
+    pictures = {flag: _read_picture(f"--{flag}", getattr(args, flag)) for flag in ("image", "mask")
+                if getattr(args, flag, None) is not None}
     if "mask" in pictures:
         image, mask = pictures["image"], pictures["mask"]
         if mask.size != image.size:
@@ -384,29 +486,38 @@ def _read_pictures(args) -> dict:
     return pictures
 
 
-def _output_size(args, default, factor, pictures):
-    """(height, width): --height/--width must be multiples of the VAE scale factor; an input image is resized to
-    them, or its own size is cut down to multiples (with a warning line)."""
+def _output_size(args, default, factor, pictures, controls=None):
+    """(height, width): --height/--width must be multiples of the VAE scale factor. Without them the size is
+    --image's, else the first --control-image's (as diffusers' pipelines take it), cut down to multiples (with a
+    warning line), else the model's. Every input picture is resized to it."""
     for flag, value in (("--height", args.height), ("--width", args.width)):
         if value is not None and value % factor:
             raise UserError(f"{flag} {value} is not a multiple of {factor}, the VAE scale factor of {args.model}: "
                             f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")
-    if not pictures:
+    if pictures:
+        flag, path, source = "--image", args.image, pictures["image"]
+    elif controls:
+        flag, path, source = "--control-image", args.control_image[0], controls.pictures[0]
+    else:
         return args.height or default, args.width or default
     from PIL import Image
 
-    own_width, own_height = pictures["image"].size
+    own_width, own_height = source.size
     height = args.height or own_height - own_height % factor
     width = args.width or own_width - own_width % factor
     if not height or not width:
-        raise UserError(f"--image {args.image} is {own_width}x{own_height}, smaller than {factor} pixels, the VAE "
+        raise UserError(f"{flag} {path} is {own_width}x{own_height}, smaller than {factor} pixels, the VAE "
                         f"scale factor: give a larger image")
-    if (width, height) != (own_width, own_height):
-        if (args.height is None and height != own_height) or (args.width is None and width != own_width):
-            print(f"sdflax: warning: --image {args.image} is {own_width}x{own_height}: resized to {width}x{height}, "
-                  f"a multiple of {factor} (the VAE scale factor)", file=sys.stderr)
-        for flag, picture in pictures.items():
-            pictures[flag] = picture.resize((width, height), Image.LANCZOS)
+    if (width, height) != (own_width, own_height) and (
+            (args.height is None and height != own_height) or (args.width is None and width != own_width)):
+        print(f"sdflax: warning: {flag} {path} is {own_width}x{own_height}: resized to {width}x{height}, "
+              f"a multiple of {factor} (the VAE scale factor)", file=sys.stderr)
+    resize = lambda picture: picture if picture.size == (width, height) else picture.resize(  # noqa: E731
+        (width, height), Image.LANCZOS)
+    for name, picture in pictures.items():
+        pictures[name] = resize(picture)
+    if controls:
+        controls.pictures[:] = [resize(picture) for picture in controls.pictures]
     return height, width
 
 
@@ -529,14 +640,16 @@ def png_info(settings):
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
-    for key, value in settings.items():
-        info.add_text(key, str(value))  # iTXt (UTF-8) where Latin-1 cannot hold the text
+    for key, value in settings.items():  # iTXt (UTF-8) where Latin-1 cannot hold the text
+        info.add_text(key, json.dumps(value) if isinstance(value, list) else str(value))
     s = settings
     parameters = (f"{s['prompt']}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
                   f"{s['scheduler']}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
                   f"{s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
+    for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))):
+        parameters += f', ControlNet {k}: "Model: {net}, Weight: {scale}"'  # as A1111's ControlNet extension
     info.add_text("parameters", parameters)
     return info
 

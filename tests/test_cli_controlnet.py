@@ -1,0 +1,149 @@
+"""`--controlnet / --control-image / --control-scale` on `sdflax generate`, `img2img` and `inpaint`, end to end on
+weights/tiny-sd with small random ControlNets made for it: the PNGs equal the library's images and record the nets;
+bad input in process (it fails before JAX starts)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from builders import torch_controlnet
+from PIL import Image
+from test_cli import TINY, one_error_line, pixels, run_cli
+
+from sdflax.cli import main
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Two ControlNets for tiny-sd (condition scale 4, its VAE's), a 34x30 control image each (not a multiple of
+    4), and a 32x28 picture with its mask."""
+    from diffusers import UNet2DConditionModel
+
+    tmp = tmp_path_factory.mktemp("controlnet-cli")
+    unet = UNet2DConditionModel.from_pretrained(TINY, subfolder="unet")
+    for k in (1, 2):
+        torch_controlnet(unet, channels=(8, 16, 16), seed=k).save_pretrained(tmp / f"net{k}")
+    rng = np.random.default_rng(0)
+    for name, size in (("edges.png", (30, 34)), ("depth.png", (30, 34)), ("in.png", (28, 32))):
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp / name)
+    mask = np.zeros((28, 32), np.uint8)
+    mask[6:20, 4:26] = 255
+    Image.fromarray(mask).save(tmp / "mask.png")
+    return tmp
+
+
+def library_images(folder, kind, seeds, scales, nets, controls, pictures=(), strength=None):
+    """What the library makes for the CLI's inputs: control images resized to 32x28 as the CLI does, one key per
+    seed, the empty negative prompt's ids, guidance 7.5, 2 steps."""
+    import jax
+    import jax.numpy as jnp
+
+    from sdflax import ControlNetModel
+    from sdflax.img2img import preprocess_images
+    from sdflax.inpaint import preprocess_images_and_masks
+    from sdflax.pipeline_controlnet import preprocess_control_images
+
+    loaded = [ControlNetModel.from_pretrained(folder / net) for net in nets]
+    pipe, params = kind.from_pretrained(TINY, controlnet=[net for net, _ in loaded])
+    params["controlnet"] = [p for _, p in loaded]
+    n = len(seeds)
+    control = [np.repeat(preprocess_control_images(Image.open(folder / c).convert("RGB").resize(
+        (32, 28), Image.LANCZOS), pipe.vae_scale_factor), n, 0) for c in controls]
+    ids, neg = pipe.prepare_inputs(["a house"] * n), pipe.prepare_inputs([""] * n)
+    keys = jnp.stack([jax.random.key(s) for s in seeds])
+    if not pictures:
+        return pipe(ids, control, params, keys, 2, guidance_scale=7.5, neg_prompt_ids=neg,
+                    controlnet_conditioning_scale=scales).images
+    image = Image.open(folder / pictures[0]).convert("RGB")
+    if len(pictures) == 2:
+        images = preprocess_images_and_masks([image], [Image.open(folder / pictures[1])], pipe.vae_scale_factor)
+    else:
+        images = [preprocess_images([image], pipe.vae_scale_factor)]
+    images = [np.repeat(x, n, 0) for x in images]
+    return pipe(ids, *images, control, params, keys, strength, 2, guidance_scale=7.5, neg_prompt_ids=neg,
+                controlnet_conditioning_scale=scales).images
+
+
+def assert_close_to(path, expected):
+    """uint8 PNG pixels against the library's float image (rounding, and pmap vs jit: at most one level)."""
+    assert np.abs(pixels(path).astype(np.float32) - np.round(expected * 255)).max() <= 1
+
+
+def test_generate_with_two_nets(folder, tmp_path):
+    from sdflax import StableDiffusionControlNet
+
+    result = run_cli(["generate", "a house", "--model", TINY, "--steps", "2", "--seed", "7", "--num-images", "2",
+                      "--controlnet", "net1", "--control-image", "edges.png", "--controlnet", "net2",
+                      "--control-image", "depth.png", "--control-scale", "1.0", "--control-scale", "0.5",
+                      "--no-progress", "--out", str(tmp_path / "out")], tmp_path, devices=2, cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[0] == ("sdflax: warning: --control-image edges.png is 34x30: resized to "
+                                             "32x28, a multiple of 4 (the VAE scale factor)")
+    paths = result.stdout.split()
+    expected = library_images(folder, StableDiffusionControlNet, [7, 8], [1.0, 0.5], ["net1", "net2"],
+                              ["edges.png", "depth.png"])
+    for path, image in zip(paths, expected):
+        assert_close_to(path, image)
+        text = Image.open(path).text
+        assert json.loads(text["controlnet"]) == ["net1", "net2"]
+        assert json.loads(text["control_image"]) == ["edges.png", "depth.png"]
+        assert json.loads(text["control_scale"]) == [1.0, 0.5]
+        assert text["parameters"].endswith(', Size: 32x28, Model: ' + TINY + ', ControlNet 0: "Model: net1, '
+                                           'Weight: 1.0", ControlNet 1: "Model: net2, Weight: 0.5"')
+    # the nets steer: the same seed with the second net off differs
+    other = library_images(folder, StableDiffusionControlNet, [7], [1.0, 0.0], ["net1", "net2"],
+                           ["edges.png", "depth.png"])
+    assert np.abs(other[0] - expected[0]).max() > 0.02
+
+
+@pytest.mark.parametrize("command, pictures, strength, scale", [
+    ("img2img", ["in.png"], 0.75, 0.8),
+    ("inpaint", ["in.png", "mask.png"], 1.0, 0.5),
+])
+def test_img2img_and_inpaint_with_a_net_and_diffusers_default_scales(folder, tmp_path, command, pictures, strength,
+                                                                    scale):
+    from sdflax import StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint
+
+    flags = ["--image", "in.png"] + (["--mask", "mask.png"] if command == "inpaint" else [])
+    result = run_cli([command, "a house", *flags, "--model", TINY, "--steps", "2", "--seed", "3", "--strength",
+                      str(strength), "--controlnet", "net1", "--control-image", "edges.png", "--no-progress",
+                      "--out", str(tmp_path / "out.png")], tmp_path, devices=1, cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr  # the control image is resized to --image's size, as diffusers does
+    kind = {"img2img": StableDiffusionControlNetImg2Img, "inpaint": StableDiffusionControlNetInpaint}[command]
+    [expected] = library_images(folder, kind, [3], [scale], ["net1"], ["edges.png"], pictures, strength)
+    assert_close_to(tmp_path / "out.png", expected)
+    assert json.loads(Image.open(tmp_path / "out.png").text["control_scale"]) == [scale]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--controlnet", "net1"], "1 --controlnet and 0 --control-image: give one --control-image per --controlnet"),
+    (["--control-image", "edges.png"], "0 --controlnet and 1 --control-image"),
+    (["--controlnet", "net1", "--control-image", "edges.png", "--control-scale", "1", "--control-scale", "2"],
+     "2 --control-scale for 1 --controlnet: give one for all nets or one per net"),
+    (["--controlnet", "net1", "--control-image", "edges.png", "--control-scale", "nan"],
+     "--control-scale nan: give a finite number"),
+    (["--controlnet", "net1", "--control-image", "mask.txt"], "--control-image mask.txt: cannot read it"),
+    (["--controlnet", "nowhere/none", "--control-image", "edges.png"], "--controlnet nowhere/none:"),
+    (["--controlnet", "wide", "--control-image", "edges.png"],
+     "--controlnet wide was made for another model family than"),
+])
+def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (folder / "mask.txt").write_text("not a picture")
+    if not (folder / "wide").exists():  # a net for a text encoder of another width
+        shutil.copytree(folder / "net1", folder / "wide")
+        config = json.loads((folder / "wide" / "config.json").read_text())
+        (folder / "wide" / "config.json").write_text(json.dumps({**config, "cross_attention_dim": 768}))
+    assert main(["generate", "a house", "--model", TINY, *args, "--out", str(tmp_path / "out")]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_help_lists_the_controlnet_options(capsys):
+    for command in ("generate", "img2img", "inpaint"):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "--controlnet ID_OR_PATH" in out and "--control-image IMG" in out and "--control-scale S" in out
