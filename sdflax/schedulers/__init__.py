@@ -1,7 +1,8 @@
 """Noise schedulers as pure functions, matching diffusers: PNDM (Liu et al. 2022), DDIM (Song et al. 2021), Euler and
 Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022); DDPM (Ho et al. 2020), LCM (Luo et al.
 2023) and TCD (Zheng et al. 2024); UniPC (Zhao et al. 2023), DEIS (Zhang & Chen 2023), DPM-Solver++ 2M SDE and
-3M SDE (Lu et al. 2022; Crowson's k-diffusion). Each follows `Scheduler`
+3M SDE (Lu et al. 2022; Crowson's k-diffusion); the two-evaluation Heun (Karras et al. 2022), DPM2 and DPM2
+ancestral (k-diffusion), DPM++ 2S ancestral and DPM++ SDE (Lu et al. 2022). Each follows `Scheduler`
 (protocol.py); `scheduler.check_steps(n)` raises early for a step count `set_timesteps(n)` would refuse."""
 
 from __future__ import annotations
