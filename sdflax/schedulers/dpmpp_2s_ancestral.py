@@ -61,10 +61,12 @@ class DPMpp2SAncestralScheduler(TwoStageSampler):
         s_from, s_to = sigmas[:-1].astype(np.float64), sigmas[1:].astype(np.float64)
         sigma_down, sigma_up = ancestral_step(s_from, s_to)
         # In t = -log σ (the half log-SNR λ of a VE schedule), step k goes t_k -> t_down = t_k + h, with a midpoint
-        # s = t_k + h/2, σ_mid = √(σ_k σ_down). DPM-Solver++(1) from t_k in data prediction, α = 1 in the σ view (Lu et al. 2022 §4):
+        # s = t_k + h/2, σ_mid = √(σ_k σ_down). DPM-Solver++(1) from t_k in data prediction (Lu et al. 2022 §4, α = 1
+        # in the σ view):
         #   x(t') = (σ(t')/σ_k) x_k - (e^{-(t'-t_k)} - 1) x̂_0,
         # taken to s with x̂_0(x_k, σ_k) (the first evaluation), then to t_down with x̂_0(x_mid, σ_mid) (the second).
-        # The last step lands on σ_down = 0: x_n = x̂_0 (k-diffusion's Euler step there is the same, exactly).
+        # The last step lands on σ_down = 0: x_n = x̂_0 (k-diffusion's Euler step there, x_k + (x_k - x̂_0)/σ_k (0 - σ_k),
+        # is x̂_0 too).
         last = sigma_down == 0
         with np.errstate(divide="ignore"):
             h = np.log(s_from) - np.log(sigma_down)  # inf at the last step

@@ -125,8 +125,9 @@ class DPMSolverSDEScheduler(TwoStageSampler):
         """First evaluation of step k:  x_mid = a₁ x_k + b₁ x̂_0(x_k) + σ_up,1 z₁.
         Second:  x_{k+1} = a₂ x_k + b₂ x̂_0(x_mid) + σ_up,2 z₂,  z₂ correlated with z₁ as Brownian increments are.
         Fresh noise from `key`; `variance_noise` is taken as the evaluation's z itself (tests)."""
-        fresh = draw_noise(key, variance_noise, sample.shape, "DPM++ SDE")
-        noise = fresh if variance_noise is not None else state.noise_carry[i] * state.noise + state.noise_fresh[i] * fresh
+        noise = draw_noise(key, variance_noise, sample.shape, "DPM++ SDE")
+        if variance_noise is None:  # a Brownian increment: part the first stage's, part fresh
+            noise = state.noise_carry[i] * state.noise + state.noise_fresh[i] * noise
         x = sample.astype(jnp.float32)
         x0 = self.predict_x0(state, model_output, i, x)
         x_k = jnp.where(state.second[i], state.sample, x)

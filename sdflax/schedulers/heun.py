@@ -80,7 +80,7 @@ class HeunState:
     sigmas: jnp.ndarray  # float32 [evals]: σ_0, σ_1, σ_1, ..., σ_{n-1}: where the model is evaluated
     dt: jnp.ndarray  # float32 [evals]: σ_{k+1} - σ_k at both evaluations of step k
     second: jnp.ndarray  # bool [evals]: the evaluation is a step's second (the corrector)
-    derivative: jnp.ndarray  # float32 [*shape]: d of the previous evaluation (the predictor's, when a corrector reads it)
+    derivative: jnp.ndarray  # float32 [*shape]: d of the previous evaluation (the predictor's, for its corrector)
     sample: jnp.ndarray  # float32 [*shape]: x of the previous evaluation (x_k, when a corrector reads it)
     num_inference_steps: int = flax.struct.field(pytree_node=False)
     init_noise_sigma: float = flax.struct.field(pytree_node=False)  # diffusers' value for this n
