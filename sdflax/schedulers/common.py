@@ -17,7 +17,7 @@ import numpy as np
 BETA_SCHEDULES = ("linear", "scaled_linear")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-# How the σ samplers place their n noise levels (`sigma_schedules`): at the spaced timesteps ("spaced"), or between
+# How the σ samplers place their n noise levels (`sigma_schedule`): at the spaced timesteps ("spaced"), or between
 # σ_max and σ_min by Karras et al.'s ρ = 7 ramp, evenly in log σ, or at Beta(0.6, 0.6) quantiles; diffusers'
 # use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas, at most one of which may be set.
 SIGMA_SCHEDULES = ("spaced", "karras", "exponential", "beta")
@@ -247,8 +247,8 @@ def exponential_sigmas(sigma_min: float, sigma_max: float, n: int) -> np.ndarray
 
 
 def beta_sigmas(sigma_min: float, sigma_max: float, n: int, alpha: float = 0.6, beta: float = 0.6) -> np.ndarray:
-    """σ_i = σ_min + F⁻¹(1 - i/(n-1)) (σ_max - σ_min), F the Beta(α, β) CDF: Lee et al. 2024, "Beta Sampling is All
-    You Need"; with α = β = 0.6 the steps crowd at both ends of the schedule. Descending."""
+    """σ_i = σ_min + F⁻¹(1 - i/(n-1)) (σ_max - σ_min), F the Beta(α, β) CDF ("Beta Sampling is All You Need",
+    arXiv:2407.12173); with α = β = 0.6 the steps crowd at both ends of the schedule. Descending."""
     sigma_min, sigma_max = float(sigma_min), float(sigma_max)
     return sigma_min + beta_ppf(1 - np.linspace(0, 1, n), alpha, beta) * (sigma_max - sigma_min)
 
