@@ -5,7 +5,8 @@ matching diffusers' UniPCMultistepScheduler with predict_x0=True.
 Each model evaluation first corrects the sample it was made at (UniC: the same step again, now also using the new
 x̂_0, which raises the order by one without another evaluation), then predicts the next sample from the corrected
 one (UniP). Both are linear in the samples and the x̂_0 history, with coefficients that depend only on the
-schedule: `set_timesteps` precomputes them per step, and `step` is branch-free.
+schedule: `set_timesteps` precomputes them per step, and `step` is branch-free. (One deliberate difference: diffusers'
+bh1 step into σ = 0 multiplies B = -∞ by an empty sum, NaN; here it is the first-order step's limit, x̂_0.)
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ class UniPCState:
 def bh_update(lam: np.ndarray, alpha_to: float, s_to: float, s_from: float, to: int, frm: int, order: int,
               solver_type: str, corrector: bool) -> tuple[float, np.ndarray]:
     """One UniP-p or UniC-p step from λ[frm] to λ[to], written as (weight of the sample, weights of m_frm, m_{frm-1},
-    ..., and for UniC last m_to, the new x̂_0), float64: Zhao et al. Algorithms 2 and 3 with B(h) = h (bh1) or e^h - 1
-    (bh2), as diffusers' multistep_uni_p_bh_update / multistep_uni_c_bh_update compute them.
+    ..., and for UniC last m_to, the new x̂_0), float64, with B = hh (bh1) or e^{hh} - 1 (bh2), as diffusers'
+    multistep_uni_p_bh_update / multistep_uni_c_bh_update compute them.
 
     With h = λ_to - λ_frm and hh = -h (data prediction):
-        x_to = (s_to/s_frm) x - α_to (e^{hh} - 1) m_frm - α_to B(h) Σ_k ρ_k D_k,   D_k = (m_{frm-k} - m_frm) / r_k,
-    r_k = (λ_{frm-k} - λ_frm) / h, and for UniC one more term ρ_p (m_to - m_frm). ρ solves Σ_k ρ_k r_k^{q-1} =
-    q! φ_{q+1}(hh) hh / B(h) for q = 1..p (the predictor drops the last row and column, and for p = 2 takes ρ = 1/2;
-    the corrector takes ρ = 1/2 for p = 1), φ the exponential-integrator functions φ_{q+1}(hh) hh^q.
+        x_to = (s_to/s_frm) x - α_to (e^{hh} - 1) m_frm - α_to B Σ_k ρ_k D_k,   D_k = (m_{frm-k} - m_frm) / r_k,
+    r_k = (λ_{frm-k} - λ_frm) / h, and for UniC one more term ρ_p (m_to - m_frm). ρ solves
+    Σ_k ρ_k r_k^{q-1} = q! hh φ_{q+1}(hh) / B for q = 1..p, φ_1(z) = (e^z - 1)/z, φ_{k+1}(z) = (φ_k(z) - 1/k!)/z
+    (the predictor drops the last row and column, and takes ρ = 1/2 for p = 2; the corrector ρ = 1/2 for p = 1).
     """
     h = lam[to] - lam[frm]
     hh = -h
@@ -88,7 +89,7 @@ def bh_update(lam: np.ndarray, alpha_to: float, s_to: float, s_from: float, to: 
         return sample_weight, weights[:order]
     b_h = hh if solver_type == "bh1" else np.expm1(hh)
     rks = np.array([(lam[frm - k] - lam[frm]) / h for k in range(1, order)] + [1.0])
-    # b_q = q! h φ_{q+1}(hh) / B(h): h φ_2 = h_phi_1/hh - 1, then h φ_{q+1} = h φ_q / hh - 1/q!
+    # b_q = q! hh φ_{q+1}(hh) / B: hh φ_2 = h_phi_1/hh - 1, then hh φ_{q+2} = hh φ_{q+1} / hh - 1/(q+1)!
     b, h_phi_k, factorial = [], h_phi_1 / hh - 1, 1
     for q in range(1, order + 1):
         b.append(h_phi_k * factorial / b_h)
