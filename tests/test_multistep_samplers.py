@@ -50,6 +50,10 @@ from sdflax.schedulers import (
     scheduler_from_config,
 )
 
+# numpy 2 on diffusers' numpy calls with torch tensors, thousands of times here
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword"),
+              pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context")]
+
 EXPONENTIAL = {"use_exponential_sigmas": True}
 BETA = {"use_beta_sigmas": True}
 SDE = {"algorithm_type": "sde-dpmsolver++"}
