@@ -1,6 +1,6 @@
-"""DEIS: Zhang & Chen 2023, "Fast Sampling of Diffusion Models with Exponential Integrator", the multistep
-ρAB-DEIS ("logrho": Adams–Bashforth in log ρ, ρ = s/α = σ) on the noise prediction, orders 1–3, matching
-diffusers' DEISMultistepScheduler.
+"""DEIS: Zhang & Chen 2023, "Fast Sampling of Diffusion Models with Exponential Integrator", multistep
+Adams–Bashforth on the noise prediction in ρ = s/α = σ (the paper's ρAB-DEIS) with diffusers' "logrho"
+interpolation (polynomials in log ρ), orders 1–3, matching diffusers' DEISMultistepScheduler.
 
 In ρ = σ the probability-flow ODE of x/α is dx̄/dρ = ε̂ (x̄ = x/α, the σ view of Karras et al.); DEIS integrates the
 polynomial that interpolates the last p noise predictions in log ρ exactly:
