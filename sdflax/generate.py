@@ -79,6 +79,9 @@ class Settings:
     callback: Callable | None = None  # callback(step, num_steps, latents) on the host after every evaluation
     return_trajectory: bool = False
     guess_mode: bool = False  # ControlNet: the nets see only the conditional batch
+    # False: no classifier-free guidance, the UNet runs on the conditional batch only (half the work), as diffusers
+    # does for guidance_scale <= 1 (turbo and LCM models); the pipelines turn it off for such a scale
+    classifier_free_guidance: bool = True
 
 
 class Cond(NamedTuple):
@@ -86,6 +89,12 @@ class Cond(NamedTuple):
 
     context: Any  # (2B, T, D) text states
     unet_kwargs: dict  # extra UNet inputs, e.g. SDXL's text_embeds and time_ids
+
+    def conditional(self) -> "Cond":
+        """The conditional half (B, ...). What only the other half needed (the negative prompt's encoding) is
+        then dead code, which XLA removes."""
+        half = lambda x: jnp.split(x, 2)[1]  # noqa: E731
+        return Cond(half(self.context), {name: half(v) for name, v in self.unet_kwargs.items()})
 
 
 class Start(NamedTuple):
@@ -135,6 +144,8 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
     Differentiable end to end (each sampler step is rematerialised).
     """
     cond = pipeline.conditioning.encode(pipeline, params, inputs, settings)
+    if not settings.classifier_free_guidance:
+        cond = cond.conditional()
     start = pipeline.start.begin(pipeline, params, inputs, settings)
 
     def unet_fn(x, t, context, step, **residuals):
@@ -144,8 +155,12 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
         unet_fn = start.wrap_unet(unet_fn)
     for control in pipeline.controls:  # each wraps the last, so the first listed is the innermost
         unet_fn = control.wrap(pipeline, params, inputs, settings, cond, start)(unet_fn)
-    guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
-    model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32), guidance)
+    if settings.classifier_free_guidance:
+        guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
+        model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
+                                      guidance)
+    else:
+        model = sampling.conditional_model(unet_fn, cond.context)
     out = sampling.denoise(model, pipeline.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
                            state=start.state, post_step=start.post_step, model_takes_step=True)

@@ -128,16 +128,20 @@ class FromImageMask:
             latents = scheduler.add_noise(state, image_latents, noise, 0)
         if nine:
             condition = jnp.concatenate([latent_mask, masked_latents], axis=1)
-            condition = jnp.concatenate([condition, condition])  # for the [unconditional; conditional] batch
             return Start(latents, state, sampler_key, wrap_unet=functools.partial(_with_channels, condition))
         paste = functools.partial(_paste_known, scheduler, image_latents, noise, latent_mask)
         return Start(latents, state, sampler_key, post_step=paste)
 
 
 def _with_channels(condition, unet_fn):
-    """An inpainting UNet's input: [latents (scaled by the scheduler), mask, masked image latents] on channels."""
-    return lambda x, t, context, step, **residuals: unet_fn(jnp.concatenate([x, condition.astype(x.dtype)], axis=1),
-                                                           t, context, step, **residuals)
+    """An inpainting UNet's input: [latents (scaled by the scheduler), mask, masked image latents] on channels;
+    the condition (B, ...) repeated for the [unconditional; conditional] batch (2B, ...) under guidance."""
+
+    def with_channels(x, t, context, step, **residuals):
+        repeated = jnp.tile(condition, (x.shape[0] // condition.shape[0], 1, 1, 1)).astype(x.dtype)
+        return unet_fn(jnp.concatenate([x, repeated], axis=1), t, context, step, **residuals)
+
+    return with_channels
 
 
 def _paste_known(scheduler, image_latents, noise, latent_mask, x, i, state):

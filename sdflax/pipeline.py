@@ -224,7 +224,10 @@ class Pipeline:
         height, width = self._sizes(*self._image_size(inputs, leading_dims, args.get("height"), args.get("width")))
         inputs = self.conditioning.fill_inputs(inputs, height, width)
         settings = Settings(**{**{name: args[name] for name in _SETTINGS if name in args},
-                               "height": height, "width": width})
+                               "height": height, "width": width,
+                               # a guidance function of the user's combines both halves at any scale
+                               "classifier_free_guidance": args.get("guidance") is not None
+                               or _guided(args["guidance_scale"])})
         return inputs, settings
 
     def _sizes(self, height, width):
@@ -320,6 +323,14 @@ class Pipeline:
         out = self._runner.run_sharded(params, inputs, settings, mesh)
         images = np.asarray(out.images)
         return (images, jax.tree.map(np.asarray, out.trajectory)) if settings.return_trajectory else images
+
+
+def _guided(guidance_scale) -> bool:
+    """Classifier-free guidance runs for scales above 1, as diffusers decides; at 1 or below the UNet sees only
+    the conditional batch. A scale traced by the caller's own jit keeps guidance on (its value is unknown)."""
+    if isinstance(guidance_scale, jax.core.Tracer):
+        return True
+    return bool(np.any(np.asarray(guidance_scale) > 1))
 
 
 def _batch(inputs):

@@ -76,7 +76,7 @@ class ControlNet:
         def wrapper(unet_fn):
             def controlled(x, t, context, step, **residuals):
                 # guess mode: only the conditional half sees the nets; the unconditional half gets zero residuals
-                half = settings.guess_mode
+                half = settings.guess_mode and settings.classifier_free_guidance
                 x_c, context_c = (jnp.split(x, 2)[1], jnp.split(context, 2)[1]) if half else (x, context)
                 extra = {name: jnp.split(v, 2)[1] if half else v for name, v in cond.unet_kwargs.items()}
                 down, mid = None, None
@@ -84,7 +84,7 @@ class ControlNet:
                     # diffusers' guidance window: the net acts at evaluation i unless i/n < start or (i+1)/n > end
                     outside = (step / num_evals < starts[k]) | ((step + 1) / num_evals > ends[k])
                     scale = scales[k] * (1.0 - outside.astype(jnp.float32))
-                    image = image if half else jnp.concatenate([image, image])
+                    image = jnp.tile(image, (x_c.shape[0] // image.shape[0], 1, 1, 1))  # [uncond; cond] rows
                     d, m = net.apply(p, x_c, t, context_c, image.astype(net.dtype), scale, guess_mode=half, **extra)
                     down = d if down is None else tuple(a + b for a, b in zip(down, d))
                     mid = m if mid is None else mid + m

@@ -80,6 +80,15 @@ def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guid
     return model
 
 
+def conditional_model(unet_fn, context):
+    """The UNet on the conditional batch alone (B rows): no classifier-free guidance, as for guidance scales <= 1."""
+
+    def model(x, t, *step):
+        return unet_fn(x, t, context, *step).astype(jnp.float32)
+
+    return model
+
+
 class Trajectory(NamedTuple):
     """What the scan stacks at each model evaluation, (evals, *latents.shape) each."""
 
