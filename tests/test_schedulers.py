@@ -241,9 +241,11 @@ def test_scheduler_from_config_and_hashing():
     assert isinstance(scheduler_from_config(SD14_DDIM), DDIMScheduler)
     assert isinstance(scheduler_from_config({**SD14, "_class_name": "FlaxDDIMScheduler"}), DDIMScheduler)
     assert isinstance(scheduler_from_config(SD14, kind="ddim"), DDIMScheduler)
-    assert set(SCHEDULERS) == {"pndm", "ddim", "euler", "euler_ancestral", "dpmpp_2m", "lms"}
+    assert set(SCHEDULERS) == {"pndm", "ddim", "euler", "euler_ancestral", "dpmpp_2m", "lms", "heun", "dpm2",
+                               "dpm2_ancestral", "dpmpp_2s_ancestral", "dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde",
+                               "unipc", "deis", "ddpm", "lcm", "tcd"}
     with pytest.raises(ValueError, match="pndm"):
-        scheduler_from_config(SD14, kind="heun")
+        scheduler_from_config(SD14, kind="warp")
     with pytest.raises(ValueError, match="known"):
         scheduler_from_config({"beta_start": 0.1})
     a, b = PNDMScheduler.from_config(SD14), PNDMScheduler.from_config(dict(SD14))
@@ -309,7 +311,8 @@ def test_check_steps_refuses_what_set_timesteps_refuses(kind, spacing):
         assert {"1", "2", "3"} <= refused
         with pytest.raises(ValueError, match="PRK"):
             sched.check_steps(3)
-    if spacing == "leading":  # steps_offset = 1 would put the first of 100 steps at t = 100
+    if spacing == "leading" and kind not in ("lcm", "tcd"):  # those refuse n > original_inference_steps first
+        # steps_offset = 1 would put the first of 100 steps at t = 100
         with pytest.raises(ValueError, match="first step at t=100, past the last training timestep 99"):
             sched.check_steps(100)
 

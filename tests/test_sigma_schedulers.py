@@ -486,17 +486,14 @@ def test_leading_spacing_init_noise_sigma_depends_on_steps():
 
 
 @pytest.mark.parametrize("cls, field, value", [
-    (EulerScheduler, "use_exponential_sigmas", True),
-    (EulerScheduler, "use_beta_sigmas", True),
     (EulerScheduler, "interpolation_type", "log_linear"),
     (EulerScheduler, "timestep_type", "continuous"),
     (EulerScheduler, "final_sigmas_type", "max"),
     (EulerScheduler, "timestep_spacing", "karras"),
     (EulerScheduler, "prediction_type", "flow_prediction"),
     (EulerAncestralScheduler, "prediction_type", "sample"),
-    (LMSScheduler, "use_exponential_sigmas", True),
     (LMSScheduler, "beta_schedule", "squaredcos_cap_v2"),
-    (DPMSolverScheduler, "algorithm_type", "sde-dpmsolver++"),
+    (DPMSolverScheduler, "algorithm_type", "sde-dpmsolver"),
     (DPMSolverScheduler, "solver_order", 3),
     (DPMSolverScheduler, "solver_type", "bh2"),
     (DPMSolverScheduler, "use_lu_lambdas", True),

@@ -28,7 +28,8 @@ class Scheduler(Protocol):
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> SchedulerState:
-        """The state for sampling latents of `shape` in n steps, skipping the first `start` evaluations (img2img)."""
+        """The state for sampling latents of `shape` in n steps, skipping the first `start` steps (img2img; a
+        two-evaluation sampler such as Heun skips 2 * start evaluations, as diffusers' img2img does)."""
 
     def scale_model_input(self, state, x, i):
         """The UNet's input at evaluation i."""

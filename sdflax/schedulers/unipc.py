@@ -129,6 +129,34 @@ class UniPCScheduler(common.VPSolver):
         is UniP-1 without a correction) while the later steps keep the full schedule's orders and σ."""
         if shape is None:
             raise ValueError("UniPC keeps a history of x̂_0: call set_timesteps(n, shape=sample.shape)")
+        timesteps, sigmas, alpha, s, coefficients = self._schedule(num_inference_steps, start)
+        corrector_x, corrector_last, corrector_m, predictor_x, predictor_m = coefficients
+
+        def f32(a):  # the steps from `start` on
+            return jnp.asarray(a[start:], jnp.float32)
+
+        return UniPCState(
+            timesteps=jnp.asarray(timesteps[start:], jnp.int32),
+            sigmas=jnp.asarray(sigmas[start:]),
+            alpha_t=f32(alpha[:-1]),
+            sigma_t=f32(s[:-1]),
+            corrector_x=f32(corrector_x),
+            corrector_last=f32(corrector_last),
+            corrector_m=f32(corrector_m),
+            predictor_x=f32(predictor_x),
+            predictor_m=f32(predictor_m),
+            history=jnp.zeros((HISTORY, *shape), jnp.float32),
+            last_sample=jnp.zeros(tuple(shape), jnp.float32),
+            num_inference_steps=num_inference_steps,
+        )
+
+    def check_steps(self, num_inference_steps: int) -> None:
+        """Raise now, before anything is compiled (or JAX started), if `set_timesteps(num_inference_steps)` would."""
+        super().check_steps(num_inference_steps)
+        self._schedule(num_inference_steps, 0)
+
+    def _schedule(self, num_inference_steps: int, start: int):
+        """(timesteps, σ (n+1,), α, s, the UniC / UniP coefficients), numpy, checked finite."""
         cfg = self.config
         timesteps, sigmas, train = common.multistep_sigma_schedule(
             cfg, num_inference_steps, cfg.sigma_min, cfg.sigma_max, zero_snr=cfg.rescale_betas_zero_snr)
@@ -167,23 +195,7 @@ class UniPCScheduler(common.VPSolver):
             raise ValueError(f"UniPC's coefficients are not finite for this schedule ({num_inference_steps} steps, "
                              f"lower_order_final={cfg.lower_order_final}, final_sigmas_type="
                              f"{cfg.final_sigmas_type!r}): diffusers' would give NaN samples")
-        def f32(a):  # the steps from `start` on
-            return jnp.asarray(a[start:], jnp.float32)
-
-        return UniPCState(
-            timesteps=jnp.asarray(timesteps[start:], jnp.int32),
-            sigmas=jnp.asarray(sigmas[start:]),
-            alpha_t=f32(alpha[:-1]),
-            sigma_t=f32(s[:-1]),
-            corrector_x=f32(corrector_x),
-            corrector_last=f32(corrector_last),
-            corrector_m=f32(corrector_m),
-            predictor_x=f32(predictor_x),
-            predictor_m=f32(predictor_m),
-            history=jnp.zeros((HISTORY, *shape), jnp.float32),
-            last_sample=jnp.zeros(tuple(shape), jnp.float32),
-            num_inference_steps=num_inference_steps,
-        )
+        return timesteps, sigmas, alpha, s, coefficients
 
     def step(self, state: UniPCState, model_output, i, sample, key=None):
         """Correct x_i with m_i = x̂_0(x_i) (UniC), then predict x_{i+1} from the corrected x^c_i (UniP):
