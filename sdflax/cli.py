@@ -77,6 +77,17 @@ def _strength(text):
     return value
 
 
+def _scheduler(text):
+    """sdflax's scheduler names, diffusers' class names and A1111's sampler names ("DPM++ 2M Karras")."""
+    from .schedulers import scheduler_from_config
+
+    try:
+        scheduler_from_config({}, text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -111,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_options(command, image=False):
     """The options all commands share."""
     from .models.layers import ATTENTION_IMPLEMENTATIONS
-    from .schedulers import SCHEDULERS
 
     size = "resize the image to" if image else "pixels,"
     add = command.add_argument
@@ -119,7 +129,8 @@ def _add_options(command, image=False):
     add("--model", default=DEFAULT_MODEL, metavar="ID_OR_DIR",
         help=f"hub id or local diffusers folder (default: {DEFAULT_MODEL})")
     add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
-    add("--scheduler", choices=sorted(SCHEDULERS), help="sampler (default: the checkpoint's own)")
+    add("--scheduler", type=_scheduler, metavar="NAME", help="sampler: sdflax's name (dpmpp_2m, euler_ancestral, "
+        "...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the checkpoint's own)")
     add("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
     add("--guidance", type=float, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: 7.5; 5.0 for SDXL)")
@@ -221,6 +232,7 @@ def run(args) -> int:
 
     settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
                 "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
+                "sampler": _a1111_name(pipeline.scheduler),
                 "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
                 "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
                 "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
@@ -644,7 +656,7 @@ def png_info(settings):
         info.add_text(key, json.dumps(value) if isinstance(value, list) else str(value))
     s = settings
     parameters = (f"{s['prompt']}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
-                  f"{s['scheduler']}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
+                  f"{s.get('sampler', s['scheduler'])}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
                   f"{s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
@@ -652,6 +664,13 @@ def png_info(settings):
         parameters += f', ControlNet {k}: "Model: {net}, Weight: {scale}"'  # as A1111's ControlNet extension
     info.add_text("parameters", parameters)
     return info
+
+
+def _a1111_name(scheduler):
+    """A1111's name of the sampler and its σ schedule, else sdflax's name."""
+    from .schedulers import a1111_name
+
+    return a1111_name(scheduler) or _scheduler_name(scheduler)
 
 
 def _scheduler_name(scheduler):

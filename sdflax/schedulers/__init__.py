@@ -24,6 +24,7 @@ from .heun import HeunConfig, HeunScheduler, HeunState
 from .lcm import LCMConfig, LCMScheduler, LCMState
 from .lms import LMSConfig, LMSScheduler, LMSState
 from .pndm import PNDMConfig, PNDMScheduler, PNDMState
+from . import names
 from .protocol import Scheduler, SchedulerState
 from .tcd import TCDConfig, TCDScheduler, TCDState
 from .unipc import UniPCConfig, UniPCScheduler, UniPCState
@@ -77,13 +78,26 @@ for _cls in SCHEDULERS.values():
 
 
 def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None):
-    """Build a scheduler from a diffusers scheduler_config.json dict; `kind` defaults to its `_class_name`."""
+    """Build a scheduler from a diffusers scheduler_config.json dict; `kind` defaults to its `_class_name`. `kind`
+    may be sdflax's name ("dpmpp_2m"), a diffusers class name, or an A1111 name ("DPM++ 2M Karras", whose
+    schedule values override the config's)."""
     if kind is None:
         kind = config.get("_class_name")
+    a1111 = names.resolve(kind, SCHEDULERS)
+    if a1111 is not None:
+        kind, values = a1111
+        config = {**config, **values}
     cls = _BY_NAME.get(str(kind).lower())
     if cls is None:
-        raise ValueError(f"unknown scheduler {kind!r}; known: {sorted(_BY_NAME)}")
+        raise ValueError(f"unknown scheduler {kind!r}; known: {', '.join(sorted(SCHEDULERS))}, diffusers' class "
+                         f"names, or A1111's ({', '.join(names.SAMPLERS)}, each optionally followed by "
+                         f"{', '.join(names.SIGMA_SCHEDULES)} or {names.SGM_UNIFORM})")
     return cls.from_config(config)
+
+
+def a1111_name(scheduler) -> str | None:
+    """A1111's name for a scheduler ("DPM++ 2M Karras"), None where A1111 has none."""
+    return names.a1111_name(scheduler, SCHEDULERS)
 
 
 __all__ = [
@@ -142,5 +156,6 @@ __all__ = [
     "UniPCConfig",
     "UniPCScheduler",
     "UniPCState",
+    "a1111_name",
     "scheduler_from_config",
 ]

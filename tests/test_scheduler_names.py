@@ -1,0 +1,84 @@
+"""A1111 sampler names resolve to the schedulers and configs diffusers' scheduler overview names, and back."""
+
+from __future__ import annotations
+
+import diffusers
+import numpy as np
+import pytest
+
+from sdflax.cli import png_info
+from sdflax.schedulers import SCHEDULERS, a1111_name, names, scheduler_from_config
+
+SD1 = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
+       "steps_offset": 1, "_class_name": "PNDMScheduler", "skip_prk_steps": True}
+
+# diffusers' scheduler overview: A1111 name -> (diffusers class, arguments)
+OVERVIEW = {
+    "DPM++ 2M": (diffusers.DPMSolverMultistepScheduler, {}),
+    "DPM++ 2M Karras": (diffusers.DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+    "DPM++ 2M SDE": (diffusers.DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++"}),
+    "DPM++ 2M SDE Karras": (diffusers.DPMSolverMultistepScheduler,
+                            {"use_karras_sigmas": True, "algorithm_type": "sde-dpmsolver++"}),
+    "DPM++ SDE": (diffusers.DPMSolverSDEScheduler, {}),
+    "DPM++ SDE Karras": (diffusers.DPMSolverSDEScheduler, {"use_karras_sigmas": True}),
+    "DPM2": (diffusers.KDPM2DiscreteScheduler, {}),
+    "DPM2 Karras": (diffusers.KDPM2DiscreteScheduler, {"use_karras_sigmas": True}),
+    "DPM2 a": (diffusers.KDPM2AncestralDiscreteScheduler, {}),
+    "DPM2 a Karras": (diffusers.KDPM2AncestralDiscreteScheduler, {"use_karras_sigmas": True}),
+    "Euler": (diffusers.EulerDiscreteScheduler, {}),
+    "Euler a": (diffusers.EulerAncestralDiscreteScheduler, {}),
+    "Heun": (diffusers.HeunDiscreteScheduler, {}),
+    "LMS": (diffusers.LMSDiscreteScheduler, {}),
+    "LMS Karras": (diffusers.LMSDiscreteScheduler, {"use_karras_sigmas": True}),
+    "UniPC": (diffusers.UniPCMultistepScheduler, {}),
+    "DEIS": (diffusers.DEISMultistepScheduler, {}),
+    "DDIM": (diffusers.DDIMScheduler, {}),
+    "PLMS": (diffusers.PNDMScheduler, {}),
+    "Euler Exponential": (diffusers.EulerDiscreteScheduler, {"use_exponential_sigmas": True}),
+    "DPM++ 2M Beta": (diffusers.DPMSolverMultistepScheduler, {"use_beta_sigmas": True}),
+    "Euler a SGM Uniform": (diffusers.EulerAncestralDiscreteScheduler, {"timestep_spacing": "trailing"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERVIEW))
+def test_names_give_diffusers_schedules(name):
+    """The same class family and the same timesteps as diffusers' class with the overview's arguments, starting
+    from a checkpoint config whose own choices the name overrides (Karras on, the SDE algorithm)."""
+    cls, kwargs = OVERVIEW[name]
+    checkpoint = {**SD1, "use_karras_sigmas": "Karras" not in name, "algorithm_type": "dpmsolver++"}
+    ours = scheduler_from_config(checkpoint, name)
+    theirs = cls.from_config({**SD1, **kwargs})
+    theirs.set_timesteps(10)
+    state = ours.set_timesteps(10, shape=(1, 4, 8, 8))
+    np.testing.assert_allclose(np.asarray(state.timesteps, np.float64), theirs.timesteps.numpy(), rtol=0, atol=1e-3)
+    for key, value in kwargs.items():
+        assert getattr(ours.config, key) == value, key
+    if "SGM" not in name:
+        assert a1111_name(ours) == name
+
+
+def test_every_name_and_schedule_round_trips():
+    count = 0
+    for sampler, (kind, _) in names.SAMPLERS.items():
+        for suffix in ("", *names.SIGMA_SCHEDULES):
+            name = f"{sampler} {suffix}".strip()
+            try:
+                scheduler = scheduler_from_config(SD1, name.upper())  # case and spacing are ignored
+            except ValueError as e:
+                assert suffix and f"{sampler} has no {suffix} σ schedule" in str(e)
+                continue
+            assert type(scheduler) is SCHEDULERS[kind]
+            assert a1111_name(scheduler) == name
+            count += 1
+    assert count >= 30
+
+
+def test_parameters_line_names_the_sampler(tmp_path):
+    from PIL import Image
+
+    settings = {"prompt": "a fox", "negative_prompt": "", "steps": 20, "scheduler": "dpmpp_2m",
+                "sampler": "DPM++ 2M Karras", "guidance_scale": 7.5, "seed": 3, "width": 512, "height": 512,
+                "model": "m"}
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png", pnginfo=png_info(settings))
+    parameters = Image.open(tmp_path / "x.png").text["parameters"]
+    assert "\nSteps: 20, Sampler: DPM++ 2M Karras, CFG scale: 7.5, Seed: 3," in parameters
