@@ -119,7 +119,8 @@ class Output(NamedTuple):
 def random_draws(prng_seed, shape, count):
     """`count` standard-normal arrays of `shape` (B, ...) and the sampler's key, from one PRNG key, or from one key
     per image (B,), image b then drawing exactly what a batch of one with key b draws (diffusers' list of
-    generators). The sampler's key is then image 0's: samplers that add noise at every step draw it for the batch.
+    generators). The sampler's key is then one per image too: samplers that add noise at every step draw image
+    b's from key b (`schedulers.common.step_noise`), so image b does not depend on the batch it is made in.
 
     This is how every pipeline turns its key into noise, so image n of a seed list can be made alone.
     """
@@ -133,7 +134,7 @@ def random_draws(prng_seed, shape, count):
     one = (1, *shape[1:])
     draws = [jax.vmap(lambda k: jax.random.normal(k, one, jnp.float32))(keys[:, j]).reshape(shape)
              for j in range(count)]
-    return draws, keys[0, count]
+    return draws, keys[:, count]
 
 
 def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:

@@ -89,6 +89,14 @@ def conditional_model(unet_fn, context):
     return model
 
 
+def step_key(key, i):
+    """The key of evaluation i: the sampler's key folded with i, or each image's key folded with i."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if key.ndim == (0 if typed else 1):
+        return jax.random.fold_in(key, i)
+    return jax.vmap(jax.random.fold_in, (0, None))(key, i)
+
+
 class Trajectory(NamedTuple):
     """What the scan stacks at each model evaluation, (evals, *latents.shape) each."""
 
@@ -124,7 +132,7 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
         model_input = scheduler.scale_model_input(state, x, i)
         prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
-        x, state = scheduler.step(state, prediction, i, x, key=jax.random.fold_in(key, i))
+        x, state = scheduler.step(state, prediction, i, x, key=step_key(key, i))
         if post_step is not None:
             x = post_step(x, i, state)
         if callback is not None:
