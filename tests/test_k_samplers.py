@@ -4,6 +4,7 @@ written out in float64 numpy below; img2img starts, noise, scan compatibility, t
 end-to-end images."""
 
 import dataclasses
+import hashlib
 import json
 
 import diffusers
@@ -21,7 +22,7 @@ from test_sigma_schedulers import (ATOL_TIMESTEPS, IMAGE, IMAGE_NOISE, SD1, atol
 
 from sdflax import StableDiffusion
 from sdflax.schedulers import (DPM2AncestralScheduler, DPM2Scheduler, DPMpp2SAncestralScheduler, DPMSolverSDEScheduler,
-                               HeunScheduler, scheduler_from_config)
+                               EulerScheduler, HeunScheduler, scheduler_from_config)
 
 # diffusers' KDPM2 set_timesteps feeds torch tensors to numpy, which warns once per σ.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -56,9 +57,23 @@ def patch_noise(cls, noises, monkeypatch, current):
                             lambda *args, **kwargs: lambda sigma, sigma_next: torch.from_numpy(noises[current[0]]))
 
 
+# run_diffusers' results by its arguments: the parity tests and the "setting changes the oracle" test ask for many
+# of the same runs, and diffusers' KDPM2 runs are slow (they interpolate σ -> t in torch, σ by σ).
+DIFFUSERS_RUNS = {}
+
+
 def run_diffusers(cls, config, n, noises=None, monkeypatch=None, start=0):
     """diffusers' loop as its pipelines run it (txt2img, or img2img from step `start`: set_begin_index(start *
-    order)); `noises[j]` is what evaluation j draws. Returns timesteps, init_noise_sigma and per-evaluation arrays."""
+    order)); `noises[j]` is what evaluation j draws. Returns timesteps, init_noise_sigma and per-evaluation arrays
+    (read-only: they are memoized)."""
+    noise_digest = None if noises is None else hashlib.sha256(np.ascontiguousarray(noises).tobytes()).hexdigest()
+    key = (cls, json.dumps(config, sort_keys=True), n, start, noise_digest)
+    if key not in DIFFUSERS_RUNS:
+        DIFFUSERS_RUNS[key] = _run_diffusers(cls, config, n, noises, monkeypatch, start)
+    return DIFFUSERS_RUNS[key]
+
+
+def _run_diffusers(cls, config, n, noises, monkeypatch, start):
     sched = TORCH[cls].from_config(config)
     sched.set_timesteps(n)
     begin = start * sched.order
@@ -79,7 +94,11 @@ def run_diffusers(cls, config, n, noises=None, monkeypatch=None, start=0):
         x = result.prev_sample
         for name, value in (("inputs", model_input), ("samples", x), ("x0", result.pred_original_sample)):
             out[name].append(value.numpy())
-    return sched.timesteps[begin:].numpy(), float(sched.init_noise_sigma), {k: np.stack(v) for k, v in out.items()}
+    arrays = {k: np.stack(v) for k, v in out.items()}
+    timesteps = sched.timesteps[begin:].numpy().copy()
+    for array in (timesteps, *arrays.values()):
+        array.setflags(write=False)
+    return timesteps, float(sched.init_noise_sigma), arrays
 
 
 def assert_close(ours, theirs, atol):
@@ -100,6 +119,8 @@ def assert_parity(cls, config, n, monkeypatch=None, start=0, ulps=ULPS):
 
 
 KARRAS = {"use_karras_sigmas": True}
+EXPONENTIAL = {"use_exponential_sigmas": True}
+BETA = {"use_beta_sigmas": True}
 V_PRED = {"prediction_type": "v_prediction"}
 TRAILING = {"timestep_spacing": "trailing"}
 LEADING = {"timestep_spacing": "leading"}
@@ -107,7 +128,8 @@ LEADING = {"timestep_spacing": "leading"}
 # Two steps: one two-evaluation step and the final Euler one. With linspace spacing the second σ is σ_min ≈ 0.03,
 # where Heun's corrector divides x̃ - x̂_0 by it and DPM2 ancestral's σ_down² = σ_1² - σ_up² cancels to 4e-9: float32
 # rounding differences (torch's sqrt) grow far past an ulp there, in diffusers as much as here. Trailing spacing
-# keeps the same structure well conditioned.
+# keeps the same structure well conditioned. For the same reason the beta σ (which keep both end points and crowd
+# at them) are tested at 10 steps, not 3: with 3 the second step jumps from σ ≈ 7.3 to σ_min.
 CASES = {
     "sd1-20": (SD1, 20),
     "sd1-1": (SD1, 1),
@@ -115,6 +137,9 @@ CASES = {
     "karras-10": ({**SD1, **KARRAS}, 10),
     "v-pred": ({**SD1, **V_PRED}, 10),
     "v-pred-karras": ({**SD1, **V_PRED, **KARRAS}, 10),
+    "exponential-10": ({**SD1, **EXPONENTIAL}, 10),
+    "beta-10": ({**SD1, **BETA}, 10),
+    "v-pred-exponential": ({**SD1, **V_PRED, **EXPONENTIAL}, 10),
     "trailing-7": ({**SD1, **TRAILING}, 7),
     "leading-10": ({**SD1, **LEADING}, 10),
     "linear-defaults": ({}, 10),  # σ_max = 157 (atol_for scales the tolerance)
@@ -157,6 +182,25 @@ def test_img2img_start_matches_diffusers(cls, start, monkeypatch):
     assert_parity(cls, config, 10, monkeypatch, start=start)
     with pytest.raises(ValueError, match="start"):
         cls.from_config(config).set_timesteps(10, shape=SHAPE, start=10)
+
+
+SIGMA_RANGE = {"sigma_min": 0.1, "sigma_max": 10.0}
+
+
+@pytest.mark.parametrize("cls, schedule", [
+    (HeunScheduler, KARRAS), (DPM2Scheduler, BETA), (DPM2AncestralScheduler, EXPONENTIAL),
+    (DPMSolverSDEScheduler, EXPONENTIAL), (DPMSolverSDEScheduler, KARRAS),
+], ids=["heun-karras", "dpm2-beta", "dpm2-ancestral-exponential", "dpmpp-sde-exponential", "dpmpp-sde-karras"])
+def test_config_sigma_range_as_diffusers(cls, schedule, monkeypatch):
+    """A config's sigma_min / sigma_max (which diffusers' `from_config` keeps from a compatible class's config, e.g.
+    Euler's) bound the redistributed σ as diffusers' class reads them: but for DPMSolverSDEScheduler's Karras σ,
+    which keep the spaced end points."""
+    config = {**SD1, **schedule, **SIGMA_RANGE}
+    assert_parity(cls, config, 10, monkeypatch)
+    sigmas = np.asarray(cls.from_config(config).set_timesteps(10, shape=SHAPE).step_sigmas)
+    ignored = cls is DPMSolverSDEScheduler and schedule is KARRAS
+    assert sigmas[0] == pytest.approx(14.6146 if ignored else 10.0, rel=1e-5)
+    assert sigmas[-1] == pytest.approx(0.0291675 if ignored else 0.1, rel=1e-5)
 
 
 # ---- DPM++ 2S ancestral: k-diffusion's sampler in float64 --------------------------------------------------------
@@ -228,6 +272,23 @@ def test_dpmpp_2s_ancestral_matches_k_diffusion_in_float64(name):
     assert_close(ours, theirs, ULPS * atol_for(config))
 
 
+@pytest.mark.parametrize("schedule", [EXPONENTIAL, BETA, {**EXPONENTIAL, **SIGMA_RANGE}],
+                         ids=["exponential", "beta", "exponential-sigma-range"])
+def test_dpmpp_2s_ancestral_sigmas_are_euler_s(schedule):
+    """The use_*_sigmas flags (and sigma_min / sigma_max) place σ as Euler's: each step's first evaluation is at
+    Euler's σ_k (ours exactly; diffusers' up to torch's float32 sqrt), and the step lands on its σ_{k+1}."""
+    config = {**SD1, **schedule}
+    state = DPMpp2SAncestralScheduler.from_config(config).set_timesteps(10, shape=SHAPE)
+    ours = np.asarray(EulerScheduler.from_config(config).set_timesteps(10).sigmas)
+    theirs = diffusers.EulerDiscreteScheduler.from_config(config)
+    theirs.set_timesteps(10)
+    np.testing.assert_array_equal(np.asarray(state.sigmas)[::2], ours[:-1])
+    np.testing.assert_array_equal(np.asarray(state.step_sigmas)[1::2], ours[1:-1])
+    np.testing.assert_allclose(np.asarray(state.sigmas)[::2], theirs.sigmas.numpy()[:-1], rtol=1e-6, atol=0)
+    spaced = np.asarray(EulerScheduler.from_config(SD1).set_timesteps(10).sigmas)
+    assert np.abs(ours - spaced).max() > 0.1  # the schedule is not the spaced one
+
+
 def test_dpmpp_2s_ancestral_img2img_start_is_the_schedule_tail():
     sched = DPMpp2SAncestralScheduler.from_config({**SD1, **KARRAS})
     full, tail = sched.set_timesteps(10, shape=SHAPE), sched.set_timesteps(10, shape=SHAPE, start=3)
@@ -257,10 +318,10 @@ def test_every_setting_under_test_changes_the_oracle(cls, cases, monkeypatch):
     """Each setting a case adds to SD 1.x's schedule, set back to its default, gives other samples."""
     for name, (config, n) in cases.items():
         changed = [key for key in config if SD1.get(key) != config[key]] or ([] if config else ["all of SD1"])
+        theirs = oracle_samples(cls, config, n, monkeypatch) if changed else None
         for key in changed:
             default = SD1 if key == "all of SD1" else {k: v for k, v in config.items() if k != key}
-            theirs, default_theirs = oracle_samples(cls, config, n, monkeypatch), oracle_samples(
-                cls, default, n, monkeypatch)
+            default_theirs = oracle_samples(cls, default, n, monkeypatch)
             assert np.abs(theirs[-1] - default_theirs[-1]).max() > 1e-3, f"{name}: {key}"
 
 
@@ -367,7 +428,6 @@ def test_defaults_follow_diffusers_and_saved_configs_load(cls):
 
 
 @pytest.mark.parametrize("cls, field, value", [
-    *[(cls, field, True) for cls in KINDS.values() for field in ("use_exponential_sigmas", "use_beta_sigmas")],
     *[(cls, "prediction_type", "sample") for cls in (DPM2Scheduler, DPM2AncestralScheduler, DPMSolverSDEScheduler)],
     (HeunScheduler, "beta_schedule", "squaredcos_cap_v2"),
     (DPMSolverSDEScheduler, "timestep_spacing", "karras"),
@@ -375,6 +435,12 @@ def test_defaults_follow_diffusers_and_saved_configs_load(cls):
 def test_unsupported_config_values_raise(cls, field, value):
     with pytest.raises(ValueError, match=f"{field}=.*allowed"):
         cls.from_config({**SD1, field: value})
+
+
+@pytest.mark.parametrize("cls", list(KINDS.values()), ids=lambda cls: cls.__name__)
+def test_one_sigma_schedule_at_a_time(cls):
+    with pytest.raises(ValueError, match="use_exponential_sigmas and use_beta_sigmas are both set"):
+        cls.from_config({**SD1, **EXPONENTIAL, **BETA})
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------

@@ -19,10 +19,13 @@ class DPM2Config(common.ScheduleConfig):
     beta_start: float = 0.00085  # diffusers' KDPM2(Ancestral)DiscreteScheduler defaults
     beta_end: float = 0.012
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None  # their end points where a config carries them (heun.HeunConfig says why)
+    sigma_max: float | None = None
 
     allowed_prediction_types = ("epsilon", "v_prediction")  # diffusers raises for "sample"
-    unsupported = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +65,9 @@ class DPM2Scheduler(TwoStageSampler):
         """`shape` of the samples (required: the state keeps x_k); `start` skips that many steps (img2img)."""
         shape = require_shape(shape, type(self).__name__)
         cfg, n = self.config, num_inference_steps
-        timesteps, sigmas = common.discrete_sigma_schedule(cfg, n, karras=bool(cfg.use_karras_sigmas))
+        timesteps, sigmas = common.discrete_sigma_schedule(cfg, n, sigma_min=cfg.sigma_min, sigma_max=cfg.sigma_max)
         if cfg.use_karras_sigmas:
-            timesteps = timesteps.round()  # diffusers rounds these (and not the midpoints')
+            timesteps = timesteps.round()  # diffusers rounds Karras' (not exponential or beta ones, nor midpoints')
         s_from, s_to = sigmas[:-1], sigmas[1:]  # float32, as diffusers computes them
         if self.ancestral:
             # σ_k -> σ_{k+1} as a deterministic move to σ_down plus fresh noise of std σ_up (the DDPM posterior):

@@ -3,7 +3,8 @@ Probabilistic Models", Algorithm 1 (the second-order singlestep solver in data p
 ancestral split of each step, as Katherine Crowson's `sample_dpmpp_2s_ancestral` (eta = 1, s_noise = 1).
 
 diffusers has no such class; the σ schedule and timesteps are its Euler samplers' (EulerAncestralDiscreteScheduler,
-EulerDiscreteScheduler with Karras σ), and the midpoints' timesteps are interpolated in log σ as KDPM2's are.
+EulerDiscreteScheduler with Karras, exponential or beta σ), and the midpoints' timesteps are interpolated in log σ
+as KDPM2's are.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from .heun import TwoStageSampler, draw_noise, first_evaluation, interleave, req
 @dataclasses.dataclass(frozen=True)
 class DPMpp2SAncestralConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"  # the other fields default as Euler ancestral's
-    use_karras_sigmas: bool = False
-
-    unsupported = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES), as Euler's
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None  # their end points, as Euler's; default: the spaced schedule's
+    sigma_max: float | None = None
 
 
 @flax.struct.dataclass
@@ -57,7 +60,7 @@ class DPMpp2SAncestralScheduler(TwoStageSampler):
         """`shape` of the samples (required: the state keeps x_k); `start` skips that many steps (img2img)."""
         shape = require_shape(shape, "DPM++ 2S ancestral")
         cfg, n = self.config, num_inference_steps
-        timesteps, sigmas = common.discrete_sigma_schedule(cfg, n, karras=bool(cfg.use_karras_sigmas))
+        timesteps, sigmas = common.discrete_sigma_schedule(cfg, n, sigma_min=cfg.sigma_min, sigma_max=cfg.sigma_max)
         s_from, s_to = sigmas[:-1].astype(np.float64), sigmas[1:].astype(np.float64)
         sigma_down, sigma_up = ancestral_step(s_from, s_to)
         # In t = -log σ (the half log-SNR λ of a VE schedule), step k goes t_k -> t_down = t_k + h, with a midpoint
@@ -65,8 +68,8 @@ class DPMpp2SAncestralScheduler(TwoStageSampler):
         # in the σ view):
         #   x(t') = (σ(t')/σ_k) x_k - (e^{-(t'-t_k)} - 1) x̂_0,
         # taken to s with x̂_0(x_k, σ_k) (the first evaluation), then to t_down with x̂_0(x_mid, σ_mid) (the second).
-        # The last step lands on σ_down = 0: x_n = x̂_0 (k-diffusion's Euler step there, x_k + (x_k - x̂_0)/σ_k (0 - σ_k),
-        # is x̂_0 too).
+        # The last step lands on σ_down = 0: x_n = x̂_0 (k-diffusion's Euler step there,
+        # x_k + (x_k - x̂_0)/σ_k (0 - σ_k), is x̂_0 too).
         last = sigma_down == 0
         with np.errstate(divide="ignore"):
             h = np.log(s_from) - np.log(sigma_down)  # inf at the last step

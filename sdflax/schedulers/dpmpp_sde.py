@@ -23,11 +23,16 @@ class DPMSolverSDEConfig(common.ScheduleConfig):
     beta_start: float = 0.00085  # diffusers' DPMSolverSDEScheduler defaults
     beta_end: float = 0.012
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    # The exponential and beta σ's end points where a config carries them (heun.HeunConfig says why); this class's
+    # Karras σ always span the spaced schedule's.
+    sigma_min: float | None = None
+    sigma_max: float | None = None
     # diffusers' `noise_sampler_seed` seeds its torch Brownian tree; here the noise comes from the step's key.
 
     allowed_prediction_types = ("epsilon", "v_prediction")  # diffusers raises for "sample"
-    unsupported = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
 
 
 @flax.struct.dataclass
@@ -49,12 +54,18 @@ class DPMSolverSDEState:
 
 def sde_schedule(cfg: DPMSolverSDEConfig, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(timesteps (n,), σ (n,), the midpoints' timesteps (n-1,)), float64, as DPMSolverSDEScheduler places them:
-    Euler's spacing, but σ interpolated at float64 timesteps, and σ_mid = √(σ_k σ_{k+1}) from float64 σ."""
+    Euler's spacing, but σ interpolated at float64 timesteps (Karras, exponential or beta σ redistributed between
+    their end points, the timesteps following them), and σ_mid = √(σ_k σ_{k+1}) from float64 σ, before any
+    float32 rounding."""
     timesteps = common.spaced_timesteps(cfg, n, fractional=True).astype(np.float64)
     train = common.train_sigmas(cfg)
     sigmas = np.interp(timesteps, np.arange(len(train)), train)
-    if cfg.use_karras_sigmas:
-        sigmas = common.karras_sigmas(sigmas[-1], sigmas[0], n)
+    if (schedule := common.sigma_schedule(cfg)) != "spaced":
+        lo, hi = sigmas[-1], sigmas[0]
+        if schedule != "karras":  # diffusers' `_convert_to_karras` here ignores the config's end points
+            lo = cfg.sigma_min if cfg.sigma_min is not None else lo
+            hi = cfg.sigma_max if cfg.sigma_max is not None else hi
+        sigmas = common.schedule_sigmas(schedule, lo, hi, n)
         timesteps = common.sigma_to_t(sigmas, np.log(train))
     t = -np.log(sigmas)
     t_mid = common.sigma_to_t(np.exp(-(t[:-1] + np.diff(t) / 2)), np.log(train))

@@ -67,11 +67,16 @@ class HeunConfig(common.ScheduleConfig):
     beta_start: float = 0.00085  # diffusers' HeunDiscreteScheduler defaults
     beta_end: float = 0.012
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False
+    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    # The Karras / exponential / beta σ span the spaced schedule's end points, or these where a config carries them:
+    # diffusers' class has no such arguments but reads `config.sigma_min` / `sigma_max` when present, and
+    # `from_config` keeps them from a compatible class's config (Euler's) as hidden entries.
+    sigma_min: float | None = None
+    sigma_max: float | None = None
     clip_sample: bool = False
     clip_sample_range: float = 1.0
-
-    unsupported = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
 
 
 @flax.struct.dataclass
@@ -99,7 +104,10 @@ class HeunScheduler(TwoStageSampler):
         """`shape` of the samples (required: the state keeps x_k and d_k); `start` skips that many steps (img2img)."""
         shape = require_shape(shape, "Heun")
         cfg = self.config
-        timesteps, sigmas = common.discrete_sigma_schedule(cfg, num_inference_steps, karras=bool(cfg.use_karras_sigmas))
+        # Euler's schedule: σ interpolated at the spaced timesteps, or redistributed by the config's use_*_sigmas
+        # between their end points, with the timesteps following the σ.
+        timesteps, sigmas = common.discrete_sigma_schedule(cfg, num_inference_steps, sigma_min=cfg.sigma_min,
+                                                           sigma_max=cfg.sigma_max)
         n, skip = num_inference_steps, first_evaluation(start, num_inference_steps)
         # Step k: predictor at (σ_k, t_k), corrector at (σ_{k+1}, t_{k+1}); both move by σ_{k+1} - σ_k.
         t_next = np.append(timesteps[1:], 0.0)  # the last step has no corrector: its entry is dropped
