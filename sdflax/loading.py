@@ -71,8 +71,7 @@ def load_scheduler(folder, kind=None, overrides=None):
         raise FileNotFoundError(f"no scheduler/scheduler_config.json in {folder}")
     with open(path) as f:
         config = json.load(f)
-    config.update(overrides or {})
-    return scheduler_from_config(config, kind)
+    return scheduler_from_config(config, kind, overrides)
 
 
 def build_models(classes: dict, configs: dict, dtype, attention="auto") -> dict:

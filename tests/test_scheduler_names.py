@@ -82,3 +82,12 @@ def test_parameters_line_names_the_sampler(tmp_path):
     Image.new("RGB", (8, 8)).save(tmp_path / "x.png", pnginfo=png_info(settings))
     parameters = Image.open(tmp_path / "x.png").text["parameters"]
     assert "\nSteps: 20, Sampler: DPM++ 2M Karras, CFG scale: 7.5, Seed: 3," in parameters
+
+
+def test_sdflax_names_keep_the_config_and_overrides_win():
+    karras = {**SD1, "use_karras_sigmas": True}
+    assert scheduler_from_config(karras, "euler").config.use_karras_sigmas  # "euler" is sdflax's, not A1111's
+    assert scheduler_from_config(karras, "lms").config.use_karras_sigmas
+    assert not scheduler_from_config(karras, "LMS").config.use_karras_sigmas  # A1111's spelling: its meaning
+    assert not scheduler_from_config(karras, "DPM++ 2M").config.use_karras_sigmas  # A1111's name says no Karras
+    assert scheduler_from_config(SD1, "DPM++ 2M", {"use_karras_sigmas": True}).config.use_karras_sigmas

@@ -77,16 +77,20 @@ for _cls in SCHEDULERS.values():
     _BY_NAME[_cls.__name__.lower()] = _cls  # EulerScheduler
 
 
-def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None):
+def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
+                          overrides: Mapping[str, Any] | None = None):
     """Build a scheduler from a diffusers scheduler_config.json dict; `kind` defaults to its `_class_name`. `kind`
-    may be sdflax's name ("dpmpp_2m"), a diffusers class name, or an A1111 name ("DPM++ 2M Karras", whose
-    schedule values override the config's)."""
+    may be sdflax's name ("dpmpp_2m"), a diffusers class name, or an A1111 name ("DPM++ 2M Karras", whose values
+    replace the config's: "Euler" means no Karras σ, where sdflax's "euler" keeps the config's choice); `overrides`
+    replace both."""
     if kind is None:
         kind = config.get("_class_name")
-    a1111 = names.resolve(kind, SCHEDULERS)
+    a1111_spelling = kind in names.SAMPLERS or str(kind).lower() not in _BY_NAME
+    a1111 = names.resolve(kind, SCHEDULERS) if a1111_spelling else None
     if a1111 is not None:
         kind, values = a1111
         config = {**config, **values}
+    config = {**config, **(overrides or {})}
     cls = _BY_NAME.get(str(kind).lower())
     if cls is None:
         raise ValueError(f"unknown scheduler {kind!r}; known: {', '.join(sorted(SCHEDULERS))}, diffusers' class "
