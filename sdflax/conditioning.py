@@ -58,12 +58,18 @@ class SDText:
 
     @classmethod
     def encode(cls, pipeline, params, inputs, settings) -> Cond:
+        neg_ids = pipeline.empty_prompt_ids if inputs.neg_prompt_ids is None else inputs.neg_prompt_ids
+        if settings.classifier_free_guidance and inputs.prompt_embeds is None and inputs.neg_prompt_embeds is None:
+            # One text-encoder call on [negative; prompt] ids, 2B rows for any B: a batch of one compiles to other
+            # kernels (XLA drops the unit dimension), and an image must not change with the batch it is made in.
+            ids = inputs.prompt_ids
+            both = jnp.concatenate([jnp.broadcast_to(neg_ids, ids.shape), ids])
+            return Cond(cls.encode_prompt(pipeline, params, both).astype(pipeline.dtype), {})
         embeds = inputs.prompt_embeds
         if embeds is None:
             embeds = cls.encode_prompt(pipeline, params, inputs.prompt_ids)
         neg = inputs.neg_prompt_embeds
         if neg is None:
-            neg_ids = pipeline.empty_prompt_ids if inputs.neg_prompt_ids is None else inputs.neg_prompt_ids
             neg = jnp.broadcast_to(cls.encode_prompt(pipeline, params, neg_ids), embeds.shape)
         return Cond(jnp.concatenate([neg, embeds]).astype(pipeline.dtype), {})
 

@@ -7,10 +7,11 @@ argument positions, so a new input needs no change here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from .generate import Inputs, Output
 from .parallel import device_mesh, replicate_on, shard_batch
@@ -19,6 +20,7 @@ from .parallel import device_mesh, replicate_on, shard_batch
 class Runner:
     def __init__(self, fn):
         self.fn = fn
+        self._sharded = {}  # mesh -> program
 
     @functools.cached_property
     def jit(self):
@@ -31,23 +33,26 @@ class Runner:
         ...), one key per device or per image; shared inputs (scales, sizes) are broadcast."""
         return jax.pmap(self.fn, in_axes=(0, Inputs.axes(), None), static_broadcasted_argnums=2)
 
-    @functools.cached_property
-    def sharded(self):
-        """jit over (B, ...) inputs split over a one-axis device mesh: each device runs `fn` on its rows with its
-        own key (a vmap over a leading device axis), so the results equal the pmap path's. Keys arrive as
-        (devices,) or (devices, B / devices); a trajectory comes back as (evals, B, ...)."""
+    def sharded(self, mesh):
+        """jit over (B, ...) inputs split over a one-axis device mesh, each device running `fn` on its own rows
+        with its own key (a `shard_map`: a device's program is the one-device program on B / devices rows, so an
+        image does not depend on the mesh). Keys arrive as (devices,) or (devices, B / devices); a trajectory
+        comes back as (evals, B, ...). One program per mesh and Settings."""
+        if mesh not in self._sharded:
+            axis = mesh.axis_names[0]
+            in_specs = (P(), Inputs(**{f.name: P(axis) if f.metadata.get("batched") else P()
+                                       for f in dataclasses.fields(Inputs)}))
+            out_specs = Output(P(axis), P(None, axis))  # images (B, ...), trajectory (evals, B, ...)
 
-        def run(params, inputs, settings):
-            devices = inputs.prng_seed.shape[0]
-            per_device = {name: jax.tree.map(lambda x: x.reshape(devices, -1, *x.shape[1:]), getattr(inputs, name))
-                          for name in Inputs.batched_fields() if name != "prng_seed"}
-            out = jax.vmap(lambda p, x: self.fn(p, x, settings), in_axes=(None, Inputs.axes()))(
-                params, inputs.replace(**per_device))
-            trajectory = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:]),
-                                      out.trajectory)
-            return Output(out.images.reshape(-1, *out.images.shape[2:]), trajectory)
+            def run(params, inputs, settings):
+                def local(params, inputs):  # this device's rows, and its key or its images' keys
+                    return self.fn(params, inputs.replace(prng_seed=inputs.prng_seed[0]), settings)
 
-        return jax.jit(run, static_argnums=2)
+                return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                     check_vma=False)(params, inputs)
+
+            self._sharded[mesh] = jax.jit(run, static_argnums=2)
+        return self._sharded[mesh]
 
     def run_sharded(self, params, inputs: Inputs, settings, mesh=None) -> Output:
         """Place the inputs on `mesh` (default: all local devices) and run the sharded program."""
@@ -62,7 +67,7 @@ class Runner:
         batched = {name: getattr(inputs, name) for name in Inputs.batched_fields() if name != "prng_seed"
                    and getattr(inputs, name) is not None}
         inputs = inputs.replace(**shard_batch(batched, mesh), prng_seed=shard_batch(keys, mesh))
-        return self.sharded(replicate_on(params, mesh), inputs, settings)
+        return self.sharded(mesh)(replicate_on(params, mesh), inputs, settings)
 
 
 def _batch(inputs) -> int:

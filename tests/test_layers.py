@@ -37,8 +37,8 @@ def test_attention_matches_sdpa(tokens, keys, causal):
 
 
 @pytest.mark.parametrize("size, channels, kernel, stride, padding", [
-    (8, 48, 3, 1, 1),    # 2 x 8 x 8 = 128 output pixels: one patch matmul on the CPU
-    (32, 16, 3, 1, 1),   # 2048 output pixels: XLA's convolution
+    (8, 48, 3, 1, 1),    # 8 x 8 = 64 output pixels an image: one patch matmul on the CPU
+    (32, 16, 3, 1, 1),   # 1024 output pixels an image: XLA's convolution
     (9, 24, 3, 2, 1),    # odd side, stride 2
     (10, 24, 3, 2, 0),   # the VAE's downsampling (its (0, 1) pad happens before the conv)
     (8, 48, 1, 1, 0),    # 1x1
@@ -56,7 +56,7 @@ def test_conv_matches_torch(size, channels, kernel, stride, padding):
     theirs = torch.nn.functional.conv2d(torch.from_numpy(x).permute(0, 3, 1, 2), weight, bias, stride, padding)
     np.testing.assert_allclose(np.asarray(ours), theirs.permute(0, 2, 3, 1).numpy(), rtol=RTOL, atol=ATOL)
 
-    out_pixels = ours.shape[0] * ours.shape[1] * ours.shape[2]
+    out_pixels = ours.shape[1] * ours.shape[2]  # per image: the batch does not change the path
     as_matmul = "convolution(" not in compiled_text(module.apply, params, x)
     assert as_matmul == (kernel > 1 and out_pixels <= layers.CPU_PATCH_MATMUL_PIXELS)
 

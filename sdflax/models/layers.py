@@ -23,9 +23,10 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 # cache, than in one piece (SD 1.5 on 2 cores: its 1024-token self-attention 61 -> 35 ms; a 512 px UNet evaluation
 # 13.4 s with blocks of 256 queries, 11.9 s with 128).
 CPU_QUERY_CHUNK = 128
-# On the CPU, a convolution with at most this many output pixels (batch included) is faster as one matmul over
-# its 3x3 patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280: 109 -> 50 ms on 2 cores).
-CPU_PATCH_MATMUL_PIXELS = 512
+# On the CPU, a convolution with at most this many output pixels per image is faster as one matmul over its 3x3
+# patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280). Per image, not per batch: the two paths sum
+# in different orders, and an image must not change with the batch it is made in.
+CPU_PATCH_MATMUL_PIXELS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,7 @@ class Conv2d(nn.Module):
                                        for i in range(k) for j in range(k)], axis=-1)
             return patches @ kernel.reshape(-1, self.features)
 
-        small = x.shape[0] * h_out * w_out <= CPU_PATCH_MATMUL_PIXELS and k > 1
+        small = h_out * w_out <= CPU_PATCH_MATMUL_PIXELS and k > 1
         y = (patch_matmul if small and self.kernels.platform == "cpu" else convolve)(x, kernel)
         return y + bias.astype(self.dtype)
 
