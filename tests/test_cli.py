@@ -112,8 +112,7 @@ def one_error_line(capsys):
 @pytest.mark.parametrize("args, expected", [
     (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["--scheduler", "warp-drive"], "argument --scheduler: unknown scheduler 'warp-drive'; known: ddim"),
-    (["--scheduler", "Euler a Karras"],
-     "argument --scheduler: scheduler 'Euler a Karras': Euler a has no Karras σ schedule"),
+    (["--scheduler", "DDIM Karras"], "argument --scheduler: scheduler 'DDIM Karras': DDIM has no Karras σ schedule"),
     (["--height", "130"], "--height 130 is not a multiple of 4, the VAE scale factor of"),
     (["--width", "130", "--height", "128"], "use 128 or 132"),
     (["--seed", "-1"], "argument --seed: must be between 0 and 4294967295"),

@@ -91,3 +91,28 @@ def test_sdflax_names_keep_the_config_and_overrides_win():
     assert not scheduler_from_config(karras, "LMS").config.use_karras_sigmas  # A1111's spelling: its meaning
     assert not scheduler_from_config(karras, "DPM++ 2M").config.use_karras_sigmas  # A1111's name says no Karras
     assert scheduler_from_config(SD1, "DPM++ 2M", {"use_karras_sigmas": True}).config.use_karras_sigmas
+
+
+@pytest.mark.parametrize("schedule", ["Karras", "Exponential", "Beta"])
+def test_euler_a_with_a_sigma_schedule_is_k_diffusions_sampler(schedule):
+    """diffusers' Euler ancestral has no σ schedules; "Euler a Karras" is k-diffusion's sample_euler_ancestral on
+    Euler's Karras σ (written out here in float64, with the same noise)."""
+    import jax.numpy as jnp
+
+    ours = scheduler_from_config(SD1, f"Euler a {schedule}")
+    sigmas = np.asarray(scheduler_from_config(SD1, f"Euler {schedule}").set_timesteps(6).sigmas, np.float64)
+    state = ours.set_timesteps(6)
+    np.testing.assert_array_equal(np.asarray(state.sigmas, np.float64), sigmas)
+    assert np.abs(sigmas - np.asarray(scheduler_from_config(SD1, "Euler a").set_timesteps(6).sigmas)).max() > 1e-2
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 4, 8, 8)) * sigmas[0]
+    expected, got = x.copy(), jnp.asarray(x, jnp.float32)
+    for i in range(6):
+        eps = np.tanh(expected) * 0.5  # a stand-in model output (epsilon)
+        noise = rng.standard_normal(x.shape)
+        denoised = expected - sigmas[i] * eps
+        up = min(sigmas[i + 1], np.sqrt(sigmas[i + 1] ** 2 * (sigmas[i] ** 2 - sigmas[i + 1] ** 2) / sigmas[i] ** 2))
+        down = np.sqrt(sigmas[i + 1] ** 2 - up ** 2)
+        expected = expected + (expected - denoised) / sigmas[i] * (down - sigmas[i]) + noise * up
+        got, state = ours.step(state, jnp.tanh(got) * 0.5, i, got, variance_noise=jnp.asarray(noise, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=1e-4 * np.abs(expected).max())

@@ -17,6 +17,10 @@ from . import common
 class EulerAncestralConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
     rescale_betas_zero_snr: bool = False
+    # diffusers' class has no σ schedules; A1111's and ComfyUI's "Euler a" does: Euler's, placed as Euler places them
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     allowed_prediction_types = ("epsilon", "v_prediction")
 
 
