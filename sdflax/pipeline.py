@@ -17,7 +17,6 @@ from `__call__`'s signature.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import Any
 

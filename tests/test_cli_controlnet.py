@@ -7,7 +7,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from builders import torch_controlnet
 from PIL import Image
 from test_cli import TINY, one_error_line, pixels, run_cli

@@ -14,7 +14,7 @@ import torch
 from diffusers.schedulers import scheduling_ddpm, scheduling_lcm, scheduling_tcd
 from test_pipeline import ATOL, NEGATIVE, run_both
 from test_schedulers import SD14, SHAPE, X_T, fake_model, outcome
-from test_sigma_schedulers import IMAGE, IMAGE_NOISE, SD1, atol_for, eager_loop, noises_for, scan_loop
+from test_sigma_schedulers import IMAGE, IMAGE_NOISE, SD1, atol_for, eager_loop, noises_for, run_ours, scan_loop
 from test_sigma_schedulers import test_every_scheduler_follows_the_protocol as follows_the_protocol
 
 from sdflax.generate import random_draws
@@ -81,31 +81,14 @@ def run_diffusers(cls, config, n, noises, monkeypatch, start=0):
     return sched.timesteps[start:].numpy(), {k: np.stack(v) for k, v in out.items()}, drew
 
 
-def run_ours(cls, config, n, noises, start=0):
-    sched = cls.from_config(config)
-    state = sched.set_timesteps(n, shape=SHAPE, start=start)
-    if start:
-        x = sched.add_noise(state, jnp.asarray(IMAGE), jnp.asarray(IMAGE_NOISE), 0)
-    else:
-        x = jnp.asarray(X_T) * state.init_noise_sigma
-    out = {"inputs": [], "samples": [], "x0": []}
-    for i in range(len(state.timesteps)):
-        model_input = sched.scale_model_input(state, x, i)
-        prediction = jnp.asarray(fake_model(np.asarray(model_input), float(state.timesteps[i])))
-        x0 = sched.predict_x0(state, prediction, i, x)
-        x, state = sched.step(state, prediction, i, x, variance_noise=jnp.asarray(noises[i]))
-        for name, value in (("inputs", model_input), ("samples", x), ("x0", x0)):
-            out[name].append(np.asarray(value))
-    return np.asarray(state.timesteps), {k: np.stack(v) for k, v in out.items()}, state
-
-
 def assert_parity(cls, config, n, monkeypatch, start=0):
     noises = noises_for(n - start)
     their_t, theirs, drew = run_diffusers(cls, config, n, noises, monkeypatch, start)
-    our_t, ours, state = run_ours(cls, config, n, noises, start)
+    our_t, init_noise_sigma, ours = run_ours(cls, config, n, noises, start)
+    state = cls.from_config(config).set_timesteps(n, shape=SHAPE, start=start)
     assert our_t.dtype == np.int32
     np.testing.assert_array_equal(our_t, their_t)
-    assert state.init_noise_sigma == 1.0
+    assert init_noise_sigma == 1.0
     # The steps that add noise are the ones where diffusers draws it: a static flag says whether any does.
     assert state.stochastic == bool(drew)
     for name in ("inputs", "x0", "samples"):
