@@ -6,7 +6,7 @@
 Milliseconds, median of --repeats calls each, as one JSON object:
 - attention: sdflax's `dot_product_attention` (in blocks of CPU_QUERY_CHUNK queries above that many), its XLA
   path in one piece, jax.nn.dot_product_attention, and torch's scaled_dot_product_attention;
-- conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels), XLA's convolution, and
+- conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image), XLA's convolution, and
   torch's conv2d;
 - unet (with --unet N): sdflax's and diffusers' SD 1.5 UNet on a guidance batch of 2, random weights.
 Each row has `ratio`: sdflax over torch.
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sdflax.models import layers  # noqa: E402
 
 ATTENTION_SHAPES = [(2, 1024, 1024, 8, 40), (2, 1024, 77, 8, 40), (2, 4096, 4096, 8, 40)]  # B, T, S, heads, dim
-CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 16, 16, 640, 640), (2, 32, 32, 320, 320),
-               (1, 64, 64, 512, 512)]  # B, H, W, in, out
+CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 16, 16, 640, 640), (8, 16, 16, 640, 640),
+               (2, 32, 32, 320, 320), (1, 64, 64, 512, 512)]  # B, H, W, in, out
 
 
 def milliseconds(fn, repeats):
@@ -95,7 +95,7 @@ def conv_rows(shapes, repeats):
         tb = torch.from_numpy(np.array(bias))
         with torch.no_grad():
             row["torch_conv2d"] = milliseconds(lambda: torch.nn.functional.conv2d(tx, tw, tb, padding=1), repeats)
-        rows.append({**row, "patch_matmul": b * hgt * wid <= layers.CPU_PATCH_MATMUL_PIXELS,
+        rows.append({**row, "patch_matmul": hgt * wid <= layers.CPU_PATCH_MATMUL_PIXELS,
                      "ratio": round(row["sdflax"] / row["torch_conv2d"], 3)})
     return rows
 

@@ -377,6 +377,6 @@ def load_controlnet(cls, path, config=None, dtype=None, attention="auto", revisi
         params = convert_state_dict(named, model.param_shapes(), dtype, where=where)
     except (SingleFileError, CheckpointMismatchError) as e:
         source = f"the config in {config}" if config is not None else "the tensors and sdflax's bundled UNet configs"
-        raise SingleFileError(f"{e}\nThe ControlNet config came from {source}: for another architecture pass "
-                              "config=<the diffusers folder or hub id of a ControlNet of the same architecture>") from None
+        raise SingleFileError(f"{e}\nThe ControlNet config came from {source}: for another architecture pass config="
+                              "<the diffusers folder or hub id of a ControlNet of the same architecture>") from None
     return model, params
