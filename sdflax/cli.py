@@ -27,6 +27,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
                   "/jax/core/compile/backend_compile_duration")
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*"]
+MAX_PICTURE_SIDE = 8192  # --image, --mask, --control-image: at most 8192x8192 pixels (64 Mpx), read from the header
 
 
 class UserError(Exception):
@@ -74,6 +75,16 @@ def _strength(text):
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}: 1 repaints everything, small values keep "
                                          "the image")
+    return value
+
+
+def _finite(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):  # NaN or inf guidance runs and gives a black image
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
 
 
@@ -132,7 +143,7 @@ def _add_options(command, image=False):
     add("--scheduler", type=_scheduler, metavar="NAME", help="sampler: sdflax's name (dpmpp_2m, euler_ancestral, "
         "...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the checkpoint's own)")
     add("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
-    add("--guidance", type=float, default=None, metavar="SCALE",
+    add("--guidance", type=_finite, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: 7.5; 5.0 for SDXL)")
     add("--height", type=_positive_int, metavar="H", help=f"{size} H pixels, a multiple of the VAE scale factor "
         + ("(default: the image's own, cut down to a multiple)" if image else "(default: the model's own, 512 for "
@@ -192,7 +203,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     """All three commands: check everything cheap, load, prepare the inputs, compile and run, write the PNGs."""
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
-    target = _output_target(args.out)  # before anything slow
+    target = _output_target(args.out, args.grid, args.num_images)  # before anything slow
     pictures = _read_pictures(args)  # {"image": ..., "mask": ...} for img2img / inpaint
     controls = _read_controls(args)  # the --control-image pictures, one per --controlnet
     if args.progress is False:
@@ -208,14 +219,17 @@ def run(args) -> int:
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     _check_attention(args, backend, dtype)
+    devices = jax.local_device_count()
+    num_images = args.num_images or devices
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+    target.check_unused(args.prompt, [(seed + i) % 2**32 for i in range(num_images)], args.grid)  # NAME-SEED.png
 
     status(f"Loading {args.model} in {dtype} ...")
     start = time.perf_counter()
     pipeline, params = _load(args, checkpoint, dtype)
-    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures, controls)
+    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures, controls, seed)
     load_s = time.perf_counter() - start
 
-    devices = jax.local_device_count()
     where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
     strength = f" (strength {args.strength})" if pictures else ""
     status(f"Compiling for {args.steps} steps{strength} at {checkpoint.width}x{checkpoint.height}, {len(seeds)} "
@@ -227,7 +241,6 @@ def run(args) -> int:
         total_s = time.perf_counter() - start
     if step_bar is not None:
         step_bar.close()
-    num_images = args.num_images or devices
     images = pipeline.numpy_to_pil(images)[:num_images]
 
     settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
@@ -370,7 +383,7 @@ def _load(args, checkpoint, dtype):
     return pipeline, params
 
 
-def _prepare(args, pipeline, params, checkpoint, pictures, controls=None):
+def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed):
     """(seeds, the pipeline call with everything but `jit` and `callback`): the images fill every local device,
     and image i has its own key, seed + i, so it does not depend on the batch it was made in."""
     import jax
@@ -380,7 +393,6 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls=None):
 
     devices = jax.local_device_count()
     per_device = -(-(args.num_images or devices) // devices)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
     seeds = [(seed + i) % 2**32 for i in range(per_device * devices)]
     prompt_ids = shard(pipeline.prepare_inputs([args.prompt] * len(seeds)))
     # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
@@ -425,29 +437,53 @@ def _save(args, target, images, seeds, settings):
     paths, grid_path = target.paths(args.prompt, seeds, args.grid)
     try:
         for path, image, s in zip(paths, images, seeds):
-            image.save(path, pnginfo=png_info({**settings, "seed": s}))
-            print(path)
+            _write_png(path, image, png_info({**settings, "seed": s}))
         if grid_path:
             from .utils import make_image_grid
 
             rows, cols = grid_shape(len(images))
-            make_image_grid(images, rows, cols).save(
-                grid_path, pnginfo=png_info({**settings, "seed": seeds[0], "seeds": ",".join(map(str, seeds))}))
-            print(grid_path)
+            _write_png(grid_path, make_image_grid(images, rows, cols),
+                       png_info({**settings, "seed": seeds[0], "seeds": ",".join(map(str, seeds))}))
+    except FileExistsError as e:  # made since the check before loading
+        raise UserError(f"--out {args.out}: {e.filename} exists now: sdflax never overwrites a file; choose another "
+                        "--out, or a folder") from e
     except OSError as e:
         raise UserError(f"cannot write {e.filename or args.out}: {e.strerror or e}") from e
 
 
+def _write_png(path, image, info):
+    with open(path, "xb") as f:  # "x": fails rather than replace a file that appeared while sampling
+        image.save(f, format="PNG", pnginfo=info)
+    print(path)
+
+
 def _read_picture(flag, path):
+    """The picture, 8-bit (`eight_bit`: 16-bit greyscale scaled, not clipped); its size is checked against
+    MAX_PICTURE_SIDE² from the header, before the pixels are decoded (a small PNG can claim 30000x30000)."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
+    from .img2img import eight_bit
+
+    def too_large(size):
+        return UserError(f"{flag} {path}: the picture is {size} pixels, larger than sdflax reads "
+                         f"({MAX_PICTURE_SIDE}x{MAX_PICTURE_SIDE} at most): give a smaller picture")
+
     try:
-        with Image.open(os.path.expanduser(path)) as picture:
-            picture.load()
+        with warnings.catch_warnings():  # Pillow's own bound: a warning up to twice its limit, then an error
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(os.path.expanduser(path)) as picture:
+                width, height = picture.size
+                if width * height > MAX_PICTURE_SIDE**2:
+                    raise too_large(f"{width}x{height}")
+                picture.load()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:  # past Pillow's limit, at open
+        raise too_large(f"more than {Image.MAX_IMAGE_PIXELS}") from e
     except (OSError, UnidentifiedImageError, ValueError) as e:
         reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else e.strerror or e
         raise UserError(f"{flag} {path}: cannot read it ({reason}): give a PNG or JPEG file") from e
-    return picture
+    return eight_bit(picture)
 
 
 @dataclasses.dataclass
@@ -488,12 +524,17 @@ def _read_pictures(args) -> dict:
         if mask.size != image.size:
             raise UserError(f"--mask {args.mask} is {mask.size[0]}x{mask.size[1]} but --image {args.image} is "
                             f"{image.size[0]}x{image.size[1]}: give a mask of the image's size")
+        from .inpaint import has_transparency
+
+        if has_transparency(mask):  # its alpha would be dropped, not read as the mask: refused, not guessed
+            raise UserError(f"--mask {args.mask}: the mask has transparency, which sdflax does not read as the mask: "
+                            "give a greyscale mask, white where to repaint and black where to keep")
         rgb = np.asarray(mask.convert("RGB"), np.int16)
         if (rgb != rgb[..., :1]).any():  # a coloured mask would silently become its luma
             raise UserError(f"--mask {args.mask} has colours (its red, green and blue differ): give a greyscale "
                             "mask, white where to repaint and black where to keep")
         pictures["mask"] = mask.convert("L")
-    if pictures:
+    if pictures:  # an alpha channel is dropped, as diffusers does: the colours under it are used as they are
         pictures["image"] = pictures["image"].convert("RGB")
     return pictures
 
@@ -601,8 +642,23 @@ class _OutputTarget:
         paths = [_unused(f"{stem}-{s}.png") for s in seeds]
         return paths, (_unused(f"{stem}-{seeds[0]}-grid.png") if grid else None)
 
+    def check_unused(self, prompt, seeds, grid):
+        """Refuse, before loading, to write over a file: NAME.png's names are the user's, not sdflax's to change."""
+        if not self.file:
+            return  # in a folder, names that are taken get a -1, -2, ... suffix
+        paths, grid_path = self.paths(prompt, seeds, grid)
+        taken = [path for path in [*paths, grid_path] if path and os.path.lexists(path)]
+        if taken:
+            _refuse_taken(self.out, taken)
 
-def _output_target(out) -> _OutputTarget:
+
+def _refuse_taken(out, taken):
+    names = ", ".join(taken[:3]) + (f" and {len(taken) - 3} more" if len(taken) > 3 else "")
+    raise UserError(f"--out {out}: {names} {'exists' if len(taken) == 1 else 'exist'}: sdflax never overwrites a "
+                    "file; choose another --out, or a folder (--out DIR: names there are never reused)")
+
+
+def _output_target(out, grid=False, num_images=None) -> _OutputTarget:
     """Check that PNGs can be written there now, before minutes of loading and compiling."""
     import tempfile
 
@@ -611,6 +667,11 @@ def _output_target(out) -> _OutputTarget:
         raise UserError(f"--out {out}: sdflax writes PNG files (they carry the settings): use {root}.png or a folder")
     target = _OutputTarget(out)
     folder = target.folder
+    if target.file and os.path.isdir(out):
+        raise UserError(f"--out {out} is a folder: write {out}{os.sep} to put the images in it, or give another "
+                        "NAME.png")
+    if target.file and os.path.lexists(out) and (grid or num_images == 1):  # NAME.png is written: the image or
+        _refuse_taken(out, [out])  # the grid (else check_unused decides, once the device count and seeds are known)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UserError(f"--out {out}: {folder} is a file, not a folder: give a folder or a NAME.png")
     try:

@@ -13,16 +13,35 @@ from .latents import FromImage
 from .pipeline import Pipeline
 
 
+# PIL's modes of 16-bit greyscale PNGs ("I" in older Pillow). Pillow's convert("L" / "RGB") clips their values at
+# 255, which makes a picture nearly white: they are scaled to 8 bits (or to [0, 1] for masks) instead.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def eight_bit(image):
+    """A 16-bit greyscale PIL image as 8-bit "L" (value / 257, rounded); any other image as it is."""
+    from PIL import Image
+
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    array = np.clip(np.asarray(image, np.float64) / 257.0, 0, 255).round().astype(np.uint8)
+    return Image.fromarray(array)
+
+
 def to_pil(image, what="image"):
-    """A PIL image from a PIL image or an (H, W, C) array (uint8, or float in [0, 1])."""
+    """A PIL image from a PIL image or an (H, W, C) array (uint8, uint16, or float in [0, 1]); 16-bit greyscale
+    images come back 8-bit (`eight_bit`). An alpha channel is kept here and dropped by convert("RGB"), as diffusers
+    drops it: the colours under transparent pixels are used as they are."""
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        return image
+        return eight_bit(image)
     array = np.asarray(image)
     if array.ndim != 3 or array.shape[-1] not in (1, 3, 4):
         raise ValueError(f"an {what} array must be (H, W, 3), got {array.shape}")
-    if array.dtype != np.uint8:
+    if array.dtype == np.uint16:
+        array = (array / 257.0).round().astype(np.uint8)
+    elif array.dtype != np.uint8:
         array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
     return Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array)
 

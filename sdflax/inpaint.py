@@ -8,26 +8,47 @@ from __future__ import annotations
 import numpy as np
 
 from .conditioning import SDText
-from .img2img import as_list, multiple_size, preprocess_images
+from .img2img import SIXTEEN_BIT_MODES, as_list, multiple_size, preprocess_images
 from .latents import FromImageMask, is_inpainting_unet
 from .pipeline import Pipeline
+
+
+def has_transparency(mask) -> bool:
+    """Whether a PIL image has a pixel that is not fully opaque. A mask's alpha is not read as the mask (diffusers
+    drops it), so a mask drawn as transparency would silently become something else: it is refused instead."""
+    if "A" not in mask.getbands() and not (mask.mode == "P" and "transparency" in mask.info):
+        return False
+    return mask.convert("RGBA").getchannel("A").getextrema()[0] < 255
 
 
 def preprocess_masks(masks, scale_factor: int) -> np.ndarray:
     """PIL images or arrays (H, W), (H, W, 1) (uint8, or float in [0, 1]), or RGB(A) (H, W, 3|4) -> float32
     (B, 1, H, W) in {0, 1}: 1 (white) is repainted, 0 kept; greyscale, binarised at 0.5, as diffusers' mask
-    processor. Sides are cut down to a multiple of `scale_factor` (Lanczos before binarising, as diffusers)."""
+    processor. Sides are cut down to a multiple of `scale_factor` (Lanczos before binarising, as diffusers).
+    16-bit masks (PIL "I;16" / "I", uint16 arrays) are read as value / 65535. A mask with transparency (alpha below
+    opaque) is refused: its alpha would be ignored."""
     from PIL import Image
 
     out = []
     for mask in as_list(masks, (2, 3)):
         if isinstance(mask, Image.Image):
-            if mask.mode not in ("L", "RGB", "RGBA", "F"):
+            if has_transparency(mask):
+                raise ValueError("the mask has transparency, which is not read as the mask: give a greyscale "
+                                 "mask, white where to repaint and black where to keep")
+            if mask.mode in SIXTEEN_BIT_MODES:
+                mask = Image.fromarray(np.asarray(mask, np.float32) / 65535.0)  # mode F, in [0, 1]
+            elif mask.mode not in ("L", "RGB", "RGBA", "F"):
                 mask = mask.convert("L")
         else:
             array = np.asarray(mask)
             if array.ndim == 3 and array.shape[-1] == 1:
                 array = array[..., 0]
+            if array.dtype == np.uint16:
+                array = array.astype(np.float32) / 65535.0
+            if array.ndim == 3 and array.shape[-1] == 4 and (array[..., 3] < (255 if array.dtype == np.uint8
+                                                                                else 1)).any():
+                raise ValueError("the mask has transparency (its alpha channel is below opaque), which is not read "
+                                 "as the mask: give a greyscale mask, white where to repaint and black where to keep")
             if array.ndim == 3 and array.shape[-1] in (3, 4) and array.dtype != np.uint8:
                 # ITU-R 601-2 luma, as PIL's convert("L"), kept in float
                 array = array[..., :3].astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
