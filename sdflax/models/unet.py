@@ -8,7 +8,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .config import config_from_dict
+from .config import ConfigError, config_from_dict, config_source
 from .pretrained import Pretrained
 from .layers import (Attention, Downsample2D, GroupNorm, Kernels, ResnetBlock2D, Upsample2D, conv, resolve_kernels,
                      timestep_embedding)
@@ -54,7 +54,8 @@ class UNetEncoderConfig:
             types = getattr(cfg, key)
             unknown = [t for t in types if t not in supported]
             if unknown:
-                raise ValueError(f"{name}: {key} has {unknown[0]!r}; sdflax supports {', '.join(supported)}")
+                raise ConfigError(f"{config_source(config)}{name}: {key} has {unknown[0]!r:.100}; sdflax supports "
+                                  f"{', '.join(supported)}")
             if len(types) != len(cfg.block_out_channels):
                 raise ValueError(f"{name}: {len(types)} {key} for {len(cfg.block_out_channels)} "
                                  "block_out_channels; give one per block")
