@@ -11,11 +11,13 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 import mmap
 import os
 import pickle
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
+    "CheckpointFileError",
     "UnsafeCheckpointError",
     "read_checkpoint",
     "read_flax_msgpack",
@@ -31,8 +34,17 @@ __all__ = [
 ]
 
 
-class UnsafeCheckpointError(ValueError):
+class CheckpointFileError(ValueError):
+    """A checkpoint file is corrupt, truncated or hostile; the message names the file (and tensor) in one line."""
+
+
+class UnsafeCheckpointError(CheckpointFileError):
     """A pickled checkpoint asked for something other than tensor data."""
+
+
+def _one_line(error: BaseException) -> str:
+    # Messages from json, zipfile and pickle may span lines; the CLI prints exactly one.
+    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
 def read_checkpoint(path) -> dict[str, np.ndarray]:
@@ -72,25 +84,38 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+# Real headers are a few hundred bytes per tensor (about 1 MB for the largest models); a claim beyond this is
+# corruption or an attempt to make the reader allocate it.
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
+
+
 def read_safetensors(path) -> dict[str, np.ndarray]:
     """Read a .safetensors file as read-only numpy views on a memory map of it."""
     name = os.fspath(path)
     with open(name, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         if file_size < 8:
-            raise ValueError(f"corrupt safetensors file {name!r}: {file_size} bytes, too short for a header")
+            raise CheckpointFileError(f"corrupt safetensors file {name!r}: {file_size} bytes, too short for a header")
         (header_size,) = struct.unpack("<Q", f.read(8))
         if header_size > file_size - 8:
-            raise ValueError(
+            raise CheckpointFileError(
                 f"corrupt safetensors file {name!r}: header claims {header_size} bytes "
                 f"but the file has only {file_size - 8} after the length field (truncated?)"
             )
+        if header_size > MAX_SAFETENSORS_HEADER_BYTES:
+            raise CheckpointFileError(
+                f"corrupt safetensors file {name!r}: header claims {header_size} bytes, more than the "
+                f"{MAX_SAFETENSORS_HEADER_BYTES} sdflax accepts"
+            )
         try:
             header = json.loads(f.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"corrupt safetensors file {name!r}: header is not valid JSON ({e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            # RecursionError: deeply nested brackets exhaust the JSON parser's stack.
+            raise CheckpointFileError(
+                f"corrupt safetensors file {name!r}: header is not valid JSON ({_one_line(e)})"
+            ) from None
         if not isinstance(header, dict):
-            raise ValueError(f"corrupt safetensors file {name!r}: header is not a JSON object")
+            raise CheckpointFileError(f"corrupt safetensors file {name!r}: header is not a JSON object")
         header.pop("__metadata__", None)
         data_start = 8 + header_size
         data_size = file_size - data_start
@@ -101,15 +126,22 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     for key, info in header.items():
         try:
             dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
+            shape, offsets = info["shape"], info["data_offsets"]
+            # Strictly lists of ints: int() would also accept "12", 1.5 and true.
+            if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+                    and all(type(d) is int for d in shape + offsets)):
+                raise TypeError(f"shape {shape!r:.100} and data_offsets {offsets!r:.100} must be lists of ints")
+            shape, (begin, end) = tuple(shape), offsets
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"corrupt safetensors file {name!r}: bad entry for {key!r} ({e!r})") from None
-        count = int(np.prod(shape, dtype=np.int64))
+            raise CheckpointFileError(
+                f"corrupt safetensors file {name!r}: bad entry for {key!r:.200} ({_one_line(e)})"
+            ) from None
+        # Python ints: a shape such as [2**32, 2**32] would wrap around to 0 elements in int64.
+        count = math.prod(shape)
         if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_size or end - begin != count * dtype.itemsize:
-            raise ValueError(
-                f"corrupt safetensors file {name!r}: {key!r} ({info['dtype']} {list(shape)}) has data offsets "
-                f"[{begin}, {end}) that do not fit its size or the {data_size} data bytes (truncated?)"
+            raise CheckpointFileError(
+                f"corrupt safetensors file {name!r}: {key!r:.200} ({info['dtype']} {list(shape)!s:.100}) has data "
+                f"offsets [{begin}, {end}) that do not fit its size or the {data_size} data bytes (truncated?)"
             )
         if count == 0:
             tensors[key] = np.empty(shape, dtype)
@@ -223,20 +255,33 @@ class TensorOnlyUnpickler(pickle.Unpickler):
     """Unpickles a torch data.pkl, resolving only tensor-rebuilding globals to local stand-ins.
 
     find_class runs when the pickle names a global, before anything is called, so a refusal here
-    means no code from the file has run.
+    means no code from the file has run. `member_size(key)`, when given, returns the uncompressed size the zip
+    directory records for a storage (None if absent): the pickle's claim is checked against it before
+    `read_storage` reads anything, so a lying file cannot make the reader allocate more than it declares.
     """
 
-    def __init__(self, file, *, checkpoint_name: str, read_storage):
+    def __init__(self, file, *, checkpoint_name: str, read_storage, member_size=None):
         super().__init__(file)
         self.checkpoint_name = checkpoint_name
         self.read_storage = read_storage
+        self.member_size = member_size
+
+    def load(self):
+        # Malformed pickles surface as any of these from deep inside; the caller gets one line naming the file.
+        try:
+            return super().load()
+        except CheckpointFileError:
+            raise
+        except (pickle.UnpicklingError, ValueError, KeyError, IndexError, TypeError, AttributeError, EOFError,
+                RecursionError, OverflowError, struct.error, zipfile.BadZipFile, zlib.error) as e:
+            raise CheckpointFileError(f"corrupt PyTorch file {self.checkpoint_name!r}: {_one_line(e)}") from None
 
     def find_class(self, module, name):
         try:
             found = _ALLOWED_GLOBALS[(module, name)]
         except (KeyError, TypeError):
             raise UnsafeCheckpointError(
-                f"refusing to load {self.checkpoint_name}: it asks to import {module}.{name}; "
+                f"refusing to load {self.checkpoint_name}: it asks to import {module!s:.100}.{name!s:.100}; "
                 "only tensor data is allowed"
             ) from None
         # A fresh wrapper per load: the pickle's BUILD opcode could otherwise set attributes
@@ -248,10 +293,26 @@ class TensorOnlyUnpickler(pickle.Unpickler):
             raise UnsafeCheckpointError(
                 f"refusing to load {self.checkpoint_name}: unknown persistent id {pid!r:.200}"
             )
-        _, storage_type, key, _location, _numel = pid
+        _, storage_type, key, _location, numel = pid
+        where = f"storage {str(key)!r:.100} in {self.checkpoint_name!r}"
         if not isinstance(storage_type, _TorchDtype):
-            raise ValueError(f"bad storage type {storage_type!r:.100} in {self.checkpoint_name}")
-        return self.read_storage(str(key), storage_type.dtype)
+            raise CheckpointFileError(f"bad storage type {storage_type!r:.100} for {where}")
+        if type(numel) is not int or numel < 0:
+            raise CheckpointFileError(f"{where}: bad element count {numel!r:.100}")
+        if self.member_size is not None:
+            size = self.member_size(str(key))
+            if size is None:
+                raise CheckpointFileError(f"{where}: the file has no data/{str(key):.100} member (truncated?)")
+            # torch writes each storage as exactly numel * itemsize bytes.
+            if numel * storage_type.dtype.itemsize != size:
+                raise CheckpointFileError(
+                    f"{where}: the pickle declares {numel} {storage_type.torch_name} elements "
+                    f"({numel * storage_type.dtype.itemsize} bytes) but the stored member holds {size} bytes"
+                )
+        try:
+            return self.read_storage(str(key), storage_type.dtype)
+        except KeyError:
+            raise CheckpointFileError(f"{where}: the file has no data/{str(key):.100} member (truncated?)") from None
 
 
 def _zip_member_offset(file, info: zipfile.ZipInfo) -> int:
@@ -264,6 +325,28 @@ def _zip_member_offset(file, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_length + extra_length
 
 
+# Compressed members (torch never compresses, re-zipping tools may) are decompressed into memory. Tensor data
+# compresses little, so a member that claims to grow more than this ratio (beyond a small size) is a zip bomb.
+MAX_COMPRESSION_RATIO = 20
+SMALL_MEMBER_BYTES = 16 << 20
+# data.pkl holds structure only (names, shapes, storage keys); real ones are at most a few MB.
+MAX_PICKLE_BYTES = 256 << 20
+
+
+def _check_member(name: str, info: zipfile.ZipInfo, limit: int | None = None) -> None:
+    """Refuse a zip member whose uncompressed size is implausible, before anything is decompressed."""
+    if limit is not None and info.file_size > limit:
+        raise CheckpointFileError(
+            f"{name!r}: zip member {info.filename!r:.200} claims {info.file_size} bytes, more than the {limit} allowed"
+        )
+    if (info.compress_type != zipfile.ZIP_STORED
+            and info.file_size > max(SMALL_MEMBER_BYTES, MAX_COMPRESSION_RATIO * info.compress_size)):
+        raise CheckpointFileError(
+            f"{name!r}: zip member {info.filename!r:.200} inflates {info.compress_size} bytes to {info.file_size} "
+            "(a zip bomb?); refusing to decompress it"
+        )
+
+
 def read_torch_bin(path) -> dict[str, np.ndarray]:
     """Read a PyTorch zip checkpoint (torch.save since 1.6) without torch and without running its pickle.
 
@@ -274,54 +357,71 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
     """
     name = os.fspath(path)
     if not zipfile.is_zipfile(name):
-        raise ValueError(
+        raise CheckpointFileError(
             f"{name!r} is not a zip-format PyTorch checkpoint; the legacy (pre-1.6) torch format is "
             "not supported: re-save it as safetensors (e.g. safetensors.torch.save_file(torch.load(f), "
             "'model.safetensors'))"
         )
+    try:
+        obj = _read_torch_zip(name)
+    except CheckpointFileError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, struct.error) as e:
+        raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointFileError(f"{name!r} holds a {type(obj).__name__}, not a dict of tensors")
+    if isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    return {str(k): v for k, v in obj.items() if isinstance(v, np.ndarray)}
+
+
+def _read_torch_zip(name: str):
     with open(name, "rb") as f, zipfile.ZipFile(f) as archive:
         members = {info.filename: info for info in archive.infolist()}
         pickles = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
-            raise ValueError(f"{name!r} is a zip file but not a PyTorch checkpoint (no <archive>/data.pkl)")
+            raise CheckpointFileError(f"{name!r} is a zip file but not a PyTorch checkpoint (no <archive>/data.pkl)")
         prefix = pickles[0][: -len("data.pkl")]
         byteorder = members.get(prefix + "byteorder")
-        if byteorder is not None and archive.read(byteorder).strip() != b"little":
-            raise ValueError(f"{name!r} was saved big-endian; only little-endian checkpoints are supported")
+        if byteorder is not None:
+            _check_member(name, byteorder, limit=16)
+            if archive.read(byteorder).strip() != b"little":
+                raise CheckpointFileError(f"{name!r} was saved big-endian; only little-endian checkpoints are supported")
 
         # One read-only mapping of the whole file; storages become views into it.
         file_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         storages: dict[str, np.ndarray] = {}
 
+        def member_size(key: str) -> int | None:
+            info = members.get(prefix + "data/" + key)
+            return None if info is None else info.file_size
+
         def read_storage(key: str, dtype: np.dtype) -> np.ndarray:
             cached = storages.get(key)
             if cached is not None:
                 return cached if cached.dtype == dtype else cached.view(dtype)
-            info = members.get(prefix + "data/" + key)
-            if info is None:
-                raise ValueError(f"{name!r} refers to storage {key!r} but has no {prefix}data/{key}")
+            info = members[prefix + "data/" + key]  # present: member_size checked it
+            where = f"storage {key!r:.100} in {name!r}"
             if info.file_size % dtype.itemsize:
-                raise ValueError(f"storage {key!r} in {name!r}: {info.file_size} bytes is not a whole number of {dtype}")
+                raise CheckpointFileError(f"{where}: {info.file_size} bytes is not a whole number of {dtype}")
             count = info.file_size // dtype.itemsize
             if info.compress_type == zipfile.ZIP_STORED:
                 start = _zip_member_offset(f, info)
                 if start + info.file_size > len(file_map):
-                    raise ValueError(f"storage {key!r} in {name!r} runs past the end of the file (truncated?)")
+                    raise CheckpointFileError(f"{where} runs past the end of the file (truncated?)")
                 storage = np.frombuffer(file_map, dtype=dtype, count=count, offset=start)
             else:  # not written by torch, but a re-zipped file may compress; then one read is unavoidable
+                _check_member(name, info)
                 storage = np.frombuffer(archive.read(info), dtype=dtype, count=count)
             storages[key] = storage
             return storage
 
+        _check_member(name, members[pickles[0]], limit=MAX_PICKLE_BYTES)
         with archive.open(members[pickles[0]]) as pickle_file:
-            unpickler = TensorOnlyUnpickler(pickle_file, checkpoint_name=name, read_storage=read_storage)
-            obj = unpickler.load()
-
-    if not isinstance(obj, dict):
-        raise ValueError(f"{name!r} holds a {type(obj).__name__}, not a dict of tensors")
-    if isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
-    return {str(k): v for k, v in obj.items() if isinstance(v, np.ndarray)}
+            unpickler = TensorOnlyUnpickler(
+                pickle_file, checkpoint_name=name, read_storage=read_storage, member_size=member_size
+            )
+            return unpickler.load()
 
 
 # --------------------------------------------------------------------------------------------

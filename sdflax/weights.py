@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from .checkpoint_files import read_checkpoint
+from .checkpoint_files import CheckpointFileError, read_checkpoint
 
 # Names older checkpoints (SD 1.x VAEs, diffusers' Flax models) use for attention projections.
 RENAMES = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out_0"}
@@ -147,8 +147,22 @@ def _expand_index(folder, name):
     path = os.path.join(folder, name)
     if not name.endswith(".json"):
         return [path]
-    with open(path) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointFileError(f"shard index {path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointFileError(
+            f"shard index {path}: expected a JSON object whose \"weight_map\" maps tensor names to shard files, "
+            f"found {'no weight_map' if weight_map is None else f'weight_map {weight_map!r:.100}'}"
+        )
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        # A shard is a file beside the index: a path elsewhere is a broken (or hostile) index.
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointFileError(f"shard index {path}: shard {shard!r:.100} is not a file name in {folder}")
     return [os.path.join(folder, shard) for shard in shards]
 
 
