@@ -6,8 +6,8 @@
 Milliseconds, median of --repeats calls each, as one JSON object:
 - attention: sdflax's `dot_product_attention` (in blocks of CPU_QUERY_CHUNK queries above that many), its XLA
   path in one piece, jax.nn.dot_product_attention, and torch's scaled_dot_product_attention;
-- conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image), XLA's convolution, and
-  torch's conv2d;
+- conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image), XLA's
+  convolution, the patch matmul at every size, and torch's conv2d;
 - unet (with --unet N): sdflax's and diffusers' SD 1.5 UNet on a guidance batch of 2, random weights.
 Each row has `ratio`: sdflax over torch.
 """
@@ -76,6 +76,15 @@ def attention_rows(shapes, repeats):
     return rows
 
 
+def patch_matmul_conv(module, params, x):
+    """sdflax's conv forced onto its patch-matmul path, whatever the size (the rule is read when tracing)."""
+    saved, layers.CPU_PATCH_MATMUL_PIXELS = layers.CPU_PATCH_MATMUL_PIXELS, float("inf")
+    try:
+        return module.apply(params, x)
+    finally:
+        layers.CPU_PATCH_MATMUL_PIXELS = saved
+
+
 def conv_rows(shapes, repeats):
     rows = []
     for b, hgt, wid, c_in, c_out in shapes:
@@ -89,7 +98,8 @@ def conv_rows(shapes, repeats):
                                                 dimension_numbers=("NHWC", "HWIO", "NHWC")) + bias
 
         row = {"shape": [b, hgt, wid, c_in, c_out], "sdflax": jax_ms(module.apply, (params, x), repeats),
-               "xla_conv": jax_ms(xla_conv, (x, kernel, bias), repeats)}
+               "xla_conv": jax_ms(xla_conv, (x, kernel, bias), repeats),
+               "patch_matmul_ms": jax_ms(functools.partial(patch_matmul_conv, module), (params, x), repeats)}
         tx = torch.from_numpy(np.array(x)).permute(0, 3, 1, 2).contiguous()
         tw = torch.from_numpy(np.array(kernel)).permute(3, 2, 0, 1).contiguous()
         tb = torch.from_numpy(np.array(bias))
