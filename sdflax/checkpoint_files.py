@@ -333,7 +333,7 @@ SMALL_MEMBER_BYTES = 16 << 20
 MAX_PICKLE_BYTES = 256 << 20
 
 
-def _check_member(name: str, info: zipfile.ZipInfo, limit: int | None = None) -> None:
+def check_member(name: str, info: zipfile.ZipInfo, limit: int | None = None) -> None:
     """Refuse a zip member whose uncompressed size is implausible, before anything is decompressed."""
     if limit is not None and info.file_size > limit:
         raise CheckpointFileError(
@@ -384,7 +384,7 @@ def _read_torch_zip(name: str):
         prefix = pickles[0][: -len("data.pkl")]
         byteorder = members.get(prefix + "byteorder")
         if byteorder is not None:
-            _check_member(name, byteorder, limit=16)
+            check_member(name, byteorder, limit=16)
             if archive.read(byteorder).strip() != b"little":
                 raise CheckpointFileError(f"{name!r} was saved big-endian; only little-endian checkpoints are supported")
 
@@ -411,12 +411,12 @@ def _read_torch_zip(name: str):
                     raise CheckpointFileError(f"{where} runs past the end of the file (truncated?)")
                 storage = np.frombuffer(file_map, dtype=dtype, count=count, offset=start)
             else:  # not written by torch, but a re-zipped file may compress; then one read is unavoidable
-                _check_member(name, info)
+                check_member(name, info)
                 storage = np.frombuffer(archive.read(info), dtype=dtype, count=count)
             storages[key] = storage
             return storage
 
-        _check_member(name, members[pickles[0]], limit=MAX_PICKLE_BYTES)
+        check_member(name, members[pickles[0]], limit=MAX_PICKLE_BYTES)
         with archive.open(members[pickles[0]]) as pickle_file:
             unpickler = TensorOnlyUnpickler(
                 pickle_file, checkpoint_name=name, read_storage=read_storage, member_size=member_size

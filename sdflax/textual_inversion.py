@@ -20,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint_files import TensorOnlyUnpickler, read_safetensors
+from .checkpoint_files import MAX_PICKLE_BYTES, TensorOnlyUnpickler, check_member, read_safetensors
 
 __all__ = ["expand_prompts", "load_textual_inversion", "read_embedding"]
 
@@ -39,16 +39,25 @@ def _read_torch_object(path):
         if len(pickles) != 1:
             raise ValueError(f"{name!r} is a zip file but not a PyTorch checkpoint (no <archive>/data.pkl)")
         prefix = pickles[0][: -len("data.pkl")]
+        members = {info.filename: info for info in archive.infolist()}
         storages = {}
+
+        def member_size(key):  # checked against the pickle's claim before anything is read
+            info = members.get(f"{prefix}data/{key}")
+            return None if info is None else info.file_size
 
         def read_storage(key, dtype):  # embeddings are small: plain reads, no memory map
             if key not in storages:
-                storages[key] = np.frombuffer(archive.read(f"{prefix}data/{key}"), np.uint8)
+                info = members[f"{prefix}data/{key}"]
+                check_member(name, info)  # no zip bombs
+                storages[key] = np.frombuffer(archive.read(info), np.uint8)
             raw = storages[key]
             return raw[: raw.size - raw.size % dtype.itemsize].view(dtype)
 
+        check_member(name, members[pickles[0]], limit=MAX_PICKLE_BYTES)
         with archive.open(pickles[0]) as f:
-            return TensorOnlyUnpickler(f, checkpoint_name=name, read_storage=read_storage).load()
+            return TensorOnlyUnpickler(f, checkpoint_name=name, read_storage=read_storage,
+                                       member_size=member_size).load()
 
 
 def read_embedding(path, token=None) -> tuple[str, np.ndarray]:

@@ -227,3 +227,12 @@ def test_embedding_with_a_missing_storage(tmp_path):
     _refused(CheckpointFileError, lambda: read_embedding(broken), broken, "storage")
     _refused(CheckpointFileError, lambda: read_torch_bin(broken), broken, "storage")
     _refused(CheckpointFileError, lambda: read_checkpoint(broken), broken, "storage")
+
+
+def test_embedding_zip_bomb_is_refused_before_decompressing(tmp_path):
+    """The textual-inversion reader bounds its storages as read_torch_bin does (a 64 MiB bomb: the checks come
+    before any decompression, so a small one proves them)."""
+    disagree = _zip_bomb(tmp_path / "disagree.pt", 4, 64 << 20)
+    agree = _zip_bomb(tmp_path / "agree.pt", (64 << 20) // 4, 64 << 20)
+    _refused(CheckpointFileError, lambda: read_embedding(disagree), disagree, "bytes")
+    _refused(CheckpointFileError, lambda: read_embedding(agree), agree, "zip bomb")
