@@ -137,8 +137,8 @@ def test_scheduler_choice_and_overrides(tmp_path):
     assert type(pipe.scheduler).__name__ == "DDIMScheduler"
     assert pipe.scheduler.config.timestep_spacing == "trailing"
     assert pipe.scheduler.config.beta_end == 0.012  # kept from the checkpoint
-    with pytest.raises(ValueError, match="unknown scheduler 'heun'"):
-        StableDiffusion.from_pretrained(tmp_path, scheduler="heun")
+    with pytest.raises(ValueError, match="unknown scheduler 'warp'"):
+        StableDiffusion.from_pretrained(tmp_path, scheduler="warp")
 
 
 def test_output_helpers(sd1):
