@@ -399,18 +399,6 @@ def test_follows_the_protocol(kind):
 
 
 @pytest.mark.parametrize("cls", list(KINDS.values()), ids=lambda cls: cls.__name__)
-def test_low_precision_sample_keeps_dtype(cls):
-    sched = cls.from_config(SD1)
-    state = sched.set_timesteps(5, shape=SHAPE)
-    x = jnp.asarray(X_T, jnp.bfloat16)
-    for i in (0, 1):
-        prev, state = sched.step(state, x, i, x, key=jax.random.key(0))
-        assert prev.dtype == jnp.bfloat16
-    assert sched.scale_model_input(state, x, 1).dtype == jnp.bfloat16
-    assert sched.predict_x0(state, x, 1, x).dtype == jnp.float32
-
-
-@pytest.mark.parametrize("cls", list(KINDS.values()), ids=lambda cls: cls.__name__)
 def test_the_state_needs_the_shape(cls):
     with pytest.raises(ValueError, match="shape"):
         cls.from_config(SD1).set_timesteps(10)

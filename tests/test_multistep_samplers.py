@@ -552,17 +552,6 @@ def test_every_scheduler_follows_the_protocol(name):
     sigma_tests.test_every_scheduler_follows_the_protocol(name)
 
 
-@pytest.mark.parametrize("name", NEW)
-def test_low_precision_sample_keeps_dtype(name):
-    sched = SCHEDULERS[name].from_config(SD1)
-    state = sched.set_timesteps(5, shape=SHAPE)
-    x = jnp.asarray(X_T, jnp.bfloat16)
-    prev, _ = sched.step(state, x, 1, x, key=jax.random.key(0))
-    assert prev.dtype == jnp.bfloat16
-    assert sched.scale_model_input(state, x, 1).dtype == jnp.bfloat16
-    assert sched.predict_x0(state, x, 1, x).dtype == jnp.float32
-
-
 # ---- σ schedules and configs -----------------------------------------------------------------------------------
 
 
