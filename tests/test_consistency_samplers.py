@@ -14,7 +14,8 @@ import torch
 from diffusers.schedulers import scheduling_ddpm, scheduling_lcm, scheduling_tcd
 from test_pipeline import ATOL, NEGATIVE, run_both
 from test_schedulers import SD14, SHAPE, X_T, fake_model, outcome
-from test_sigma_schedulers import IMAGE, IMAGE_NOISE, SD1, atol_for, eager_loop, noises_for, run_ours, scan_loop
+from test_sigma_schedulers import (IMAGE, IMAGE_NOISE, SD1, assert_scan_equals_eager, atol_for,
+                                   noises_for, run_ours)
 from test_sigma_schedulers import test_every_scheduler_follows_the_protocol as follows_the_protocol
 
 from sdflax.generate import random_draws
@@ -216,14 +217,7 @@ def test_img2img_start_matches_diffusers(cls, config, start, monkeypatch):
     (TCDScheduler, SD1),
 ], ids=["ddpm", "lcm", "tcd-eta-0.3", "tcd-eta-0"])
 def test_jit_scan_equals_eager(cls, config):
-    sched = cls.from_config(config)
-    state = sched.set_timesteps(8, shape=SHAPE)
-    keys = jax.random.split(jax.random.key(0), 8)
-    x = jnp.asarray(X_T) * state.init_noise_sigma
-    scanned, eager = scan_loop(sched, state, x, keys), eager_loop(sched, state, x, keys)
-    assert scanned[0].shape == (8, *SHAPE)
-    for s, e in zip(scanned, eager):  # compiled and eager float32 round differently (fusion)
-        np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=0, atol=1e-5)
+    assert_scan_equals_eager(cls.from_config(config), 8, 1e-5)
 
 
 @pytest.mark.parametrize("name", ["ddpm", "lcm", "tcd"])

@@ -17,8 +17,8 @@ import torch
 from builders import torch_pipeline
 from test_pipeline import ATOL, NEGATIVE, PROMPTS
 from test_schedulers import SHAPE, X_T, fake_model
-from test_sigma_schedulers import (ATOL_TIMESTEPS, IMAGE, IMAGE_NOISE, SD1, atol_for, eager_loop, noises_for,
-                                   run_ours, scan_loop)
+from test_sigma_schedulers import (ATOL_TIMESTEPS, IMAGE, IMAGE_NOISE, SD1, atol_for, noises_for,
+                                   run_ours)
 
 from sdflax import StableDiffusion
 from sdflax.schedulers import (DPM2AncestralScheduler, DPM2Scheduler, DPMpp2SAncestralScheduler, DPMSolverSDEScheduler,
@@ -382,14 +382,8 @@ def test_dpmpp_sde_noise_is_brownian_as_diffusers_tree():
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_jit_scan_equals_eager(kind):
     sched = sigma_tests.PROTOCOL_CASES[kind]  # SD 1.4's config: the protocol test's compiled scan is reused
-    state = sched.set_timesteps(5, shape=SHAPE)
-    evals = evaluations(5)
-    keys = jax.random.split(jax.random.key(0), evals)
-    x = jnp.asarray(X_T) * state.init_noise_sigma
-    scanned, eager = scan_loop(sched, state, x, keys), eager_loop(sched, state, x, keys)
-    assert scanned[0].shape == (evals, *SHAPE)
-    for s, e in zip(scanned, eager):  # compiled and eager float32 round differently (fusion)
-        np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=0, atol=ULPS * atol_for(SD1))
+    assert sched.set_timesteps(5, shape=SHAPE).timesteps.shape == (evaluations(5),)
+    sigma_tests.assert_scan_equals_eager(sched, 5, ULPS * atol_for(SD1))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

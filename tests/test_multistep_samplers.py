@@ -30,10 +30,8 @@ from test_sigma_schedulers import (
     V_PRED,
     assert_parity,
     atol_for,
-    eager_loop,
     noises_for,
     run_ours,
-    scan_loop,
 )
 
 from sdflax import random_draws
@@ -537,14 +535,7 @@ NEW = ["unipc", "deis", "dpmpp_2m_sde", "dpmpp_3m_sde"]
     ("dpmpp_3m_sde", SD1),
 ], ids=["unipc-3-beta", "deis-3-exponential", "dpmpp-2m-sde-karras", "dpmpp-3m-sde"])
 def test_jit_scan_equals_eager(name, config):
-    sched = SCHEDULERS[name].from_config(config)
-    state = sched.set_timesteps(10, shape=SHAPE)
-    keys = jax.random.split(jax.random.key(0), 10)
-    x = jnp.asarray(X_T) * state.init_noise_sigma
-    scanned, eager = scan_loop(sched, state, x, keys), eager_loop(sched, state, x, keys)
-    assert scanned[0].shape == (10, *SHAPE)
-    for s, e in zip(scanned, eager):  # compiled and eager float32 round differently (fusion)
-        np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=0, atol=atol_for(config))
+    sigma_tests.assert_scan_equals_eager(SCHEDULERS[name].from_config(config), 10, atol_for(config))
 
 
 @pytest.mark.parametrize("name", NEW)

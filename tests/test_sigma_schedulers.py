@@ -396,14 +396,19 @@ def eager_loop(sched, state, x, keys):
     (DPMSolverScheduler, {**SD1, **KARRAS}),
 ], ids=["euler-karras", "euler-ancestral", "lms", "dpmpp-2m-karras"])
 def test_jit_scan_equals_eager(cls, config):
-    sched = cls.from_config(config)
-    state = sched.set_timesteps(10, shape=SHAPE)
-    keys = jax.random.split(jax.random.key(0), 10)
+    assert_scan_equals_eager(cls.from_config(config), 10, ATOL_SAMPLES)
+
+
+def assert_scan_equals_eager(sched, n, atol):
+    """The compiled scan and the Python loop take the same steps (every sample and x̂₀), from X_T."""
+    state = sched.set_timesteps(n, shape=SHAPE)
+    evals = state.timesteps.shape[0]
+    keys = jax.random.split(jax.random.key(0), evals)
     x = jnp.asarray(X_T) * state.init_noise_sigma
     scanned, eager = scan_loop(sched, state, x, keys), eager_loop(sched, state, x, keys)
-    assert scanned[0].shape == (10, *SHAPE)
+    assert scanned[0].shape == (evals, *SHAPE)
     for s, e in zip(scanned, eager):  # compiled and eager float32 round differently (fusion)
-        np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=0, atol=ATOL_SAMPLES)
+        np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=0, atol=atol)
 
 
 PROTOCOL_CASES = {**{kind: cls.from_config(SD14) for kind, cls in SCHEDULERS.items()},
