@@ -89,36 +89,53 @@ _SAFETENSORS_DTYPES = {
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
 
 
+def _safetensors_header(f, name) -> tuple[dict, dict, int]:
+    """(tensor entries, `__metadata__`, header size) of an open .safetensors file, bounded and type-checked."""
+    file_size = os.fstat(f.fileno()).st_size
+    if file_size < 8:
+        raise CheckpointFileError(f"corrupt safetensors file {name!r}: {file_size} bytes, too short for a header")
+    (header_size,) = struct.unpack("<Q", f.read(8))
+    if header_size > file_size - 8:
+        raise CheckpointFileError(
+            f"corrupt safetensors file {name!r}: header claims {header_size} bytes "
+            f"but the file has only {file_size - 8} after the length field (truncated?)"
+        )
+    if header_size > MAX_SAFETENSORS_HEADER_BYTES:
+        raise CheckpointFileError(
+            f"corrupt safetensors file {name!r}: header claims {header_size} bytes, more than the "
+            f"{MAX_SAFETENSORS_HEADER_BYTES} sdflax accepts"
+        )
+    try:
+        header = json.loads(f.read(header_size))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        # RecursionError: deeply nested brackets exhaust the JSON parser's stack.
+        raise CheckpointFileError(
+            f"corrupt safetensors file {name!r}: header is not valid JSON ({_one_line(e)})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointFileError(f"corrupt safetensors file {name!r}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    # The format makes it a map of strings to strings; readers of it (LoRA configs) can then rely on that.
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFileError(f"corrupt safetensors file {name!r}: __metadata__ must map strings to strings, "
+                                  f"got {metadata!r:.100}")
+    return header, metadata, header_size
+
+
+def safetensors_metadata(path) -> dict[str, str]:
+    """The `__metadata__` of a .safetensors file ({} if none), checked as `read_safetensors` checks it."""
+    name = os.fspath(path)
+    with open(name, "rb") as f:
+        return _safetensors_header(f, name)[1]
+
+
 def read_safetensors(path) -> dict[str, np.ndarray]:
     """Read a .safetensors file as read-only numpy views on a memory map of it."""
     name = os.fspath(path)
     with open(name, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        if file_size < 8:
-            raise CheckpointFileError(f"corrupt safetensors file {name!r}: {file_size} bytes, too short for a header")
-        (header_size,) = struct.unpack("<Q", f.read(8))
-        if header_size > file_size - 8:
-            raise CheckpointFileError(
-                f"corrupt safetensors file {name!r}: header claims {header_size} bytes "
-                f"but the file has only {file_size - 8} after the length field (truncated?)"
-            )
-        if header_size > MAX_SAFETENSORS_HEADER_BYTES:
-            raise CheckpointFileError(
-                f"corrupt safetensors file {name!r}: header claims {header_size} bytes, more than the "
-                f"{MAX_SAFETENSORS_HEADER_BYTES} sdflax accepts"
-            )
-        try:
-            header = json.loads(f.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            # RecursionError: deeply nested brackets exhaust the JSON parser's stack.
-            raise CheckpointFileError(
-                f"corrupt safetensors file {name!r}: header is not valid JSON ({_one_line(e)})"
-            ) from None
-        if not isinstance(header, dict):
-            raise CheckpointFileError(f"corrupt safetensors file {name!r}: header is not a JSON object")
-        header.pop("__metadata__", None)
+        header, _, header_size = _safetensors_header(f, name)
         data_start = 8 + header_size
-        data_size = file_size - data_start
+        data_size = os.fstat(f.fileno()).st_size - data_start
         # mmap refuses length 0; a file that holds only empty tensors needs no mapping anyway.
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_size > 0 else b""
 

@@ -39,6 +39,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _input_errors() -> tuple[type, ...]:
+    """The library's error types for bad files and arguments: their message is the one line a user sees, wherever
+    in a command they are raised (imported late: they are only needed once something failed)."""
+    from .checkpoint_files import CheckpointFileError
+    from .hub import ModelNotFoundError
+    from .lora import LoraMismatchError
+    from .models.config import ConfigError
+    from .single_file import SingleFileError
+    from .weights import CheckpointMismatchError
+
+    return CheckpointFileError, ConfigError, CheckpointMismatchError, LoraMismatchError, ModelNotFoundError, \
+        SingleFileError
+
+
 def default_cache_dir() -> str:
     """Where compiled programs are kept: $SDFLAX_CACHE_DIR, else ~/.cache/sdflax/jax (XDG_CACHE_HOME honoured)."""
     if os.environ.get(CACHE_ENV):
@@ -190,7 +204,9 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.run(args)
-    except UserError as e:
+    except Exception as e:
+        if not isinstance(e, UserError) and not isinstance(e, _input_errors()):
+            raise  # a bug of sdflax's: the traceback is what a report needs
         print(f"sdflax: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -298,8 +314,8 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
         check_pipeline_folder(folder, args.model)
         vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
         unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
-        with open(os.path.join(folder, "model_index.json")) as f:
-            xl = str(json.load(f).get("_class_name", "")).startswith("StableDiffusionXL")
+        index = read_config_file(os.path.join(folder, "model_index.json"))
+        xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
         load_scheduler(folder, args.scheduler).check_steps(args.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e

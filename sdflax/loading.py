@@ -7,7 +7,6 @@ here; the models themselves never touch the hub or the file system.
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,9 +68,7 @@ def load_scheduler(folder, kind=None, overrides=None):
     path = os.path.join(folder, "scheduler", "scheduler_config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no scheduler/scheduler_config.json in {folder}")
-    with open(path) as f:
-        config = json.load(f)
-    return scheduler_from_config(config, kind, overrides)
+    return scheduler_from_config(read_config_file(path), kind, overrides)
 
 
 def build_models(classes: dict, configs: dict, dtype, attention="auto") -> dict:
@@ -109,8 +106,7 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
         patterns = [f"{c}/*.bin" for c in models] + [f"{c}/*.msgpack" for c in models]
         folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
     check_pipeline_folder(folder, str(path_or_repo_id), tuple(models), tokenizers)  # before anything slow
-    with open(os.path.join(folder, "model_index.json")) as f:
-        index = json.load(f)
+    index = read_config_file(os.path.join(folder, "model_index.json"))
 
     scheduler = load_scheduler(folder, scheduler, scheduler_config)
     modules = build_models(models, {name: read_config_file(os.path.join(folder, name, "config.json"))

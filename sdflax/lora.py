@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from .checkpoint_files import read_checkpoint
+from .checkpoint_files import read_checkpoint, safetensors_metadata
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
 
@@ -93,26 +92,29 @@ def _split_key(key: str):
     return component, stem, flat.replace(".", "_"), ROLES[suffix]
 
 
-def _safetensors_metadata(path) -> dict:
-    """The `__metadata__` of a safetensors header (diffusers keeps the PEFT LoraConfig there)."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size)).get("__metadata__") or {}
-
-
 def _peft_alphas(path) -> dict:
     """{component: (lora_alpha, alpha_pattern, use_rslora)} from diffusers' `lora_adapter_metadata`, if present."""
     if not str(path).endswith(".safetensors"):
         return {}
-    raw = _safetensors_metadata(path).get("lora_adapter_metadata")
+    raw = safetensors_metadata(path).get("lora_adapter_metadata")
     if not raw:
         return {}
-    meta = json.loads(raw)
-    out = {}
-    for component in COMPONENTS:
-        if f"{component}.lora_alpha" in meta:
-            out[component] = (float(meta[f"{component}.lora_alpha"]), meta.get(f"{component}.alpha_pattern") or {},
-                              bool(meta.get(f"{component}.use_rslora", False)))
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise TypeError(f"a JSON object, not {type(meta).__name__}")
+        out = {}
+        for component in COMPONENTS:
+            if f"{component}.lora_alpha" in meta:
+                pattern = meta.get(f"{component}.alpha_pattern") or {}
+                if not isinstance(pattern, dict):
+                    raise TypeError(f"{component}.alpha_pattern must be an object")
+                out[component] = (float(meta[f"{component}.lora_alpha"]),
+                                  {str(k): float(v) for k, v in pattern.items()},
+                                  bool(meta.get(f"{component}.use_rslora", False)))
+    except (ValueError, TypeError, RecursionError) as e:
+        raise LoraMismatchError(f"LoRA file {os.fspath(path)}: its lora_adapter_metadata is not a diffusers LoRA "
+                                f"config ({' '.join(str(e).split())[:200]})") from None
     return out
 
 
@@ -181,8 +183,16 @@ def read_lora(path, params) -> dict:
                               f"{kernel_shape} (Flax layout)")
             continue
         rank = down.shape[0]
+        if rank == 0:
+            mismatched.append(f"{parts['down'][0]}: rank 0 (down {down.shape}), an empty LoRA")
+            continue
         if "alpha" in parts:
-            alpha = float(np.asarray(parts["alpha"][1], np.float32).reshape(()))
+            stored = np.asarray(parts["alpha"][1], np.float32)
+            if stored.size != 1 or not np.isfinite(stored).all():
+                mismatched.append(f"{parts['alpha'][0]}: alpha must be one finite number, got {stored.shape} "
+                                  f"{stored.ravel()[:4]}")
+                continue
+            alpha = float(stored.reshape(()))
         elif component in peft:
             alpha = _peft_alpha(torch_name, *peft[component], rank)
         else:

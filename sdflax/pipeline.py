@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import flax
@@ -186,6 +188,7 @@ class Pipeline:
         `(images, sampling.Trajectory)` with `return_trajectory=True`. jit, pmap, vmap and grad apply to it."""
         args = self._bind(args, kwargs)
         params = args.pop("params")
+        self._check_params(params, None)
         inputs, settings = self._split(args, leading_dims=None)
         out = self.generate(params, inputs, settings)
         return tuple(out) if settings.return_trajectory else out.images
@@ -203,9 +206,9 @@ class Pipeline:
         `leading_dims`: 1 for (B, ...) inputs, 2 for pmap's (devices, B, ...), None inside a trace (no checks
         that need concrete values)."""
         steps = args["num_inference_steps"]
-        if steps < 1:
-            raise ValueError(f"num_inference_steps must be at least 1, got {steps}")
         self.scheduler.check_steps(steps)
+        for name in ("height", "width"):
+            _check_size(name, args.get(name))
         if "strength" in args:
             start_step(steps, args["strength"])
         args = {self.renamed.get(name, name): value for name, value in args.items()}
@@ -220,6 +223,7 @@ class Pipeline:
         if leading_dims is not None:
             self.conditioning.check_inputs(inputs)
             self._check_shapes(inputs, leading_dims)
+            self._check_values(inputs, leading_dims)
         height, width = self._sizes(*self._image_size(inputs, leading_dims, args.get("height"), args.get("width")))
         inputs = self.conditioning.fill_inputs(inputs, height, width)
         settings = Settings(**{**{name: args[name] for name in _SETTINGS if name in args},
@@ -272,6 +276,44 @@ class Pipeline:
                                  f"give a {name} of the image's size")
             size = x.shape[-2:]
 
+    def _check_values(self, inputs, leading_dims):
+        """Keys, token ids and scales of the right kind: what jax would otherwise accept and run into garbage (a
+        (3,) guidance scale broadcast over the latent width) or fail on deep inside the trace."""
+        _check_key(inputs.prng_seed, leading_dims)
+        vocab = min(encoder.config.vocab_size for encoder in (self.text_encoder, self.text_encoder_2) if encoder)
+        for name in ("prompt_ids", "neg_prompt_ids"):
+            _check_ids(name, getattr(inputs, name), vocab)
+        for name in ("guidance_scale", "guidance_rescale"):
+            value = getattr(inputs, name)
+            if value.ndim:
+                raise ValueError(f"{name} must be one number, got an array of shape {value.shape}")
+            if not isinstance(value, jax.core.Tracer) and not np.isfinite(np.asarray(value)):
+                raise ValueError(f"{name} must be a finite number, got {float(value)}")
+
+    def _check_params(self, params, mode: str | None):
+        """params hold every model this pipeline runs, with a leading device axis exactly when pmap runs them.
+        `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either)."""
+        needed = list(self.conditioning.models) + ["controlnet"] * bool(self.controls)
+        if not isinstance(params, Mapping):
+            raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "
+                            f"{type(params).__name__}")
+        missing = [name for name in needed if name not in params]
+        if missing:
+            raise ValueError(f"params has no {', '.join(map(repr, missing))} (it has {', '.join(map(repr, params))}): "
+                             f"pass the params from {type(self).__name__}.from_pretrained")
+        kernel = params["unet"].get("conv_in", {}).get("kernel") if isinstance(params["unet"], Mapping) else None
+        if kernel is None or mode is None:
+            return
+        replicated = mode == "jit=True"
+        if kernel.ndim == 5 and not replicated:
+            raise ValueError(f"params are replicated (a leading device axis), but {mode} takes them as "
+                             "from_pretrained gives them: pass unreplicated params, or call with jit=True")
+        if kernel.ndim == 4 and replicated:
+            raise ValueError("jit=True runs under pmap and needs replicated params: sdflax.replicate(params)")
+        if kernel.ndim == 5 and kernel.shape[0] != jax.local_device_count():
+            raise ValueError(f"params are replicated for {kernel.shape[0]} devices, but there are "
+                             f"{jax.local_device_count()}: sdflax.replicate(params) on this machine")
+
     def _image_size(self, inputs, leading_dims, height, width):
         """(height, width): the images' for pipelines that take images (a given height/width must agree), else as
         given."""
@@ -296,6 +338,7 @@ class Pipeline:
         """`__call__`'s work, given its `locals()`: jit on one device, or pmap over the local devices (`jit=True`)."""
         args = {name: value for name, value in args.items() if name != "self"}
         jit, params = args.pop("jit"), args.pop("params")
+        self._check_params(params, f"jit={jit}")
         inputs, settings = self._split(args, 2 if jit else 1)
         if jit:
             devices = _batch(inputs).shape[0]
@@ -318,6 +361,7 @@ class Pipeline:
         images, or (images, trajectory) with `return_trajectory=True` (trajectory leaves (evals, B, ...))."""
         args = self._bind(args, kwargs)
         params = args.pop("params")
+        self._check_params(params, "generate_sharded")
         inputs, settings = self._split(args, 1)
         out = self._runner.run_sharded(params, inputs, settings, mesh)
         images = np.asarray(out.images)
@@ -330,6 +374,42 @@ def _guided(guidance_scale) -> bool:
     if isinstance(guidance_scale, jax.core.Tracer):
         return True
     return bool(np.any(np.asarray(guidance_scale) > 1))
+
+
+def _check_size(name, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+        raise ValueError(f"{name} must be a positive whole number of pixels (or None for the default), got {value!r}")
+
+
+def _check_key(key, leading_dims):
+    """One PRNG key or one per image ((devices, ...) first under pmap): typed (`jax.random.key`) or raw uint32
+    (`jax.random.PRNGKey`)."""
+    raw_size = jax.random.PRNGKey(0).shape[-1]
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key) if hasattr(key, "dtype") else False
+    if not typed and not (hasattr(key, "dtype") and key.dtype == np.uint32 and key.ndim and key.shape[-1] == raw_size):
+        what = f"a {key.dtype} array of shape {key.shape}" if hasattr(key, "dtype") else repr(key)
+        raise TypeError(f"prng_seed must be a PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got "
+                        f"{what:.200}")
+    key_dims = key.ndim - (0 if typed else 1)  # the dimensions that count keys
+    if leading_dims == 2 and key_dims not in (1, 2):
+        raise ValueError(f"prng_seed has shape {key.shape}: jit=True needs one key per device, "
+                         "jax.random.split(key, jax.local_device_count()), or shard(keys) with one key per image")
+    if leading_dims == 1 and key_dims > 1:
+        raise ValueError(f"prng_seed has shape {key.shape}: give one key, or one key per image (B, ...)")
+
+
+def _check_ids(name, ids, vocab_size):
+    if ids is None:
+        return
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name} must be integer token ids (pipeline.prepare_inputs(prompts)), got {ids.dtype}")
+    if isinstance(ids, jax.core.Tracer):
+        return
+    low, high = int(np.min(ids)), int(np.max(ids))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside the text encoder's vocabulary [0, {vocab_size}): "
+                         "make the ids with pipeline.prepare_inputs(prompts)")
 
 
 def _batch(inputs):

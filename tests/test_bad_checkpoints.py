@@ -21,6 +21,8 @@ from sdflax.checkpoint_files import CheckpointFileError, read_checkpoint, read_s
 from sdflax.models.clip import CLIPTextConfig
 from sdflax.models.config import ConfigError, read_config_file
 from sdflax.models.unet import UNetConfig
+from sdflax.models.vae import VAEConfig
+from sdflax.schedulers.pndm import PNDMConfig
 from sdflax.textual_inversion import read_embedding
 from sdflax.weights import weight_files
 
@@ -59,6 +61,16 @@ def test_config_file_that_is_not_an_object(tmp_path, file_name, text):
     (CLIPTextConfig, "hidden_size", -5),
     (CLIPTextConfig, "layer_norm_eps", "small"),
     (CLIPTextConfig, "num_hidden_layers", 1.5),
+    (CLIPTextConfig, "hidden_act", "swish"),
+    (VAEConfig, "scaling_factor", 0),  # divides the latents by zero: a black image
+    (VAEConfig, "scaling_factor", -0.18),
+    (PNDMConfig, "num_train_timesteps", "1000"),
+    (PNDMConfig, "num_train_timesteps", 0),
+    (PNDMConfig, "beta_start", [0.1]),
+    (PNDMConfig, "beta_schedule", "cosine"),
+    (PNDMConfig, "trained_betas", ["a"]),
+    (PNDMConfig, "trained_betas", [2.0]),
+    (PNDMConfig, "skip_prk_steps", "no"),
 ])
 def test_config_value_of_the_wrong_type_or_range(tmp_path, cls, key, value):
     path = tmp_path / "config.json"

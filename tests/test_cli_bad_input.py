@@ -3,6 +3,8 @@ that run and give garbage, 16-bit and transparent pictures. The CLI refuses in o
 (before loading); the library reads 16-bit pictures at their bit depth."""
 
 import contextlib
+import json
+import shutil
 import io
 import warnings
 import zlib
@@ -147,3 +149,24 @@ def test_masks_with_transparency_are_refused(tmp_path, capsys):
     assert main(["inpaint", "x", "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png"),
                  "--model", TINY, "--out", str(tmp_path / "out")]) == 2
     assert f"--mask {tmp_path / 'mask.png'}: the mask has transparency" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("file_name, edit, expected", [
+    ("model_index.json", lambda config: [], "model_index.json: expected a JSON object"),
+    ("vae/config.json", lambda config: {**config, "scaling_factor": 0}, "scaling_factor=0 is invalid"),
+    ("scheduler/scheduler_config.json", lambda config: {**config, "num_train_timesteps": "1000"},
+     "num_train_timesteps='1000' is invalid"),
+    ("scheduler/scheduler_config.json", lambda config: {**config, "beta_schedule": "cosine"},
+     "beta_schedule='cosine' is not supported"),
+])
+def test_checkpoint_configs_of_the_wrong_kind_are_one_line(file_name, edit, expected, tmp_path, capsys):
+    """Each config a command reads is checked as it is read, and the message names the file."""
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    path = model / file_name
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    assert main(["generate", "a fox", "--model", str(model), "--steps", "2", "--no-progress",
+                 "--out", str(tmp_path / "out.png")]) == 2
+    err = one_error_line(capsys)
+    assert str(path) in err and expected in err, err
+    assert not (tmp_path / "out.png").exists()

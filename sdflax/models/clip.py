@@ -4,13 +4,14 @@ CLIPTextModelWithProjection (SDXL's second encoder) adds transformers' `text_pro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .config import config_from_dict
+from .config import ConfigError, config_from_dict, config_source
 from .layers import Kernels, dot_product_attention, resolve_kernels
 from .pretrained import Pretrained
 
@@ -36,9 +37,11 @@ class CLIPTextConfig:
 
     @classmethod
     def from_dict(cls, config):
-        config = dict(config.get("text_config", config))  # a full CLIPConfig nests the text tower's
-        if config.get("hidden_act", "quick_gelu") not in ACTIVATIONS:
-            raise ValueError(f"CLIPTextConfig: hidden_act={config['hidden_act']!r}; sdflax knows {sorted(ACTIVATIONS)}")
+        nested = config.get("text_config") if isinstance(config, Mapping) else None
+        config = nested if isinstance(nested, Mapping) else config  # a full CLIPConfig nests the text tower's
+        if isinstance(config, Mapping) and config.get("hidden_act", "quick_gelu") not in ACTIVATIONS:
+            raise ConfigError(f"{config_source(config)}CLIPTextConfig: hidden_act={config['hidden_act']!r:.100}; "
+                              f"sdflax knows {sorted(ACTIVATIONS)}")
         return config_from_dict(cls, config)
 
 

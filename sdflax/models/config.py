@@ -15,8 +15,9 @@ from typing import Any, Mapping
 # builds its config) can name it; like diffusers' own "_"-prefixed keys, it is not a field of any config.
 SOURCE_KEY = "_sdflax_config_file"
 
-# Fields that count or size something: a zero or negative value is a broken config, not a model.
-_SIZE_FIELD = re.compile(r"(^num_|_size$|_dim$|_channels$|_groups$)")
+# Fields that count, size or scale something: a zero or negative value is a broken config, not a model (a VAE
+# scaling_factor of 0 divides the latents by zero and decodes a black image).
+_POSITIVE_FIELD = re.compile(r"(^num_|_size$|_dim$|_channels$|_groups$|^scaling_factor$)")
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,7 @@ def _value_problem(field: dataclasses.Field, hint, value) -> str | None:
     """
     kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
         else (hint,)
+    kinds = tuple(typing.get_origin(k) or k for k in kinds)  # tuple[float, ...] is a tuple
     scalars = tuple(k for k in kinds if k in (bool, int, float, str))
     if isinstance(value, tuple):
         if tuple not in kinds:
@@ -67,8 +69,8 @@ def _value_problem(field: dataclasses.Field, hint, value) -> str | None:
     else:
         expected = [k.__name__ for k in scalars] + (["a list"] if tuple in kinds else [])
         return f"expected {' or '.join(expected)}"
-    if _SIZE_FIELD.search(field.name) and any(n <= 0 for n in numbers):
-        return "expected a positive size"
+    if _POSITIVE_FIELD.search(field.name) and any(n <= 0 for n in numbers):
+        return "expected a positive value"
     if any(isinstance(n, int) and n < 0 for n in numbers):
         return "expected a non-negative value"
     return None

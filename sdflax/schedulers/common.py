@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.config import ConfigError, config_from_dict, config_source
+
 BETA_SCHEDULES = ("linear", "scaled_linear")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -47,19 +49,35 @@ class ScheduleConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ScheduleConfig":
-        """Pick our fields out of a diffusers config dict; other keys (_class_name, ...) are ignored."""
+        """Pick our fields out of a diffusers config dict; other keys (_class_name, ...) are ignored. Values of
+        the wrong type or range are a `ConfigError` naming the file (when `read_config_file` read it)."""
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"{cls.__name__}: the scheduler config is a {type(config).__name__}, not a JSON object")
+        where = config_source(config)
         if config.get("thresholding", False):
-            raise ValueError("thresholding=True (dynamic thresholding) is not implemented in sdflax; set it to False")
+            raise ConfigError(f"{where}thresholding=True (dynamic thresholding) is not implemented in sdflax; set it "
+                              "to False")
         for field, allowed in cls.unsupported.items():
             if field in config and config[field] not in allowed:
-                raise ValueError(
-                    f"{field}={config[field]!r} is not implemented in sdflax's {cls.__name__}; allowed: {allowed}"
-                )
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in config.items() if k in names}
-        if values.get("trained_betas") is not None:
-            values["trained_betas"] = tuple(float(b) for b in np.asarray(values["trained_betas"]).ravel())
-        return cls(**values)
+                raise ConfigError(f"{where}{field}={config[field]!r:.100} is not implemented in sdflax's "
+                                  f"{cls.__name__}; allowed: {allowed}")
+        betas = config.get("trained_betas")
+        config = {k: v for k, v in config.items() if k != "trained_betas"}
+        if betas is not None:
+            try:
+                values = np.asarray(betas, np.float64).ravel()
+            except (TypeError, ValueError):
+                values = np.array([np.nan])
+            if not (values.size and np.all((values > 0) & (values < 1))):
+                raise ConfigError(f"{where}{cls.__name__}: trained_betas={betas!r:.100} is invalid (expected numbers "
+                                  "in (0, 1))")
+            config["trained_betas"] = tuple(float(b) for b in values)
+        try:
+            return config_from_dict(cls, config)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # __post_init__'s checks of choices
+            raise ConfigError(f"{where}{' '.join(str(e).split())[:300]}") from None
 
     def __post_init__(self):
         for field, allowed in (

@@ -1,0 +1,153 @@
+"""Bad arguments to the Python API: each is one clear ValueError / TypeError that names the argument, raised by the
+pipeline's checks before anything is traced (none of these calls compiles), instead of a raw jax error, a
+KeyError, or a run that broadcasts the mistake into a garbage image."""
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from test_cli import TINY
+
+import sdflax
+from sdflax.checkpoint_files import CheckpointFileError
+from sdflax.lora import LoraMismatchError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    pipe, params = sdflax.StableDiffusion.from_pretrained(TINY)
+    return pipe, params, pipe.prepare_inputs(["a fox"])
+
+
+def refused(error_type, call, *needles):
+    with pytest.raises(error_type) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+@pytest.mark.parametrize("name, value", [("height", 0), ("height", -64), ("width", -8), ("width", 64.0),
+                                         ("height", True), ("width", "64")])
+def test_sizes_must_be_positive_whole_numbers(tiny, name, value):
+    pipe, params, ids = tiny
+    refused(ValueError, lambda: pipe(ids, params, jax.random.PRNGKey(0), 2, **{name: value}),
+            f"{name} must be a positive whole number of pixels", repr(value))
+
+
+@pytest.mark.parametrize("key, expected", [
+    (0, "got 0"), ([0, 1], "got [0, 1]"), (np.zeros(2, np.float32), "got a float32 array of shape (2,)"),
+    (np.zeros(3, np.uint32), "got a uint32 array of shape (3,)"),
+])
+def test_prng_seed_must_be_a_key(tiny, key, expected):
+    pipe, params, ids = tiny
+    refused(TypeError, lambda: pipe(ids, params, key, 2),
+            "prng_seed must be a PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed))", expected)
+
+
+def test_prng_seed_shapes(tiny):
+    pipe, params, ids = tiny
+    keys = jax.random.split(jax.random.PRNGKey(0), 4).reshape(2, 2, 2)
+    refused(ValueError, lambda: pipe(ids, params, keys, 2), "prng_seed has shape (2, 2, 2): give one key, or one "
+            "key per image")
+    refused(ValueError, lambda: pipe(np.repeat(ids, 2, 0), params, jax.random.split(jax.random.PRNGKey(0), 3), 2),
+            "3 PRNG keys for a batch of 2")
+    ids, params = sdflax.shard(np.repeat(ids, jax.local_device_count(), 0)), sdflax.replicate(params)
+    refused(ValueError, lambda: pipe(ids, params, jax.random.PRNGKey(0), 2, jit=True),
+            "prng_seed has shape (2,): jit=True needs one key per device, jax.random.split(key, "
+            "jax.local_device_count())")
+
+
+def test_params_must_hold_every_model_and_match_the_mode(tiny):
+    pipe, params, ids = tiny
+    key = jax.random.PRNGKey(0)
+    refused(ValueError, lambda: pipe(ids, {"text_encoder": params["text_encoder"], "vae": params["vae"]}, key, 2),
+            "params has no 'unet' (it has 'text_encoder', 'vae'): pass the params from StableDiffusion.from_pretrained")
+    refused(ValueError, lambda: pipe._generate(ids, {"unet": params["unet"]}, key, 2), "params has no "
+            "'text_encoder', 'vae'")
+    refused(TypeError, lambda: pipe(ids, [params], key, 2), "params must be the dict from from_pretrained "
+            "(text_encoder, unet, vae), got list")
+
+    devices = jax.local_device_count()
+    replicated, keys = sdflax.replicate(params), jax.random.split(key, devices)
+    refused(ValueError, lambda: pipe(ids, replicated, key, 2), "params are replicated (a leading device axis), but "
+            "jit=False takes them as from_pretrained gives them")
+    refused(ValueError, lambda: pipe.generate_sharded(np.repeat(ids, devices, 0), replicated, keys, 2),
+            "but generate_sharded takes them as from_pretrained gives them")
+    sharded = sdflax.shard(np.repeat(ids, devices, 0))
+    refused(ValueError, lambda: pipe(sharded, params, keys, 2, jit=True), "jit=True runs under pmap and needs "
+            "replicated params: sdflax.replicate(params)")
+
+
+def test_token_ids_must_be_integers_of_the_vocabulary(tiny):
+    pipe, params, ids = tiny
+    key = jax.random.PRNGKey(0)
+    refused(TypeError, lambda: pipe(ids.astype(np.float32), params, key, 2), "prompt_ids must be integer token ids "
+            "(pipeline.prepare_inputs(prompts)), got float32")
+    vocab = pipe.text_encoder.config.vocab_size
+    refused(ValueError, lambda: pipe(ids, params, key, 2, neg_prompt_ids=ids + vocab), f"neg_prompt_ids holds token "
+            f"id {ids.max() + vocab}, outside the text encoder's vocabulary [0, {vocab})")
+    refused(ValueError, lambda: pipe(ids - vocab, params, key, 2), f"token id {ids.min() - vocab}, outside")
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("guidance_scale", jnp.ones(3), "guidance_scale must be one number, got an array of shape (3,)"),
+    ("guidance_scale", np.ones((1, 1)), "guidance_scale must be one number, got an array of shape (1, 1)"),
+    ("guidance_scale", float("nan"), "guidance_scale must be a finite number, got nan"),
+    ("guidance_scale", float("inf"), "guidance_scale must be a finite number, got inf"),
+    ("guidance_rescale", float("nan"), "guidance_rescale must be a finite number, got nan"),
+])
+def test_scales_must_be_one_finite_number(tiny, name, value, expected):
+    pipe, params, ids = tiny
+    refused(ValueError, lambda: pipe(ids, params, jax.random.PRNGKey(0), 2, **{name: value}), expected)
+
+
+# --- LoRA files whose metadata or tensors would merge into garbage -----------------------------------------------
+
+LAYER = "lora_unet_down_blocks_0_attentions_0_proj_in"
+
+
+def lora_file(path, params, rank=2, alpha=None, metadata=None):
+    width = params["unet"]["down_blocks_0_attentions_0"]["proj_in"]["kernel"].shape[-2]
+    tensors = {f"{LAYER}.lora_down.weight": np.ones((rank, width), np.float32),
+               f"{LAYER}.lora_up.weight": np.ones((width, rank), np.float32)}
+    if alpha is not None:
+        tensors[f"{LAYER}.alpha"] = np.asarray(alpha, np.float32)
+    save_file(tensors, path, metadata=metadata)
+    return path
+
+
+def test_lora_metadata_that_is_not_a_lora_config(tiny, tmp_path):
+    pipe, params, _ = tiny
+    for raw in ["[1, 2]", "{not json", json.dumps({"unet.lora_alpha": "high"}),
+                json.dumps({"unet.lora_alpha": 4, "unet.alpha_pattern": [1]})]:
+        path = lora_file(tmp_path / "meta.safetensors", params, metadata={"lora_adapter_metadata": raw})
+        refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"LoRA file {path}: its "
+                "lora_adapter_metadata is not a diffusers LoRA config")
+
+
+def test_safetensors_metadata_must_map_strings_to_strings(tiny, tmp_path):
+    pipe, params, _ = tiny
+    header = json.dumps({"__metadata__": [1, 2]}).encode()
+    path = tmp_path / "list-metadata.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    refused(CheckpointFileError, lambda: pipe.load_lora(params, path), "__metadata__ must map strings to strings")
+
+
+def test_rank_zero_and_non_finite_alpha_are_refused(tiny, tmp_path):
+    pipe, params, _ = tiny
+    path = lora_file(tmp_path / "rank0.safetensors", params, rank=0)
+    refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"{LAYER}.lora_down.weight: rank 0")
+    for alpha in (float("nan"), [1.0, 2.0]):
+        path = lora_file(tmp_path / "alpha.safetensors", params, alpha=alpha)
+        refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"{LAYER}.alpha: alpha must be one finite "
+                "number")
+    merged = pipe.load_lora(params, lora_file(tmp_path / "good.safetensors", params, alpha=1.0))  # the control
+    delta = merged["unet"]["down_blocks_0_attentions_0"]["proj_in"]["kernel"] - \
+        params["unet"]["down_blocks_0_attentions_0"]["proj_in"]["kernel"]
+    np.testing.assert_allclose(np.asarray(delta).reshape(-1)[:4], 2 * 0.5, rtol=1e-6)  # up @ down = rank, x alpha/rank
