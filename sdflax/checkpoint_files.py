@@ -373,7 +373,11 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
     is returned; values that are not tensors (step counts, strings, nested dicts) are dropped.
     """
     name = os.fspath(path)
-    if not zipfile.is_zipfile(name):
+    try:
+        is_zip = zipfile.is_zipfile(name)
+    except OSError as e:  # a damaged zip64 end record makes zipfile seek before the start of the file
+        raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
+    if not is_zip:
         raise CheckpointFileError(
             f"{name!r} is not a zip-format PyTorch checkpoint; the legacy (pre-1.6) torch format is "
             "not supported: re-save it as safetensors (e.g. safetensors.torch.save_file(torch.load(f), "
@@ -383,7 +387,12 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
         obj = _read_torch_zip(name)
     except CheckpointFileError:
         raise
-    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, struct.error) as e:
+    # What damaged zip entries and pickle streams raise: encrypted or unknown-compression flags (RuntimeError,
+    # NotImplementedError), a truncated or garbled pickle (UnpicklingError, EOFError, IndexError: a memo or stack
+    # reference past the end), wrong-typed opcode arguments (TypeError), ids that are not text (UnicodeDecodeError),
+    # offsets before the start of the file (OSError from seek).
+    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, struct.error, RuntimeError, NotImplementedError,
+            pickle.UnpicklingError, IndexError, KeyError, TypeError, OverflowError, OSError) as e:
         raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
     if not isinstance(obj, dict):
         raise CheckpointFileError(f"{name!r} holds a {type(obj).__name__}, not a dict of tensors")
@@ -451,8 +460,15 @@ def read_flax_msgpack(path) -> dict[str, np.ndarray]:
     # Imported here so that the other readers do not pay for importing jax.
     from flax.serialization import msgpack_restore
 
-    with open(path, "rb") as f:
-        tree = msgpack_restore(f.read())
+    name = os.fspath(path)
+    with open(name, "rb") as f:
+        data = f.read()
+    try:
+        tree = msgpack_restore(data)
+    # msgpack's own errors are ValueErrors; a damaged array record fails in numpy (TypeError: an unknown dtype
+    # name, ValueError: a shape that does not match its bytes) and a damaged map key in dict building.
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+        raise CheckpointFileError(f"corrupt Flax msgpack file {name!r}: {_one_line(e)}") from None
     flat: dict[str, np.ndarray] = {}
     _flatten_into(flat, tree, "")
     return flat

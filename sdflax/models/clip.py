@@ -39,10 +39,11 @@ class CLIPTextConfig:
     def from_dict(cls, config):
         nested = config.get("text_config") if isinstance(config, Mapping) else None
         config = nested if isinstance(nested, Mapping) else config  # a full CLIPConfig nests the text tower's
-        if isinstance(config, Mapping) and config.get("hidden_act", "quick_gelu") not in ACTIVATIONS:
-            raise ConfigError(f"{config_source(config)}CLIPTextConfig: hidden_act={config['hidden_act']!r:.100}; "
+        cfg = config_from_dict(cls, config)
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"{config_source(config)}CLIPTextConfig: hidden_act={cfg.hidden_act!r:.100}; "
                               f"sdflax knows {sorted(ACTIVATIONS)}")
-        return config_from_dict(cls, config)
+        return cfg
 
 
 @flax.struct.dataclass

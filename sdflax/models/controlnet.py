@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from .config import ConfigError, config_source
 from .layers import Kernels, conv, resolve_kernels
 from .pretrained import Pretrained
 from .unet import UNetEncoder, UNetEncoderConfig
@@ -31,11 +32,11 @@ class ControlNetConfig(UNetEncoderConfig):
     def from_dict(cls, config):
         cfg = super().from_dict(config)
         if cfg.controlnet_conditioning_channel_order not in CHANNEL_ORDERS:
-            raise ValueError(f"ControlNetConfig: controlnet_conditioning_channel_order="
-                             f"{cfg.controlnet_conditioning_channel_order!r}; it is 'rgb' or 'bgr'")
+            raise ConfigError(f"{config_source(config)}ControlNetConfig: controlnet_conditioning_channel_order="
+                              f"{cfg.controlnet_conditioning_channel_order!r:.100}; it is 'rgb' or 'bgr'")
         if not cfg.conditioning_embedding_out_channels:
-            raise ValueError("ControlNetConfig: conditioning_embedding_out_channels is empty; the condition encoder "
-                             "needs at least one level")
+            raise ConfigError(f"{config_source(config)}ControlNetConfig: conditioning_embedding_out_channels is empty; "
+                              "the condition encoder needs at least one level")
         return cfg
 
     @property

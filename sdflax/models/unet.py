@@ -49,25 +49,25 @@ class UNetEncoderConfig:
     @classmethod
     def from_dict(cls, config):
         cfg = config_from_dict(cls, config, unsupported=_UNSUPPORTED)
-        name = cls.__name__
+        name = config_source(config) + cls.__name__
         for key, supported in cls.block_types:
             types = getattr(cfg, key)
             unknown = [t for t in types if t not in supported]
             if unknown:
-                raise ConfigError(f"{config_source(config)}{name}: {key} has {unknown[0]!r:.100}; sdflax supports "
+                raise ConfigError(f"{name}: {key} has {unknown[0]!r:.100}; sdflax supports "
                                   f"{', '.join(supported)}")
             if len(types) != len(cfg.block_out_channels):
-                raise ValueError(f"{name}: {len(types)} {key} for {len(cfg.block_out_channels)} "
-                                 "block_out_channels; give one per block")
+                raise ConfigError(f"{name}: {len(types)} {key} for {len(cfg.block_out_channels)} "
+                                  "block_out_channels; give one per block")
         if cfg.addition_embed_type not in (None, "text_time"):
-            raise ValueError(f"{name}: addition_embed_type={cfg.addition_embed_type!r}; sdflax supports only "
-                             "None and 'text_time' (SDXL)")
+            raise ConfigError(f"{name}: addition_embed_type={cfg.addition_embed_type!r}; sdflax supports only "
+                              "None and 'text_time' (SDXL)")
         if cfg.addition_embed_type and not (cfg.addition_time_embed_dim and cfg.projection_class_embeddings_input_dim):
-            raise ValueError(f"{name}: addition_embed_type='text_time' needs addition_time_embed_dim and "
-                             "projection_class_embeddings_input_dim")
+            raise ConfigError(f"{name}: addition_embed_type='text_time' needs addition_time_embed_dim and "
+                              "projection_class_embeddings_input_dim")
         if any(isinstance(d, tuple) for d in cfg.per_block(cfg.transformer_layers_per_block)):
-            raise ValueError(f"{name}: transformer_layers_per_block per layer (nested lists) is not supported; "
-                             "give an int or one int per block")
+            raise ConfigError(f"{name}: transformer_layers_per_block per layer (nested lists) is not supported; "
+                              "give an int or one int per block")
         return cfg
 
     def per_block(self, value):

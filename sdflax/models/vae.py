@@ -32,7 +32,7 @@ class VAEConfig:
 
     @classmethod
     def from_dict(cls, config):
-        levels = len(config.get("block_out_channels", cls.block_out_channels))
+        levels = len(config_from_dict(cls, config).block_out_channels)  # the values checked first
         return config_from_dict(cls, config, unsupported={
             "act_fn": "silu",
             "down_block_types": ("DownEncoderBlock2D",) * levels,
