@@ -51,9 +51,10 @@ UNUSED = re.compile(
     r"^(betas|alphas_cumprod|alphas_cumprod_prev|sqrt_alphas_cumprod|sqrt_one_minus_alphas_cumprod"
     r"|log_one_minus_alphas_cumprod|sqrt_recip_alphas_cumprod|sqrt_recipm1_alphas_cumprod|posterior_variance"
     r"|posterior_log_variance_clipped|posterior_mean_coef1|posterior_mean_coef2|logvar|lvlb_weights)$"  # DDPM buffers
-    r"|^denoiser\.(sigmas|log_sigmas)$"  # SGM's noise schedule buffers
+    r"|^denoiser\.(sigmas|log_sigmas)$"  # SGM's noise schedule
+    # OpenCLIP's contrastive head (SDXL's second text encoder keeps the projection, SD 2.x's has none)
     r"|^cond_stage_model\.model\.text_projection$|^(cond_stage_model|conditioner\.embedders\.\d)\.model\.logit_scale$"
-)  # OpenCLIP's contrastive head: SDXL's second encoder keeps its text_projection, SD 2.x none
+)
 # Tensors some files carry that the pipeline does not use: a warning lists them (the EMA weights may be wanted).
 KNOWN_EXTRAS = re.compile(r"^model_ema\.|^first_stage_model\.loss\.")
 
@@ -70,8 +71,6 @@ OPENCLIP_LAYER = {
     "attn.in_proj_weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "attn.in_proj_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
 }
-
-
 # OpenCLIP projects with `x @ text_projection` (width, proj); transformers' Linear holds the transpose.
 OPENCLIP_PROJECTION = re.compile(r"\.model\.text_projection$")
 
@@ -210,12 +209,13 @@ def detect_version(keys) -> str:
     for version, layout in LAYOUTS.items():
         if encoders == {prefix for prefix in layout if prefix not in MODELS}:
             return version
+    found = _listing(prefix + "*" for prefix in encoders)
     if any(k.startswith("conditioner.") for k in encoders):
-        raise SingleFileError(f"an SDXL checkpoint needs CLIP ViT-L (conditioner.embedders.0.transformer.*) and "
+        raise SingleFileError("an SDXL checkpoint needs CLIP ViT-L (conditioner.embedders.0.transformer.*) and "
                               "OpenCLIP ViT-bigG (conditioner.embedders.1.model.*), or for a refiner OpenCLIP ViT-bigG "
-                              f"alone (conditioner.embedders.0.model.*); this file has {_listing(p + '*' for p in encoders)}")
+                              f"alone (conditioner.embedders.0.model.*); this file has {found}")
     if encoders:
-        raise SingleFileError(f"the checkpoint's text encoders ({_listing(p + '*' for p in encoders)}) are not one SD 1.x "
+        raise SingleFileError(f"the checkpoint's text encoders ({found}) are not one SD 1.x "
                               "(cond_stage_model.transformer.*) or SD 2.x (cond_stage_model.model.*) encoder")
     raise SingleFileError("the checkpoint has a UNet but no text encoder (cond_stage_model.transformer.* for "
                           "SD 1.x, cond_stage_model.model.* for SD 2.x, conditioner.embedders.* for SDXL)")
@@ -231,10 +231,10 @@ def split_components(state_dict: dict, configs: dict, version: str) -> dict[str,
     layout = LAYOUTS[version]
     tables = {"unet": unet_table(configs["unet"]), "vae": vae_table(configs["vae"])}
     for prefix, component in layout.items():
-        if component.startswith("text_encoder"):
-            openclip = prefix.endswith(".model.")
-            tables[component] = openclip_table(configs[component], projection=component == "text_encoder_2") \
-                if openclip else clip_table(configs[component])
+        if prefix.endswith(".transformer."):
+            tables[component] = clip_table(configs[component])
+        elif prefix.endswith(".model."):  # SDXL's second encoder is a CLIPTextModelWithProjection
+            tables[component] = openclip_table(configs[component], projection=component == "text_encoder_2")
     # SD 2.x conditions on OpenCLIP's penultimate layer: the layers after it are in the file but unused.
     unused_layers = re.compile(r"^cond_stage_model\.model\.transformer\.resblocks\.(\d+)\.")
     out = {name: {} for name in tables}
@@ -293,7 +293,9 @@ def file_contents(version: str):
     and the model_index.json options its parts come with."""
     from types import SimpleNamespace
 
-    from .models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
+    from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
+    from .models.unet import UNet2DConditionModel
+    from .models.vae import AutoencoderKL
 
     classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
                "unet": UNet2DConditionModel, "vae": AutoencoderKL}

@@ -31,8 +31,10 @@ CLIP_L, BIGG_BASE, BIGG_REFINER = ("conditioner.embedders.0.transformer.", "cond
 # five time ids (sizes, crop, aesthetic score).
 TEXT_ENCODER_2 = {**SDXL["text_encoder_2"], "hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 6,
                   "projection_dim": 40}
-UNETS = {"sdxl": {**SDXL["unet"], "cross_attention_dim": 32 + 48, "projection_class_embeddings_input_dim": 40 + 6 * 8},
-         "sdxl_refiner": {**SDXL["unet"], "cross_attention_dim": 48, "projection_class_embeddings_input_dim": 40 + 5 * 8}}
+UNETS = {
+    "sdxl": {**SDXL["unet"], "cross_attention_dim": 32 + 48, "projection_class_embeddings_input_dim": 40 + 6 * 8},
+    "sdxl_refiner": {**SDXL["unet"], "cross_attention_dim": 48, "projection_class_embeddings_input_dim": 40 + 5 * 8},
+}
 
 
 def torch_xl(version, seed=0):
