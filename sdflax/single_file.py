@@ -313,7 +313,7 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     import jax.numpy as jnp
 
     from .checkpoint_files import read_checkpoint
-    from .loading import build_models, load_scheduler, load_tokenizer
+    from .loading import build_models, check_pipeline_folder, load_scheduler, load_tokenizer
     from .models.config import read_config_file
     from .weights import CheckpointMismatchError, convert_state_dict
 
@@ -335,6 +335,7 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
 
         folder = resolve_folder(config, revision, allow_patterns=["model_index.json", "*/config.json", "scheduler/*",
                                                                   *(f"{t}/*" for t in family.tokenizers)])
+        check_pipeline_folder(folder, f"config={config}", tuple(family.models), family.tokenizers)
         tokenizers = {t: load_tokenizer(os.path.join(folder, t)) for t in family.tokenizers}
     else:
         folder = bundled_config_folder(version)

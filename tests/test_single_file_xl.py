@@ -14,7 +14,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from builders import SDXL, SDXL_SCHEDULER, TOKENIZER, torch_text_encoder, torch_text_encoder_2, torch_unet, torch_vae
+from builders import (REPO, SDXL, SDXL_SCHEDULER, TOKENIZER, torch_text_encoder, torch_text_encoder_2, torch_unet,
+                      torch_vae)
 from safetensors.torch import save_file
 from test_single_file import _meta_state, assert_same_params, clip_to_ldm, openclip_to_ldm, unet_to_ldm, vae_to_ldm
 
@@ -22,6 +23,7 @@ import jax
 
 from sdflax import StableDiffusion, StableDiffusionXL
 from sdflax import single_file
+from sdflax.hub import ModelNotFoundError
 from sdflax.models import CLIPTextConfig, UNetConfig, VAEConfig
 
 CLIP_L, BIGG_BASE, BIGG_REFINER = ("conditioner.embedders.0.transformer.", "conditioner.embedders.1.model.",
@@ -165,6 +167,9 @@ def test_the_wrong_pipeline_class_names_the_right_one(checkpoint, tmp_path):
         if cls.__name__ != right:
             with pytest.raises(single_file.SingleFileError, match=f"SDXL .*: use {right}.from_single_file$"):
                 cls.from_single_file(path)
+    if version == "sdxl":  # an SD folder's configs for an SDXL file
+        with pytest.raises(ModelNotFoundError, match="missing text_encoder_2/config.json, tokenizer_2/"):
+            StableDiffusionXL.from_single_file(path, config=REPO / "weights" / "tiny-sd")
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2),
                "cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.zeros(2)},
               tmp_path / "sd1.safetensors")
