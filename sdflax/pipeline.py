@@ -93,17 +93,18 @@ class Pipeline:
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
                          scheduler_config=None, attention="auto", revision=None):
-        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 layout (SD 1.x or 2.x).
+        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 (SD 1.x, 2.x) or SGM
+        (SDXL) layout.
 
         The version is read from the tensor names. Model, tokenizer and scheduler configs come from `config` (a
-        diffusers folder or hub id) or, without it, from stable-diffusion-v1-5 / stable-diffusion-2-1 defaults
-        bundled with sdflax; those assume v-prediction for SD 2.x: pass `prediction_type="epsilon"` for a
-        512 px SD 2.x base model. The params equal what `from_pretrained` gives for the converted checkpoint."""
+        diffusers folder or hub id) or, without it, from stable-diffusion-v1-5 / stable-diffusion-2-1 /
+        stable-diffusion-xl-base-1.0 defaults bundled with sdflax; those assume v-prediction for SD 2.x: pass
+        `prediction_type="epsilon"` for a 512 px SD 2.x base model. The params equal what `from_pretrained`
+        gives for the converted checkpoint."""
         from .single_file import load_single_file
 
-        cls._sd_only("single-file checkpoints", "use a diffusers folder or hub id with from_pretrained")
         parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
-                                         attention, revision)
+                                         attention, revision, family=cls.conditioning, pipeline=cls.__name__)
         return cls(**parts), params
 
     def load_lora(self, params, path, scale=1.0):

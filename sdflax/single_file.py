@@ -1,11 +1,14 @@
 """Single-file checkpoints in the original CompVis / A1111 layout -> the params `from_pretrained` gives.
 
-One file holds the three models under their LDM names:
+One file holds the models under their LDM / SGM names:
 
-    model.diffusion_model.*         the UNet (input_blocks / middle_block / output_blocks)
-    first_stage_model.*             the VAE (encoder.down.N.block.M, mid.attn_1.q, ...)
-    cond_stage_model.transformer.*  SD 1.x: the CLIP text model, already in transformers' names
-    cond_stage_model.model.*        SD 2.x: OpenCLIP (transformer.resblocks.N, fused attn.in_proj_weight)
+    model.diffusion_model.*                SD and SDXL: the UNet (input_blocks / middle_block / output_blocks)
+    first_stage_model.*                    SD and SDXL: the VAE (encoder.down.N.block.M, mid.attn_1.q, ...)
+    cond_stage_model.transformer.*         SD 1.x: the CLIP text model, already in transformers' names
+    cond_stage_model.model.*               SD 2.x: OpenCLIP (transformer.resblocks.N, fused attn.in_proj_weight)
+    conditioner.embedders.0.transformer.*  SDXL base: CLIP ViT-L (text_encoder), in transformers' names
+    conditioner.embedders.1.model.*        SDXL base: OpenCLIP ViT-bigG with its projection (text_encoder_2)
+    conditioner.embedders.0.model.*        SDXL refiner: OpenCLIP ViT-bigG alone (text_encoder_2)
 
 Each model's names go through a table built from its config: LDM module prefix -> diffusers module prefix,
 plus renames of the leaves inside that module (`in_layers.0` -> `norm1`). A fused q/k/v tensor maps to three
@@ -17,6 +20,7 @@ ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -26,24 +30,36 @@ import numpy as np
 
 __all__ = ["SingleFileError", "detect_version", "split_components", "bundled_config_folder"]
 
-COMPONENT_PREFIXES = {
-    "model.diffusion_model.": "unet",
-    "first_stage_model.": "vae",
-    "cond_stage_model.transformer.": "text_encoder",  # SD 1.x: transformers' CLIPTextModel names
-    "cond_stage_model.model.": "text_encoder",  # SD 2.x: OpenCLIP names
+# Per version: file prefix -> component. Text encoders under `.transformer.` carry transformers' names, those
+# under `.model.` OpenCLIP's.
+MODELS = {"model.diffusion_model.": "unet", "first_stage_model.": "vae"}
+LAYOUTS = {
+    "sd1": {**MODELS, "cond_stage_model.transformer.": "text_encoder"},
+    "sd2": {**MODELS, "cond_stage_model.model.": "text_encoder"},
+    "sdxl": {**MODELS, "conditioner.embedders.0.transformer.": "text_encoder",
+             "conditioner.embedders.1.model.": "text_encoder_2"},
+    "sdxl_refiner": {**MODELS, "conditioner.embedders.0.model.": "text_encoder_2"},
 }
+NAMES = {"sd1": "an SD 1.x", "sd2": "an SD 2.x", "sdxl": "an SDXL base", "sdxl_refiner": "an SDXL refiner"}
+PIPELINES = {"sd1": "StableDiffusion", "sd2": "StableDiffusion", "sdxl": "StableDiffusionXL",
+             "sdxl_refiner": "StableDiffusionXLImg2Img"}
+# model_index.json entries a file's parts come with when no pipeline class names its own
+INDEX_OPTIONS = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
 
 # Tensors every such file carries and no pipeline uses: skipped without a word.
 UNUSED = re.compile(
     r"^(betas|alphas_cumprod|alphas_cumprod_prev|sqrt_alphas_cumprod|sqrt_one_minus_alphas_cumprod"
     r"|log_one_minus_alphas_cumprod|sqrt_recip_alphas_cumprod|sqrt_recipm1_alphas_cumprod|posterior_variance"
     r"|posterior_log_variance_clipped|posterior_mean_coef1|posterior_mean_coef2|logvar|lvlb_weights)$"  # DDPM buffers
-    r"|^cond_stage_model\.model\.(text_projection|logit_scale)$"  # OpenCLIP's contrastive head
+    r"|^denoiser\.(sigmas|log_sigmas)$"  # SGM's noise schedule
+    # OpenCLIP's contrastive head (SDXL's second text encoder keeps the projection, SD 2.x's has none)
+    r"|^cond_stage_model\.model\.text_projection$|^(cond_stage_model|conditioner\.embedders\.\d)\.model\.logit_scale$"
 )
 # Tensors some files carry that the pipeline does not use: a warning lists them (the EMA weights may be wanted).
 KNOWN_EXTRAS = re.compile(r"^model_ema\.|^first_stage_model\.loss\.")
 
-DEFAULTS = {"sd1": "stable-diffusion-v1-5", "sd2": "stable-diffusion-2-1 (768 px, v-prediction)"}
+DEFAULTS = {"sd1": "stable-diffusion-v1-5", "sd2": "stable-diffusion-2-1 (768 px, v-prediction)",
+            "sdxl": "stable-diffusion-xl-base-1.0", "sdxl_refiner": "stable-diffusion-xl-refiner-1.0"}
 
 RESNET = {"in_layers.0": "norm1", "in_layers.2": "conv1", "emb_layers.1": "time_emb_proj", "out_layers.0": "norm2",
           "out_layers.3": "conv2", "skip_connection": "conv_shortcut"}
@@ -55,10 +71,12 @@ OPENCLIP_LAYER = {
     "attn.in_proj_weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "attn.in_proj_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
 }
+# OpenCLIP projects with `x @ text_projection` (width, proj); transformers' Linear holds the transpose.
+OPENCLIP_PROJECTION = re.compile(r"\.model\.text_projection$")
 
 
 class SingleFileError(ValueError):
-    """The file is not a single-file SD 1.x / 2.x checkpoint, or holds tensors no table maps."""
+    """The file is not a single-file SD 1.x / 2.x / SDXL checkpoint, or holds tensors no table maps."""
 
 
 def encoder_table(cfg) -> dict:
@@ -139,10 +157,13 @@ def vae_table(cfg) -> dict:
     return table
 
 
-def openclip_table(cfg) -> dict:
-    """OpenCLIP text tower -> transformers' CLIPTextModel names, for the config's number of layers."""
+def openclip_table(cfg, projection=False) -> dict:
+    """OpenCLIP text tower -> transformers' CLIPTextModel names (CLIPTextModelWithProjection's with `projection`),
+    for the config's number of layers."""
     table = {"token_embedding": "embeddings.token_embedding",
              "positional_embedding": "embeddings.position_embedding.weight", "ln_final": "final_layer_norm"}
+    if projection:  # stored transposed: see OPENCLIP_PROJECTION
+        table["text_projection"] = "text_projection.weight"
     for i in range(cfg.num_hidden_layers):
         table[f"transformer.resblocks.{i}"] = (f"encoder.layers.{i}", OPENCLIP_LAYER)
     return table
@@ -176,50 +197,64 @@ def map_key(key: str, table) -> tuple[str, ...] | None:
 
 
 def detect_version(keys) -> str:
-    """'sd1' (CLIP ViT-L text encoder) or 'sd2' (OpenCLIP ViT-H) from the tensor names."""
+    """'sd1' (CLIP ViT-L text encoder), 'sd2' (OpenCLIP ViT-H), 'sdxl' (CLIP ViT-L and OpenCLIP ViT-bigG) or
+    'sdxl_refiner' (OpenCLIP ViT-bigG alone) from the tensor names."""
     keys = list(keys)
-    if any(k.startswith("conditioner.embedders.") for k in keys):
-        raise SingleFileError("this is an SDXL checkpoint (conditioner.embedders.*); sdflax runs SD 1.x and 2.x")
     if not any(k.startswith("model.diffusion_model.") for k in keys):
         sample = ", ".join(sorted(keys)[:5])
         raise SingleFileError(f"not a single-file Stable Diffusion checkpoint: no model.diffusion_model.* tensors "
                               f"(found {sample}{' ...' if len(keys) > 5 else ''}); a diffusers folder loads with "
                               "StableDiffusion.from_pretrained")
-    if any(k.startswith("cond_stage_model.model.") for k in keys):
-        return "sd2"
-    if any(k.startswith("cond_stage_model.transformer.") for k in keys):
-        return "sd1"
+    encoders = {m[0] for k in keys if (m := re.match(r"(cond_stage_model|conditioner\.embedders\.\d+)\.\w+\.", k))}
+    for version, layout in LAYOUTS.items():
+        if encoders == {prefix for prefix in layout if prefix not in MODELS}:
+            return version
+    found = _listing(prefix + "*" for prefix in encoders)
+    if any(k.startswith("conditioner.") for k in encoders):
+        raise SingleFileError("an SDXL checkpoint needs CLIP ViT-L (conditioner.embedders.0.transformer.*) and "
+                              "OpenCLIP ViT-bigG (conditioner.embedders.1.model.*), or for a refiner OpenCLIP ViT-bigG "
+                              f"alone (conditioner.embedders.0.model.*); this file has {found}")
+    if encoders:
+        raise SingleFileError(f"the checkpoint's text encoders ({found}) are not one SD 1.x "
+                              "(cond_stage_model.transformer.*) or SD 2.x (cond_stage_model.model.*) encoder")
     raise SingleFileError("the checkpoint has a UNet but no text encoder (cond_stage_model.transformer.* for "
-                          "SD 1.x or cond_stage_model.model.* for SD 2.x)")
+                          "SD 1.x, cond_stage_model.model.* for SD 2.x, conditioner.embedders.* for SDXL)")
 
 
 def split_components(state_dict: dict, configs: dict, version: str) -> dict[str, dict[str, np.ndarray]]:
-    """{component: {diffusers name: array}} for "unet", "vae", "text_encoder".
+    """{component: {diffusers name: array}} for the components of `version`'s layout (`LAYOUTS`).
 
-    `configs` holds the three models' configs (UNetConfig, VAEConfig, CLIPTextConfig). Keys no table maps are
-    an error that lists them, known extras (EMA weights, the VAE's loss) a warning; the parts of the format that
-    no pipeline uses (DDPM buffers, OpenCLIP's contrastive head and the layer after the penultimate) are skipped.
+    `configs` holds the models' configs (UNetConfig, VAEConfig, CLIPTextConfig). Keys no table maps are an error
+    that lists them, known extras (EMA weights, the VAE's loss) a warning; the parts of the format that no
+    pipeline uses (DDPM buffers, OpenCLIP's contrastive head and SD 2.x's layer after the penultimate) are skipped.
     """
-    tables = {"unet": unet_table(configs["unet"]), "vae": vae_table(configs["vae"]),
-              "text_encoder": (openclip_table if version == "sd2" else clip_table)(configs["text_encoder"])}
-    layers = configs["text_encoder"].num_hidden_layers
+    layout = LAYOUTS[version]
+    tables = {"unet": unet_table(configs["unet"]), "vae": vae_table(configs["vae"])}
+    for prefix, component in layout.items():
+        if prefix.endswith(".transformer."):
+            tables[component] = clip_table(configs[component])
+        elif prefix.endswith(".model."):  # SDXL's second encoder is a CLIPTextModelWithProjection
+            tables[component] = openclip_table(configs[component], projection=component == "text_encoder_2")
     # SD 2.x conditions on OpenCLIP's penultimate layer: the layers after it are in the file but unused.
-    unused_layers = re.compile(rf"^cond_stage_model\.model\.transformer\.resblocks\.(\d+)\.")
+    unused_layers = re.compile(r"^cond_stage_model\.model\.transformer\.resblocks\.(\d+)\.")
     out = {name: {} for name in tables}
     extras, unknown = [], []
     for key, array in state_dict.items():
-        prefix = next((p for p in COMPONENT_PREFIXES if key.startswith(p)), None)
+        prefix = next((p for p in layout if key.startswith(p)), None)
         names = None
         if prefix is not None:
-            component = COMPONENT_PREFIXES[prefix]
+            component = layout[prefix]
             names = map_key(key[len(prefix):], tables[component])
         if names is None:
             layer = unused_layers.match(key)
             if KNOWN_EXTRAS.search(key):
                 extras.append(key)
-            elif not (UNUSED.search(key) or (version == "sd2" and layer and int(layer.group(1)) >= layers)):
+            elif not (UNUSED.search(key) or (version == "sd2" and layer and
+                                             int(layer.group(1)) >= configs["text_encoder"].num_hidden_layers)):
                 unknown.append(key)
             continue
+        if OPENCLIP_PROJECTION.search(key):
+            array = np.asarray(array).T
         parts = np.split(array, len(names)) if len(names) > 1 else [array]
         for name, part in zip(names, parts):
             out[component][name] = part
@@ -238,59 +273,87 @@ def _listing(keys, limit=12):
 
 
 def bundled_config_folder(version: str) -> str:
-    """The package's default configs for 'sd1' (stable-diffusion-v1-5) or 'sd2' (stable-diffusion-2-1)."""
+    """The package's default configs for 'sd1' (stable-diffusion-v1-5), 'sd2' (stable-diffusion-2-1), 'sdxl'
+    (stable-diffusion-xl-base-1.0) or 'sdxl_refiner' (stable-diffusion-xl-refiner-1.0)."""
     return os.fspath(resources.files("sdflax") / "configs" / version)
 
 
-def bundled_tokenizer(version: str):
+def bundled_tokenizer(version: str, name: str = "tokenizer"):
     from transformers import CLIPTokenizer
 
     folder = os.fspath(resources.files("sdflax") / "configs" / "tokenizer")
-    # The same BPE vocabulary; SD 2.x pads with "!" (id 0) where SD 1.x pads with <|endoftext|>.
-    return CLIPTokenizer.from_pretrained(folder, **({"pad_token": "!"} if version == "sd2" else {}))
+    # The same BPE vocabulary; OpenCLIP encoders (SD 2.x's, SDXL's second) pad with "!" (id 0) where CLIP ViT-L
+    # pads with <|endoftext|>.
+    openclip = version == "sd2" or name == "tokenizer_2"
+    return CLIPTokenizer.from_pretrained(folder, **({"pad_token": "!"} if openclip else {}))
+
+
+def file_contents(version: str):
+    """What a file of `version` holds, in a pipeline family's terms: models {folder: class}, tokenizer folders
+    and the model_index.json options its parts come with."""
+    from types import SimpleNamespace
+
+    from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
+    from .models.unet import UNet2DConditionModel
+    from .models.vae import AutoencoderKL
+
+    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
+               "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    models = {c: classes[c] for c in sorted(LAYOUTS[version].values())}
+    tokenizers = tuple(name.replace("text_encoder", "tokenizer") for name in models if name.startswith("text_"))
+    return SimpleNamespace(models=models, tokenizers=tokenizers, index_options=INDEX_OPTIONS)
 
 
 def load_single_file(path, config=None, dtype=None, prediction_type=None, scheduler=None, scheduler_config=None,
-                     attention="auto", revision=None):
+                     attention="auto", revision=None, family=None, pipeline=None):
     """(a pipeline's constructor arguments, params) from a .safetensors / .ckpt file; see
-    `StableDiffusion.from_single_file`."""
+    `StableDiffusion.from_single_file`. `family` (a pipeline's conditioning: `models`, `tokenizers`,
+    `index_options`) must hold the models the file does, else the error names `pipeline`'s right sibling;
+    without it the parts are what the file holds (an SDXL refiner's: no first text encoder)."""
     import jax.numpy as jnp
 
     from .checkpoint_files import read_checkpoint
-    from .loading import build_models, load_scheduler, load_tokenizer
-    from .models.clip import CLIPTextModel
+    from .loading import build_models, check_pipeline_folder, load_scheduler, load_tokenizer
     from .models.config import read_config_file
-    from .models.unet import UNet2DConditionModel
-    from .models.vae import AutoencoderKL
     from .weights import CheckpointMismatchError, convert_state_dict
 
     dtype = jnp.float32 if dtype is None else dtype
     name = os.fspath(path)
     if not os.path.isfile(name):
         raise FileNotFoundError(f"no checkpoint file at {name}")
+    where = os.path.basename(name)
     state_dict = read_checkpoint(name)
     version = detect_version(state_dict)
+    contents = file_contents(version)
+    family = family or contents
+    if set(family.models) != set(contents.models):
+        raise SingleFileError(f"{where} is {NAMES[version]} checkpoint ({', '.join(contents.models)}), not one "
+                              f"{pipeline or 'this pipeline'} runs: use {PIPELINES[version]}.from_single_file")
 
     if config is not None:
         from .hub import resolve_folder
 
         folder = resolve_folder(config, revision, allow_patterns=["model_index.json", "*/config.json", "scheduler/*",
-                                                                  "tokenizer/*"])
-        tokenizer = load_tokenizer(os.path.join(folder, "tokenizer"))
+                                                                  *(f"{t}/*" for t in family.tokenizers)])
+        check_pipeline_folder(folder, f"config={config}", tuple(family.models), family.tokenizers)
+        tokenizers = {t: load_tokenizer(os.path.join(folder, t)) for t in family.tokenizers}
     else:
         folder = bundled_config_folder(version)
-        tokenizer = bundled_tokenizer(version)
-    model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in ("unet", "vae", "text_encoder")}
+        tokenizers = {t: bundled_tokenizer(version, t) for t in family.tokenizers}
+    model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in family.models}
     overrides = dict(scheduler_config or {})
     if prediction_type is not None:
         overrides["prediction_type"] = prediction_type
         if config is None and version == "sd2" and prediction_type == "epsilon":
             model_configs["unet"]["sample_size"] = 64  # SD 2.x base: 512 px
     scheduler = load_scheduler(folder, scheduler, overrides or None)
+    index_path = os.path.join(folder, "model_index.json")
+    index = {}
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
 
-    classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
-    modules = build_models(classes, model_configs, dtype, attention)
-    where = os.path.basename(name)
+    modules = build_models(family.models, model_configs, dtype, attention)
     try:
         components = split_components(state_dict, {c: m.config for c, m in modules.items()}, version)
         params = {c: convert_state_dict(components[c], m.param_shapes(), dtype, where=f"{where} ({c})")
@@ -298,9 +361,10 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     except (SingleFileError, CheckpointMismatchError) as e:
         source = f"the configs in {config}" if config is not None else (
             f"sdflax's bundled {DEFAULTS[version]} configs")
-        raise SingleFileError(f"{e}\nThe model configs came from {source}: for another architecture pass "
+        raise SingleFileError(f"{e}; the model configs came from {source}: for another architecture pass "
                               "config=<a diffusers folder or hub id of the same model>") from None
-    return {"tokenizer": tokenizer, "scheduler": scheduler, "dtype": dtype, **modules}, params
+    options = {key: index[key] for key in family.index_options if key in index}
+    return {**tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params
 
 
 CONTROLNET_PREFIX = "control_model."  # ControlNet 1.0 files hold a whole SD model besides the net

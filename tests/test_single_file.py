@@ -35,6 +35,7 @@ def unet_to_ldm(state, config):
     per = config["layers_per_block"]
     cross_up = [kind == "CrossAttnUpBlock2D" for kind in config["up_block_types"]]
     fixed = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+             "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2",  # SDXL
              "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2"}
     out = {}
     for key, value in state.items():
@@ -86,18 +87,20 @@ def vae_to_ldm(state, config):
     return out
 
 
-def clip_to_ldm(state, config):
-    return {f"cond_stage_model.transformer.text_model.{key}": value for key, value in state.items()}
+def clip_to_ldm(state, config, p="cond_stage_model.transformer."):
+    return {f"{p}text_model.{key}": value for key, value in state.items()}
 
 
-def openclip_to_ldm(state, config, rng):
-    p = "cond_stage_model.model."
+def openclip_to_ldm(state, config, rng, p="cond_stage_model.model."):
+    """`state`: a CLIPTextModel's, or a CLIPTextModelWithProjection's (SDXL), whose projection OpenCLIP stores
+    transposed (x @ text_projection); SD 2.x's file has a projection its text encoder does not use."""
+    state = {k.removeprefix("text_model."): v for k, v in state.items()}
+    projection = state["text_projection.weight"].T if "text_projection.weight" in state else \
+        torch.from_numpy(rng.standard_normal((config["hidden_size"],) * 2, np.float32))
     out = {f"{p}token_embedding.weight": state["embeddings.token_embedding.weight"],
            f"{p}positional_embedding": state["embeddings.position_embedding.weight"],
            f"{p}ln_final.weight": state["final_layer_norm.weight"], f"{p}ln_final.bias": state["final_layer_norm.bias"],
-           # OpenCLIP's contrastive head: in the file, unused by the pipeline
-           f"{p}text_projection": torch.from_numpy(rng.standard_normal((config["hidden_size"],) * 2, np.float32)),
-           f"{p}logit_scale": torch.tensor(4.6)}
+           f"{p}text_projection": projection, f"{p}logit_scale": torch.tensor(4.6)}  # logit_scale: unused
     names = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
              "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
     for i in range(config["num_hidden_layers"]):
