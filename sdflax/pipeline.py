@@ -105,14 +105,13 @@ class Pipeline:
         return cls(**parts), params
 
     def load_lora(self, params, path, scale=1.0):
-        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder.
+        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s).
 
         Pure: `params` is not changed, so LoRAs stack by calling it again. See `sdflax.lora.merge_lora` for a
         jit-able merge with a traced `scale`."""
         from .lora import load_lora
 
-        self._sd_only("LoRA")
-        return load_lora(params, path, scale)
+        return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):
         """params with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds) added.
