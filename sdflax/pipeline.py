@@ -117,10 +117,10 @@ class Pipeline:
         """params with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds) added.
 
         The token (and `token_1`, ... for a multi-vector embedding) joins this pipeline's tokenizer, so use the
-        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors."""
+        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors. SDXL files
+        (`clip_l` and `clip_g` tensors) extend both tokenizers and both text encoders."""
         from .textual_inversion import load_textual_inversion
 
-        self._sd_only("textual inversion")
         return load_textual_inversion(self, params, path, token)
 
     @classmethod
