@@ -114,8 +114,9 @@ class SDXLText:
     def prepare_ids(pipeline, prompts) -> np.ndarray:
         """Token ids (B, 2, 77) int32: each tokenizer's, padded and truncated as diffusers does (the second pads
         with its own pad token, "!" in SDXL)."""
-        ids = [tokenizer(prompts, padding="max_length", max_length=pipeline.max_length, truncation=True,
-                         return_tensors="np").input_ids for tokenizer in (pipeline.tokenizer, pipeline.tokenizer_2)]
+        ids = [tokenizer(expand_prompts(prompts, tokenizer), padding="max_length", max_length=pipeline.max_length,
+                         truncation=True, return_tensors="np").input_ids
+               for tokenizer in (pipeline.tokenizer, pipeline.tokenizer_2)]
         return np.stack(ids, axis=1).astype(np.int32)
 
     @staticmethod

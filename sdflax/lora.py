@@ -4,14 +4,19 @@ Two naming schemes are in circulation and both are read:
 
     kohya / A1111:     lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight / .lora_up.weight / .alpha
                        lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight ...
+                       SDXL: lora_te1_* (text_encoder), lora_te2_* (text_encoder_2), and the UNet in the original
+                       (LDM) names kohya's SDXL trainer writes: lora_unet_input_blocks_4_1_proj_in, ...
     diffusers / PEFT:  unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight / .lora_B.weight
-                       text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight ...
+                       text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight, text_encoder_2.* ...
                        (older diffusers: ...attn1.processor.to_q_lora.down.weight, ...to_q.lora.down.weight)
 
 Both name a module by its PyTorch path, which is our module path with "." -> "_" (see weights.py), so a target
-is found by name alone. `read_lora` turns a file into a small pytree (torch-layout `down`/`up` and `alpha` per
-target kernel); `merge_lora` is a pure function of (params, lora, scale), so LoRAs stack by calling it twice
-and `jax.jit(merge_lora)` takes the scale as a traced value: a new scale does not recompile.
+is found by name alone. Original UNet names (input_blocks / middle_block / output_blocks) go through the LDM
+table of single-file checkpoints (`single_file.unet_table`), built from the UNet's config.
+
+`read_lora` turns a file into a small pytree (torch-layout `down`/`up` and `alpha` per target kernel);
+`merge_lora` is a pure function of (params, lora, scale), so LoRAs stack by calling it twice and
+`jax.jit(merge_lora)` takes the scale as a traced value: a new scale does not recompile.
 """
 
 from __future__ import annotations
@@ -26,18 +31,21 @@ import numpy as np
 from flax import traverse_util
 
 from .checkpoint_files import read_checkpoint, safetensors_metadata
+from .single_file import map_key, unet_table
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
 
-COMPONENTS = ("unet", "text_encoder")
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 
 # Name prefix -> (component, separator between module names in the rest of the key).
 PREFIXES = {
     "lora_unet_": ("unet", "_"),
     "lora_te_": ("text_encoder", "_"),
     "lora_te1_": ("text_encoder", "_"),
+    "lora_te2_": ("text_encoder_2", "_"),
     "unet.": ("unet", "."),
     "text_encoder.": ("text_encoder", "."),
+    "text_encoder_2.": ("text_encoder_2", "."),
 }
 
 # Key suffix -> role of the tensor. Longest first, so ".lora.down.weight" is not taken for "_lora.down.weight".
@@ -60,6 +68,7 @@ PROCESSOR_RENAMES = {
     "unet": {"to_q": "to_q", "to_k": "to_k", "to_v": "to_v", "to_out": "to_out.0"},
     "text_encoder": {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "out_proj"},
 }
+PROCESSOR_RENAMES["text_encoder_2"] = PROCESSOR_RENAMES["text_encoder"]
 
 # Wrappers some writers put in front of the module path.
 STRIP = ("base_model.model.", "text_model.", "text_model_")
@@ -69,10 +78,25 @@ class LoraMismatchError(ValueError):
     """The LoRA file names modules the model does not have, or its shapes do not fit them."""
 
 
-def _split_key(key: str):
+def ldm_names(unet_config) -> dict:
+    """`single_file.unet_table` with every "_" in its names read as ".": kohya flattens the LDM module path with
+    "_" (input_blocks_4_1_proj_in), so that name with "_" -> "." looks up in it through `single_file.map_key`."""
+    def dots(name):
+        return name.replace("_", ".")
+
+    table = {}
+    for ldm, entry in unet_table(unet_config).items():
+        if isinstance(entry, tuple):  # (diffusers prefix, leaf renames such as in_layers.2 -> conv1)
+            entry = (entry[0], {dots(leaf): target for leaf, target in entry[1].items()})
+        table[dots(ldm)] = entry
+    return table
+
+
+def _split_key(key: str, ldm=None):
     """'unet.a.b.lora_A.weight' -> ('unet', 'a.b', 'a_b', 'down'); None for keys that are not LoRA tensors.
 
     The second item is the module's PyTorch name (what PEFT's alpha_pattern matches), the third our flat name.
+    `ldm` (from `ldm_names`) maps kohya's original UNet names; no LDM name is also a diffusers one.
     """
     suffix = next((s for s in ROLES if key.endswith(s)), None)
     if suffix is None:
@@ -89,6 +113,9 @@ def _split_key(key: str):
     flat = stem
     for wrapper in STRIP:
         flat = flat.removeprefix(wrapper)
+    if component == "unet" and sep == "_" and ldm is not None:
+        names = map_key(flat.replace("_", "."), ldm)  # input.blocks.4.1.proj.in -> down_blocks.1.attentions.0.proj.in
+        flat = names[0].replace(".", "_") if names else flat
     return component, stem, flat.replace(".", "_"), ROLES[suffix]
 
 
@@ -144,18 +171,21 @@ def _expected_kernel(down, up, kernel_ndim):
     return (*window, inp, out)
 
 
-def read_lora(path, params) -> dict:
+def read_lora(path, params, unet_config=None) -> dict:
     """A LoRA file -> {component: {"a/b/kernel": {"down", "up", "alpha"}}} for the models in `params`.
 
-    `params` is the pipeline's params dict ({"unet": ..., "text_encoder": ...}); it is only read, to resolve the
-    names and check the shapes. Unknown targets and keys that are not LoRA tensors are an error that lists them.
+    `params` is the pipeline's params dict ({"unet": ..., "text_encoder": ..., SDXL: "text_encoder_2": ...}); it is
+    only read, to resolve the names and check the shapes. `unet_config` (`pipeline.unet.config`) lets kohya's
+    original UNet names (lora_unet_input_blocks_*) resolve. Unknown targets and keys that are not LoRA tensors are
+    an error that lists them.
     """
     name = os.fspath(path)
     tensors = read_checkpoint(name)
     peft = _peft_alphas(name)
+    ldm = None if unet_config is None else ldm_names(unet_config)
     groups, not_lora = {}, []
     for key, array in tensors.items():
-        parsed = _split_key(key)
+        parsed = _split_key(key, ldm)
         if parsed is None:
             not_lora.append(key)
             continue
@@ -202,7 +232,9 @@ def read_lora(path, params) -> dict:
 
     problems = []
     if unknown:
-        problems.append(f"targets not in the model: {_listing(unknown)}")
+        hint = " (original UNet names: pass unet_config=pipeline.unet.config)" if ldm is None and any(
+            re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", k) for k in unknown) else ""
+        problems.append(f"targets not in the model{hint}: {_listing(unknown)}")
     if mismatched:
         problems.append("shape mismatch: " + "; ".join(mismatched[:8]))
     if incomplete:
@@ -260,6 +292,6 @@ def _add(kernel, delta, alpha_over_rank, scale):
     return (kernel.astype(jnp.float32) + (scale * alpha_over_rank) * delta).astype(kernel.dtype)
 
 
-def load_lora(params, path, scale=1.0):
+def load_lora(params, path, scale=1.0, unet_config=None):
     """Read a LoRA file and merge it into `params` (the pipeline's params dict) at `scale`."""
-    return merge_lora(params, read_lora(path, params), scale)
+    return merge_lora(params, read_lora(path, params, unet_config), scale)

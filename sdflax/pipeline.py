@@ -108,23 +108,22 @@ class Pipeline:
         return cls(**parts), params
 
     def load_lora(self, params, path, scale=1.0):
-        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder.
+        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s).
 
         Pure: `params` is not changed, so LoRAs stack by calling it again. See `sdflax.lora.merge_lora` for a
         jit-able merge with a traced `scale`."""
         from .lora import load_lora
 
-        self._sd_only("LoRA")
-        return load_lora(params, path, scale)
+        return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):
         """params with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds) added.
 
         The token (and `token_1`, ... for a multi-vector embedding) joins this pipeline's tokenizer, so use the
-        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors."""
+        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors. SDXL files
+        (`clip_l` and `clip_g` tensors) extend both tokenizers and both text encoders."""
         from .textual_inversion import load_textual_inversion
 
-        self._sd_only("textual inversion")
         return load_textual_inversion(self, params, path, token)
 
     @classmethod

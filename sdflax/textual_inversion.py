@@ -5,6 +5,7 @@ Files in circulation:
     A1111 .pt            {"string_to_param": {"*": (n, D)}, "name": ..., "step": ...}  (torch pickle)
     A1111 .safetensors   {"emb_params": (n, D)}
     diffusers            learned_embeds.safetensors / .bin: {token: (D,) or (n, D)}
+    SDXL                 .safetensors: {"clip_l": (n, 768), "clip_g": (n, 1280)}, one tensor per text encoder
 
 An embedding of n vectors becomes the tokens `token`, `token_1`, ..., `token_{n-1}` (diffusers' convention);
 `expand_prompts` rewrites "token" in a prompt to all of them, as diffusers' `maybe_convert_prompt` does.
@@ -22,7 +23,10 @@ import numpy as np
 
 from .checkpoint_files import MAX_PICKLE_BYTES, TensorOnlyUnpickler, check_member, read_safetensors
 
-__all__ = ["expand_prompts", "load_textual_inversion", "read_embedding"]
+__all__ = ["expand_prompts", "load_textual_inversion", "read_embedding", "read_sdxl_embedding"]
+
+# SDXL file key -> the (tokenizer, text encoder) it extends
+SDXL_KEYS = {"clip_l": ("tokenizer", "text_encoder"), "clip_g": ("tokenizer_2", "text_encoder_2")}
 
 
 def _read_torch_object(path):
@@ -60,16 +64,17 @@ def _read_torch_object(path):
                                        member_size=member_size).load()
 
 
+def _read_content(name):
+    return dict(read_safetensors(name)) if Path(name).suffix.lower() == ".safetensors" else _read_torch_object(name)
+
+
 def read_embedding(path, token=None) -> tuple[str, np.ndarray]:
     """(token, vectors (n, D)) from a textual-inversion file; `token` overrides the name the file gives.
 
     Without `token`: a diffusers file's own key; A1111 files use the file name, as A1111 does.
     """
     name = os.fspath(path)
-    if Path(name).suffix.lower() == ".safetensors":
-        content = dict(read_safetensors(name))
-    else:
-        content = _read_torch_object(name)
+    content = _read_content(name)
     stem = Path(name).stem
     if isinstance(content, np.ndarray):  # torch.save(tensor)
         found_token, vectors = stem, content
@@ -84,12 +89,38 @@ def read_embedding(path, token=None) -> tuple[str, np.ndarray]:
         found_token, vectors = next(iter(content.items()))
     else:
         keys = sorted(content) if isinstance(content, dict) else type(content).__name__
-        hint = " (an SDXL embedding: sdflax runs SD 1.x / 2.x)" if isinstance(content, dict) and "clip_g" in content else ""
+        sdxl = isinstance(content, dict) and set(SDXL_KEYS) & set(content)
+        hint = " (an SDXL embedding: load it with StableDiffusionXL)" if sdxl else ""
         raise ValueError(f"{name} is not a textual-inversion embedding{hint}: found {keys}; expected "
                          "string_to_param (A1111 .pt), emb_params (A1111 .safetensors) or one {token: tensor} entry")
+    return str(token or found_token), _vectors(name, vectors)
+
+
+def _vectors(name, vectors, what="the embedding"):
     if not isinstance(vectors, np.ndarray) or vectors.ndim not in (1, 2):
-        raise ValueError(f"{name}: the embedding should be a (D,) or (n, D) tensor, got {getattr(vectors, 'shape', vectors)!r}")
-    return str(token or found_token), np.asarray(vectors, np.float32).reshape(-1, vectors.shape[-1])
+        raise ValueError(f"{name}: {what} should be a (D,) or (n, D) tensor, "
+                         f"got {getattr(vectors, 'shape', vectors)!r}")
+    return np.asarray(vectors, np.float32).reshape(-1, vectors.shape[-1])
+
+
+def read_sdxl_embedding(path, token=None) -> tuple[str, dict[str, np.ndarray]]:
+    """(token, {"clip_l": (n, D1), "clip_g": (n, D2)}) from an SDXL embedding; the token defaults to the file
+    name, as A1111 does."""
+    name = os.fspath(path)
+    content = _read_content(name)
+    found = sorted(content) if isinstance(content, dict) else type(content).__name__
+    if not isinstance(content, dict) or not set(SDXL_KEYS) & set(content):
+        raise ValueError(f"{name} is not an SDXL textual-inversion embedding: found {found}; expected clip_l and "
+                         "clip_g tensors (an SD 1.x / 2.x embedding: load it with StableDiffusion)")
+    missing = [key for key in SDXL_KEYS if key not in content]
+    if missing:
+        raise ValueError(f"{name} has no {missing[0]} tensor (found {found}): an SDXL embedding needs clip_l and "
+                         "clip_g, one for each text encoder")
+    parts = {key: _vectors(name, content[key], key) for key in SDXL_KEYS}
+    if len(parts["clip_l"]) != len(parts["clip_g"]):
+        raise ValueError(f"{name}: clip_l has {len(parts['clip_l'])} vectors but clip_g {len(parts['clip_g'])}; "
+                         "both text encoders need the same number")
+    return str(token or Path(name).stem), parts
 
 
 def _multi_vector_tokens(tokenizer) -> dict[str, list[str]]:
@@ -120,30 +151,43 @@ def expand_prompts(prompts: list[str], tokenizer) -> list[str]:
 
 
 def load_textual_inversion(pipeline, params, path, token=None):
-    """Add a file's token(s) to `pipeline.tokenizer` and rows to the text encoder's embedding table.
+    """Add a file's token(s) to the pipeline's tokenizer(s) and rows to its text encoders' embedding tables.
 
-    Returns new params; `pipeline.tokenizer` gains the tokens and `pipeline.text_encoder` the larger vocab size.
+    Returns new params; the tokenizers gain the tokens and the text encoder modules the larger vocab size. An SDXL
+    pipeline takes SDXL files (`clip_l` for the first encoder, `clip_g` for the second), others one tensor.
     """
-    token, vectors = read_embedding(path, token)
-    tokenizer = pipeline.tokenizer
-    table = params["text_encoder"]["embeddings_token_embedding"]["embedding"]
+    if len(pipeline.conditioning.tokenizers) == 2:
+        token, parts = read_sdxl_embedding(path, token)
+        targets = [(*SDXL_KEYS[key], key, vectors) for key, vectors in parts.items()]
+    else:
+        token, vectors = read_embedding(path, token)
+        targets = [("tokenizer", "text_encoder", "the embedding", vectors)]
+    tokens = [token] + [f"{token}_{i}" for i in range(1, len(targets[0][3]))]
+    for tokenizer_name, encoder, what, vectors in targets:  # every check before anything changes
+        width = params[encoder]["embeddings_token_embedding"]["embedding"].shape[1]
+        if vectors.shape[1] != width:
+            models = "SDXL's are 768 and 1280" if len(targets) == 2 else "SD 1.x is 768, SD 2.x 1024"
+            raise ValueError(f"{path}: {what} has vectors of {vectors.shape[1]} dimensions but {encoder}'s have "
+                             f"{width} (an embedding for another model: {models})")
+        taken = [t for t in tokens if t in getattr(pipeline, tokenizer_name).get_vocab()]
+        if taken:
+            raise ValueError(f"token(s) {taken} already in the tokenizer: choose another name with token=...")
+    for tokenizer_name, encoder, _, vectors in targets:
+        params = _add_rows(pipeline, params, getattr(pipeline, tokenizer_name), encoder, tokens, vectors)
+    return params
+
+
+def _add_rows(pipeline, params, tokenizer, encoder, tokens, vectors):
+    """params with `tokens` added to `tokenizer` and `vectors` as their rows of `encoder`'s embedding table."""
+    table = params[encoder]["embeddings_token_embedding"]["embedding"]
     rows, width = table.shape
-    if vectors.shape[1] != width:
-        raise ValueError(f"{path}: embedding vectors have {vectors.shape[1]} dimensions but this text encoder's "
-                         f"have {width} (an embedding for another model: SD 1.x is 768, SD 2.x 1024)")
-    tokens = [token] + [f"{token}_{i}" for i in range(1, len(vectors))]
-    vocab = tokenizer.get_vocab()
-    taken = [t for t in tokens if t in vocab]
-    if taken:
-        raise ValueError(f"token(s) {taken} already in the tokenizer: choose another name with token=...")
-    tokenizer.add_tokens(tokens)
+    tokenizer.add_tokens([t for t in tokens if t not in tokenizer.get_vocab()])  # one tokenizer may serve both
     ids = np.asarray(tokenizer.convert_tokens_to_ids(tokens))
 
     # New ids follow the tokenizer's vocabulary, normally the table's last row: grow the table to cover them.
     size = max(rows, int(ids.max()) + 1)
     new_table = jnp.zeros((size, width), table.dtype).at[:rows].set(table).at[ids].set(vectors.astype(table.dtype))
-    text_encoder = dict(params["text_encoder"])
-    text_encoder["embeddings_token_embedding"] = {**text_encoder["embeddings_token_embedding"], "embedding": new_table}
-    config = dataclasses.replace(pipeline.text_encoder.config, vocab_size=size)
-    pipeline.text_encoder = pipeline.text_encoder.clone(config=config)
-    return {**params, "text_encoder": text_encoder}
+    embedding = {**params[encoder]["embeddings_token_embedding"], "embedding": new_table}
+    module = getattr(pipeline, encoder)
+    setattr(pipeline, encoder, module.clone(config=dataclasses.replace(module.config, vocab_size=size)))
+    return {**params, encoder: {**params[encoder], "embeddings_token_embedding": embedding}}

@@ -72,18 +72,32 @@ def merged_torch(model, layers, scale, alpha_default=False):
 
 
 def both(theirs):
-    return {"unet": theirs.unet, "text_encoder": theirs.text_encoder}
+    """The models a LoRA trains: the UNet and the text encoder(s) of a diffusers pipeline."""
+    models = {"unet": theirs.unet, "text_encoder": theirs.text_encoder}
+    if getattr(theirs, "text_encoder_2", None) is not None:  # SDXL
+        models["text_encoder_2"] = theirs.text_encoder_2
+    return models
 
 
-def kohya_file(path, theirs, seed=0, uniform=False):
+KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
+
+
+def kohya_stem(component, name):
+    """kohya's name of a module: its PyTorch path with "." -> "_" behind the component's prefix."""
+    return KOHYA_PREFIXES[component] + name.replace(".", "_")
+
+
+def kohya_file(path, theirs, seed=0, uniform=False, stem=kohya_stem, keep=lambda component, name: True):
+    """A kohya LoRA file of every Linear/Conv2d (those `keep` accepts); `stem(component, name)` names a module."""
     tensors, layers = {}, {}
-    for component, prefix in (("unet", "lora_unet_"), ("text_encoder", "lora_te_")):
-        layers[component] = lora_layers(both(theirs)[component], seed, uniform)
+    for component, model in both(theirs).items():
+        layers[component] = {name: layer for name, layer in lora_layers(model, seed, uniform).items()
+                             if keep(component, name)}
         for name, (down, up, alpha) in layers[component].items():
-            stem = prefix + name.replace(".", "_")
-            tensors[f"{stem}.lora_down.weight"] = down.half()  # kohya saves float16
-            tensors[f"{stem}.lora_up.weight"] = up.half()
-            tensors[f"{stem}.alpha"] = torch.tensor(alpha).half()
+            stem_name = stem(component, name)
+            tensors[f"{stem_name}.lora_down.weight"] = down.half()  # kohya saves float16
+            tensors[f"{stem_name}.lora_up.weight"] = up.half()
+            tensors[f"{stem_name}.alpha"] = torch.tensor(alpha).half()
             layers[component][name] = (down.half().float(), up.half().float(), alpha)
     if str(path).endswith(".safetensors"):
         save_file(tensors, path)
@@ -95,8 +109,8 @@ def kohya_file(path, theirs, seed=0, uniform=False):
 def peft_file(path, theirs, seed=0, with_metadata=True, uniform=False):
     """diffusers' save_lora_weights layout: lora_A/lora_B, the LoraConfig (alphas) in the metadata, or none."""
     tensors, layers, metadata = {}, {}, {}
-    for component in ("unet", "text_encoder"):
-        layers[component] = lora_layers(both(theirs)[component], seed + 1, uniform)
+    for component, model in both(theirs).items():
+        layers[component] = lora_layers(model, seed + 1, uniform)
         down, _, first_alpha = next(iter(layers[component].values()))
         ranks = {n: d.shape[0] for n, (d, _, _) in layers[component].items()}
         config = {"r": down.shape[0], "lora_alpha": first_alpha, "target_modules": sorted(layers[component]),
