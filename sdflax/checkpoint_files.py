@@ -375,7 +375,7 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
     name = os.fspath(path)
     try:
         is_zip = zipfile.is_zipfile(name)
-    except OSError as e:  # a damaged zip64 end record makes zipfile seek before the start of the file
+    except (OSError, zipfile.BadZipFile) as e:  # a damaged zip64 end record: a seek before the file, "multi-disk"
         raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
     if not is_zip:
         raise CheckpointFileError(

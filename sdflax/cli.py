@@ -253,7 +253,13 @@ def run(args) -> int:
     step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
     with _CompileClock() as clock:
         start = time.perf_counter()
-        images = call(jit=True, callback=step_bar).images
+        try:
+            images = call(jit=True, callback=step_bar).images
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise UserError(f"out of memory making {len(seeds)} image(s) of {checkpoint.width}x{checkpoint.height} on "
+                            f"{where}: use fewer --num-images, a smaller size, or --dtype bfloat16") from None
         total_s = time.perf_counter() - start
     if step_bar is not None:
         step_bar.close()
@@ -560,6 +566,8 @@ def _output_size(args, default, factor, pictures, controls=None):
     --image's, else the first --control-image's (as diffusers' pipelines take it), cut down to multiples (with a
     warning line), else the model's. Every input picture is resized to it."""
     for flag, value in (("--height", args.height), ("--width", args.width)):
+        if value is not None and value > MAX_PICTURE_SIDE:  # its latents and attention would exhaust any memory
+            raise UserError(f"{flag} {value} is larger than sdflax makes ({MAX_PICTURE_SIDE} pixels at most)")
         if value is not None and value % factor:
             raise UserError(f"{flag} {value} is not a multiple of {factor}, the VAE scale factor of {args.model}: "
                             f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")

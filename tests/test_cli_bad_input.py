@@ -170,3 +170,23 @@ def test_checkpoint_configs_of_the_wrong_kind_are_one_line(file_name, edit, expe
     err = one_error_line(capsys)
     assert str(path) in err and expected in err, err
     assert not (tmp_path / "out.png").exists()
+
+
+def test_sizes_beyond_what_memory_can_hold(tmp_path, capsys, monkeypatch):
+    """A side over 8192 px is refused before loading; running out of device memory is one line, not XLA's dump."""
+    assert generate("--height", 16384, "--out", tmp_path / "a.png") == 2
+    assert "--height 16384 is larger than sdflax makes (8192 pixels at most)" in one_error_line(capsys)
+
+    import jax
+
+    import sdflax.cli
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB.")
+
+    prepare = sdflax.cli._prepare
+    monkeypatch.setattr(sdflax.cli, "_prepare", lambda *a: (prepare(*a)[0], exhausted))
+    assert generate("--out", tmp_path / "b.png") == 2
+    assert "out of memory making 8 image(s) of 128x128 on 8 CPU devices: use fewer --num-images" in \
+        one_error_line(capsys)
+    assert not (tmp_path / "b.png").exists()

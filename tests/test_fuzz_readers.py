@@ -48,9 +48,14 @@ def files(tmp):
     return out
 
 
+class Originals(dict):
+    def __repr__(self):  # hypothesis prints the arguments of a failing example: the names suffice
+        return f"Originals({sorted(self)})"
+
+
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory):
-    return files(tmp_path_factory.mktemp("fuzz"))
+    return Originals(files(tmp_path_factory.mktemp("fuzz")))
 
 
 def mutate(data: bytes, draw) -> bytes:
