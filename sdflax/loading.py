@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax.numpy as jnp
 
 from .hub import ModelNotFoundError, resolve_folder
-from .models.config import read_config_file
+from .models.config import ConfigError, read_config_file
 from .models.layers import resolve_kernels
 from .schedulers import scheduler_from_config
 
@@ -56,7 +56,12 @@ def load_tokenizer(folder):
 
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
-    return CLIPTokenizer.from_pretrained(folder)
+    try:
+        return CLIPTokenizer.from_pretrained(folder)
+    except Exception as e:  # the Rust tokenizers library raises bare Exceptions for damaged files
+        detail = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{folder}: cannot build a CLIP tokenizer from its files ({type(e).__name__}: "
+                          f"{detail})") from None
 
 
 def load_scheduler(folder, kind=None, overrides=None):
