@@ -56,48 +56,50 @@ def files(tmp_path_factory):
     return tmp
 
 
-def library_image(files, loras=(), embedding=True, prompt=PROMPT):
-    """What the library makes of tiny-sd with the LoRAs (path, scale) and the embedding, for the CLI's inputs."""
+LORAS = ["--lora", "a.safetensors:0.7", "--lora", "b.safetensors", "--embedding", "charturner.pt"]
+
+
+def generate(files, out, *args):
+    """The CLI in `files` (where the compile cache the runs share is): PROMPT, tiny-sd's size, the LoRAs."""
+    result = run_cli(["generate", PROMPT, *LORAS, *SIZE, "--out", str(out), *args], files, devices=1)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def folder_png(files):
+    """`--model weights/tiny-sd` with two LoRAs and an embedding."""
+    generate(files, files / "folder.png", "--model", TINY)
+    return files / "folder.png"
+
+
+def test_loras_and_an_embedding_equal_the_library(files, folder_png):
     import jax
 
     from sdflax import StableDiffusion
 
     pipe, params = StableDiffusion.from_pretrained(TINY)
-    for path, scale in loras:
-        params = pipe.load_lora(params, files / path, scale)
-    if embedding:
-        params = pipe.load_textual_inversion(params, files / "charturner.pt")
-    return pipe(pipe.prepare_inputs([prompt]), params, jax.random.key(7), 2, height=64, width=64,
-                guidance_scale=7.5, neg_prompt_ids=pipe.prepare_inputs([""])).images[0]
+    params = pipe.load_textual_inversion(params, files / "charturner.pt")
+    merged = pipe.load_lora(pipe.load_lora(params, files / "a.safetensors", 0.7), files / "b.safetensors", 1.0)
+    ids, neg = pipe.prepare_inputs([PROMPT]), pipe.prepare_inputs([""])
+    expected, without_loras = (pipe(ids, p, jax.random.key(7), 2, height=64, width=64, guidance_scale=7.5,
+                                    neg_prompt_ids=neg).images[0] for p in (merged, params))
+    # uint8 PNG pixels against the library's float image: rounding, and pmap vs jit (at most one level)
+    assert np.abs(pixels(folder_png).astype(np.float32) - np.round(expected * 255)).max() <= 1
+    assert np.abs(without_loras - expected).max() > 0.05  # the LoRAs change the image
 
-
-def assert_close_to(path, expected):
-    """uint8 PNG pixels against the library's float image (rounding, and pmap vs jit: at most one level)."""
-    assert np.abs(pixels(path).astype(np.float32) - np.round(expected * 255)).max() <= 1
-
-
-def test_loras_and_an_embedding_equal_the_library(files, tmp_path):
-    result = run_cli(["generate", PROMPT, "--model", TINY, "--lora", "a.safetensors:0.7", "--lora", "b.safetensors",
-                      "--embedding", "charturner.pt", *SIZE, "--out", str(tmp_path / "out.png")], files, devices=1)
-    assert result.returncode == 0, result.stderr
-    expected = library_image(files, [("a.safetensors", 0.7), ("b.safetensors", 1.0)])
-    assert_close_to(tmp_path / "out.png", expected)
-    # the LoRAs change the image: the embedding alone gives another one
-    assert np.abs(library_image(files) - expected).max() > 0.05
-
-    text = Image.open(tmp_path / "out.png").text
+    text = Image.open(folder_png).text
     assert json.loads(text["lora"]) == ["a.safetensors", "b.safetensors"]
     assert json.loads(text["lora_scale"]) == [0.7, 1.0]
     assert json.loads(text["embedding"]) == ["charturner.pt"]
     assert text["parameters"].startswith(f"{PROMPT} <lora:a:0.7> <lora:b:1.0>\nNegative prompt: \nSteps: 2, ")
 
 
-def test_single_file_model_with_config_equals_the_folder(files, tmp_path):
-    result = run_cli(["generate", "a fox", "--model", "tiny.safetensors", "--config", TINY, *SIZE,
-                      "--out", str(tmp_path / "out.png")], files, devices=1)
-    assert result.returncode == 0, result.stderr
-    assert_close_to(tmp_path / "out.png", library_image(files, embedding=False, prompt="a fox"))
-    text = Image.open(tmp_path / "out.png").text
+def test_single_file_model_with_config_equals_the_folder(files, folder_png):
+    result = generate(files, files / "file.png", "--model", "tiny.safetensors", "--config", TINY)
+    assert "(from the disk cache)" in result.stderr  # the same program as the folder's run
+    np.testing.assert_array_equal(pixels(files / "file.png"), pixels(folder_png))
+    text = Image.open(files / "file.png").text
     assert (text["model"], text["config"], text["revision"], text["commit"]) == ("tiny.safetensors", TINY, "", "")
 
 
@@ -148,6 +150,20 @@ def test_files_that_do_not_fit_the_model(args, expected, files, tmp_path, capsys
     assert main(["generate", "a fox", "--model", TINY, *args, *SIZE, "--out", str(tmp_path / "out")]) == 2
     err = one_error_line(capsys)
     assert expected in err, err
+
+
+@pytest.mark.parametrize("command", ["img2img", "inpaint"])
+def test_img2img_and_inpaint_take_the_options(command, files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    Image.new("L", (64, 64)).save(tmp_path / "mask.png")
+    pictures = ["--image", str(tmp_path / "in.png")] + (["--mask", str(tmp_path / "mask.png")] if command == "inpaint"
+                                                        else [])
+    for args, expected in ((["--lora", "a.safetensors:x"], "the scale 'x' is not a number"),
+                           (["--embedding", "none.pt"], "--embedding none.pt: no such file"),
+                           (["--model", "refiner.safetensors"], "is an SDXL refiner checkpoint")):
+        assert main([command, "a fox", *pictures, "--model", TINY, *args, "--out", str(tmp_path / "out")]) == 2
+        assert expected in one_error_line(capsys)
 
 
 def test_help_lists_the_options(capsys):
