@@ -51,6 +51,7 @@ def files(tmp_path_factory):
     kohya_file(tmp / "wide-lora.safetensors", wide)
     write(tmp / "wide.pt", "a1111.pt", torch.randn(1, 48), "ignored")
     save_file({"encoder.weight": torch.zeros(2, 2)}, tmp / "other.safetensors")
+    torch.save({"state_dict": {"encoder.weight": torch.zeros(2, 2)}, "epoch": 3}, tmp / "other.ckpt")
     save_file({"model.diffusion_model.out.2.bias": torch.zeros(4),
                "conditioner.embedders.0.model.ln_final.bias": torch.zeros(4)}, tmp / "refiner.safetensors")
     return tmp
@@ -121,6 +122,8 @@ def test_lora_scale_parsing():
     (["--embedding", "charturner.pt", "--embedding", "sub/charturner.pt"],
      "both give the token 'charturner' (the file name): rename one"),
     (["--model", "other.safetensors"], "--model other.safetensors: not a single-file Stable Diffusion checkpoint"),
+    (["--model", "other.ckpt"], "--model other.ckpt: not a single-file Stable Diffusion checkpoint: no "
+     "model.diffusion_model.* tensors (found encoder.weight)"),
     (["--model", "refiner.safetensors"], "--model refiner.safetensors is an SDXL refiner checkpoint"),
     (["--model", "charturner.pt"], "--model charturner.pt is a file but not a .safetensors or .ckpt checkpoint"),
     (["--model", "tiny.safetensors", "--revision", "main"], "--revision applies to hub ids, but tiny.safetensors "
