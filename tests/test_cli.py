@@ -105,6 +105,14 @@ def test_python_dash_m_and_help():
     assert result.returncode == 2 and "generate" in result.stderr
 
 
+def assert_help_lists(capsys, *options):
+    """Each of the three image commands' --help names every option."""
+    for command in ("generate", "img2img", "inpaint"):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert all(option in out for option in options), out
+
+
 def one_error_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from test_cli import TINY, one_error_line, pixels, run_cli
+from test_cli import TINY, assert_help_lists, one_error_line, pixels, run_cli
 from test_lora import kohya_file
 from test_single_file import to_single_file
 from test_textual_inversion import write
@@ -170,7 +170,4 @@ def test_img2img_and_inpaint_take_the_options(command, files, tmp_path, capsys, 
 
 
 def test_help_lists_the_options(capsys):
-    for command in ("generate", "img2img", "inpaint"):
-        assert main([command, "--help"]) == 0
-        out = capsys.readouterr().out
-        assert "--lora PATH[:SCALE]" in out and "--embedding PATH" in out and "--config ID_OR_DIR" in out
+    assert_help_lists(capsys, "--lora PATH[:SCALE]", "--embedding PATH", "--config ID_OR_DIR")
