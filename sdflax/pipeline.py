@@ -126,12 +126,6 @@ class Pipeline:
 
         return load_textual_inversion(self, params, path, token)
 
-    @classmethod
-    def _sd_only(cls, what, instead=""):
-        if cls.conditioning is not text.SDText:
-            raise NotImplementedError(f"{what} for SDXL (two text encoders) is not supported yet"
-                                      + (f": {instead}" if instead else ""))
-
     # ---- the pieces' state --------------------------------------------------------------------------------
     @property
     def scheduler(self):
