@@ -25,6 +25,7 @@ class SDText:
 
     models = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
     tokenizers = ("tokenizer",)
+    optional = ()  # components that may be null in model_index.json
     index_options = ()  # model_index.json entries the pipeline takes
     default_guidance = 7.5
 
@@ -106,7 +107,7 @@ class SDXLText:
         ids = 5 if pipeline.requires_aesthetics_score else 6  # a refiner's aesthetic score replaces the target size
         given, expected = unet.addition_time_embed_dim * ids + projection, unet.projection_class_embeddings_input_dim
         if given != expected:
-            other = unet.addition_time_embed_dim * (11 - ids) + projection
+            other = unet.addition_time_embed_dim * {5: 6, 6: 5}[ids] + projection  # with the other layout
             hint = f"requires_aesthetics_score={ids == 6}" if other == expected else "the text_encoder_2 of this UNet"
             raise ValueError(f"the UNet takes {expected} pooled + time-id features, not {given} ({ids} time ids and "
                              f"a pooled embedding of {projection}): use {hint}")

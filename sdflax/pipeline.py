@@ -90,7 +90,7 @@ class Pipeline:
 
         c = cls.conditioning
         parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
-                                      scheduler, scheduler_config, variant, attention, getattr(c, "optional", ()))
+                                      scheduler, scheduler_config, variant, attention, c.optional)
         return cls(**parts, **components), params
 
     @classmethod
