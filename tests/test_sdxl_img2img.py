@@ -235,8 +235,11 @@ def test_base_to_refiner_hand_off_matches_diffusers(base, refiner):
 
 
 # ---- inpainting -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("unet_channels, strength", [(9, 1.0), (4, 0.75)])
-def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, strength):
+@pytest.mark.parametrize("unet_channels, strength, denoising_start", [(9, 1.0, None), (4, 0.75, None),
+                                                                      (4, 0.9999, 0.6)])
+def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, strength, denoising_start):
+    """9-channel and ordinary UNets; and as a refiner stage (denoising_start: no noise added, the schedule cut,
+    the known region pasted back at the cut schedule's levels)."""
     import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as module
 
     theirs = torch_xl_inpaint_pipeline(unet_channels, "euler")
@@ -253,9 +256,10 @@ def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, strengt
     with torch.no_grad():
         expected = theirs(PROMPTS, image=torch.from_numpy(image), mask_image=torch.from_numpy(masks[:, None]),
                           strength=strength, num_inference_steps=STEPS, height=SIZE, width=SIZE,
-                          negative_prompt=NEGATIVE, output_type="np").images
+                          negative_prompt=NEGATIVE, output_type="np", denoising_start=denoising_start).images
     assert not posterior, "diffusers drew fewer posterior samples than expected"
-    ours = pipe(ids, image, mask, params, key, strength, STEPS, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
+    ours = pipe(ids, image, mask, params, key, strength, STEPS, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
+                denoising_start=denoising_start).images
     check_images(ours, expected)
 
 
