@@ -310,3 +310,20 @@ def test_schedule_cut_matches_diffusers(kind, steps, strength, start, end):
     first, num_evals = schedule_window(ours, Settings(steps, strength=strength, denoising_start=start,
                                                       denoising_end=end))
     np.testing.assert_allclose(_timesteps(ours, steps, first)[:num_evals], timesteps.numpy(), rtol=0, atol=1e-4)
+
+
+def test_bfloat16_encodes_the_image_in_float32(base):
+    """A force_upcast VAE encodes in float32 (as diffusers' SDXL img2img), its bfloat16 params cast inside."""
+    import jax.numpy as jnp
+    from test_sdxl import conv_dtypes
+
+    from sdflax.latents import encode_image
+
+    folder, _ = base
+    pipe, params = StableDiffusionXLImg2Img.from_pretrained(folder, dtype=jnp.bfloat16)
+    image = np.zeros((1, 3, SIZE, SIZE), np.float32)
+    eps = np.zeros((1, 4, SIZE // 2, SIZE // 2), np.float32)
+    assert conv_dtypes(lambda p, x: encode_image(pipe, p, x, eps), params, image) == {jnp.dtype(jnp.float32)}
+    assert encode_image(pipe, params, image, eps).dtype == jnp.float32
+    encode = lambda p, x: pipe.vae.apply(p["vae"], x.astype(jnp.bfloat16), method="encode").mean  # noqa: E731
+    assert conv_dtypes(encode, params, image) == {jnp.dtype(jnp.bfloat16)}  # (the VAE as loaded)
