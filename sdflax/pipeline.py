@@ -301,7 +301,9 @@ class Pipeline:
     def _check_params(self, params, mode: str | None):
         """params hold every model this pipeline runs, with a leading device axis exactly when pmap runs them.
         `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either)."""
-        needed = list(self.conditioning.models) + ["controlnet"] * bool(self.controls)
+        # every model this pipeline has (an SDXL refiner has no first text encoder), and its ControlNets
+        needed = [name for name in self.conditioning.models if getattr(self, name) is not None]
+        needed += ["controlnet"] * bool(self.controls)
         if not isinstance(params, Mapping):
             raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "
                             f"{type(params).__name__}")
