@@ -141,15 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strength", type=_strength, default=1.0, help="in (0, 1]: 1 starts the masked region from pure "
                    "noise, smaller values from the noised image (default: 1)")
     _add_options(p, image=True)
+
+    from .batch import add_command
+
+    add_command(commands)
     return parser
 
 
-def _add_options(command, image=False):
-    """The options all commands share."""
+def _add_options(command, image=False, exclude=()):
+    """The options all commands share (but those named in `exclude`: `sdflax batch` has its own --out)."""
     from .models.layers import ATTENTION_IMPLEMENTATIONS
 
     size = "resize the image to" if image else "pixels,"
-    add = command.add_argument
+
+    def add(flag, **kwargs):
+        if flag not in exclude:
+            command.add_argument(flag, **kwargs)
+
     add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
     add("--model", default=DEFAULT_MODEL, metavar="ID_OR_DIR",
         help=f"hub id or local diffusers folder (default: {DEFAULT_MODEL})")
@@ -265,12 +273,7 @@ def run(args) -> int:
         step_bar.close()
     images = pipeline.numpy_to_pil(images)[:num_images]
 
-    settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
-                "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
-                "sampler": _a1111_name(pipeline.scheduler),
-                "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
-                "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
-                "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
+    settings = image_settings(args, pipeline, checkpoint, dtype)
     if pictures:
         settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
     if controls:  # lists, one entry per net in their order (JSON in the PNG)
@@ -295,6 +298,16 @@ class _Checkpoint:
     guidance: float
     height: int
     width: int
+
+
+def image_settings(args, pipeline, checkpoint, dtype) -> dict:
+    """What a PNG records of the command that made it (`png_info`), but its seed."""
+    return {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
+            "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
+            "sampler": _a1111_name(pipeline.scheduler),
+            "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
+            "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
+            "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
 
 
 def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
