@@ -228,7 +228,7 @@ def _check_lines(view, lines) -> dict:
             checkpoints[_program(line)] = cli._check_checkpoint(
                 argparse.Namespace(**{**vars(view), "steps": steps, "height": height, "width": width}), {})
         except UserError as e:
-            if len({_program(other) for other in lines}) == 1:
+            if _program(line) == (view.steps, view.height, view.width):
                 raise  # the command line's values
             raise UserError(f"PROMPTS {view.prompts} line {line.number}: {e}") from e
     return checkpoints
@@ -363,12 +363,20 @@ def _read_manifests(folder) -> list[dict]:
     for name in sorted(os.listdir(folder)):
         if not MANIFEST.fullmatch(name):
             continue
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            for text in f.read().split("\n"):
-                try:
-                    records.append(json.loads(text)) if text.strip() else None
-                except json.JSONDecodeError:
-                    continue
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            texts = f.read().split("\n")
+        for i, text in enumerate(texts):
+            try:
+                record = json.loads(text) if text.strip() else None
+            except json.JSONDecodeError:
+                if i == len(texts) - 1:
+                    continue  # cut short by a kill
+                record = "not JSON"
+            if record is not None and not (isinstance(record, dict) and isinstance(record.get("line"), int)):
+                raise UserError(f"{os.path.join(folder, name)} is not a manifest of sdflax batch (line {i + 1}): "
+                                "sdflax never overwrites a file; move it, or choose another --out")
+            if record is not None:
+                records.append(record)
     return records
 
 

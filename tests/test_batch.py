@@ -216,6 +216,17 @@ def test_a_file_that_is_not_this_commands_image_is_never_overwritten(tmp):
 
 # ---- prompt files and bad input (in process: they fail before JAX starts) -----------------------------------
 
+def test_a_manifest_that_is_not_sdflaxs_is_never_written_to(tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.jsonl").write_text("my notes\nmore notes\n")
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: {tmp_path / 'out' / 'manifest.jsonl'} is not a manifest of "
+                                       "sdflax batch (line 1): sdflax never overwrites a file; move it, or choose "
+                                       "another --out\n")
+    assert (tmp_path / "out" / "manifest.jsonl").read_text() == "my notes\nmore notes\n"
+
+
 def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("a red fox, watercolor\n\n  {not json}  \n")
@@ -257,6 +268,14 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
     assert capsys.readouterr().err == (f"sdflax: error: --out {tmp_path / 'out'} is a file: give a folder (sdflax "
                                        "batch writes one PNG a prompt and its manifest there)\n")
+
+
+def test_a_size_a_line_asks_for_is_checked_against_the_model_and_names_the_line(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a fox"}\n{"prompt": "a cat", "width": 30}\n')
+    assert main(["batch", str(path), "--out", str(tmp_path / "out"), "--model", TINY, "--num-processes", "1"]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: PROMPTS {path} line 2: --width 30 is not a multiple of 4, "
+                                       f"the VAE scale factor of {TINY}: use 28 or 32\n")
 
 
 @pytest.mark.parametrize("flags, message", [
