@@ -301,7 +301,7 @@ class _Checkpoint:
 
 
 def image_settings(args, pipeline, checkpoint, dtype) -> dict:
-    """What a PNG records of the command that made it (`png_info`), but its seed."""
+    """What a PNG records of the command that made it (`png_info`), all but the seed."""
     return {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
             "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
             "sampler": _a1111_name(pipeline.scheduler),

@@ -172,6 +172,21 @@ def test_killed_runs_go_on_where_they_stopped_without_redoing_an_image(tmp, full
     assert again.returncode == 0 and "all 12 images are in" in again.stderr and len(manifest(out)) == 12
 
 
+def test_sigint_while_loading_exits_130_having_written_nothing(tmp):
+    out = tmp / "interrupted"
+    args = [arg for arg in command(tmp, out) if arg != "--no-progress"]
+    interrupted = subprocess.Popen(args, cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+    while not interrupted.stderr.readline().startswith("Loading "):  # (past any warning of JAX's)
+        assert interrupted.poll() is None
+    interrupted.send_signal(signal.SIGINT)
+    _, stderr = interrupted.communicate(timeout=120)
+    assert interrupted.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == (f"sdflax: stopped by SIGINT after 0 of 12 images; the manifest in {out} lists "
+                                       "every image written: run the same command again to make the rest")
+    assert pngs(out) == [] and manifest(out) == []
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
