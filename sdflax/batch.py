@@ -148,7 +148,7 @@ def _run(args, signals) -> int:
 
     import jax
 
-    from .parallel import device_mesh
+    from .parallel import device_mesh, replicate_on
 
     cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else cli.default_cache_dir()
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -156,20 +156,7 @@ def _run(args, signals) -> int:
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     cli._check_attention(view, backend, dtype)
 
-    base = _base_seed(args, records, processes)
-    seeds = {line.number: (line.seed if line.seed is not None else (base + line.number - 1) % 2**32)
-             for line in lines}
-    keys = {line.number: _key(line, seeds[line.number], checkpoints[_program(line)], args.model) for line in lines}
-    done = _check_records(records, lines, keys, args.out)
-    manifest = _Manifest(os.path.join(folder, "manifest.jsonl" if processes == 1 else f"manifest.{process}.jsonl"))
-    _remove_own_temporaries(folder, process)
-    orphans = [line.number for line in lines if line.number not in done and _orphan(folder, line, keys, args.out)]
-    done, adopt = _agree(lines, done, orphans, args.prompts, process, processes)
-    for line in lines:
-        if line.number in adopt:  # its settings as the PNG's text chunks hold them
-            manifest.append(_record(line, base, keys[line.number], process,
-                                    os.path.getmtime(os.path.join(folder, line.name))))
-    todo = [line for line in lines if line.number not in done]
+    base, seeds, manifest, todo = _resume(args, folder, lines, checkpoints, records, process, processes)
     if not todo:
         print(f"batch: all {len(lines)} images are in {args.out} already", file=sys.stderr)
         return 0
@@ -177,8 +164,6 @@ def _run(args, signals) -> int:
     mesh = device_mesh(jax.devices())
     status(f"Loading {args.model} in {dtype} ...")
     pipeline, params = cli._load(view, checkpoints[_program(todo[0])], dtype)
-    from .parallel import replicate_on
-
     params = replicate_on(params, mesh)  # once: every batch then finds them in place
     plan = _plan(todo, args.batch_per_device * mesh.size, checkpoints)
     mine = _own_rows(mesh, args.batch_per_device, process)
@@ -198,6 +183,26 @@ def _run(args, signals) -> int:
     producer = _Producer(pipeline, params, mesh, plan, mine, args.batch_per_device * mesh.size, seeds, checkpoints,
                          writer, where)
     return _run_until_done_or_signal(producer, writer, signals, args.out, processes)
+
+
+def _resume(args, folder, lines, checkpoints, records, process, processes):
+    """(the command's seed S, each line's seed, this process's manifest, the lines still to make): what the
+    manifests list is done, once checked to be this command's images, and a PNG a kill left unlisted is
+    adopted."""
+    base = _base_seed(args, records, processes)
+    seeds = {line.number: (line.seed if line.seed is not None else (base + line.number - 1) % 2**32)
+             for line in lines}
+    keys = {line.number: _key(line, seeds[line.number], checkpoints[_program(line)], args.model) for line in lines}
+    done = _check_records(records, lines, keys, args.out)
+    manifest = _Manifest(os.path.join(folder, "manifest.jsonl" if processes == 1 else f"manifest.{process}.jsonl"))
+    _remove_own_temporaries(folder, process)
+    orphans = [line.number for line in lines if line.number not in done and _orphan(folder, line, keys, args.out)]
+    done, adopt = _agree(lines, done, orphans, args.prompts, process, processes)
+    for line in lines:
+        if line.number in adopt:  # its settings as the PNG's text chunks hold them
+            manifest.append(_record(line, base, keys[line.number], process,
+                                    os.path.getmtime(os.path.join(folder, line.name))))
+    return base, seeds, manifest, [line for line in lines if line.number not in done]
 
 
 def _output_folder(out) -> str:

@@ -113,7 +113,7 @@ def _scheduler(text):
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more) -> argparse.ArgumentParser:
     parser = _Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -141,10 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strength", type=_strength, default=1.0, help="in (0, 1]: 1 starts the masked region from pure "
                    "noise, smaller values from the noised image (default: 1)")
     _add_options(p, image=True)
-
-    from .batch import add_command
-
-    add_command(commands)
+    for add_command in more:  # commands built on these pieces in their own modules (batch.py)
+        add_command(commands)
     return parser
 
 
@@ -201,8 +199,9 @@ def _add_options(command, image=False, exclude=()):
     command.set_defaults(run=run)
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, commands=()) -> int:
+    """`commands`: more `add_command(subparsers)` functions (`sdflax.__main__` adds batch's)."""
+    parser = build_parser(*commands)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed its line (or --help / --version)

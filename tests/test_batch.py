@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from sdflax.batch import Line, read_prompts
-from sdflax.cli import main
+from sdflax.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "weights" / "tiny-sd")
@@ -252,9 +252,10 @@ def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_
 
 
 def main_args():
+    from sdflax.batch import add_command
     from sdflax.cli import build_parser
 
-    return build_parser().parse_args(["batch", "p.txt", "--out", "x"])
+    return build_parser(add_command).parse_args(["batch", "p.txt", "--out", "x"])
 
 
 @pytest.mark.parametrize("lines, message", [
