@@ -304,3 +304,17 @@ def test_bad_flags_are_one_line(tmp_path, capsys, flags, message):
                  *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_benchmark_batch_mode_reports_both_rates(tmp, full):
+    """scripts/benchmark.py --batch-prompts: `sdflax batch` and a loop of pipeline(...) calls, fresh processes."""
+    done = run(tmp, [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", TINY, "--steps", "2",
+                     "--height", "32", "--width", "32", "--batch-prompts", "6", "--batch", "2",
+                     "--cache-dir", str(tmp / "jax-cache")])
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["prompts"] == 6 and out["devices"] == 2 and out["batch_per_device"] == 2
+    for mode in ("batch", "loop"):
+        assert out[mode]["wall_s"] > 0 and out[mode]["images_per_s"] == pytest.approx(6 / out[mode]["wall_s"])
+        assert out[mode]["steady_images_per_s"] > 0
+    assert out["ratio"]["images_per_s"] == pytest.approx(out["batch"]["images_per_s"] / out["loop"]["images_per_s"])
