@@ -9,6 +9,7 @@ the batch they are made in."""
 import fnmatch
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -193,12 +194,37 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_split_the_prompts_and_make_the_same_images(tmp, full):
-    """Two processes of 2 CPU devices each on one global mesh, jax.distributed over localhost."""
-    out, port = tmp / "hosts", free_port()
-    processes = [subprocess.Popen(command(tmp, out, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                          "--process-id", str(i)), cwd=tmp, env=env_for(tmp, 2),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+def slurm_port():
+    """A free port where jax.distributed's SLURM detection puts the coordinator: 61440 + job id % 4096 (above
+    Linux's range of ports handed out by bind(0))."""
+    for port in random.Random().sample(range(61440, 65536), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port in 61440-65535")
+
+
+@pytest.mark.parametrize("join", ["flags", "slurm"])
+def test_two_processes_split_the_prompts_and_make_the_same_images(tmp, full, join):
+    """Two processes of 2 CPU devices each on one global mesh, jax.distributed over localhost: joined by
+    --coordinator/--num-processes/--process-id, or detected from the environment of a 2-task SLURM step."""
+    out, port = tmp / f"hosts-{join}", slurm_port()
+
+    def start(i):
+        env = env_for(tmp, 2)
+        if join == "slurm":
+            env.update(SLURM_JOB_ID=str(port - 61440), SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
+                       SLURM_PROCID=str(i), SLURM_LOCALID=str(i))
+            flags = []
+        else:
+            flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        return subprocess.Popen(command(tmp, out, *flags), cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    processes = [start(i) for i in range(2)]
     try:
         results = [p.communicate(timeout=300) for p in processes]
     finally:
