@@ -18,6 +18,12 @@ same FLOP count) and `ratio` (sdflax / torch per figure: below 1 is faster for t
 
 `--model sd15-random` (the default) builds SD 1.5 from the configs below with random weights: no download, the
 same compute as the real weights. `--random-weights` does the same with a folder's configs.
+
+`--batch-prompts N` (with a checkpoint `--model`) times making N PNGs from N prompts two ways, each in a fresh
+process: `sdflax batch` (--batch images per device, the writer thread overlapping PNG writing with the next
+batch) and a loop of one `pipeline(...)` call per prompt, each image saved as a PNG. It prints `batch` and `loop`
+(wall_s: the whole process, load and compile included; images_per_s: N / wall_s; steady_images_per_s: after the
+first image or batch, compiling left out) and `ratio` (batch / loop images per second).
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ def build_parser():
     p.add_argument("--compare", choices=("torch",), help="also time diffusers' PyTorch pipeline")
     p.add_argument("--cache-dir", help="JAX's compile cache (default: as `sdflax generate`)")
     p.add_argument("--no-cache", action="store_true", help="no persistent compile cache: always compile")
+    p.add_argument("--batch-prompts", type=int, metavar="N", help="time `sdflax batch` on N prompts against a loop "
+                   "of pipeline(...) calls (needs a checkpoint --model)")
+    p.add_argument("--loop-worker", metavar="FOLDER", help=argparse.SUPPRESS)  # the loop's own process
     return p
 
 
@@ -107,6 +116,10 @@ def main(argv=None):
     for name in ("steps", "batch", "repeats"):
         if getattr(args, name) < 1:
             return fail(f"--{name} must be at least 1")
+    if args.loop_worker:
+        return loop_worker(args)
+    if args.batch_prompts is not None:
+        return benchmark_batch(args)
     if args.compare == "torch":
         try:  # fail before minutes of JAX work
             import diffusers  # noqa: F401
@@ -146,6 +159,90 @@ def main(argv=None):
 def fail(message):
     log(f"benchmark: error: {' '.join(message.split())}")
     return 2
+
+
+# ---- batch mode -----------------------------------------------------------------------------------------------
+
+def batch_prompts(n):
+    return [f"{PROMPT}, picture {i}" for i in range(n)]
+
+
+def benchmark_batch(args):
+    """`sdflax batch` against a loop of pipeline(...) calls on the same prompts, each in a fresh process."""
+    import re
+    import subprocess
+    import tempfile
+
+    if args.batch_prompts < 1:
+        return fail("--batch-prompts must be at least 1")
+    if args.model == SD15_NAME or args.random_weights:
+        return fail("--batch-prompts runs `sdflax batch`, which reads a checkpoint: give --model a diffusers folder "
+                    "or hub id (scripts/benchmark_load.py writes the SD 1.5 architecture with random weights)")
+    common = ["--model", args.model, "--steps", str(args.steps), "--guidance", str(args.guidance),
+              "--attention", args.attention, *(["--height", str(args.height)] if args.height else []),
+              *(["--width", str(args.width)] if args.width else []), *(["--dtype", args.dtype] if args.dtype else []),
+              *(["--scheduler", args.scheduler] if args.scheduler else []),
+              *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = {"prompts": args.batch_prompts, "batch_per_device": args.batch, "steps": args.steps}
+    with tempfile.TemporaryDirectory() as folder:
+        prompts = os.path.join(folder, "prompts.txt")
+        with open(prompts, "w") as f:
+            f.write("\n".join(batch_prompts(args.batch_prompts)) + "\n")
+        log(f"sdflax batch on {args.batch_prompts} prompts ...")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "sdflax", "batch", prompts, "--out", os.path.join(folder, "b"),
+                               "--seed", "0", "--batch-per-device", str(args.batch), *common], env=env,
+                              capture_output=True, text=True)
+        wall_s = time.perf_counter() - start
+        if done.returncode:
+            return fail(f"sdflax batch failed: {done.stderr.strip().splitlines()[-1]}")
+        rates = re.findall(r"([\d.]+) images/s", done.stderr)
+        result["batch"] = {"wall_s": wall_s, "images_per_s": args.batch_prompts / wall_s,
+                           "steady_images_per_s": float(rates[-1]) if rates else None}
+        log(f"a loop of pipeline(...) calls on {args.batch_prompts} prompts ...")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--loop-worker", folder,
+                               "--batch-prompts", str(args.batch_prompts), *common], env=env, capture_output=True,
+                              text=True)
+        wall_s = time.perf_counter() - start
+        if done.returncode:
+            return fail(f"the pipeline loop failed: {done.stderr.strip().splitlines()[-1]}")
+        result["loop"] = {"wall_s": wall_s, "images_per_s": args.batch_prompts / wall_s, **json.loads(done.stdout)}
+    import jax
+
+    result.update(backend=jax.default_backend(), devices=jax.local_device_count(),
+                  device_kind=jax.local_devices()[0].device_kind, versions=versions("jax", "jaxlib", "sdflax"))
+    result["ratio"] = {k: result["batch"][k] / result["loop"][k] for k in ("images_per_s", "steady_images_per_s")
+                       if result["batch"].get(k) and result["loop"].get(k)}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def loop_worker(args):
+    """One pipeline(...) call per prompt on one device, each image written as a PNG, as a script would."""
+    import jax
+    import jax.numpy as jnp
+
+    from sdflax import StableDiffusion
+    from sdflax.cli import default_cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.cache_dir or default_cache_dir()))
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    pipeline, params = StableDiffusion.from_pretrained(args.model, dtype=getattr(jnp, dtype),
+                                                       scheduler=args.scheduler, attention=args.attention)
+    out = os.path.join(args.loop_worker, "loop")
+    os.makedirs(out)
+    first = None
+    for i, prompt in enumerate(batch_prompts(args.batch_prompts)):
+        images = pipeline(pipeline.prepare_inputs(prompt), params, jax.random.key(i), args.steps, args.height,
+                          args.width, args.guidance).images
+        pipeline.numpy_to_pil(images)[0].save(os.path.join(out, f"{i}.png"))
+        if first is None:
+            first = time.perf_counter()
+    steady = (args.batch_prompts - 1) / (time.perf_counter() - first) if args.batch_prompts > 1 else None
+    print(json.dumps({"steady_images_per_s": steady}))
+    return 0
 
 
 # ---- sdflax ---------------------------------------------------------------------------------------------------

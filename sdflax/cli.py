@@ -130,7 +130,7 @@ def _scheduler(text):
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more) -> argparse.ArgumentParser:
     parser = _Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -158,15 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strength", type=_strength, default=1.0, help="in (0, 1]: 1 starts the masked region from pure "
                    "noise, smaller values from the noised image (default: 1)")
     _add_options(p, image=True)
+    for add_command in more:  # commands built on these pieces in their own modules (batch.py)
+        add_command(commands)
     return parser
 
 
-def _add_options(command, image=False):
-    """The options all commands share."""
+def _add_options(command, image=False, exclude=()):
+    """The options all commands share (but those named in `exclude`: `sdflax batch` has its own --out)."""
     from .models.layers import ATTENTION_IMPLEMENTATIONS
 
     size = "resize the image to" if image else "pixels,"
-    add = command.add_argument
+
+    def add(flag, **kwargs):
+        if flag not in exclude:
+            command.add_argument(flag, **kwargs)
+
     add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
     add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
         help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x or SDXL base, told apart "
@@ -220,8 +226,9 @@ def _add_options(command, image=False):
     command.set_defaults(run=run)
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, commands=()) -> int:
+    """`commands`: more `add_command(subparsers)` functions (`sdflax.__main__` adds batch's)."""
+    parser = build_parser(*commands)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed its line (or --help / --version)
@@ -293,12 +300,7 @@ def run(args) -> int:
         step_bar.close()
     images = pipeline.numpy_to_pil(images)[:num_images]
 
-    settings = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
-                "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
-                "sampler": _a1111_name(pipeline.scheduler),
-                "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
-                "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
-                "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
+    settings = image_settings(args, pipeline, checkpoint, dtype)
     if pictures:
         settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
     if checkpoint.single_file and args.config:
@@ -330,6 +332,16 @@ class _Checkpoint:
     height: int
     width: int
     single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
+
+
+def image_settings(args, pipeline, checkpoint, dtype) -> dict:
+    """What a PNG records of the command that made it (`png_info`), all but the seed."""
+    return {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
+            "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler),
+            "sampler": _a1111_name(pipeline.scheduler),
+            "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
+            "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
+            "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
 
 
 def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:

@@ -373,14 +373,18 @@ class Pipeline:
         over a one-axis device mesh (default: all local devices); params are plain (not `replicate`d).
         `prng_seed` holds one key per device, (devices, 2) as for `jit=True`, device d's rows then drawing from
         key d so that the images equal the pmap path's, or one key per image. Returns (B, H, W, 3) numpy
-        images, or (images, trajectory) with `return_trajectory=True` (trajectory leaves (evals, B, ...))."""
+        images, or (images, trajectory) with `return_trajectory=True` (trajectory leaves (evals, B, ...)). On a
+        mesh of several processes' devices (`jax.distributed`), every process passes the whole batch and gets
+        back the rows of its own devices, in the mesh's order."""
         args = self._bind(args, kwargs)
         params = args.pop("params")
         self._check_params(params, "generate_sharded")
         inputs, settings = self._split(args, 1)
         out = self._runner.run_sharded(params, inputs, settings, mesh)
-        images = np.asarray(out.images)
-        return (images, jax.tree.map(np.asarray, out.trajectory)) if settings.return_trajectory else images
+        images = _own_rows(out.images, 0)
+        if not settings.return_trajectory:
+            return images
+        return images, jax.tree.map(lambda x: _own_rows(x, 1), out.trajectory)
 
 
 def _guided(guidance_scale) -> bool:
@@ -433,6 +437,15 @@ def _batch(inputs):
 
 def _as_prompts(prompts):
     return [prompts] if isinstance(prompts, str) else list(prompts)
+
+
+def _own_rows(x, axis):
+    """A batch split over a mesh as numpy: all of it, or on a mesh spanning several processes the rows of this
+    process's devices (the others' rows are not here to copy)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
+    return np.concatenate([np.asarray(shard.data) for shard in shards], axis)
 
 
 def _float32_array(x):

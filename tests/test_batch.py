@@ -1,0 +1,346 @@
+"""`sdflax batch` end to end on weights/tiny-sd, in subprocesses (signals, several processes); bad input in process
+(it fails before JAX starts).
+
+Every run shares one disk compile cache and the same static settings, so the batch program compiles once for one
+process and once for a process of a two-process mesh. XLA_FLAGS keep the CPU's reductions out of YNNPACK, whose
+order depends on the whole tensor (README "One image, any batch"): images are then equal bit for bit whatever
+the batch they are made in."""
+
+import fnmatch
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdflax.batch import Line, read_prompts
+from sdflax.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "weights" / "tiny-sd")
+BIT_EXACT = "--xla_cpu_experimental_ynn_fusion_type=individual_dot,individual_convolution"
+SIZE = ["--model", TINY, "--steps", "2", "--height", "32", "--width", "32", "--no-progress"]
+SEED = 40
+# 12 prompts on 13 lines (line 4 is blank): own seeds, three guidance scales, a negative prompt; lines 1, 11 and
+# 13 share prompt and seed: 13 repeats 1 in another batch, 11 differs from it by its guidance only.
+LINES = [{"prompt": "a red fox", "seed": 7}, {"prompt": "a blue bird", "guidance": 3.0, "negative_prompt": "blurry"},
+         {"prompt": "a green tree"}, None, {"prompt": "a cat on a mat", "guidance": 9.0, "seed": 123},
+         {"prompt": "a lighthouse"}, {"prompt": "a bowl of soup", "guidance": 3.0}, {"prompt": "mountains, dawn"},
+         {"prompt": "a violin", "guidance": 9.0}, {"prompt": "a bicycle", "negative_prompt": "rust"},
+         {"prompt": "a red fox", "seed": 7, "guidance": 3.0}, {"prompt": "a ship", "guidance": 9.0},
+         {"prompt": "a red fox", "seed": 7}]
+NUMBERS = [n for n, line in enumerate(LINES, 1) if line]
+
+
+def env_for(tmp, devices):
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {BIT_EXACT}",
+            "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # cache every program: no timing
+            "PYTHONPATH": str(ROOT)}  # this checkout's sdflax, whatever is installed
+
+
+def command(tmp, out, *extra):
+    return [sys.executable, "-m", "sdflax", "batch", str(tmp / "prompts.jsonl"), "--out", str(out), *SIZE,
+            "--seed", str(SEED), "--batch-per-device", "2", *extra]
+
+
+def run(tmp, args, devices=2):
+    return subprocess.run(args, cwd=tmp, env=env_for(tmp, devices), capture_output=True, text=True, timeout=600)
+
+
+def pixels(path):
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def pngs(folder):
+    return sorted(name for name in os.listdir(folder) if name.endswith(".png"))
+
+
+def manifest(folder, name="manifest.jsonl"):
+    path = folder / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batch")
+    (tmp / "prompts.jsonl").write_text("\n".join(json.dumps(line) if line else "" for line in LINES) + "\n")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def full(tmp):
+    """One uninterrupted run: 12 images in batches of 4 (2 devices, 2 each), grouped by guidance."""
+    done = run(tmp, command(tmp, tmp / "full"))
+    assert done.returncode == 0, done.stderr
+    return tmp / "full"
+
+
+def test_one_png_per_line_with_its_settings_and_a_manifest_listing_them(full):
+    records = manifest(full)
+    assert sorted(r["line"] for r in records) == NUMBERS
+    assert pngs(full) == sorted(r["file"] for r in records)
+    by_line = {r["line"]: r for r in records}
+    assert by_line[1]["file"] == "000001-a-red-fox.png" and by_line[5]["file"] == "000005-a-cat-on-a-mat.png"
+    for number in NUMBERS:
+        line, record = LINES[number - 1], by_line[number]
+        seed = line.get("seed", SEED + number - 1)  # line n: --seed + n - 1 unless it sets its own
+        image = Image.open(full / record["file"])
+        assert image.size == (32, 32) and record["seed"] == seed
+        assert {k: image.text[k] for k in ("prompt", "negative_prompt", "seed", "guidance_scale", "steps")} == {
+            "prompt": line["prompt"], "negative_prompt": line.get("negative_prompt", ""), "seed": str(seed),
+            "guidance_scale": str(line.get("guidance", 7.5)), "steps": "2"}
+        assert record["settings"]["guidance_scale"] == line.get("guidance", 7.5)
+    assert pixels(full / by_line[1]["file"]).std() > 5  # not blank: equality means something
+
+
+def test_an_image_depends_on_its_line_only_and_guidance_is_per_image(full):
+    by_line = {r["line"]: full / r["file"] for r in manifest(full)}
+    # Lines 1 and 13: the same prompt, seed and guidance, made in different batches (positions 0 and 5 of the
+    # 7.5 group): the same pixels. Line 11 differs from them by its guidance only: other pixels.
+    np.testing.assert_array_equal(pixels(by_line[1]), pixels(by_line[13]))
+    assert np.abs(pixels(by_line[1]).astype(int) - pixels(by_line[11])).max() > 3  # 10 on tiny-sd at 2 steps
+
+
+@pytest.mark.parametrize("number", [2, 5])
+def test_equals_sdflax_generate_with_the_same_settings(tmp, full, number):
+    line = LINES[number - 1]
+    out = tmp / f"generate-{number}.png"
+    done = run(tmp, [sys.executable, "-m", "sdflax", "generate", line["prompt"], *SIZE, "--num-images", "1",
+                     "--seed", str(line.get("seed", SEED + number - 1)), "--guidance", str(line.get("guidance", 7.5)),
+                     "--negative-prompt", line.get("negative_prompt", ""), "--out", str(out)])
+    assert done.returncode == 0, done.stderr
+    made = next(r["file"] for r in manifest(full) if r["line"] == number)
+    np.testing.assert_array_equal(pixels(full / made), pixels(out))
+
+
+def wait_for_records(process, folder, count):
+    while len(manifest(folder)) < count:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+
+
+def check_whole(folder):
+    for name in pngs(folder):
+        with Image.open(folder / name) as image:
+            image.load()  # a cut PNG fails here
+
+
+def test_killed_runs_go_on_where_they_stopped_without_redoing_an_image(tmp, full):
+    out = tmp / "resumed"
+    # SIGKILL once three images are listed: whole PNGs, each listed but perhaps the one in hand (written, not yet
+    # listed: the next run adopts it, its text chunks saying it is this command's image of its line).
+    killed = subprocess.Popen(command(tmp, out), cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    wait_for_records(killed, out, 3)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate(timeout=60)
+    check_whole(out)
+    listed = [r["file"] for r in manifest(out)]
+    assert 3 <= len(listed) < 12 and len(set(listed)) == len(listed)
+    assert set(listed) <= set(pngs(out)) and len(set(pngs(out)) - set(listed)) <= 1
+    before = {name: os.stat(out / name).st_mtime_ns for name in pngs(out)}
+
+    # SIGTERM mid-run: the image in hand is finished, exit 143, the manifest lists exactly the PNGs.
+    stopped = subprocess.Popen(command(tmp, out), cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for_records(stopped, out, len(before) + 1)
+    stopped.send_signal(signal.SIGTERM)
+    _, stderr = stopped.communicate(timeout=120)
+    assert stopped.returncode == 143, stderr
+    assert "stopped by SIGTERM after" in stderr.splitlines()[-1] and "run the same command again" in stderr
+    check_whole(out)
+    assert sorted(r["file"] for r in manifest(out)) == pngs(out) and len(pngs(out)) < 12
+
+    done = run(tmp, command(tmp, out))
+    assert done.returncode == 0, done.stderr
+    records = manifest(out)
+    assert sorted(r["line"] for r in records) == NUMBERS  # each line once: none made twice
+    assert pngs(out) == pngs(full) == sorted(r["file"] for r in records)
+    assert {name: os.stat(out / name).st_mtime_ns for name in before} == before  # nothing rewritten
+    for name in pngs(out):
+        np.testing.assert_array_equal(pixels(out / name), pixels(full / name))
+    again = run(tmp, command(tmp, out))  # all done: nothing to load
+    assert again.returncode == 0 and "all 12 images are in" in again.stderr and len(manifest(out)) == 12
+
+
+def test_sigint_while_loading_exits_130_having_written_nothing(tmp):
+    out = tmp / "interrupted"
+    args = [arg for arg in command(tmp, out) if arg != "--no-progress"]
+    interrupted = subprocess.Popen(args, cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+    while not interrupted.stderr.readline().startswith("Loading "):  # (past any warning of JAX's)
+        assert interrupted.poll() is None
+    interrupted.send_signal(signal.SIGINT)
+    _, stderr = interrupted.communicate(timeout=120)
+    assert interrupted.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == (f"sdflax: stopped by SIGINT after 0 of 12 images; the manifest in {out} lists "
+                                       "every image written: run the same command again to make the rest")
+    assert pngs(out) == [] and manifest(out) == []
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_port():
+    """A free port where jax.distributed's SLURM detection puts the coordinator: 61440 + job id % 4096 (above
+    Linux's range of ports handed out by bind(0))."""
+    for port in random.Random().sample(range(61440, 65536), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port in 61440-65535")
+
+
+@pytest.mark.parametrize("join", ["flags", "slurm"])
+def test_two_processes_split_the_prompts_and_make_the_same_images(tmp, full, join):
+    """Two processes of 2 CPU devices each on one global mesh, jax.distributed over localhost: joined by
+    --coordinator/--num-processes/--process-id, or detected from the environment of a 2-task SLURM step."""
+    out, port = tmp / f"hosts-{join}", slurm_port()
+
+    def start(i):
+        env = env_for(tmp, 2)
+        if join == "slurm":
+            env.update(SLURM_JOB_ID=str(port - 61440), SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
+                       SLURM_PROCID=str(i), SLURM_LOCALID=str(i))
+            flags = []
+        else:
+            flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        return subprocess.Popen(command(tmp, out, *flags), cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    processes = [start(i) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=300) for p in processes]
+    finally:
+        for p in processes:  # one that failed leaves the other waiting for its part of a batch
+            if p.poll() is None:
+                p.kill()
+    for p, (_, stderr) in zip(processes, results):
+        assert p.returncode == 0, stderr
+    per_process = [manifest(out, f"manifest.{i}.jsonl") for i in range(2)]
+    lines = [[r["line"] for r in records] for records in per_process]
+    assert all(lines) and not set(lines[0]) & set(lines[1])  # both worked, no image made twice
+    assert sorted(lines[0] + lines[1]) == NUMBERS and not (out / "manifest.jsonl").exists()
+    assert all(r["process"] == i for i, records in enumerate(per_process) for r in records)
+    assert pngs(out) == pngs(full)
+    for name in pngs(out):
+        np.testing.assert_array_equal(pixels(out / name), pixels(full / name))
+
+
+def test_a_file_that_is_not_this_commands_image_is_never_overwritten(tmp):
+    out = tmp / "taken"
+    out.mkdir()
+    (out / "000003-a-green-tree.png").write_text("mine")
+    done = run(tmp, command(tmp, out))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"sdflax: error: --out {out}: 000003-a-green-tree.png exists and is not this "
+                                        "command's image of line 3: sdflax never overwrites a file; move it, or "
+                                        "choose another --out"]
+    assert (out / "000003-a-green-tree.png").read_text() == "mine" and pngs(out) == ["000003-a-green-tree.png"]
+
+
+# ---- prompt files and bad input (in process: they fail before JAX starts) -----------------------------------
+
+def test_a_manifest_that_is_not_sdflaxs_is_never_written_to(tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.jsonl").write_text("my notes\nmore notes\n")
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: {tmp_path / 'out' / 'manifest.jsonl'} is not a manifest of "
+                                       "sdflax batch (line 1): sdflax never overwrites a file; move it, or choose "
+                                       "another --out\n")
+    assert (tmp_path / "out" / "manifest.jsonl").read_text() == "my notes\nmore notes\n"
+
+
+def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("a red fox, watercolor\n\n  {not json}  \n")
+    args = main_args()
+    assert read_prompts(str(path), args) == [Line(1, "a red fox, watercolor", "", None, None, 50, None, None),
+                                             Line(3, "{not json}", "", None, None, 50, None, None)]
+    assert read_prompts(str(path), args)[0].name == "000001-a-red-fox-watercolor.png"
+
+
+def main_args():
+    from sdflax.batch import add_command
+    from sdflax.cli import build_parser
+
+    return build_parser(add_command).parse_args(["batch", "p.txt", "--out", "x"])
+
+
+@pytest.mark.parametrize("lines, message", [
+    (None, "PROMPTS {p}: cannot read it (No such file or directory): give a text file, one prompt a line, or .jsonl"),
+    (['{"prompt": "a fox"}', '{"prompt": "a cat",}'], "PROMPTS {p} line 2: not JSON (* at column *): write one "
+     'object a line, e.g. {{"prompt": "a red fox", "seed": 3}}'),  # (the JSON reason is Python's)
+    (['{"prompt": "a fox", "cfg": 3}'], "PROMPTS {p} line 1: unknown key 'cfg': a line may set prompt, "
+     "negative_prompt, seed, guidance, steps, width, height"),
+    (["", '{"prompt": "a fox", "seed": -1}'], "PROMPTS {p} line 2: seed must be between 0 and 4294967295, got -1"),
+    (['{"prompt": "a fox", "steps": 2.5}'], "PROMPTS {p} line 1: steps must be a whole number, got 2.5"),
+    (['{"negative_prompt": "x"}'], 'PROMPTS {p} line 1: no "prompt": every line needs one'),
+    ([""], 'PROMPTS {p} holds no prompt: write one prompt a line, or one {{"prompt": ...}} object a line'),
+])
+def test_bad_prompt_files_are_one_line_naming_the_line(tmp_path, capsys, lines, message):
+    path = tmp_path / "prompts.jsonl"
+    if lines is not None:
+        path.write_text("\n".join(lines) + "\n")
+    assert main(["batch", str(path), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
+    assert fnmatch.fnmatchcase(capsys.readouterr().err, f"sdflax: error: {message.format(p=path)}\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    (tmp_path / "out").write_text("")
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: --out {tmp_path / 'out'} is a file: give a folder (sdflax "
+                                       "batch writes one PNG a prompt and its manifest there)\n")
+
+
+def test_a_size_a_line_asks_for_is_checked_against_the_model_and_names_the_line(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a fox"}\n{"prompt": "a cat", "width": 30}\n')
+    assert main(["batch", str(path), "--out", str(tmp_path / "out"), "--model", TINY, "--num-processes", "1"]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: PROMPTS {path} line 2: --width 30 is not a multiple of 4, "
+                                       f"the VAE scale factor of {TINY}: use 28 or 32\n")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "127.0.0.1:1"], "give --coordinator HOST:PORT, --num-processes N and --process-id I together"),
+    (["--grid"], "unrecognized arguments: --grid"),
+])
+def test_bad_flags_are_one_line(tmp_path, capsys, flags, message):
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY,
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_benchmark_batch_mode_reports_both_rates(tmp, full):
+    """scripts/benchmark.py --batch-prompts: `sdflax batch` and a loop of pipeline(...) calls, fresh processes."""
+    done = run(tmp, [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model", TINY, "--steps", "2",
+                     "--height", "32", "--width", "32", "--batch-prompts", "6", "--batch", "2",
+                     "--cache-dir", str(tmp / "jax-cache")])
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["prompts"] == 6 and out["devices"] == 2 and out["batch_per_device"] == 2
+    for mode in ("batch", "loop"):
+        assert out[mode]["wall_s"] > 0 and out[mode]["images_per_s"] == pytest.approx(6 / out[mode]["wall_s"])
+        assert out[mode]["steady_images_per_s"] > 0
+    assert out["ratio"]["images_per_s"] == pytest.approx(out["batch"]["images_per_s"] / out["loop"]["images_per_s"])
