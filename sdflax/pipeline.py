@@ -301,7 +301,9 @@ class Pipeline:
     def _check_params(self, params, mode: str | None):
         """params hold every model this pipeline runs, with a leading device axis exactly when pmap runs them.
         `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either)."""
-        needed = list(self.conditioning.models) + ["controlnet"] * bool(self.controls)
+        # the models this pipeline has: an SDXL refiner has no first text encoder (null in its model_index.json)
+        needed = [name for name in self.conditioning.models if getattr(self, name, None) is not None] \
+            + ["controlnet"] * bool(self.controls)
         if not isinstance(params, Mapping):
             raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "
                             f"{type(params).__name__}")
