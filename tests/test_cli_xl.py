@@ -3,8 +3,6 @@ SDXL checkpoint, `--prompt-2` / `--negative-prompt-2`, end to end on a small SDX
 PNGs equal the library's images for the same inputs and keys, and record what made them; bad input is one line
 and status 2, in process."""
 
-import json
-
 import numpy as np
 import pytest
 from PIL import Image
