@@ -724,6 +724,8 @@ def _refined(args, base, refiner, checkpoint, keys):
     def call(jit, callback=None):
         latents = base(jit=jit, callback=callback, denoising_end=checkpoint.high_noise_frac,
                        output_type="latent").images
+        if callback is not None:
+            callback.close()  # the base's bar ends before the refiner's starts
         bar = _StepBar("refining") if callback is not None else None
         try:
             return pipe(ids, latents, params, keys, num_inference_steps=args.steps,
