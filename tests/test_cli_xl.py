@@ -3,6 +3,8 @@ SDXL checkpoint, `--prompt-2` / `--negative-prompt-2`, end to end on a small SDX
 PNGs equal the library's images for the same inputs and keys, and record what made them; bad input is one line
 and status 2, in process."""
 
+import json
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -123,6 +125,33 @@ def test_inpaint_with_sdxl_equals_the_library(files):
 def test_bad_input_is_one_line(args, expected, files, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(files)
     assert main(["generate", "a fox", "--model", "base", *args, "--out", str(tmp_path / "out")]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_refiner_of_other_latents(files, tmp_path, capsys, monkeypatch):
+    """Checked from the configs, before any weight loads."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(files / "refiner", other, ignore=shutil.ignore_patterns("*.safetensors"))
+    for part, key in (("vae", "latent_channels"), ("unet", "in_channels")):
+        config = json.loads((other / part / "config.json").read_text())
+        (other / part / "config.json").write_text(json.dumps({**config, key: 8}))
+    monkeypatch.chdir(files)
+    assert main(["generate", "a fox", "--model", "base", "--refiner", str(other), "--out", str(tmp_path / "o")]) == 2
+    assert f"--refiner {other} takes other latents than base (8 channels, UNet input 8" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("command, args, expected", [
+    ("img2img", ["--model", TINY, "--prompt-2", "x"], "--prompt-2 is for SDXL's second text encoder"),
+    ("inpaint", ["--model", TINY, "--negative-prompt-2", "x"], "--negative-prompt-2 is for SDXL's second text"),
+    ("img2img", ["--model", "base", "--controlnet", "net", "--control-image", "in.png"],
+     "--controlnet with an SDXL checkpoint runs with sdflax generate only, not img2img"),
+])
+def test_img2img_and_inpaint_bad_input(command, args, expected, files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    mask = ["--mask", "mask.png"] if command == "inpaint" else []
+    assert main([command, "a fox", "--image", "in.png", *mask, *args, "--out", str(tmp_path / "out")]) == 2
     assert expected in one_error_line(capsys)
 
 
