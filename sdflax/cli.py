@@ -323,7 +323,8 @@ def run(args) -> int:
                 "model": args.model, "revision": args.revision or ("main" if not checkpoint.local else ""),
                 "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
     if pictures:
-        settings.update(strength=checkpoint.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
+        settings.update(strength=checkpoint.strength, image=args.image,
+                        **({"mask": args.mask} if "mask" in pictures else {}))
     settings.update({key: value for key, value in (("prompt_2", args.prompt_2),
                                                    ("negative_prompt_2", args.negative_prompt_2)) if value is not None})
     if checkpoint.high_noise_frac is not None:
@@ -474,12 +475,12 @@ def _check_refiner(args, xl, scheduler, vae) -> float:
                         f"channels, UNet input {unet.config.in_channels}, VAE scale factor "
                         f"{refiner_vae.config.scale_factor}; the base: {latent}, {latent}, {vae.scale_factor}): give "
                         "a refiner made for this base")
-    for flag, what, sched, cut in (("the base", "denoising_end", scheduler, dict(denoising_end=fraction)),
-                                   (name, "denoising_start", refiner_scheduler, dict(denoising_start=fraction))):
+    for which, which_scheduler, cut in (("the base", scheduler, dict(denoising_end=fraction)),
+                                        (name, refiner_scheduler, dict(denoising_start=fraction))):
         try:
-            schedule_window(sched, Settings(args.steps, **cut))
+            schedule_window(which_scheduler, Settings(args.steps, **cut))
         except ValueError:
-            raise UserError(f"--high-noise-frac {fraction} with --steps {args.steps} leaves {flag} no step: raise "
+            raise UserError(f"--high-noise-frac {fraction} with --steps {args.steps} leaves {which} no step: raise "
                             "--steps, or move --high-noise-frac towards 0.5") from None
     return fraction
 
