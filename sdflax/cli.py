@@ -670,12 +670,11 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed, refin
     devices = jax.local_device_count()
     per_device = -(-(args.num_images or devices) // devices)
     seeds = [(seed + i) % 2**32 for i in range(per_device * devices)]
-    prompt_ids = shard(pipeline.prepare_inputs([args.prompt] * len(seeds), prompts_2=args.prompt_2))
+    prompt_ids = shard(_prompt_ids(pipeline, args.prompt, args.prompt_2, len(seeds)))
     # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
     # SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt), so it gets None there.
     neg_ids = (None if checkpoint.xl and not args.negative_prompt and not args.negative_prompt_2
-               else shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds),
-                                                  prompts_2=args.negative_prompt_2)))
+               else shard(_prompt_ids(pipeline, args.negative_prompt, args.negative_prompt_2, len(seeds))))
     keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))  # one key per image (sdflax.random_draws)
     extra, control = {}, []
     if controls:
@@ -707,6 +706,12 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed, refin
     return seeds, functools.partial(pipeline, prompt_ids, *images, *([control] if control else []),
                                     replicate(params), keys, checkpoint.strength, args.steps,
                                     guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids, **extra)
+
+
+def _prompt_ids(pipeline, prompt, prompt_2, n):
+    """The ids of n copies of the prompt; `prompt_2` (SDXL's second encoder, refused before loading for other
+    models) only where given: the SD pipelines' `prepare_inputs` do not all take it."""
+    return pipeline.prepare_inputs([prompt] * n, **({"prompts_2": [prompt_2] * n} if prompt_2 else {}))
 
 
 def _refined(args, base, refiner, checkpoint, keys):
