@@ -93,6 +93,17 @@ def _strength(text):
     return value
 
 
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}: the fraction of the schedule the base "
+                                         "runs before the refiner takes over (e.g. 0.8)")
+    return value
+
+
 def _finite(text):
     try:
         value = float(text)
@@ -138,14 +149,22 @@ def build_parser(*more) -> argparse.ArgumentParser:
     g = commands.add_parser("generate", help="text -> PNG images", description="Generate images from a prompt and "
                             "write them as PNGs that carry their settings." + common)
     g.add_argument("prompt", help="what to draw")
+    g.add_argument("--refiner", metavar="ID_OR_DIR", help="an SDXL refiner (hub id or diffusers folder) that "
+                   "finishes an SDXL base model's images: the base runs the first --high-noise-frac of the schedule "
+                   "and hands its latents to the refiner, which runs the rest of the --steps and decodes (diffusers' "
+                   "ensemble of expert denoisers); it reads --prompt and --negative-prompt (its one text encoder), "
+                   "--lora and --embedding apply to the base")
+    g.add_argument("--high-noise-frac", type=_fraction, metavar="F", help="with --refiner: the fraction of the "
+                   "schedule the base runs, in (0, 1) (default: 0.8)")
     _add_options(g)
 
     i = commands.add_parser("img2img", help="image + text -> PNG images", description="Redraw an image after a "
                             "prompt (SDEdit): the image is noised as far as --strength says, then denoised." + common)
     i.add_argument("prompt", help="what to draw")
     i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
-    i.add_argument("--strength", type=_strength, default=0.8, help="how far to noise the image, in (0, 1]: 1 "
-                   "repaints everything, small values keep the image; runs int(steps * strength) steps (default: 0.8)")
+    i.add_argument("--strength", type=_strength, help="how far to noise the image, in (0, 1]: 1 repaints "
+                   "everything, small values keep the image; runs int(steps * strength) steps (default: 0.8; 0.3 for "
+                   "SDXL, as diffusers)")
     _add_options(i, image=True)
 
     p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
@@ -155,8 +174,8 @@ def build_parser(*more) -> argparse.ArgumentParser:
     p.add_argument("--image", required=True, metavar="IN.png", help="the picture to repaint")
     p.add_argument("--mask", required=True, metavar="MASK.png", help="greyscale, the image's size: white is "
                    "repainted, black kept (binarised at 0.5)")
-    p.add_argument("--strength", type=_strength, default=1.0, help="in (0, 1]: 1 starts the masked region from pure "
-                   "noise, smaller values from the noised image (default: 1)")
+    p.add_argument("--strength", type=_strength, help="in (0, 1]: 1 starts the masked region from pure noise, "
+                   "smaller values from the noised image (default: 1; 0.9999 for SDXL, as diffusers)")
     _add_options(p, image=True)
     for add_command in more:  # commands built on these pieces in their own modules (batch.py)
         add_command(commands)
@@ -174,6 +193,9 @@ def _add_options(command, image=False, exclude=()):
             command.add_argument(flag, **kwargs)
 
     add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
+    add("--prompt-2", metavar="TEXT", help="SDXL: the prompt of the second text encoder (default: the prompt)")
+    add("--negative-prompt-2", metavar="TEXT", help="SDXL: the negative prompt of the second text encoder "
+        "(default: the negative prompt)")
     add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
         help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x or SDXL base, told apart "
              f"by its tensor names) (default: {DEFAULT_MODEL})")
@@ -191,7 +213,7 @@ def _add_options(command, image=False, exclude=()):
         "...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the checkpoint's own)")
     add("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
     add("--guidance", type=_finite, default=None, metavar="SCALE",
-        help="classifier-free guidance scale (default: 7.5; 5.0 for SDXL)")
+        help="classifier-free guidance scale (default: 7.5; 5.0 for SDXL but its inpaint, as diffusers)")
     add("--height", type=_positive_int, metavar="H", help=f"{size} H pixels, a multiple of the VAE scale factor "
         + ("(default: the image's own, cut down to a multiple)" if image else "(default: the model's own, 512 for "
            "SD 1.x)"))
@@ -278,11 +300,12 @@ def run(args) -> int:
     status(f"Loading {args.model} in {dtype} ...")
     start = time.perf_counter()
     pipeline, params = _load(args, checkpoint, dtype)
-    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures, controls, seed)
+    refiner = _load_refiner(args, dtype) if checkpoint.high_noise_frac is not None else None
+    seeds, call = _prepare(args, pipeline, params, checkpoint, pictures, controls, seed, refiner)
     load_s = time.perf_counter() - start
 
     where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
-    strength = f" (strength {args.strength})" if pictures else ""
+    strength = f" (strength {checkpoint.strength})" if pictures else ""
     status(f"Compiling for {args.steps} steps{strength} at {checkpoint.width}x{checkpoint.height}, {len(seeds)} "
            f"image(s) on {where} (once per setting; kept in {cache_dir}) ...")
     step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
@@ -302,7 +325,12 @@ def run(args) -> int:
 
     settings = image_settings(args, pipeline, checkpoint, dtype)
     if pictures:
-        settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
+        settings.update(strength=checkpoint.strength, image=args.image,
+                        **({"mask": args.mask} if "mask" in pictures else {}))
+    settings.update({key: value for key, value in (("prompt_2", args.prompt_2),
+                                                   ("negative_prompt_2", args.negative_prompt_2)) if value is not None})
+    if checkpoint.high_noise_frac is not None:
+        settings.update(refiner=args.refiner, high_noise_frac=checkpoint.high_noise_frac)
     if checkpoint.single_file and args.config:
         settings["config"] = args.config
     if args.lora:  # lists in the order of merging (JSON in the PNG), as the ControlNet entries
@@ -332,6 +360,13 @@ class _Checkpoint:
     height: int
     width: int
     single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
+    strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
+    high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
+
+
+# diffusers' pipelines' default strengths (SD, SDXL), which the CLI's follow
+DEFAULT_STRENGTHS = {"img2img": (0.8, 0.3), "inpaint": (1.0, 0.9999)}
+DEFAULT_HIGH_NOISE_FRAC = 0.8  # diffusers' base + refiner example
 
 
 def image_settings(args, pipeline, checkpoint, dtype) -> dict:
@@ -353,12 +388,6 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
     from .models import AutoencoderKL, UNet2DConditionModel
     from .models.config import read_config_file
 
-    if pictures:
-        try:
-            start_step(args.steps, args.strength)
-        except ValueError:
-            raise UserError(f"--strength {args.strength} with --steps {args.steps} runs no denoising step: raise "
-                            f"--strength to at least {1 / args.steps:.3g} or --steps") from None
     single_file = os.path.isfile(os.path.expanduser(args.model))
     local = single_file or os.path.isdir(os.path.expanduser(args.model))
     if local and args.revision:
@@ -377,12 +406,26 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
             xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
         vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
         unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
-        load_scheduler(folder, args.scheduler).check_steps(args.steps)
+        scheduler = load_scheduler(folder, args.scheduler)
+        scheduler.check_steps(args.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
-    if xl and args.command != "generate":
-        raise UserError(f"{args.model} is a Stable Diffusion XL checkpoint: sdflax {args.command} reads SD 1.x/2.x "
-                        "checkpoints only; use sdflax generate")
+    strength = None
+    if pictures:
+        strength = args.strength if args.strength is not None else DEFAULT_STRENGTHS[args.command][xl]
+        try:
+            start_step(args.steps, strength)
+        except ValueError:
+            raise UserError(f"--strength {strength} with --steps {args.steps} runs no denoising step: raise "
+                            f"--strength to at least {1 / args.steps:.3g} or --steps") from None
+    if not xl:
+        for flag, value in (("--prompt-2", args.prompt_2), ("--negative-prompt-2", args.negative_prompt_2)):
+            if value is not None:
+                raise UserError(f"{flag} is for SDXL's second text encoder, but {args.model} is not an SDXL "
+                                f"checkpoint (it has one): drop {flag}")
+    if xl and args.controlnet and args.command != "generate":
+        raise UserError(f"--controlnet with an SDXL checkpoint runs with sdflax generate only, not {args.command}: "
+                        "drop --controlnet, or use an SD 1.x/2.x checkpoint")
     latent, unet_channels = vae.config.latent_channels, unet.config.in_channels
     if args.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
         raise UserError(f"{args.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
@@ -392,9 +435,66 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
     _check_controlnets(args, unet.config)
     factor = vae.config.scale_factor
     height, width = _output_size(args, unet.config.sample_size * factor, factor, pictures, controls)
-    guidance = args.guidance if args.guidance is not None else (5.0 if xl else 7.5)
+    guidance = args.guidance if args.guidance is not None else (5.0 if xl and args.command != "inpaint" else 7.5)
+    high_noise_frac = _check_refiner(args, xl, scheduler, vae.config) if getattr(args, "refiner", None) else None
+    if getattr(args, "high_noise_frac", None) is not None and high_noise_frac is None:
+        raise UserError("--high-noise-frac applies with --refiner: add --refiner ID_OR_DIR, or drop it")
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
-    return _Checkpoint(folder, local, commit, xl, guidance, height, width, single_file)
+    return _Checkpoint(folder, local, commit, xl, guidance, height, width, single_file, strength, high_noise_frac)
+
+
+def _check_refiner(args, xl, scheduler, vae) -> float:
+    """The --high-noise-frac: --refiner's configs (kilobytes) are an SDXL checkpoint (a refiner or a base) whose
+    latents are the base model's, and both halves of the schedule, cut there, run a step."""
+    from .generate import Settings
+    from .hub import ModelNotFoundError, resolve_folder
+    from .latents import schedule_window
+    from .loading import check_pipeline_folder, load_scheduler
+    from .models import AutoencoderKL, UNet2DConditionModel
+    from .models.config import read_config_file
+    from .pipeline_xl import StableDiffusionXLImg2Img
+
+    name = f"--refiner {args.refiner}"
+    if not xl:
+        raise UserError(f"{name}: a refiner finishes SDXL base images, but {args.model} is not an SDXL checkpoint: "
+                        "drop --refiner, or give an SDXL base --model")
+    if args.controlnet:
+        raise UserError(f"{name} with --controlnet is not supported: drop one of them")
+    if os.path.isfile(os.path.expanduser(args.refiner)):
+        raise UserError(f"{name} is a file: sdflax takes a refiner as a hub id or diffusers folder")
+    fraction = args.high_noise_frac if args.high_noise_frac is not None else DEFAULT_HIGH_NOISE_FRAC
+    family = StableDiffusionXLImg2Img.conditioning
+    try:
+        folder = resolve_folder(args.refiner, None, allow_patterns=CONFIG_FILES)
+        index_file = os.path.join(folder, "model_index.json")
+        kind = read_config_file(index_file).get("_class_name") if os.path.isfile(index_file) else None
+        if kind is not None and not str(kind).startswith("StableDiffusionXL"):  # before naming files it lacks
+            raise UserError(f"{name} is a {kind} checkpoint, not an SDXL refiner or SDXL one: give the folder or hub "
+                            "id of one, e.g. stabilityai/stable-diffusion-xl-refiner-1.0")
+        check_pipeline_folder(folder, name, tuple(family.models), family.tokenizers)  # null parts need no files
+        refiner_vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
+        unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
+        refiner_scheduler = load_scheduler(folder, args.scheduler)
+    except (ModelNotFoundError, ValueError, TypeError) as e:
+        raise UserError(str(e)) from e
+    if kind is None or unet.config.addition_embed_type != "text_time":
+        raise UserError(f"{name} is not an SDXL refiner or SDXL checkpoint: give the folder or hub id of one, e.g. "
+                        "stabilityai/stable-diffusion-xl-refiner-1.0")
+    latent = vae.latent_channels
+    if (refiner_vae.config.latent_channels, unet.config.in_channels) != (latent, latent) \
+            or refiner_vae.config.scale_factor != vae.scale_factor:
+        raise UserError(f"{name} takes other latents than {args.model} ({refiner_vae.config.latent_channels} "
+                        f"channels, UNet input {unet.config.in_channels}, VAE scale factor "
+                        f"{refiner_vae.config.scale_factor}; the base: {latent}, {latent}, {vae.scale_factor}): give "
+                        "a refiner made for this base")
+    for which, which_scheduler, cut in (("the base", scheduler, dict(denoising_end=fraction)),
+                                        (name, refiner_scheduler, dict(denoising_start=fraction))):
+        try:
+            schedule_window(which_scheduler, Settings(args.steps, **cut))
+        except ValueError:
+            raise UserError(f"--high-noise-frac {fraction} with --steps {args.steps} leaves {which} no step: raise "
+                            "--steps, or move --high-noise-frac towards 0.5") from None
+    return fraction
 
 
 def _single_file_configs(args) -> tuple[str, bool]:
@@ -485,14 +585,15 @@ def _load(args, checkpoint, dtype):
 
     from . import (ControlNetModel, StableDiffusion, StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
                    StableDiffusionControlNetInpaint, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL,
-                   StableDiffusionXLControlNet)
+                   StableDiffusionXLControlNet, StableDiffusionXLImg2Img, StableDiffusionXLInpaint)
 
     if args.controlnet:
         kind = {"generate": StableDiffusionXLControlNet if checkpoint.xl else StableDiffusionControlNet,
                 "img2img": StableDiffusionControlNetImg2Img, "inpaint": StableDiffusionControlNetInpaint}
     else:
         kind = {"generate": StableDiffusionXL if checkpoint.xl else StableDiffusion,
-                "img2img": StableDiffusionImg2Img, "inpaint": StableDiffusionInpaint}
+                "img2img": StableDiffusionXLImg2Img if checkpoint.xl else StableDiffusionImg2Img,
+                "inpaint": StableDiffusionXLInpaint if checkpoint.xl else StableDiffusionInpaint}
     dtype = getattr(jnp, dtype)
     try:
         nets = []
@@ -514,6 +615,19 @@ def _load(args, checkpoint, dtype):
     if nets:
         params["controlnet"] = [net_params for _, net_params in nets]
     return pipeline, _add_loras_and_embeddings(args, pipeline, params)
+
+
+def _load_refiner(args, dtype):
+    """(pipeline, params) of --refiner, an SDXL image-to-image pipeline (a refiner: its second encoder alone)."""
+    import jax.numpy as jnp
+
+    from . import StableDiffusionXLImg2Img
+
+    try:
+        return StableDiffusionXLImg2Img.from_pretrained(args.refiner, dtype=getattr(jnp, dtype),
+                                                        scheduler=args.scheduler, attention=args.attention)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--refiner {args.refiner}: {e}") from e
 
 
 def _load_single_file(args, kind, dtype, extra):
@@ -556,9 +670,10 @@ def _flag_error(flag, path, error) -> UserError:
     return UserError(f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}")
 
 
-def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed):
+def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed, refiner=None):
     """(seeds, the pipeline call with everything but `jit` and `callback`): the images fill every local device,
-    and image i has its own key, seed + i, so it does not depend on the batch it was made in."""
+    and image i has its own key, seed + i, so it does not depend on the batch it was made in. With `refiner`
+    (pipeline, params) the call runs the base to --high-noise-frac and the refiner from there."""
     import jax
     import jax.numpy as jnp
 
@@ -567,11 +682,11 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed):
     devices = jax.local_device_count()
     per_device = -(-(args.num_images or devices) // devices)
     seeds = [(seed + i) % 2**32 for i in range(per_device * devices)]
-    prompt_ids = shard(pipeline.prepare_inputs([args.prompt] * len(seeds)))
+    prompt_ids = shard(_prompt_ids(pipeline, args.prompt, args.prompt_2, len(seeds)))
     # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
     # SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt), so it gets None there.
-    neg_ids = (None if checkpoint.xl and not args.negative_prompt
-               else shard(pipeline.prepare_inputs([args.negative_prompt] * len(seeds))))
+    neg_ids = (None if checkpoint.xl and not args.negative_prompt and not args.negative_prompt_2
+               else shard(_prompt_ids(pipeline, args.negative_prompt, args.negative_prompt_2, len(seeds))))
     keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))  # one key per image (sdflax.random_draws)
     extra, control = {}, []
     if controls:
@@ -585,10 +700,10 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed):
                                             num_inference_steps=args.steps, guidance_scale=checkpoint.guidance,
                                             neg_prompt_ids=neg_ids, **extra)
     if not pictures:
-        return seeds, functools.partial(pipeline, prompt_ids, replicate(params), keys,
-                                        num_inference_steps=args.steps, height=checkpoint.height,
-                                        width=checkpoint.width, guidance_scale=checkpoint.guidance,
-                                        neg_prompt_ids=neg_ids)
+        call = functools.partial(pipeline, prompt_ids, replicate(params), keys, num_inference_steps=args.steps,
+                                 height=checkpoint.height, width=checkpoint.width, guidance_scale=checkpoint.guidance,
+                                 neg_prompt_ids=neg_ids)
+        return seeds, (call if refiner is None else _refined(args, call, refiner, checkpoint, keys))
     from .img2img import preprocess_images
     from .inpaint import preprocess_images_and_masks
 
@@ -601,8 +716,43 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed):
         raise UserError(str(e)) from e
     images = [shard(np.repeat(x, len(seeds), axis=0)) for x in images]  # the same picture for every seed
     return seeds, functools.partial(pipeline, prompt_ids, *images, *([control] if control else []),
-                                    replicate(params), keys, args.strength, args.steps,
+                                    replicate(params), keys, checkpoint.strength, args.steps,
                                     guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids, **extra)
+
+
+def _prompt_ids(pipeline, prompt, prompt_2, n):
+    """The ids of n copies of the prompt; `prompt_2` (SDXL's second encoder, refused before loading for other
+    models) only where given: the SD pipelines' `prepare_inputs` do not all take it."""
+    return pipeline.prepare_inputs([prompt] * n, **({"prompts_2": [prompt_2] * n} if prompt_2 else {}))
+
+
+def _refined(args, base, refiner, checkpoint, keys):
+    """The base call stopped at --high-noise-frac, returning its latents, and the refiner continuing from them with
+    the same steps, guidance and per-image keys: diffusers' base + refiner, `denoising_end` then `denoising_start`.
+    The refiner has one text encoder (the second): as diffusers, it reads the prompt and negative prompt."""
+    from .parallel import replicate, shard
+
+    pipe, params = refiner
+    n = keys.shape[0] * keys.shape[1]
+    ids = shard(pipe.prepare_inputs([args.prompt] * n))
+    # No negative prompt: the refiner's own default (the empty prompt's embedding: it does not force zeros)
+    neg_ids = shard(pipe.prepare_inputs([args.negative_prompt] * n)) if args.negative_prompt else None
+    params = replicate(params)
+
+    def call(jit, callback=None):
+        latents = base(jit=jit, callback=callback, denoising_end=checkpoint.high_noise_frac,
+                       output_type="latent").images
+        if callback is not None:
+            callback.close()  # the base's bar ends before the refiner's starts
+        bar = _StepBar("refining") if callback is not None else None
+        try:
+            return pipe(ids, latents, params, keys, num_inference_steps=args.steps,
+                        guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids,
+                        denoising_start=checkpoint.high_noise_frac, jit=jit, callback=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+    return call
 
 
 def _save(args, target, images, seeds, settings):
@@ -753,15 +903,15 @@ class _StepBar:
     """A tqdm bar fed by the pipeline's per-step host callback; under pmap each device reports every step,
     so a step counts once, when the first device reaches it. One object per run: the callback is static."""
 
-    def __init__(self):
-        self.bar, self.done, self.lock = None, 0, threading.Lock()
+    def __init__(self, desc="denoising"):
+        self.bar, self.done, self.lock, self.desc = None, 0, threading.Lock(), desc
 
     def __call__(self, step, num_steps, latents):
         with self.lock:
             if self.bar is None:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=num_steps, desc="denoising", unit="step", file=sys.stderr, dynamic_ncols=True)
+                self.bar = tqdm(total=num_steps, desc=self.desc, unit="step", file=sys.stderr, dynamic_ncols=True)
             if step + 1 > self.done:
                 self.bar.update(step + 1 - self.done)
                 self.done = step + 1
@@ -899,6 +1049,8 @@ def png_info(settings):
                   f"{s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
+    if "refiner" in s:  # as A1111 writes its refiner
+        parameters += f", Refiner: {s['refiner']}, Refiner switch at: {s['high_noise_frac']}"
     for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))):
         parameters += f', ControlNet {k}: "Model: {net}, Weight: {scale}"'  # as A1111's ControlNet extension
     info.add_text("parameters", parameters)
