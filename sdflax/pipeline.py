@@ -16,6 +16,7 @@ from `__call__`'s signature.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import numbers
@@ -53,6 +54,7 @@ class Pipeline:
     conditioning = text.SDText
     start = FromNoise
     controls = ()  # UNet wrappers (ControlNet), see generate.generate
+    hooks = ()  # sdflax.hooks in every call (`with_hooks`)
     renamed = {}  # __call__'s argument names that differ from the Inputs field they fill
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
@@ -132,6 +134,15 @@ class Pipeline:
             raise NotImplementedError(f"{what} for SDXL (two text encoders) is not supported yet"
                                       + (f": {instead}" if instead else ""))
 
+    def with_hooks(self, *hooks):
+        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost): the same models and
+        compiled-program cache, each call's `Inputs.hooks` set to them. A new hook set compiles once; hooks that
+        differ only in their numbers (a scale) share the program. What hooks emit comes back in
+        `output.trajectory.hooks`."""
+        view = copy.copy(self)
+        view.hooks = tuple(hooks)
+        return view
+
     # ---- the pieces' state --------------------------------------------------------------------------------
     @property
     def scheduler(self):
@@ -191,7 +202,7 @@ class Pipeline:
         self._check_params(params, None)
         inputs, settings = self._split(args, leading_dims=None)
         out = self.generate(params, inputs, settings)
-        return tuple(out) if settings.return_trajectory else out.images
+        return tuple(out) if out.trajectory is not None else out.images
 
     def _bind(self, args, kwargs) -> dict:
         """`__call__`'s arguments, defaults filled in, from a call with `__call__`'s signature less `jit`."""
@@ -219,7 +230,7 @@ class Pipeline:
         for name in Inputs.shared_fields():  # arrays, so that a Python float and an array share one program
             if name in values:
                 values[name] = jnp.asarray(values[name], jnp.float32)
-        inputs = Inputs(**values)
+        inputs = Inputs(**values, hooks=self.hooks or None)
         if leading_dims is not None:
             self.conditioning.check_inputs(inputs)
             self._check_shapes(inputs, leading_dims)
@@ -365,7 +376,7 @@ class Pipeline:
         inputs, settings = self._split(args, 1)
         out = self._runner.run_sharded(params, inputs, settings, mesh)
         images = np.asarray(out.images)
-        return (images, jax.tree.map(np.asarray, out.trajectory)) if settings.return_trajectory else images
+        return (images, jax.tree.map(np.asarray, out.trajectory)) if out.trajectory is not None else images
 
 
 def _guided(guidance_scale) -> bool:

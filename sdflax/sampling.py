@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .hooks import core as hooks
+
 
 def classifier_free_guidance(uncond, cond, scale):
     """ε̂ = ε(x, ∅) + s (ε(x, c) − ε(x, ∅))  (Ho & Salimans 2022)."""
@@ -29,14 +31,18 @@ def _std(x):
     return jnp.sqrt(jnp.square(x - mean).sum(axes, keepdims=True) / (n - 1))
 
 
+def rescale(guided, cond, guidance_rescale):
+    """diffusers' `rescale_noise_cfg` (Lin et al. 2023, §3.4, eq. 15–16): the guided prediction scaled back to the
+    conditional one's std, mixed with it by `guidance_rescale`."""
+    rescaled = guided * (_std(cond) / _std(guided))
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * guided
+
+
 def rescaled_guidance(guidance_rescale: float):
-    """Classifier-free guidance with diffusers' `guidance_rescale` (Lin et al. 2023, §3.4, eq. 15–16):
-    scale the guided prediction back to the conditional one's std, then mix by `guidance_rescale`."""
+    """Classifier-free guidance with diffusers' `guidance_rescale` (`rescale`)."""
 
     def guidance(uncond, cond, scale):
-        guided = classifier_free_guidance(uncond, cond, scale)
-        rescaled = guided * (_std(cond) / _std(guided))
-        return guidance_rescale * rescaled + (1 - guidance_rescale) * guided
+        return rescale(classifier_free_guidance(uncond, cond, scale), cond, guidance_rescale)
 
     return guidance
 
@@ -89,6 +95,17 @@ def conditional_model(unet_fn, context):
     return model
 
 
+def chunked_model(unet_fn, context, chunks, combine):
+    """One UNet call on `chunks` copies of the batch, each with its rows of `context` (chunks * B, T, D), and
+    `combine(*outputs) -> prediction` (perturbed-attention guidance: [uncond; cond; perturbed])."""
+
+    def model(x, t, *step):
+        out = unet_fn(jnp.concatenate([x] * chunks), t, context, *step).astype(jnp.float32)
+        return combine(*jnp.split(out, chunks))
+
+    return model
+
+
 def step_key(key, i):
     """The key of evaluation i: the sampler's key folded with i, or each image's key folded with i."""
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -102,10 +119,11 @@ class Trajectory(NamedTuple):
 
     latents: Any  # x after the step
     pred_x0: Any  # the scheduler's x̂₀ from that evaluation's prediction
+    hooks: Any = None  # {key: (evals, B, ...)}: what hooks emitted (sdflax.hooks), without return_trajectory too
 
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
-            return_trajectory=False, state=None, post_step=None, model_takes_step=False):
+            return_trajectory=False, state=None, post_step=None, model_takes_step=False, memory=False):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
@@ -118,6 +136,11 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     (inpainting with an ordinary UNet pastes the known region back). With `model_takes_step=True` the model is
     called as `model(x, t, i)`, i the index of the evaluation.
 
+    Every model evaluation runs in a `hooks.core.Scope`: what hooks emit comes back stacked in
+    `Trajectory.hooks` (a Trajectory is then returned with latents and pred_x0 None unless `return_trajectory`),
+    and with `memory=True` what they write is carried to the next evaluation (its shapes found by tracing one
+    evaluation, its first value zeros).
+
     Each step is a `jax.checkpoint`: differentiating through the sampler keeps only the carry of every step
     and recomputes the UNet's activations one step at a time, so memory does not grow with the UNet per step.
     """
@@ -126,26 +149,37 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     num_evals = state.timesteps.shape[0]
     steps = jnp.arange(num_evals)
 
+    def evaluate(x, state, i, memory):
+        model_input = scheduler.scale_model_input(state, x, i)
+        with hooks.scope(i, memory, x.shape[-2:]) as scope:
+            prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
+        return prediction, scope
+
+    memory = hooks.zeros_like_shapes(jax.eval_shape(
+        lambda x, state: evaluate(x, state, 0, None)[1].memory, latents, state)) if memory else None
+
     @jax.checkpoint
     def step(carry, i):
-        x, state = carry
-        model_input = scheduler.scale_model_input(state, x, i)
-        prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
+        x, state, memory = carry
+        prediction, scope = evaluate(x, state, i, memory)
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
         x, state = scheduler.step(state, prediction, i, x, key=step_key(key, i))
         if post_step is not None:
             x = post_step(x, i, state)
         if callback is not None:
             jax.debug.callback(lambda i, x: callback(int(i), num_evals, x), i, x)
-        return (x, state), (Trajectory(x, pred_x0) if return_trajectory else None)
+        out = Trajectory(x if return_trajectory else None, pred_x0, scope.emitted or None)
+        return (x, state, scope.memory), out
 
     if use_scan:
-        (latents, _), trajectory = jax.lax.scan(step, (latents, state), steps)
+        (latents, _, _), trajectory = jax.lax.scan(step, (latents, state, memory), steps)
     else:
-        carry, outputs = (latents, state), []
+        carry, outputs = (latents, state, memory), []
         for i in steps:
             carry, out = step(carry, i)
             outputs.append(out)
         latents = carry[0]
-        trajectory = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs) if return_trajectory else None
-    return (latents, trajectory) if return_trajectory else latents
+        trajectory = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+    if not return_trajectory:
+        return latents if trajectory.hooks is None else (latents, trajectory)
+    return latents, trajectory
