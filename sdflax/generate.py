@@ -153,7 +153,7 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
         cond = cond.conditional()
     hooks = tuple(inputs.hooks or ())
     for hook in hooks:
-        cond = hook.condition(cond)
+        cond = hook.condition(cond, settings)
     start = pipeline.start.begin(pipeline, params, inputs, settings)
     chunks = cond.context.shape[0] // start.latents.shape[0]  # the UNet's batch: chunks of B rows
 

@@ -9,9 +9,11 @@ A hook overrides what it needs of:
     attend(site, attend, q, k, v) -> out       every Attention of the UNet: q (B, T, heads, d), k and v
                                                (B, S, heads, d); `attend` is the next hook's or the plain attention
     up_inputs(site, x, skip) -> (x, skip)      every up layer of the UNet, before x and its skip are concatenated
-    condition(cond) -> cond                    the text conditioning before the UNet sees it (PAG's third chunk)
+    condition(cond, settings) -> cond          the text conditioning (generate.Cond) before the UNet sees it:
+                                               its rows fix the UNet's batch (PAG adds a third chunk)
     wrap_unet(unet_fn) -> unet_fn              the whole UNet call (DeepCache)
-    combine(out, scale, guidance) -> prediction  the guidance batch's predictions -> one (PAG)
+    combine(outputs, inputs, settings) -> prediction   the UNet's output, one array per chunk -> the prediction
+                                               (PAG's guidance); the first hook that has one decides
 
 They are applied through Flax's `nn.intercept_methods` on two small methods, `Attention.attend` and
 `UNet2DConditionModel.up_inputs`: the models stay unaware of hooks, and a layer is addressed by its module path,
@@ -124,7 +126,7 @@ class Hook:
     def up_inputs(self, site, x, skip):
         return x, skip
 
-    def condition(self, cond):
+    def condition(self, cond, settings):
         return cond
 
     def wrap_unet(self, unet_fn):
