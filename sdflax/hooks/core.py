@@ -49,13 +49,22 @@ class Scope:
     def __init__(self, step, memory, latent_size):
         self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
         self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
-        self.emitted = {}
+        self._emitted, self._sums = {}, {}
 
     def emit(self, key, value):
         """Send (B, ...) out of the scan as trajectory.hooks[key] (evals, B, ...)."""
-        if key in self.emitted:
+        if key in self._emitted or key in self._sums:
             raise ValueError(f"hook value {key!r} emitted twice in one evaluation: give each its own key")
-        self.emitted[key] = value
+        self._emitted[key] = value
+
+    def emit_mean(self, key, value):
+        """Send out the mean of the (B, ...) values given under key in this evaluation (e.g. over layers)."""
+        total, count = self._sums.get(key, (0, 0))
+        self._sums[key] = (total + value, count + 1)
+
+    @property
+    def emitted(self) -> dict:
+        return {**self._emitted, **{key: total / count for key, (total, count) in self._sums.items()}}
 
     def read(self, key):
         """What the previous evaluation wrote under key; None while the memory's shapes are being found."""
