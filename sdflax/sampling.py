@@ -151,7 +151,7 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
 
     def evaluate(x, state, i, memory):
         model_input = scheduler.scale_model_input(state, x, i)
-        with hooks.scope(i, memory, x.shape[-2:]) as scope:
+        with hooks.scope(i, memory, x.shape[-2:], num_evals) as scope:
             prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
         return prediction, scope
 

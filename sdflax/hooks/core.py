@@ -46,8 +46,9 @@ _local = threading.local()
 class Scope:
     """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
 
-    def __init__(self, step, memory, latent_size):
+    def __init__(self, step, memory, latent_size, num_evals):
         self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
+        self.num_evals = num_evals  # evaluations in the scan
         self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
         self._emitted, self._sums = {}, {}
 
@@ -77,9 +78,9 @@ class Scope:
 
 
 @contextlib.contextmanager
-def scope(step, memory=None, latent_size=()):
+def scope(step, memory=None, latent_size=(), num_evals=None):
     stack = _local.__dict__.setdefault("scopes", [])
-    stack.append(Scope(step, memory, latent_size))
+    stack.append(Scope(step, memory, latent_size, num_evals))
     try:
         yield stack[-1]
     finally:
@@ -113,9 +114,13 @@ class Site:
     def cross_attention(self) -> bool:
         return self.name.endswith("attn2")
 
+    @property
+    def conditional_chunk(self) -> int:
+        return 1 if self.chunks > 1 else 0
+
     def conditional(self, x):
         """The conditional chunk's rows of a (chunks * B, ...) array."""
-        return jnp.split(x, self.chunks)[1 if self.chunks > 1 else 0]
+        return jnp.split(x, self.chunks)[self.conditional_chunk]
 
 
 def checkpoint_name(path) -> str:
