@@ -46,7 +46,7 @@ def child(args):
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's sdflax, and benchmark.py beside this file
     from benchmark import PROMPT, SD15, TOKENIZER, random_pipeline
 
     from sdflax import Inputs, Settings
