@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import sampling
-from .hooks import core as hook_core
+from .hooks.core import Hook, intercept
 
 
 def _batched(default=None):
@@ -160,7 +160,7 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
     def unet_fn(x, t, context, step, **residuals):
         if not hooks:
             return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
-        with hook_core.intercept(hooks, step, chunks):  # the UNet's layers only, not a ControlNet's
+        with intercept(hooks, step, chunks):  # the UNet's layers only, not a ControlNet's
             return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
 
     if start.wrap_unet is not None:
@@ -169,7 +169,7 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
         unet_fn = control.wrap(pipeline, params, inputs, settings, cond, start)(unet_fn)
     for hook in hooks:
         unet_fn = hook.wrap_unet(unet_fn)
-    combines = [hook for hook in hooks if type(hook).combine is not hook_core.Hook.combine]
+    combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
     if combines:
         model = sampling.chunked_model(unet_fn, cond.context, chunks,
                                        lambda *out: combines[0].combine(out, inputs, settings))

@@ -196,7 +196,8 @@ class Pipeline:
 
     def _generate(self, *args, **kwargs):
         """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
-        `(images, sampling.Trajectory)` with `return_trajectory=True`. jit, pmap, vmap and grad apply to it."""
+        `(images, sampling.Trajectory)` with `return_trajectory=True` or hooks that emit values (`with_hooks`).
+        jit, pmap, vmap and grad apply to it."""
         args = self._bind(args, kwargs)
         params = args.pop("params")
         self._check_params(params, None)

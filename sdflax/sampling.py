@@ -10,12 +10,12 @@ A guidance function combines the unconditional and conditional predictions:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from .hooks import core as hooks
 
 
 def classifier_free_guidance(uncond, cond, scale):
@@ -114,6 +114,66 @@ def step_key(key, i):
     return jax.vmap(jax.random.fold_in, (0, None))(key, i)
 
 
+# The scopes of the model evaluations being traced (innermost last): how hooks inside the UNet (sdflax.hooks) send
+# values out of the scan and carry them to the next evaluation without changing the UNet's signature.
+_local = threading.local()
+
+
+class Scope:
+    """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
+
+    def __init__(self, step, memory, latent_size, num_evals):
+        self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
+        self.num_evals = num_evals  # evaluations in the scan
+        self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
+        self._emitted, self._sums = {}, {}
+
+    def emit(self, key, value):
+        """Send (B, ...) out of the scan as trajectory.hooks[key] (evals, B, ...)."""
+        if key in self._emitted or key in self._sums:
+            raise ValueError(f"hook value {key!r} emitted twice in one evaluation: give each its own key")
+        self._emitted[key] = value
+
+    def emit_mean(self, key, value):
+        """Send out the mean of the (B, ...) values given under key in this evaluation (e.g. over layers)."""
+        total, count = self._sums.get(key, (0, 0))
+        self._sums[key] = (total + value, count + 1)
+
+    @property
+    def emitted(self) -> dict:
+        return {**self._emitted, **{key: total / count for key, (total, count) in self._sums.items()}}
+
+    def read(self, key):
+        """What the previous evaluation wrote under key; None while the memory's shapes are being found."""
+        return None if self.memory is None else self.memory[key]
+
+    def write(self, key, value):
+        if self.memory is None:
+            self.memory = {}
+        self.memory[key] = value
+
+
+@contextlib.contextmanager
+def scope(step, memory=None, latent_size=(), num_evals=None):
+    stack = _local.__dict__.setdefault("scopes", [])
+    stack.append(Scope(step, memory, latent_size, num_evals))
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def current_scope() -> Scope:
+    stack = getattr(_local, "scopes", [])
+    if not stack:
+        raise RuntimeError("a hook that emits or carries values runs only inside sampling.denoise (a pipeline call)")
+    return stack[-1]
+
+
+def _zeros_like(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
 class Trajectory(NamedTuple):
     """What the scan stacks at each model evaluation, (evals, *latents.shape) each."""
 
@@ -136,7 +196,7 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     (inpainting with an ordinary UNet pastes the known region back). With `model_takes_step=True` the model is
     called as `model(x, t, i)`, i the index of the evaluation.
 
-    Every model evaluation runs in a `hooks.core.Scope`: what hooks emit comes back stacked in
+    Every model evaluation runs in a `Scope`: what hooks emit comes back stacked in
     `Trajectory.hooks` (a Trajectory is then returned with latents and pred_x0 None unless `return_trajectory`),
     and with `memory=True` what they write is carried to the next evaluation (its shapes found by tracing one
     evaluation, its first value zeros).
@@ -151,25 +211,25 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
 
     def evaluate(x, state, i, memory):
         model_input = scheduler.scale_model_input(state, x, i)
-        with hooks.scope(i, memory, x.shape[-2:], num_evals) as scope:
+        with scope(i, memory, x.shape[-2:], num_evals) as opened:
             prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
-        return prediction, scope
+        return prediction, opened
 
-    memory = hooks.zeros_like_shapes(jax.eval_shape(
+    memory = _zeros_like(jax.eval_shape(
         lambda x, state: evaluate(x, state, 0, None)[1].memory, latents, state)) if memory else None
 
     @jax.checkpoint
     def step(carry, i):
         x, state, memory = carry
-        prediction, scope = evaluate(x, state, i, memory)
+        prediction, hooks = evaluate(x, state, i, memory)
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
         x, state = scheduler.step(state, prediction, i, x, key=step_key(key, i))
         if post_step is not None:
             x = post_step(x, i, state)
         if callback is not None:
             jax.debug.callback(lambda i, x: callback(int(i), num_evals, x), i, x)
-        out = Trajectory(x if return_trajectory else None, pred_x0, scope.emitted or None)
-        return (x, state, scope.memory), out
+        out = Trajectory(x if return_trajectory else None, pred_x0, hooks.emitted or None)
+        return (x, state, hooks.memory), out
 
     if use_scan:
         (latents, _, _), trajectory = jax.lax.scan(step, (latents, state, memory), steps)

@@ -21,78 +21,24 @@ which is the checkpoint's name (`down_blocks.1.attentions.0.transformer_blocks.0
 
 Inside the scan a hook may `emit(key, value)` per-image values (B, ...), which come back stacked per evaluation
 in `output.trajectory.hooks[key]` (evals, B, ...), and `read`/`write` memory carried from one evaluation to the
-next (DeepCache's features). Both go through the current `Scope`, which `sampling.denoise` opens around every
-model evaluation: values are tracers of the step being traced, returned from the scan's body, so hooks stay
+next (DeepCache's features). Both go through the current `sampling.Scope`, which `sampling.denoise` opens around
+every model evaluation: values are tracers of the step being traced, returned from the scan's body, so hooks stay
 pure functions (jit, pmap, sharding, grad).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
-import threading
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from ..models.layers import Attention
+from ..sampling import Scope, current_scope
 
-_local = threading.local()
-
-
-class Scope:
-    """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
-
-    def __init__(self, step, memory, latent_size, num_evals):
-        self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
-        self.num_evals = num_evals  # evaluations in the scan
-        self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
-        self._emitted, self._sums = {}, {}
-
-    def emit(self, key, value):
-        """Send (B, ...) out of the scan as trajectory.hooks[key] (evals, B, ...)."""
-        if key in self._emitted or key in self._sums:
-            raise ValueError(f"hook value {key!r} emitted twice in one evaluation: give each its own key")
-        self._emitted[key] = value
-
-    def emit_mean(self, key, value):
-        """Send out the mean of the (B, ...) values given under key in this evaluation (e.g. over layers)."""
-        total, count = self._sums.get(key, (0, 0))
-        self._sums[key] = (total + value, count + 1)
-
-    @property
-    def emitted(self) -> dict:
-        return {**self._emitted, **{key: total / count for key, (total, count) in self._sums.items()}}
-
-    def read(self, key):
-        """What the previous evaluation wrote under key; None while the memory's shapes are being found."""
-        return None if self.memory is None else self.memory[key]
-
-    def write(self, key, value):
-        if self.memory is None:
-            self.memory = {}
-        self.memory[key] = value
-
-
-@contextlib.contextmanager
-def scope(step, memory=None, latent_size=(), num_evals=None):
-    stack = _local.__dict__.setdefault("scopes", [])
-    stack.append(Scope(step, memory, latent_size, num_evals))
-    try:
-        yield stack[-1]
-    finally:
-        stack.pop()
-
-
-def current_scope() -> Scope:
-    stack = getattr(_local, "scopes", [])
-    if not stack:
-        raise RuntimeError("a hook that emits or carries values runs only inside sampling.denoise (a pipeline call)")
-    return stack[-1]
-
+__all__ = ["Hook", "Scope", "Site", "checkpoint_name", "current_scope", "intercept"]
 
 @dataclasses.dataclass(frozen=True)
 class Site:
@@ -177,7 +123,3 @@ def intercept(hooks, step, chunks):
 
 def _bind(method, site, inner):
     return lambda q, k, v: method(site, inner, q, k, v)
-
-
-def zeros_like_shapes(tree):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
