@@ -1,17 +1,18 @@
-"""Hooks in the image pipelines: perturbed-attention guidance in img2img and inpainting equals diffusers'
-StableDiffusionPAGImg2ImgPipeline / StableDiffusionPAGInpaintPipeline (same image, posterior draws and noise)."""
+"""Hooks in the other pipelines: perturbed-attention guidance in img2img and inpainting equals diffusers'
+StableDiffusionPAGImg2ImgPipeline / StableDiffusionPAGInpaintPipeline (same image, posterior draws and noise);
+DeepCache and attention maps on SDXL."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from builders import torch_pipeline
+from builders import torch_pipeline, torch_xl_pipeline
 from test_inpaint import SIZE, inputs
 
 import jax
 
-from sdflax import StableDiffusionImg2Img, StableDiffusionInpaint, random_draws
-from sdflax.hooks.pag import perturbed_attention_guidance
+from sdflax import StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL, random_draws
+from sdflax.hooks import cross_attention_maps, deep_cache, perturbed_attention_guidance
 
 ATOL = 1e-3  # images in [0, 1], float32
 STEPS = 4
@@ -69,3 +70,20 @@ def test_pag_inpaint_matches_diffusers(tmp_path, monkeypatch):
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     unguided = pipe(ids, image, mask, params, key, strength=0.75, num_inference_steps=STEPS).images
     assert np.abs(ours - unguided).max() > 0.01
+
+
+def test_sdxl_deep_cache_and_maps(tmp_path):
+    """SDXL: DeepCache at interval 1 and the attention maps leave the images as they are; the maps are
+    probabilities over the tokens."""
+    torch_xl_pipeline().save_pretrained(tmp_path)
+    pipe, params = StableDiffusionXL.from_pretrained(tmp_path)
+    ids = pipe.prepare_inputs(PROMPTS)
+    latents = np.random.default_rng(0).standard_normal((2, 4, 16, 16), dtype=np.float32)
+    run = lambda p: p(ids, params, jax.random.key(0), STEPS, latents=latents)  # noqa: E731
+    plain = run(pipe).images
+    np.testing.assert_allclose(run(pipe.with_hooks(deep_cache(1))).images, plain, rtol=0, atol=1e-5)
+    out = run(pipe.with_hooks(cross_attention_maps()))
+    np.testing.assert_allclose(out.images, plain, rtol=0, atol=1e-5)
+    maps = out.trajectory.hooks["cross_attention_maps"]
+    assert maps.shape == (STEPS, 2, 16, 16, 77)
+    np.testing.assert_allclose(maps.sum(-1), 1, rtol=0, atol=1e-5)
