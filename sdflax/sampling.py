@@ -122,20 +122,32 @@ _local = threading.local()
 class Scope:
     """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
 
-    def __init__(self, step, memory, latent_size, num_evals):
+    def __init__(self, step, memory, latent_size, num_evals, sealed=None):
         self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
         self.num_evals = num_evals  # evaluations in the scan
         self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
         self._emitted, self._sums = {}, {}
+        self.sealed = sealed  # why values cannot leave from here (inside a lax.cond), or None
+
+    def sealed_copy(self, reason) -> "Scope":
+        """A scope of the same evaluation out of which nothing may be emitted or carried (e.g. inside a lax.cond,
+        whose branches' values cannot leave it)."""
+        return Scope(self.step, None, self.latent_size, self.num_evals, sealed=reason)
+
+    def _check(self):
+        if self.sealed:
+            raise ValueError(self.sealed)
 
     def emit(self, key, value):
         """Send (B, ...) out of the scan as trajectory.hooks[key] (evals, B, ...)."""
+        self._check()
         if key in self._emitted or key in self._sums:
             raise ValueError(f"hook value {key!r} emitted twice in one evaluation: give each its own key")
         self._emitted[key] = value
 
     def emit_mean(self, key, value):
         """Send out the mean of the (B, ...) values given under key in this evaluation (e.g. over layers)."""
+        self._check()
         total, count = self._sums.get(key, (0, 0))
         self._sums[key] = (total + value, count + 1)
 
@@ -145,18 +157,21 @@ class Scope:
 
     def read(self, key):
         """What the previous evaluation wrote under key; None while the memory's shapes are being found."""
+        self._check()
         return None if self.memory is None else self.memory[key]
 
     def write(self, key, value):
+        self._check()
         if self.memory is None:
             self.memory = {}
         self.memory[key] = value
 
 
 @contextlib.contextmanager
-def scope(step, memory=None, latent_size=(), num_evals=None):
+def scope(step, memory=None, latent_size=(), num_evals=None, within=None):
+    """Open the scope of a model evaluation (or, `within` a Scope, its copy `within.sealed_copy(reason)`)."""
     stack = _local.__dict__.setdefault("scopes", [])
-    stack.append(Scope(step, memory, latent_size, num_evals))
+    stack.append(within or Scope(step, memory, latent_size, num_evals))
     try:
         yield stack[-1]
     finally:

@@ -10,7 +10,7 @@ from builders import torch_pipeline
 import jax
 
 from sdflax import StableDiffusion
-from sdflax.hooks.deep_cache import deep_cache
+from sdflax.hooks import cross_attention_maps, deep_cache
 
 STEPS = 4
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
@@ -51,3 +51,10 @@ def test_interval_1_gives_the_plain_images_and_3_changes_them_a_little(sd1):
     cached = run(pipe.with_hooks(deep_cache(3)))
     change = np.abs(cached - plain)
     assert 1e-3 < change.max() and change.mean() < 0.1
+
+
+def test_hooks_that_emit_inside_its_cond_are_refused_in_one_line(sd1):
+    pipe, params = sd1
+    hooked = pipe.with_hooks(deep_cache(3), cross_attention_maps())
+    with pytest.raises(ValueError, match="DeepCache runs the UNet inside a lax.cond"):
+        hooked(pipe.prepare_inputs(PROMPTS[:1]), params, jax.random.key(0), STEPS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import flax
 import jax
 
+from .. import sampling
 from .core import Hook, current_scope
 
 KEY = "deep_cache"
@@ -29,14 +30,20 @@ class DeepCache(Hook):
             scope = current_scope()
             features = scope.read(KEY)  # from the last full evaluation
 
+            sealed = scope.sealed_copy("DeepCache runs the UNet inside a lax.cond, out of which hooks cannot emit or "
+                                       "carry values: use it without hooks that emit (attention maps)")
+
             def full():
-                return unet_fn(x, t, context, step, cache_branch=self.branch, **residuals)
+                with sampling.scope(None, within=sealed):
+                    return unet_fn(x, t, context, step, cache_branch=self.branch, **residuals)
 
             def shallow():
-                return unet_fn(x, t, context, step, cache_branch=self.branch, deep_features=features, **residuals)
+                with sampling.scope(None, within=sealed):
+                    return unet_fn(x, t, context, step, cache_branch=self.branch, deep_features=features,
+                                   **residuals)
 
             if features is None or self.interval == 1:
-                out, features = full()
+                out, features = unet_fn(x, t, context, step, cache_branch=self.branch, **residuals)
             else:
                 out, features = jax.lax.cond(step % self.interval == 0, full, shallow)
             scope.write(KEY, features)
