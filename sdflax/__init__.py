@@ -5,7 +5,7 @@ from .parallel import replicate, shard, unshard
 from .generate import Inputs, Settings, generate, random_draws
 from .pipeline import StableDiffusion, StableDiffusionOutput
 from .img2img import StableDiffusionImg2Img
-from .pipeline_xl import StableDiffusionXL
+from .pipeline_xl import StableDiffusionXL, StableDiffusionXLImg2Img, StableDiffusionXLInpaint
 from .pipeline_controlnet import (StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
                                   StableDiffusionControlNetInpaint, StableDiffusionXLControlNet)
 from .inpaint import StableDiffusionInpaint
@@ -16,5 +16,6 @@ __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "Con
            "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
            "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
-           "StableDiffusionXLControlNet", "UNet2DConditionModel", "generate", "hooks", "make_image_grid", "random_draws",
-           "replicate", "shard", "unshard"]
+           "StableDiffusionXLControlNet", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint",
+           "UNet2DConditionModel", "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard",
+           "unshard"]

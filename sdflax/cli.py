@@ -26,7 +26,8 @@ CACHE_ENV = "SDFLAX_CACHE_DIR"
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*"]
+CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", "tokenizer_2/*"]
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")  # --model as one file in the CompVis / A1111 / SGM layout
 MAX_PICTURE_SIDE = 8192  # --image, --mask, --control-image: at most 8192x8192 pixels (64 Mpx), read from the header
 
 
@@ -102,6 +103,22 @@ def _finite(text):
     return value
 
 
+def _lora(text):
+    """PATH[:SCALE] -> (PATH, SCALE): the scale is read only where the part after the last ':' is a number, so
+    C:\\loras\\x.safetensors and names with colons are paths."""
+    path, colon, tail = text.rpartition(":")
+    try:
+        scale = float(tail) if colon and path else None
+    except ValueError:
+        scale = None
+    if scale is None:
+        return text, 1.0
+    if not math.isfinite(scale):
+        raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite number (1 is the LoRA's full "
+                                         "strength, 0 leaves the model as it is)")
+    return path, scale
+
+
 def _scheduler(text):
     """sdflax's scheduler names, diffusers' class names and A1111's sampler names ("DPM++ 2M Karras")."""
     from .schedulers import scheduler_from_config
@@ -151,9 +168,19 @@ def _add_options(command, image=False):
     size = "resize the image to" if image else "pixels,"
     add = command.add_argument
     add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
-    add("--model", default=DEFAULT_MODEL, metavar="ID_OR_DIR",
-        help=f"hub id or local diffusers folder (default: {DEFAULT_MODEL})")
+    add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
+        help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x or SDXL base, told apart "
+             f"by its tensor names) (default: {DEFAULT_MODEL})")
     add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
+    add("--config", metavar="ID_OR_DIR", help="with a single-file --model: a diffusers folder or hub id of the "
+        "same architecture, for the model, scheduler and tokenizer configs (default: sdflax's bundled SD 1.5, SD 2.1 "
+        "(768 px, v-prediction) or SDXL base configs)")
+    add("--lora", action="append", default=[], type=_lora, metavar="PATH[:SCALE]",
+        help="a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the model at SCALE (default: 1.0); repeat for "
+             "several, merged in order. A file whose name ends in :NUMBER needs its :SCALE written out")
+    add("--embedding", action="append", default=[], metavar="PATH",
+        help="a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds); its token is the "
+             "file name without the extension, as in A1111: write it in the prompt; repeat for several")
     add("--scheduler", type=_scheduler, metavar="NAME", help="sampler: sdflax's name (dpmpp_2m, euler_ancestral, "
         "...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the checkpoint's own)")
     add("--steps", type=_positive_int, default=50, help="denoising steps (default: 50)")
@@ -226,6 +253,7 @@ def run(args) -> int:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+    _check_lora_and_embedding_files(args)
     checkpoint = _check_checkpoint(args, pictures, controls)
 
     import jax  # after the checks above, so that mistakes are reported without starting JAX
@@ -273,6 +301,12 @@ def run(args) -> int:
                 "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {_version()}"}
     if pictures:
         settings.update(strength=args.strength, image=args.image, **({"mask": args.mask} if "mask" in pictures else {}))
+    if checkpoint.single_file and args.config:
+        settings["config"] = args.config
+    if args.lora:  # lists in the order of merging (JSON in the PNG), as the ControlNet entries
+        settings.update(lora=[path for path, _ in args.lora], lora_scale=[scale for _, scale in args.lora])
+    if args.embedding:
+        settings["embedding"] = list(args.embedding)
     if controls:  # lists, one entry per net in their order (JSON in the PNG)
         settings.update(controlnet=args.controlnet, control_image=args.control_image,
                         control_scale=list(controls.scales))
@@ -295,6 +329,7 @@ class _Checkpoint:
     guidance: float
     height: int
     width: int
+    single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
 
 
 def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
@@ -312,16 +347,24 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
         except ValueError:
             raise UserError(f"--strength {args.strength} with --steps {args.steps} runs no denoising step: raise "
                             f"--strength to at least {1 / args.steps:.3g} or --steps") from None
-    local = os.path.isdir(os.path.expanduser(args.model))
+    single_file = os.path.isfile(os.path.expanduser(args.model))
+    local = single_file or os.path.isdir(os.path.expanduser(args.model))
     if local and args.revision:
-        raise UserError(f"--revision applies to hub ids, but {args.model} is a local folder: drop --revision")
+        what = "a file" if single_file else "a local folder"
+        raise UserError(f"--revision applies to hub ids, but {args.model} is {what}: drop --revision")
+    if args.config is not None and not single_file:
+        raise UserError(f"--config applies to a single-file --model ({', '.join(SINGLE_FILE_SUFFIXES)}), but "
+                        f"{args.model} is not a file: drop --config")
     try:
-        folder = resolve_folder(args.model, args.revision, allow_patterns=CONFIG_FILES)
-        check_pipeline_folder(folder, args.model)
+        if single_file:
+            folder, xl = _single_file_configs(args)
+        else:
+            folder = resolve_folder(args.model, args.revision, allow_patterns=CONFIG_FILES)
+            check_pipeline_folder(folder, args.model)
+            index = read_config_file(os.path.join(folder, "model_index.json"))
+            xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
         vae = AutoencoderKL.from_config(read_config_file(os.path.join(folder, "vae", "config.json")))
         unet = UNet2DConditionModel.from_config(read_config_file(os.path.join(folder, "unet", "config.json")))
-        index = read_config_file(os.path.join(folder, "model_index.json"))
-        xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
         load_scheduler(folder, args.scheduler).check_steps(args.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
@@ -338,7 +381,37 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
     factor = vae.config.scale_factor
     height, width = _output_size(args, unet.config.sample_size * factor, factor, pictures, controls)
     guidance = args.guidance if args.guidance is not None else (5.0 if xl else 7.5)
-    return _Checkpoint(folder, local, snapshot_commit(folder) or "", xl, guidance, height, width)
+    commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
+    return _Checkpoint(folder, local, commit, xl, guidance, height, width, single_file)
+
+
+def _single_file_configs(args) -> tuple[str, bool]:
+    """(the folder of configs for a single-file --model, whether it is SDXL): the version is told from the tensor
+    names (a .safetensors header, a .ckpt's pickle: the tensors are memory-mapped, not read), the configs are
+    --config's or sdflax's bundled ones for that version."""
+    from .checkpoint_files import read_checkpoint
+    from .hub import resolve_folder
+    from .loading import check_pipeline_folder
+    from .single_file import NAMES, bundled_config_folder, detect_version, file_contents
+
+    suffix = os.path.splitext(args.model)[1].lower()
+    if suffix not in SINGLE_FILE_SUFFIXES:
+        raise UserError(f"--model {args.model} is a file but not a {' or '.join(SINGLE_FILE_SUFFIXES)} checkpoint: "
+                        "give a single-file checkpoint, a diffusers folder or a hub id")
+    try:
+        version = detect_version(read_checkpoint(os.path.expanduser(args.model)))
+    except ValueError as e:
+        raise UserError(f"--model {args.model}: {e}") from e
+    if version == "sdxl_refiner":
+        raise UserError(f"--model {args.model} is {NAMES[version]} checkpoint (one OpenCLIP text encoder, no CLIP "
+                        "ViT-L): a refiner finishes a base model's images and does not draw from a prompt alone; give "
+                        "an SD 1.x, 2.x or SDXL base checkpoint")
+    if args.config is None:
+        return bundled_config_folder(version), version == "sdxl"
+    contents = file_contents(version)
+    folder = resolve_folder(args.config, None, allow_patterns=CONFIG_FILES)
+    check_pipeline_folder(folder, f"--config {args.config}", tuple(contents.models), contents.tokenizers)
+    return folder, version == "sdxl"
 
 
 def _check_controlnets(args, unet):
@@ -361,6 +434,29 @@ def _check_controlnets(args, unet):
             raise UserError(f"--controlnet {name} was made for another model family than {args.model} (text width "
                             f"{config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet trained "
                             "for this base model")
+
+
+def _check_lora_and_embedding_files(args):
+    """Each --lora and --embedding file is there, and no two embeddings claim one token (their file names); whether
+    they fit the model is known once it is loaded."""
+    for path, _ in args.lora:
+        if not os.path.isfile(os.path.expanduser(path)):
+            head, _, tail = path.rpartition(":")
+            if head and os.path.isfile(os.path.expanduser(head)):
+                raise UserError(f"--lora {path}: the scale {tail!r} is not a number: write PATH:SCALE with a number, "
+                                f"e.g. {head}:0.7")
+            raise UserError(f"--lora {path}: no such file: give the path of a LoRA .safetensors file, with :SCALE "
+                            "after it if wanted")
+    tokens = {}
+    for path in args.embedding:
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise UserError(f"--embedding {path}: no such file: give the path of a textual-inversion .pt or "
+                            ".safetensors file")
+        token = os.path.splitext(os.path.basename(path))[0]
+        if token in tokens:
+            raise UserError(f"--embedding {tokens[token]} and --embedding {path} both give the token {token!r} (the "
+                            "file name): rename one of the files")
+        tokens[token] = path
 
 
 def _check_attention(args, backend, dtype):
@@ -395,14 +491,57 @@ def _load(args, checkpoint, dtype):
             else:
                 nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=args.attention))
         extra = {"controlnet": [net for net, _ in nets]} if nets else {}
-        pipeline, params = kind[args.command].from_pretrained(args.model, revision=args.revision, dtype=dtype,
-                                                              scheduler=args.scheduler, attention=args.attention,
-                                                              **extra)
+        kind = kind[args.command]
+        if checkpoint.single_file:
+            pipeline, params = _load_single_file(args, kind, dtype, extra)
+        else:
+            pipeline, params = kind.from_pretrained(args.model, revision=args.revision, dtype=dtype,
+                                                    scheduler=args.scheduler, attention=args.attention, **extra)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
     if nets:
         params["controlnet"] = [net_params for _, net_params in nets]
-    return pipeline, params
+    return pipeline, _add_loras_and_embeddings(args, pipeline, params)
+
+
+def _load_single_file(args, kind, dtype, extra):
+    """(pipeline, params) of `kind` from a single-file --model, with its configs from --config or the bundled ones
+    (`kind.from_single_file`, which also takes the ControlNet pipelines' `controlnet=`)."""
+    from .single_file import SingleFileError, load_single_file
+
+    try:
+        parts, params = load_single_file(os.path.expanduser(args.model), args.config, dtype, scheduler=args.scheduler,
+                                         attention=args.attention, family=kind.conditioning, pipeline=kind.__name__)
+    except SingleFileError as e:
+        if args.config is not None:
+            raise
+        detail = str(e).partition("; the model configs came from")[0]  # the library's hint names its config=
+        raise UserError(f"--model {args.model} does not fit sdflax's bundled configs for its version (another "
+                        "architecture?): pass --config <a diffusers folder or hub id of the same model>; "
+                        f"{detail}") from e
+    return kind(**parts, **extra), params
+
+
+def _add_loras_and_embeddings(args, pipeline, params):
+    """params with each --lora merged in order, then each --embedding's token added (the pipeline's tokenizer
+    learns it)."""
+    for path, scale in args.lora:
+        try:
+            params = pipeline.load_lora(params, os.path.expanduser(path), scale)
+        except (OSError, ValueError) as e:  # LoraMismatchError: a LoRA for another model
+            raise _flag_error("--lora", path, e) from e
+    for path in args.embedding:
+        try:
+            params = pipeline.load_textual_inversion(params, os.path.expanduser(path))
+        except (OSError, ValueError) as e:
+            raise _flag_error("--embedding", path, e) from e
+    return params
+
+
+def _flag_error(flag, path, error) -> UserError:
+    """The library's message about a file, led by the flag that named it."""
+    message = str(error)
+    return UserError(f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}")
 
 
 def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed):
@@ -740,7 +879,10 @@ def png_info(settings):
     for key, value in settings.items():  # iTXt (UTF-8) where Latin-1 cannot hold the text
         info.add_text(key, json.dumps(value) if isinstance(value, list) else str(value))
     s = settings
-    parameters = (f"{s['prompt']}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
+    # A1111 writes a LoRA into the prompt as <lora:NAME:WEIGHT>, NAME the file name without its extension
+    loras = "".join(f" <lora:{os.path.splitext(os.path.basename(path))[0]}:{scale}>"
+                    for path, scale in zip(s.get("lora", ()), s.get("lora_scale", ())))
+    parameters = (f"{s['prompt']}{loras}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
                   f"{s.get('sampler', s['scheduler'])}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
                   f"{s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:

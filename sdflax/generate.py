@@ -52,6 +52,10 @@ class Inputs:
     original_size: Any = None
     crops_coords_top_left: Any = None
     target_size: Any = None
+    # SDXL refiner (requires_aesthetics_score): the scores that replace target_size in the time ids of the
+    # conditional and the unconditional rows; None: diffusers' 6.0 and 2.5
+    aesthetic_score: Any = None
+    negative_aesthetic_score: Any = None
     # sdflax.hooks: a tuple of hooks (Pipeline.with_hooks); their numbers are traced, the rest is the pytree's
     # structure, on which jit keys its programs as on Settings
     hooks: Any = None
@@ -79,6 +83,11 @@ class Settings:
     height: int | None = None  # None: the UNet's sample size, or the image's
     width: int | None = None
     strength: float = 1.0  # image pipelines: how much of the schedule runs (1: all of it)
+    # SDXL's base -> refiner hand-off: the fraction of the schedule (of the training timesteps) after which the
+    # base stops, and from which the refiner continues (it then ignores strength and adds no noise)
+    denoising_start: float | None = None
+    denoising_end: float | None = None
+    output_type: str = "np"  # "latent": return the latents undecoded (B, C, h, w), for a refiner
     guidance: Callable | None = None  # guidance(uncond, cond, scale) -> prediction; None: CFG with the rescale
     callback: Callable | None = None  # callback(step, num_steps, latents) on the host after every evaluation
     return_trajectory: bool = False
@@ -111,10 +120,12 @@ class Start(NamedTuple):
     # (a UNet function is unet_fn(x, t, context, step, **residuals): step is the evaluation index, residuals the
     # UNet's extra keyword inputs, e.g. ControlNet's down_block_additional_residuals)
     post_step: Callable | None = None  # post_step(x, i, state) -> x (an ordinary UNet's inpainting paste)
+    num_evals: int | None = None  # static: the evaluations run from `state` (None: to the end; denoising_end)
 
 
 class Output(NamedTuple):
-    """What `generate` returns: images (B, H, W, 3) in [0, 1], and with `return_trajectory` a Trajectory."""
+    """What `generate` returns: images (B, H, W, 3) in [0, 1] (with output_type="latent" the latents
+    (B, C, h, w)), and with `return_trajectory` a Trajectory."""
 
     images: Any
     trajectory: Any = None
@@ -182,6 +193,8 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
     out = sampling.denoise(model, pipeline.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
                            state=start.state, post_step=start.post_step, model_takes_step=True,
-                           memory=any(hook.carries for hook in hooks))
+                           num_evals=start.num_evals, memory=any(hook.carries for hook in hooks))
     latents, trajectory = out if isinstance(out, tuple) else (out, None)
+    if settings.output_type == "latent":
+        return Output(latents, trajectory)
     return Output(pipeline.decode_latents(params, latents), trajectory)

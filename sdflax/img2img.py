@@ -91,8 +91,8 @@ class StableDiffusionImg2Img(Pipeline):
 
     conditioning, start = SDText, FromImage
 
-    def prepare_inputs(self, prompts, images=None):
-        prompt_ids = super().prepare_inputs(prompts)
+    def prepare_inputs(self, prompts, images=None, prompts_2=None):
+        prompt_ids = super().prepare_inputs(prompts, prompts_2)
         if images is None:
             return prompt_ids
         return prompt_ids, preprocess_images(images, self.vae_scale_factor)

@@ -93,8 +93,8 @@ class StableDiffusionInpaint(Pipeline):
 
     conditioning, start = SDText, FromImageMask
 
-    def prepare_inputs(self, prompts, images=None, masks=None):
-        prompt_ids = super().prepare_inputs(prompts)
+    def prepare_inputs(self, prompts, images=None, masks=None, prompts_2=None):
+        prompt_ids = super().prepare_inputs(prompts, prompts_2)
         if images is None and masks is None:
             return prompt_ids
         return (prompt_ids, *preprocess_images_and_masks(images, masks, self.vae_scale_factor))

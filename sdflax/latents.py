@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .conditioning import vae_for
 from .generate import Start, random_draws
 
 
@@ -24,6 +27,54 @@ def start_step(num_inference_steps: int, strength: float) -> int:
         raise ValueError(f"strength={strength} with num_inference_steps={num_inference_steps} runs no denoising "
                          f"step: raise the strength to at least {1 / num_inference_steps:.3g} or the step count")
     return num_inference_steps - steps_run
+
+
+def _check_fraction(name, value):
+    if value is not None and not (isinstance(value, float) and 0 < value < 1):
+        raise ValueError(f"{name}={value!r} must be a float in (0, 1): the fraction of the schedule (0.8 hands the "
+                         "last 20% of the steps to a refiner)")
+
+
+def _timesteps(scheduler, steps, start=0) -> np.ndarray:
+    """The timesteps of a schedule's evaluations as numpy, also while a caller traces (the schedule is static)."""
+    with jax.ensure_compile_time_eval():
+        return np.asarray(scheduler.set_timesteps(steps, shape=(1, 1, 1, 1), start=start).timesteps)
+
+
+def schedule_window(scheduler, settings) -> tuple[int, int | None]:
+    """(start, num_evals): the steps of the schedule skipped, and the model evaluations run from there (None: to
+    the end), as diffusers' SDXL pipelines cut the schedule.
+
+    `strength` skips the first 1 - strength of the steps (`get_timesteps`). `denoising_start` d instead skips the
+    evaluations at timesteps >= round((1 - d) T), a two-evaluation sampler (Heun) keeping whole steps;
+    `denoising_end` e stops before the first evaluation at a timestep below round((1 - e) T). A base run with
+    denoising_end=e and a refiner run with denoising_start=e split one schedule between two models (Podell et
+    al. 2023, §2.5, "ensemble of expert denoisers").
+    """
+    steps, first, last = settings.num_inference_steps, settings.denoising_start, settings.denoising_end
+    _check_fraction("denoising_start", first)
+    _check_fraction("denoising_end", last)
+    if first is not None and last is not None and first >= last:
+        raise ValueError(f"denoising_start={first} must be below denoising_end={last}")
+    T = scheduler.config.num_train_timesteps
+    if first is None:
+        start = start_step(steps, settings.strength)
+    else:
+        full = _timesteps(scheduler, steps)
+        run = int((full < int(round(T - first * T))).sum())
+        per_step = len(full) - len(_timesteps(scheduler, steps, 1)) if steps > 1 else 1  # evaluations per step
+        if per_step == 2 and run % 2 == 0:
+            run += 1  # end after a step's second evaluation, not between its two (as diffusers)
+        if run == 0:
+            raise ValueError(f"denoising_start={first} leaves no step of {steps}: lower it, or raise "
+                             "num_inference_steps")
+        start = (len(full) - run) // per_step
+    if last is None:
+        return start, None
+    num_evals = int((_timesteps(scheduler, steps, start) >= int(round(T - last * T))).sum())
+    if num_evals == 0:
+        raise ValueError(f"denoising_end={last} ends before the first step: raise it, or raise num_inference_steps")
+    return start, num_evals
 
 
 def latent_shape(pipeline, batch, height, width):
@@ -41,9 +92,11 @@ def _given_or_drawn(given, drawn, name):
 
 def encode_image(pipeline, params, image, eps):
     """Latents of `image` (B, 3, H, W) in [-1, 1]: a posterior sample mean + std * eps, scaled as the UNet
-    sees them (diffusers' `latent_dist.sample(generator) * scaling_factor`)."""
-    posterior = pipeline.vae.apply(params["vae"], jnp.asarray(image, pipeline.dtype), method="encode")
-    latents = posterior.mean + posterior.std * eps
+    sees them (diffusers' `latent_dist.sample(generator) * scaling_factor`); in float32 where the family decodes
+    in float32 (SDXL's force_upcast, as diffusers)."""
+    vae, vae_params = vae_for(pipeline, params)
+    posterior = vae.apply(vae_params, jnp.asarray(image, vae.dtype), method="encode")
+    latents = posterior.mean.astype(jnp.float32) + posterior.std.astype(jnp.float32) * eps
     return latents.astype(jnp.float32) * pipeline.vae.config.scaling_factor
 
 
@@ -64,23 +117,37 @@ class FromNoise:
         latents = drawn if inputs.latents is None else inputs.latents.astype(jnp.float32)
         # The first σ can depend on the step count (Euler with leading spacing): the state knows it.
         state = pipeline.scheduler.set_timesteps(settings.num_inference_steps, shape=shape)
-        return Start(latents * state.init_noise_sigma, state, sampler_key)
+        _, num_evals = schedule_window(pipeline.scheduler, settings)
+        return Start(latents * state.init_noise_sigma, state, sampler_key, num_evals=num_evals)
+
+
+def is_latent_image(pipeline, image) -> bool:
+    """An image with the VAE's latent channels is latents already (a base pipeline's output_type="latent"), as
+    diffusers reads a 4-channel image."""
+    return image.shape[-3] == pipeline.vae.config.latent_channels
 
 
 class FromImage:
-    """Image-to-image: the image's latents noised to the timestep `strength` picks, then the rest of the schedule."""
+    """Image-to-image: the image's latents noised to the timestep `strength` picks, then the rest of the schedule.
+    With `denoising_start` (a refiner continuing a base run) the latents are not noised, as diffusers."""
 
-    images = (("image", 3),)
+    images = (("image", (3, 4)),)  # RGB, or 4-channel latents
 
     @staticmethod
     def begin(pipeline, params, inputs, settings) -> Start:
-        start = start_step(settings.num_inference_steps, settings.strength)
+        start, num_evals = schedule_window(pipeline.scheduler, settings)
         shape = latent_shape(pipeline, inputs.image.shape[0], settings.height, settings.width)
         (posterior_eps, drawn), sampler_key = random_draws(inputs.prng_seed, shape, 2)
-        image_latents = encode_image(pipeline, params, inputs.image, posterior_eps)
+        if is_latent_image(pipeline, inputs.image):
+            image_latents = inputs.image.astype(jnp.float32)
+        else:
+            image_latents = encode_image(pipeline, params, inputs.image, posterior_eps)
         noise = _given_or_drawn(inputs.noise, drawn, "noise")
         state = pipeline.scheduler.set_timesteps(settings.num_inference_steps, shape=shape, start=start)
-        return Start(pipeline.scheduler.add_noise(state, image_latents, noise, 0), state, sampler_key)
+        if settings.denoising_start is not None:
+            return Start(image_latents, state, sampler_key, num_evals=num_evals)
+        return Start(pipeline.scheduler.add_noise(state, image_latents, noise, 0), state, sampler_key,
+                     num_evals=num_evals)
 
 
 def is_inpainting_unet(pipeline) -> bool:
@@ -106,7 +173,8 @@ class FromImageMask:
     @staticmethod
     def begin(pipeline, params, inputs, settings) -> Start:
         strength, steps = settings.strength, settings.num_inference_steps
-        start = start_step(steps, strength)
+        start, num_evals = schedule_window(pipeline.scheduler, settings)
+        noised = settings.denoising_start is None  # a refiner's start is not noised
         nine = is_inpainting_unet(pipeline)
         f = pipeline.vae_scale_factor
         shape = latent_shape(pipeline, inputs.image.shape[0], settings.height, settings.width)
@@ -116,21 +184,26 @@ class FromImageMask:
         mask = (jnp.asarray(inputs.mask, jnp.float32) >= 0.5).astype(jnp.float32)  # binarised, as diffusers
         image = jnp.asarray(inputs.image, jnp.float32)
         # diffusers encodes the image only where it is needed, in this order: the posterior draws stay aligned.
-        image_latents = encode_image(pipeline, params, image, image_eps) if strength < 1 or not nine else None
+        needed = strength < 1 or not nine or not noised
+        image_latents = encode_image(pipeline, params, image, image_eps) if needed else None
         masked_latents = encode_image(pipeline, params, image * (mask < 0.5), masked_eps)
         latent_mask = mask[:, :, ::f, ::f]  # nearest-neighbour resize to (h, w), as torch's interpolate
 
         scheduler = pipeline.scheduler
         state = scheduler.set_timesteps(steps, shape=shape, start=start)
-        if strength == 1:
+        if not noised:
+            latents = image_latents
+        elif strength == 1:
             latents = noise * state.init_noise_sigma
         else:
             latents = scheduler.add_noise(state, image_latents, noise, 0)
         if nine:
             condition = jnp.concatenate([latent_mask, masked_latents], axis=1)
-            return Start(latents, state, sampler_key, wrap_unet=functools.partial(_with_channels, condition))
-        paste = functools.partial(_paste_known, scheduler, image_latents, noise, latent_mask)
-        return Start(latents, state, sampler_key, post_step=paste)
+            return Start(latents, state, sampler_key, wrap_unet=functools.partial(_with_channels, condition),
+                         num_evals=num_evals)
+        num_evals_run = state.timesteps.shape[0] if num_evals is None else num_evals
+        paste = functools.partial(_paste_known, scheduler, image_latents, noise, latent_mask, num_evals_run)
+        return Start(latents, state, sampler_key, post_step=paste, num_evals=num_evals)
 
 
 def _with_channels(condition, unet_fn):
@@ -144,10 +217,9 @@ def _with_channels(condition, unet_fn):
     return with_channels
 
 
-def _paste_known(scheduler, image_latents, noise, latent_mask, x, i, state):
+def _paste_known(scheduler, image_latents, noise, latent_mask, num_evals, x, i, state):
     """(1 - m) x_known + m x: the kept region is the image latents noised to the next evaluation's timestep
-    (not noised after the last)."""
-    num_evals = state.timesteps.shape[0]
+    (not noised after the last evaluation run)."""
     known = scheduler.add_noise(state, image_latents, noise, jnp.minimum(i + 1, num_evals - 1))
     known = jnp.where(i + 1 < num_evals, known, image_latents)
     return (1 - latent_mask) * known + latent_mask * x

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax.numpy as jnp
 
 from .hub import ModelNotFoundError, resolve_folder
-from .models.config import read_config_file
+from .models.config import ConfigError, read_config_file
 from .models.layers import resolve_kernels
 from .schedulers import scheduler_from_config
 
@@ -29,8 +29,24 @@ def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer
     return ["model_index.json", "*/config.json", "scheduler/*", *(f"{t}/*" for t in tokenizers), *weights]
 
 
+def read_index(folder) -> dict:
+    """model_index.json of a pipeline folder, {} if it has none."""
+    path = os.path.join(folder, "model_index.json")
+    return read_config_file(path) if os.path.isfile(path) else {}
+
+
+def is_null(index: dict, name: str) -> bool:
+    """Whether model_index.json lists `name` as absent (`[null, null]`, as an SDXL refiner's text_encoder)."""
+    entry = index.get(name, ())
+    return entry is None or (isinstance(entry, list) and all(part is None for part in entry))
+
+
 def missing_pipeline_files(folder, components=COMPONENTS, tokenizers=("tokenizer",)) -> list[str]:
-    """The files a diffusers pipeline folder needs that `folder` lacks (weights excepted: `weights.py` names those)."""
+    """The files a diffusers pipeline folder needs that `folder` lacks (weights excepted: `weights.py` names those);
+    components that model_index.json lists as null need none."""
+    index = read_index(folder)
+    components = [c for c in components if not is_null(index, c)]
+    tokenizers = [t for t in tokenizers if not is_null(index, t)]
     needed = ["model_index.json", *(f"{c}/config.json" for c in components), "scheduler/scheduler_config.json"]
     missing = [f for f in needed if not os.path.isfile(os.path.join(folder, f))]
     for name in tokenizers:
@@ -56,7 +72,12 @@ def load_tokenizer(folder):
 
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
-    return CLIPTokenizer.from_pretrained(folder)
+    try:
+        return CLIPTokenizer.from_pretrained(folder)
+    except Exception as e:  # the Rust tokenizers library raises bare Exceptions for damaged files
+        detail = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{folder}: cannot build a CLIP tokenizer from its files ({type(e).__name__}: "
+                          f"{detail})") from None
 
 
 def load_scheduler(folder, kind=None, overrides=None):
@@ -89,11 +110,13 @@ def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.fl
 
 
 def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_options: tuple = (), revision=None,
-                  dtype=jnp.float32, scheduler=None, scheduler_config=None, variant=None, attention="auto"):
+                  dtype=jnp.float32, scheduler=None, scheduler_config=None, variant=None, attention="auto",
+                  optional: tuple = ()):
     """(the pipeline's constructor arguments, params) from a diffusers checkpoint folder or hub id.
 
     `models` maps folder names to model classes, `tokenizers` names the tokenizer folders, `index_options` the
-    model_index.json entries passed on (SDXL's force_zeros_for_empty_prompt).
+    model_index.json entries passed on (SDXL's force_zeros_for_empty_prompt). Components named in `optional` may
+    be null in model_index.json (an SDXL refiner has no first text encoder and tokenizer): they are passed as None.
     """
     from .weights import load_weights, weight_files
 
@@ -101,12 +124,18 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
     folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
     if not os.path.isfile(os.path.join(folder, "model_index.json")):
         raise ModelNotFoundError(f"{path_or_repo_id}: no model_index.json, so not a diffusers pipeline checkpoint")
+    index = read_index(folder)
+    absent = [name for name in (*models, *tokenizers) if is_null(index, name)]
+    if required := [name for name in absent if name not in optional]:
+        raise ModelNotFoundError(f"{path_or_repo_id}: model_index.json lists {', '.join(required)} as null, but this "
+                                 "pipeline needs them")
+    models = {name: cls for name, cls in models.items() if name not in absent}
+    tokenizers = tuple(name for name in tokenizers if name not in absent)
     if any(not _has_safetensors(os.path.join(folder, c)) for c in models) and folder != str(path_or_repo_id):
         # Older repos ship .bin or Flax msgpack only: fetch those for the components that need them.
         patterns = [f"{c}/*.bin" for c in models] + [f"{c}/*.msgpack" for c in models]
         folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
     check_pipeline_folder(folder, str(path_or_repo_id), tuple(models), tokenizers)  # before anything slow
-    index = read_config_file(os.path.join(folder, "model_index.json"))
 
     scheduler = load_scheduler(folder, scheduler, scheduler_config)
     modules = build_models(models, {name: read_config_file(os.path.join(folder, name, "config.json"))
@@ -123,7 +152,7 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
                   for name in order}
         loaded = {name: future.result() for name, future in pending.items()}
     options = {key: index[key] for key in index_options if key in index}
-    parts = {**modules, **loaded, **options, "scheduler": scheduler, "dtype": dtype}
+    parts = {**dict.fromkeys(absent), **modules, **loaded, **options, "scheduler": scheduler, "dtype": dtype}
     return parts, {name: params[name] for name in models}
 
 

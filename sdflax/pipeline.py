@@ -30,7 +30,7 @@ import numpy as np
 
 from . import conditioning as text
 from .generate import Inputs, Settings, generate
-from .latents import FromNoise, start_step
+from .latents import FromNoise, is_latent_image, schedule_window
 from .runner import Runner
 
 _INPUTS = tuple(f.name for f in dataclasses.fields(Inputs))
@@ -39,7 +39,8 @@ _SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
 
 @flax.struct.dataclass
 class StableDiffusionOutput:
-    """`.images`: float numpy in [0, 1], (B, H, W, 3), or (devices, B, H, W, 3) with jit=True. `output[0]` too."""
+    """`.images`: float numpy in [0, 1], (B, H, W, 3), or (devices, B, H, W, 3) with jit=True (with
+    output_type="latent": the latents, (B, C, h, w)). `output[0]` too."""
 
     images: Any
     trajectory: Any = None  # sampling.Trajectory with return_trajectory=True
@@ -58,7 +59,7 @@ class Pipeline:
     renamed = {}  # __call__'s argument names that differ from the Inputs field they fill
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
-                 tokenizer_2=None, force_zeros_for_empty_prompt=True, controlnet=None):
+                 tokenizer_2=None, force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None):
         self.text_encoder, self.text_encoder_2, self.unet, self.vae = text_encoder, text_encoder_2, unet, vae
         # one ControlNet module or a list of them; their params go in params["controlnet"] (a list for a list)
         self.controlnets = () if controlnet is None else tuple(controlnet) if isinstance(controlnet, (list, tuple)) \
@@ -69,9 +70,13 @@ class Pipeline:
         self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
         self.scheduler = scheduler
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
+        self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
         self.conditioning.check_components(self)
         self.vae_scale_factor = vae.config.scale_factor
-        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length.
+        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length. (An SDXL
+        # refiner has the second encoder alone.)
+        tokenizer, text_encoder = (tokenizer, text_encoder) if text_encoder is not None else (tokenizer_2,
+                                                                                              text_encoder_2)
         self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
         self.empty_prompt_ids = self.conditioning.prepare_ids(self, [""])
 
@@ -89,7 +94,7 @@ class Pipeline:
 
         c = cls.conditioning
         parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
-                                      scheduler, scheduler_config, variant, attention)
+                                      scheduler, scheduler_config, variant, attention, c.optional)
         return cls(**parts, **components), params
 
     @classmethod
@@ -128,12 +133,6 @@ class Pipeline:
 
         return load_textual_inversion(self, params, path, token)
 
-    @classmethod
-    def _sd_only(cls, what, instead=""):
-        if cls.conditioning is not text.SDText:
-            raise NotImplementedError(f"{what} for SDXL (two text encoders) is not supported yet"
-                                      + (f": {instead}" if instead else ""))
-
     def with_hooks(self, *hooks):
         """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost): the same models and
         compiled-program cache, each call's `Inputs.hooks` set to them. A new hook set compiles once; hooks that
@@ -168,9 +167,14 @@ class Pipeline:
         return self._runner.jit
 
     # ---- inputs -------------------------------------------------------------------------------------------
-    def prepare_inputs(self, prompts) -> np.ndarray:
-        """Token ids: (B, 77) int32 for SD, (B, 2, 77) for SDXL, padded and truncated as diffusers does."""
-        return self.conditioning.prepare_ids(self, [prompts] if isinstance(prompts, str) else list(prompts))
+    def prepare_inputs(self, prompts, prompts_2=None) -> np.ndarray:
+        """Token ids: (B, 77) int32 for SD, (B, 2, 77) for SDXL, padded and truncated as diffusers does. SDXL:
+        `prompts_2` (diffusers' prompt_2) go to the second tokenizer and text encoder instead of `prompts`."""
+        if not prompts_2:  # as diffusers: no or an empty prompt_2 is prompt
+            return self.conditioning.prepare_ids(self, _as_prompts(prompts))
+        if len(self.conditioning.tokenizers) < 2:
+            raise ValueError("prompts_2 is for SDXL's second text encoder; this pipeline has one: give prompts alone")
+        return self.conditioning.prepare_ids(self, _as_prompts(prompts), _as_prompts(prompts_2))
 
     @staticmethod
     def numpy_to_pil(images):
@@ -221,8 +225,11 @@ class Pipeline:
         self.scheduler.check_steps(steps)
         for name in ("height", "width"):
             _check_size(name, args.get(name))
-        if "strength" in args:
-            start_step(steps, args["strength"])
+        if args.get("output_type", "np") not in ("np", "latent"):
+            raise ValueError(f"output_type={args['output_type']!r}: 'np' (images in [0, 1]) or 'latent' (the latents, "
+                             "undecoded, e.g. for a refiner)")
+        window = {name: args[name] for name in ("strength", "denoising_start", "denoising_end") if name in args}
+        schedule_window(self.scheduler, Settings(steps, **window))  # checked before anything is traced
         args = {self.renamed.get(name, name): value for name, value in args.items()}
         values = {name: args[name] for name in _INPUTS if args.get(name) is not None}
         for name in [name for name, _ in self.start.images] + ["control_image"] * bool(self.controls):
@@ -277,8 +284,9 @@ class Pipeline:
         size = None
         for name, channels in self.start.images:
             x = getattr(inputs, name)
-            expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
-            if x.ndim != leading_dims + 3 or x.shape[-3] != channels:
+            channels = channels if isinstance(channels, tuple) else (channels,)  # (3, 4): RGB, or latents
+            expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{' or '.join(map(str, channels))}, H, W)"
+            if x.ndim != leading_dims + 3 or x.shape[-3] not in channels:
                 raise ValueError(f"{name} has shape {x.shape}; expected {expected}: make it with {make}{sharded}")
             if x.shape[:leading_dims] != batch:
                 raise ValueError(f"{name} has shape {x.shape} for prompt_ids of {ids.shape}: give one {name} per "
@@ -329,7 +337,7 @@ class Pipeline:
     def _image_size(self, inputs, leading_dims, height, width):
         """(height, width): the images' for pipelines that take images (a given height/width must agree), else as
         given."""
-        sizes = [(name, getattr(inputs, name).shape[-2:]) for name, _ in self.start.images]
+        sizes = [(name, self._pixels(getattr(inputs, name))) for name, _ in self.start.images]
         for control in self.controls:
             if leading_dims is not None:
                 control.check(self, inputs, leading_dims, _batch(inputs).shape[:leading_dims])
@@ -345,6 +353,11 @@ class Pipeline:
             if given is not None and given != side:
                 raise ValueError(f"{name}={given} but the image is {side}: resize the image, or leave {name} out")
         return tuple(actual)
+
+    def _pixels(self, image):
+        """(H, W) of an image, or of the image that latents (an image with the latent channels) decode to."""
+        f = self.vae_scale_factor if is_latent_image(self, image) else 1
+        return tuple(side * f for side in image.shape[-2:])
 
     def _run(self, args: dict):
         """`__call__`'s work, given its `locals()`: jit on one device, or pmap over the local devices (`jit=True`)."""
@@ -426,6 +439,10 @@ def _check_ids(name, ids, vocab_size):
 
 def _batch(inputs):
     return inputs.prompt_ids if inputs.prompt_ids is not None else inputs.prompt_embeds
+
+
+def _as_prompts(prompts):
+    return [prompts] if isinstance(prompts, str) else list(prompts)
 
 
 def _float32_array(x):

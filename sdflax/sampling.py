@@ -198,7 +198,8 @@ class Trajectory(NamedTuple):
 
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
-            return_trajectory=False, state=None, post_step=None, model_takes_step=False, memory=False):
+            return_trajectory=False, state=None, post_step=None, model_takes_step=False, num_evals=None,
+            memory=False):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
@@ -209,7 +210,8 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     (img2img begins part-way: `set_timesteps(n, shape, start=k)`); by default the whole schedule.
     `post_step(x, i, state) -> x` changes x after every step, before the callback and trajectory see it
     (inpainting with an ordinary UNet pastes the known region back). With `model_takes_step=True` the model is
-    called as `model(x, t, i)`, i the index of the evaluation.
+    called as `model(x, t, i)`, i the index of the evaluation. `num_evals` stops after that many evaluations of
+    `state`'s schedule (SDXL's `denoising_end`: the schedule is cut, not respaced).
 
     Every model evaluation runs in a `Scope`: what hooks emit comes back stacked in
     `Trajectory.hooks` (a Trajectory is then returned with latents and pred_x0 None unless `return_trajectory`),
@@ -221,7 +223,7 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     """
     if state is None:
         state = scheduler.set_timesteps(num_inference_steps, shape=latents.shape)
-    num_evals = state.timesteps.shape[0]
+    num_evals = state.timesteps.shape[0] if num_evals is None else num_evals
     steps = jnp.arange(num_evals)
 
     def evaluate(x, state, i, memory):

@@ -20,11 +20,11 @@ ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
 from importlib import resources
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -291,8 +291,6 @@ def bundled_tokenizer(version: str, name: str = "tokenizer"):
 def file_contents(version: str):
     """What a file of `version` holds, in a pipeline family's terms: models {folder: class}, tokenizer folders
     and the model_index.json options its parts come with."""
-    from types import SimpleNamespace
-
     from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
     from .models.unet import UNet2DConditionModel
     from .models.vae import AutoencoderKL
@@ -313,7 +311,7 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     import jax.numpy as jnp
 
     from .checkpoint_files import read_checkpoint
-    from .loading import build_models, check_pipeline_folder, load_scheduler, load_tokenizer
+    from .loading import build_models, check_pipeline_folder, load_scheduler, load_tokenizer, read_index
     from .models.config import read_config_file
     from .weights import CheckpointMismatchError, convert_state_dict
 
@@ -326,9 +324,13 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     version = detect_version(state_dict)
     contents = file_contents(version)
     family = family or contents
-    if set(family.models) != set(contents.models):
+    absent = set(family.models) - set(contents.models)  # a refiner's first text encoder, if the family allows
+    if absent - set(getattr(family, "optional", ())) or set(contents.models) - set(family.models):
         raise SingleFileError(f"{where} is {NAMES[version]} checkpoint ({', '.join(contents.models)}), not one "
                               f"{pipeline or 'this pipeline'} runs: use {PIPELINES[version]}.from_single_file")
+    family = SimpleNamespace(models={c: family.models[c] for c in contents.models},
+                             tokenizers=tuple(t for t in family.tokenizers if t in contents.tokenizers),
+                             index_options=family.index_options)
 
     if config is not None:
         from .hub import resolve_folder
@@ -347,11 +349,7 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
         if config is None and version == "sd2" and prediction_type == "epsilon":
             model_configs["unet"]["sample_size"] = 64  # SD 2.x base: 512 px
     scheduler = load_scheduler(folder, scheduler, overrides or None)
-    index_path = os.path.join(folder, "model_index.json")
-    index = {}
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            index = json.load(f)
+    index = read_index(folder)
 
     modules = build_models(family.models, model_configs, dtype, attention)
     try:
@@ -364,7 +362,8 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
         raise SingleFileError(f"{e}; the model configs came from {source}: for another architecture pass "
                               "config=<a diffusers folder or hub id of the same model>") from None
     options = {key: index[key] for key in family.index_options if key in index}
-    return {**tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params
+    nothing = {c: None for c in absent} | {c.replace("text_encoder", "tokenizer"): None for c in absent}
+    return {**nothing, **tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params
 
 
 CONTROLNET_PREFIX = "control_model."  # ControlNet 1.0 files hold a whole SD model besides the net

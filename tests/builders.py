@@ -187,3 +187,33 @@ def torch_controlnet(unet, channels=(8, 16), order="rgb", seed=0):
             conv.weight.copy_(0.3 * torch.randn(conv.weight.shape, generator=g))
             conv.bias.copy_(0.1 * torch.randn(conv.bias.shape, generator=g))
     return net.eval()  # the norms come from the UNet's (randomized by torch_unet)
+
+
+# stabilityai/stable-diffusion-xl-refiner-1.0's shape: the second text encoder alone (its 32 states are the
+# cross-attention context), and five time ids (original size, crop, aesthetic score) instead of six.
+SDXL_REFINER_UNET = dict(SDXL["unet"], cross_attention_dim=32, projection_class_embeddings_input_dim=32 + 5 * 8)
+
+
+def torch_xl_refiner(scheduler="euler", seed=0, **scheduler_config):
+    """A diffusers StableDiffusionXLImg2ImgPipeline shaped like SDXL's refiner: no first text encoder or tokenizer,
+    `requires_aesthetics_score`, no zero negative embeddings; the base's VAE and second encoder (as the real
+    refiner shares them), a UNet of its own."""
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    base = torch_xl_pipeline(scheduler, seed, **scheduler_config)
+    return StableDiffusionXLImg2ImgPipeline(
+        vae=base.vae, text_encoder=None, text_encoder_2=base.text_encoder_2, tokenizer=None,
+        tokenizer_2=base.tokenizer_2, unet=torch_unet(SDXL_REFINER_UNET, seed + 2), scheduler=base.scheduler,
+        requires_aesthetics_score=True, force_zeros_for_empty_prompt=False, add_watermarker=False,
+    )
+
+
+def torch_xl_inpaint_pipeline(unet_channels=9, scheduler="euler", seed=0, **scheduler_config):
+    """A diffusers StableDiffusionXLInpaintPipeline on torch_xl_pipeline's models, with a 9-channel SDXL inpainting
+    UNet (latents, mask, masked image latents) or the base's ordinary one."""
+    from diffusers import StableDiffusionXLInpaintPipeline
+
+    components = torch_xl_pipeline(scheduler, seed, **scheduler_config).components
+    if unet_channels == 9:
+        components["unet"] = torch_unet({**SDXL["unet"], "in_channels": 9}, seed + 1)
+    return StableDiffusionXLInpaintPipeline(**components, add_watermarker=False)

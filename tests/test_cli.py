@@ -19,9 +19,11 @@ TINY = str(ROOT / "weights" / "tiny-sd")
 
 
 def run_cli(args, tmp, devices=2, cwd=None, env=None):
-    """`python -m sdflax ...` on `devices` CPU devices, offline, with its compile cache in `tmp`."""
+    """`python -m sdflax ...` of this checkout (not another one an editable install points at) on `devices` CPU
+    devices, offline, with its compile cache in `tmp`."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"),
+           "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"), "PYTHONPATH": path,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **(env or {})}  # cache every program: no timing
     return subprocess.run([sys.executable, "-m", "sdflax", *args], cwd=cwd or tmp, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -101,6 +103,14 @@ def test_python_dash_m_and_help():
     assert main(["generate", "--help"]) == 0
     result = subprocess.run([sys.executable, "-m", "sdflax"], capture_output=True, text=True)
     assert result.returncode == 2 and "generate" in result.stderr
+
+
+def assert_help_lists(capsys, *options):
+    """Each of the three image commands' --help names every option."""
+    for command in ("generate", "img2img", "inpaint"):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert all(option in out for option in options), out
 
 
 def one_error_line(capsys):

@@ -190,3 +190,13 @@ def test_sizes_beyond_what_memory_can_hold(tmp_path, capsys, monkeypatch):
     assert "out of memory making 8 image(s) of 128x128 on 8 CPU devices: use fewer --num-images" in \
         one_error_line(capsys)
     assert not (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize("file_name", ["vocab.json", "merges.txt", "tokenizer_config.json"])
+def test_damaged_tokenizer_files_are_one_line(file_name, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    (model / "tokenizer" / file_name).write_bytes(b"\xff\xfe{[")
+    assert main(["generate", "a fox", "--model", str(model), "--steps", "2", "--no-progress",
+                 "--out", str(tmp_path / "out.png")]) == 2
+    assert f"{model / 'tokenizer'}: cannot build a CLIP tokenizer from its files" in one_error_line(capsys)

@@ -10,7 +10,7 @@ from builders import REPO, torch_pipeline
 import jax
 import jax.numpy as jnp
 
-from sdflax import StableDiffusion
+from sdflax import StableDiffusion, replicate
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
@@ -128,7 +128,7 @@ def test_bad_input_says_what_to_change(sd1):
     with pytest.raises(ValueError, match=r"latents have shape \(2, 4, 8, 8\); expected \(2, 4, 16, 16\)"):
         pipe(ids, params, key, 2, latents=np.zeros((2, 4, 8, 8), np.float32))
     with pytest.raises(ValueError, match="prompt_ids lead with 2, but there are 8 devices"):
-        pipe(ids[:, None], params, key, 2, jit=True)
+        pipe(ids[:, None], replicate(params), jax.random.split(key, 2), 2, jit=True)
 
 
 def test_scheduler_choice_and_overrides(tmp_path):

@@ -209,10 +209,8 @@ def test_known_extras_warn_and_unknown_tensors_fail(checkpoint, tmp_path):
         last = theirs.text_encoder.config.num_hidden_layers
         unused[f"cond_stage_model.model.transformer.resblocks.{last}.ln_1.weight"] = torch.ones(4)
     save_file({**state, **extras, **unused}, tmp_path / "extras.safetensors")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, params = StableDiffusion.from_single_file(tmp_path / "extras.safetensors", config=folder)
-    messages = [str(w.message) for w in caught if "tensors the pipeline does not use" in str(w.message)]
+    params, messages = load_warning(lambda: StableDiffusion.from_single_file(tmp_path / "extras.safetensors",
+                                                                             config=folder)[1])
     assert len(messages) == 1 and messages[0].startswith(f"ignoring {len(extras)} tensors")
     assert all(key in messages[0] for key in extras)
     assert_same_params(params, StableDiffusion.from_pretrained(folder)[1])
@@ -224,6 +222,14 @@ def test_known_extras_warn_and_unknown_tensors_fail(checkpoint, tmp_path):
         StableDiffusion.from_single_file(tmp_path / "bad.safetensors", config=folder)
     for key in bad:
         assert key in str(error.value)
+
+
+def load_warning(load):
+    """(what `load()` returns, the messages of its warnings about tensors the pipeline does not use)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = load()
+    return result, [str(w.message) for w in caught if "tensors the pipeline does not use" in str(w.message)]
 
 
 def test_not_sd_checkpoints_are_refused(tmp_path):

@@ -17,11 +17,12 @@ import torch
 from builders import (REPO, SDXL, SDXL_SCHEDULER, TOKENIZER, torch_text_encoder, torch_text_encoder_2, torch_unet,
                       torch_vae)
 from safetensors.torch import save_file
-from test_single_file import _meta_state, assert_same_params, clip_to_ldm, openclip_to_ldm, unet_to_ldm, vae_to_ldm
+from test_single_file import (_meta_state, assert_same_params, clip_to_ldm, load_warning, openclip_to_ldm, unet_to_ldm,
+                              vae_to_ldm)
 
 import jax
 
-from sdflax import StableDiffusion, StableDiffusionXL
+from sdflax import StableDiffusion, StableDiffusionXL, StableDiffusionXLImg2Img
 from sdflax import single_file
 from sdflax.hub import ModelNotFoundError
 from sdflax.models import CLIPTextConfig, UNetConfig, VAEConfig
@@ -121,7 +122,12 @@ def test_params_equal_the_diffusers_components(checkpoint, suffix):
         prompts = ["a photo of an astronaut", ""]
         np.testing.assert_array_equal(pipe.prepare_inputs(prompts), expected_pipe.prepare_inputs(prompts))
         assert pipe.force_zeros_for_empty_prompt == expected_pipe.force_zeros_for_empty_prompt
-    else:  # the refiner's parts, for a pipeline class of its own
+    else:  # the refiner's parts, and the img2img pipeline built from them
+        pipe, params = StableDiffusionXLImg2Img.from_single_file(path, config=folder)
+        expected_pipe, expected = StableDiffusionXLImg2Img.from_pretrained(folder)
+        assert_same_params(params, expected)
+        assert pipe.text_encoder is None and pipe.tokenizer is None and pipe.requires_aesthetics_score
+        np.testing.assert_array_equal(pipe.prepare_inputs(["a cat"]), expected_pipe.prepare_inputs(["a cat"]))
         parts, params = single_file.load_single_file(path, config=folder)
         assert_same_params(params, expected_params(version, folder))
         assert set(parts) == {"text_encoder_2", "unet", "vae", "tokenizer_2", "scheduler", "dtype",
@@ -162,7 +168,7 @@ def test_the_wrong_pipeline_class_names_the_right_one(checkpoint, tmp_path):
     version, _, _, path, _ = checkpoint
     right = "StableDiffusionXLImg2Img" if version == "sdxl_refiner" else "StableDiffusionXL"
     for cls in (StableDiffusion, StableDiffusionXL):
-        if cls.__name__ != right:
+        if cls is StableDiffusion or version == "sdxl" and cls.__name__ != right:  # SDXL pipelines take refiners
             with pytest.raises(single_file.SingleFileError, match=f"SDXL .*: use {right}.from_single_file$"):
                 cls.from_single_file(path)
     if version == "sdxl":  # an SD folder's configs for an SDXL file
@@ -192,10 +198,8 @@ def test_missing_encoders_unknown_and_extra_tensors(checkpoint, tmp_path):
     extras = {"model_ema.decay": torch.tensor(0.9999), "first_stage_model.loss.logvar": torch.zeros(())}
     unused = {"denoiser.sigmas": torch.ones(1000), f"{encoder}logit_scale": torch.tensor(4.6)}  # skipped silently
     save_file({**state, **extras, **unused}, tmp_path / "extras.safetensors")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, params = single_file.load_single_file(tmp_path / "extras.safetensors", config=folder)
-    messages = [str(w.message) for w in caught if "tensors the pipeline does not use" in str(w.message)]
+    params, messages = load_warning(lambda: single_file.load_single_file(tmp_path / "extras.safetensors",
+                                                                         config=folder)[1])
     assert len(messages) == 1 and messages[0].startswith(f"ignoring {len(extras)} tensors")
     assert_same_params(params, expected_params(version, folder))
 
