@@ -3,8 +3,9 @@ only every `interval` evaluations and reuse them in between, running only the sh
 skip connection `branch` and the up layers from the one that takes it. The cached features are carried through
 the scan; the choice between the full UNet and the shallow branch is a `lax.cond` on the evaluation index.
 
-`branch` counts skip connections from the top (0: conv_in's output, 1: the first down layer's, ...); the default 1
-is DeepCache's shallowest SD setting (cache_layer_id=0, cache_block_id=0). DeepCache's evaluation runs in a
+`branch` counts skip connections from the top (0: conv_in's output, 1: the first down layer's, ...): with the
+default 1 the shallow branch is conv_in, the first down layer and the last two up layers, about DeepCache's
+shallowest SD setting (cache_layer_id=0, cache_block_id=0). DeepCache's evaluation runs in a
 `lax.cond`, so it composes with hooks that change the UNet (FreeU, PAG), not with hooks that emit values.
 """
 
