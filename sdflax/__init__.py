@@ -10,10 +10,12 @@ from .pipeline_controlnet import (StableDiffusionControlNet, StableDiffusionCont
                                   StableDiffusionControlNetInpaint, StableDiffusionXLControlNet)
 from .inpaint import StableDiffusionInpaint
 from .utils import make_image_grid
+from . import hooks
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "ControlNetModel", "Inputs", "Settings",
            "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
            "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLControlNet", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint",
-           "UNet2DConditionModel", "generate", "make_image_grid", "random_draws", "replicate", "shard", "unshard"]
+           "UNet2DConditionModel", "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard",
+           "unshard"]

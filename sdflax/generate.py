@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import sampling
+from .hooks.core import Hook, intercept
 
 
 def _batched(default=None):
@@ -55,6 +56,9 @@ class Inputs:
     # conditional and the unconditional rows; None: diffusers' 6.0 and 2.5
     aesthetic_score: Any = None
     negative_aesthetic_score: Any = None
+    # sdflax.hooks: a tuple of hooks (Pipeline.with_hooks); their numbers are traced, the rest is the pytree's
+    # structure, on which jit keys its programs as on Settings
+    hooks: Any = None
 
     @classmethod
     def batched_fields(cls) -> tuple[str, ...]:
@@ -158,16 +162,29 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
     cond = pipeline.conditioning.encode(pipeline, params, inputs, settings)
     if not settings.classifier_free_guidance:
         cond = cond.conditional()
+    hooks = tuple(inputs.hooks or ())
+    for hook in hooks:
+        cond = hook.condition(cond, settings)
     start = pipeline.start.begin(pipeline, params, inputs, settings)
+    chunks = cond.context.shape[0] // start.latents.shape[0]  # the UNet's batch: chunks of B rows
 
     def unet_fn(x, t, context, step, **residuals):
-        return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+        if not hooks:
+            return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+        with intercept(hooks, step, chunks):  # the UNet's layers only, not a ControlNet's
+            return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
 
     if start.wrap_unet is not None:
         unet_fn = start.wrap_unet(unet_fn)
     for control in pipeline.controls:  # each wraps the last, so the first listed is the innermost
         unet_fn = control.wrap(pipeline, params, inputs, settings, cond, start)(unet_fn)
-    if settings.classifier_free_guidance:
+    for hook in hooks:
+        unet_fn = hook.wrap_unet(unet_fn)
+    combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
+    if combines:
+        model = sampling.chunked_model(unet_fn, cond.context, chunks,
+                                       lambda *out: combines[0].combine(out, inputs, settings))
+    elif settings.classifier_free_guidance:
         guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
         model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
                                       guidance)
@@ -176,8 +193,8 @@ def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
     out = sampling.denoise(model, pipeline.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
                            state=start.state, post_step=start.post_step, model_takes_step=True,
-                           num_evals=start.num_evals)
-    latents, trajectory = out if settings.return_trajectory else (out, None)
+                           num_evals=start.num_evals, memory=any(hook.carries for hook in hooks))
+    latents, trajectory = out if isinstance(out, tuple) else (out, None)
     if settings.output_type == "latent":
         return Output(latents, trajectory)
     return Output(pipeline.decode_latents(params, latents), trajectory)

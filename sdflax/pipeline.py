@@ -16,6 +16,7 @@ from `__call__`'s signature.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import numbers
@@ -54,6 +55,7 @@ class Pipeline:
     conditioning = text.SDText
     start = FromNoise
     controls = ()  # UNet wrappers (ControlNet), see generate.generate
+    hooks = ()  # sdflax.hooks in every call (`with_hooks`)
     renamed = {}  # __call__'s argument names that differ from the Inputs field they fill
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
@@ -131,6 +133,15 @@ class Pipeline:
 
         return load_textual_inversion(self, params, path, token)
 
+    def with_hooks(self, *hooks):
+        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost): the same models and
+        compiled-program cache, each call's `Inputs.hooks` set to them. A new hook set compiles once; hooks that
+        differ only in their numbers (a scale) share the program. What hooks emit comes back in
+        `output.trajectory.hooks`."""
+        view = copy.copy(self)
+        view.hooks = tuple(hooks)
+        return view
+
     # ---- the pieces' state --------------------------------------------------------------------------------
     @property
     def scheduler(self):
@@ -189,13 +200,14 @@ class Pipeline:
 
     def _generate(self, *args, **kwargs):
         """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
-        `(images, sampling.Trajectory)` with `return_trajectory=True`. jit, pmap, vmap and grad apply to it."""
+        `(images, sampling.Trajectory)` with `return_trajectory=True` or hooks that emit values (`with_hooks`).
+        jit, pmap, vmap and grad apply to it."""
         args = self._bind(args, kwargs)
         params = args.pop("params")
         self._check_params(params, None)
         inputs, settings = self._split(args, leading_dims=None)
         out = self.generate(params, inputs, settings)
-        return tuple(out) if settings.return_trajectory else out.images
+        return tuple(out) if out.trajectory is not None else out.images
 
     def _bind(self, args, kwargs) -> dict:
         """`__call__`'s arguments, defaults filled in, from a call with `__call__`'s signature less `jit`."""
@@ -226,7 +238,7 @@ class Pipeline:
         for name in Inputs.shared_fields():  # arrays, so that a Python float and an array share one program
             if name in values:
                 values[name] = jnp.asarray(values[name], jnp.float32)
-        inputs = Inputs(**values)
+        inputs = Inputs(**values, hooks=self.hooks or None)
         if leading_dims is not None:
             self.conditioning.check_inputs(inputs)
             self._check_shapes(inputs, leading_dims)
@@ -382,7 +394,7 @@ class Pipeline:
         inputs, settings = self._split(args, 1)
         out = self._runner.run_sharded(params, inputs, settings, mesh)
         images = _own_rows(out.images, 0)
-        if not settings.return_trajectory:
+        if out.trajectory is None:  # no return_trajectory, no hook that emits
             return images
         return images, jax.tree.map(lambda x: _own_rows(x, 1), out.trajectory)
 

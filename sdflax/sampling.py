@@ -10,6 +10,8 @@ A guidance function combines the unconditional and conditional predictions:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -29,14 +31,18 @@ def _std(x):
     return jnp.sqrt(jnp.square(x - mean).sum(axes, keepdims=True) / (n - 1))
 
 
+def rescale(guided, cond, guidance_rescale):
+    """diffusers' `rescale_noise_cfg` (Lin et al. 2023, §3.4, eq. 15–16): the guided prediction scaled back to the
+    conditional one's std, mixed with it by `guidance_rescale`."""
+    rescaled = guided * (_std(cond) / _std(guided))
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * guided
+
+
 def rescaled_guidance(guidance_rescale: float):
-    """Classifier-free guidance with diffusers' `guidance_rescale` (Lin et al. 2023, §3.4, eq. 15–16):
-    scale the guided prediction back to the conditional one's std, then mix by `guidance_rescale`."""
+    """Classifier-free guidance with diffusers' `guidance_rescale` (`rescale`)."""
 
     def guidance(uncond, cond, scale):
-        guided = classifier_free_guidance(uncond, cond, scale)
-        rescaled = guided * (_std(cond) / _std(guided))
-        return guidance_rescale * rescaled + (1 - guidance_rescale) * guided
+        return rescale(classifier_free_guidance(uncond, cond, scale), cond, guidance_rescale)
 
     return guidance
 
@@ -89,6 +95,17 @@ def conditional_model(unet_fn, context):
     return model
 
 
+def chunked_model(unet_fn, context, chunks, combine):
+    """One UNet call on `chunks` copies of the batch, each with its rows of `context` (chunks * B, T, D), and
+    `combine(*outputs) -> prediction` (perturbed-attention guidance: [uncond; cond; perturbed])."""
+
+    def model(x, t, *step):
+        out = unet_fn(jnp.concatenate([x] * chunks), t, context, *step).astype(jnp.float32)
+        return combine(*jnp.split(out, chunks))
+
+    return model
+
+
 def step_key(key, i):
     """The key of evaluation i: the sampler's key folded with i, or each image's key folded with i."""
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -97,15 +114,92 @@ def step_key(key, i):
     return jax.vmap(jax.random.fold_in, (0, None))(key, i)
 
 
+# The scopes of the model evaluations being traced (innermost last): how hooks inside the UNet (sdflax.hooks) send
+# values out of the scan and carry them to the next evaluation without changing the UNet's signature.
+_local = threading.local()
+
+
+class Scope:
+    """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
+
+    def __init__(self, step, memory, latent_size, num_evals, sealed=None):
+        self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
+        self.num_evals = num_evals  # evaluations in the scan
+        self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
+        self._emitted, self._sums = {}, {}
+        self.sealed = sealed  # why values cannot leave from here (inside a lax.cond), or None
+
+    def sealed_copy(self, reason) -> "Scope":
+        """A scope of the same evaluation out of which nothing may be emitted or carried (e.g. inside a lax.cond,
+        whose branches' values cannot leave it)."""
+        return Scope(self.step, None, self.latent_size, self.num_evals, sealed=reason)
+
+    def _check(self):
+        if self.sealed:
+            raise ValueError(self.sealed)
+
+    def emit(self, key, value):
+        """Send (B, ...) out of the scan as trajectory.hooks[key] (evals, B, ...)."""
+        self._check()
+        if key in self._emitted or key in self._sums:
+            raise ValueError(f"hook value {key!r} emitted twice in one evaluation: give each its own key")
+        self._emitted[key] = value
+
+    def emit_mean(self, key, value):
+        """Send out the mean of the (B, ...) values given under key in this evaluation (e.g. over layers)."""
+        self._check()
+        total, count = self._sums.get(key, (0, 0))
+        self._sums[key] = (total + value, count + 1)
+
+    @property
+    def emitted(self) -> dict:
+        return {**self._emitted, **{key: total / count for key, (total, count) in self._sums.items()}}
+
+    def read(self, key):
+        """What the previous evaluation wrote under key; None while the memory's shapes are being found."""
+        self._check()
+        return None if self.memory is None else self.memory[key]
+
+    def write(self, key, value):
+        self._check()
+        if self.memory is None:
+            self.memory = {}
+        self.memory[key] = value
+
+
+@contextlib.contextmanager
+def scope(step, memory=None, latent_size=(), num_evals=None, within=None):
+    """Open the scope of a model evaluation (or, `within` a Scope, its copy `within.sealed_copy(reason)`)."""
+    stack = _local.__dict__.setdefault("scopes", [])
+    stack.append(within or Scope(step, memory, latent_size, num_evals))
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def current_scope() -> Scope:
+    stack = getattr(_local, "scopes", [])
+    if not stack:
+        raise RuntimeError("a hook that emits or carries values runs only inside sampling.denoise (a pipeline call)")
+    return stack[-1]
+
+
+def _zeros_like(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
 class Trajectory(NamedTuple):
     """What the scan stacks at each model evaluation, (evals, *latents.shape) each."""
 
     latents: Any  # x after the step
     pred_x0: Any  # the scheduler's x̂₀ from that evaluation's prediction
+    hooks: Any = None  # {key: (evals, B, ...)}: what hooks emitted (sdflax.hooks), without return_trajectory too
 
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
-            return_trajectory=False, state=None, post_step=None, model_takes_step=False, num_evals=None):
+            return_trajectory=False, state=None, post_step=None, model_takes_step=False, num_evals=None,
+            memory=False):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
@@ -119,6 +213,11 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     called as `model(x, t, i)`, i the index of the evaluation. `num_evals` stops after that many evaluations of
     `state`'s schedule (SDXL's `denoising_end`: the schedule is cut, not respaced).
 
+    Every model evaluation runs in a `Scope`: what hooks emit comes back stacked in
+    `Trajectory.hooks` (a Trajectory is then returned with latents and pred_x0 None unless `return_trajectory`),
+    and with `memory=True` what they write is carried to the next evaluation (its shapes found by tracing one
+    evaluation, its first value zeros).
+
     Each step is a `jax.checkpoint`: differentiating through the sampler keeps only the carry of every step
     and recomputes the UNet's activations one step at a time, so memory does not grow with the UNet per step.
     """
@@ -127,26 +226,37 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     num_evals = state.timesteps.shape[0] if num_evals is None else num_evals
     steps = jnp.arange(num_evals)
 
+    def evaluate(x, state, i, memory):
+        model_input = scheduler.scale_model_input(state, x, i)
+        with scope(i, memory, x.shape[-2:], num_evals) as opened:
+            prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
+        return prediction, opened
+
+    memory = _zeros_like(jax.eval_shape(
+        lambda x, state: evaluate(x, state, 0, None)[1].memory, latents, state)) if memory else None
+
     @jax.checkpoint
     def step(carry, i):
-        x, state = carry
-        model_input = scheduler.scale_model_input(state, x, i)
-        prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
+        x, state, memory = carry
+        prediction, hooks = evaluate(x, state, i, memory)
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
         x, state = scheduler.step(state, prediction, i, x, key=step_key(key, i))
         if post_step is not None:
             x = post_step(x, i, state)
         if callback is not None:
             jax.debug.callback(lambda i, x: callback(int(i), num_evals, x), i, x)
-        return (x, state), (Trajectory(x, pred_x0) if return_trajectory else None)
+        out = Trajectory(x if return_trajectory else None, pred_x0, hooks.emitted or None)
+        return (x, state, hooks.memory), out
 
     if use_scan:
-        (latents, _), trajectory = jax.lax.scan(step, (latents, state), steps)
+        (latents, _, _), trajectory = jax.lax.scan(step, (latents, state, memory), steps)
     else:
-        carry, outputs = (latents, state), []
+        carry, outputs = (latents, state, memory), []
         for i in steps:
             carry, out = step(carry, i)
             outputs.append(out)
         latents = carry[0]
-        trajectory = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs) if return_trajectory else None
-    return (latents, trajectory) if return_trajectory else latents
+        trajectory = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+    if not return_trajectory:
+        return latents if trajectory.hooks is None else (latents, trajectory)
+    return latents, trajectory

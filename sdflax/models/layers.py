@@ -189,19 +189,40 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, context=None):  # x: (B, T, C); context: (B, S, D), x itself when None
         return multi_head_attention(x, x if context is None else context, self.heads, self.head_dim,
-                                    qkv_bias=self.qkv_bias, upcast=self.upcast, dtype=self.dtype, kernels=self.kernels)
+                                    qkv_bias=self.qkv_bias, upcast=self.upcast, dtype=self.dtype, kernels=self.kernels,
+                                    attend=self.attend)
+
+    def attend(self, q, k, v):
+        """softmax(q kᵀ / √d) v over (B, T, heads, head_dim): the hook point of `sdflax.hooks`, which intercept this
+        method (`nn.intercept_methods`) to read or replace the attention of any layer by its checkpoint name."""
+        return dot_product_attention(q, k, v, upcast=self.upcast, kernels=self.kernels)
 
 
-def multi_head_attention(x, context, heads, head_dim, *, qkv_bias, upcast, dtype, kernels):
+def attention_probs(q, k, upcast=True):
+    """softmax(q kᵀ / √d) over (B, T, heads, head_dim) q and (B, S, heads, head_dim) k: (B, heads, T, S) float32,
+    the probabilities `dot_product_attention` multiplies v with (diffusers' `get_attention_scores`)."""
+    if upcast:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+    return jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32), axis=-1)
+
+
+def apply_probs(probs, v):
+    """(B, heads, T, S) probabilities times (B, S, heads, head_dim) values -> (B, T, heads, head_dim)."""
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+def multi_head_attention(x, context, heads, head_dim, *, qkv_bias, upcast, dtype, kernels, attend=None):
     """to_out_0(attention(to_q(x), to_k(context), to_v(context))) split into heads; (B, T, C) -> (B, T, C).
-    Called inside a compact method: the four projections become the caller's submodules, named as in diffusers."""
+    Called inside a compact method: the four projections become the caller's submodules, named as in diffusers.
+    `attend(q, k, v)` replaces `dot_product_attention` (the UNet's Attention passes its hook point)."""
     inner = heads * head_dim
     dense = lambda n, features, bias: nn.Dense(features, use_bias=bias, name=n, dtype=dtype)  # noqa: E731
     split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
     q = split(dense("to_q", inner, qkv_bias)(x))
     k = split(dense("to_k", inner, qkv_bias)(context))
     v = split(dense("to_v", inner, qkv_bias)(context))
-    out = dot_product_attention(q, k, v, upcast=upcast, kernels=kernels)
+    out = (attend or functools.partial(dot_product_attention, upcast=upcast, kernels=kernels))(q, k, v)
     return dense("to_out_0", x.shape[-1], True)(out.reshape(*out.shape[:2], inner))
 
 

@@ -217,20 +217,25 @@ class UNetEncoder:
         emb = nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
         return nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
 
-    def down_blocks(self, x, temb, context):
+    def down_blocks(self, x, temb, context, until=None):
         """conv_in's NHWC output -> (the deepest features, the skips): conv_in's output, each down resnet's (with
-        its attention), each downsampler's, in diffusers' down_block_res_samples order."""
+        its attention), each downsampler's, in diffusers' down_block_res_samples order. With `until` = s, only
+        the layers up to skip s run (DeepCache's shallow branch)."""
         cfg = self.config
         heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
         skips = [x]
         for i, (kind, out) in enumerate(zip(cfg.down_block_types, cfg.block_out_channels)):
             for j in range(cfg.layers_per_block):
+                if until is not None and len(skips) > until:
+                    return x, skips
                 x = self.resnet(out, f"down_blocks_{i}_resnets_{j}")(x, temb)
                 if kind == "CrossAttnDownBlock2D":
                     x = Transformer2DModel(heads[i], depths[i], cfg, self.dtype, self.kernels,
                                            name=f"down_blocks_{i}_attentions_{j}")(x, context)
                 skips.append(x)
             if i < len(cfg.block_out_channels) - 1:
+                if until is not None and len(skips) > until:
+                    return x, skips
                 x = Downsample2D(out, cfg.downsample_padding, self.dtype, kernels=self.kernels,
                                  name=f"down_blocks_{i}_downsamplers_0")(x)
                 skips.append(x)
@@ -254,6 +259,11 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     ControlNet's outputs enter as in diffusers, both or neither: `down_block_additional_residuals`, one (B, C, h, w)
     array per skip connection (conv_in's output, each down resnet's, each downsampler's), added to the skips once
     the down blocks are done, and `mid_block_additional_residual`, added to the mid block's output.
+
+    DeepCache (Ma et al. 2023, `sdflax.hooks.deep_cache`): with `cache_branch` = s (a skip index, static) the UNet
+    returns `(prediction, features)`, features (NHWC) being what enters the up layer that takes skip s; given
+    those as `deep_features`, only the shallow branch runs (the layers down to skip s and up from it) and the
+    deep ones are replaced by the given features.
     """
 
     config: UNetConfig
@@ -263,8 +273,12 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
 
     @nn.compact
     def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
-                 down_block_additional_residuals=None, mid_block_additional_residual=None):
+                 down_block_additional_residuals=None, mid_block_additional_residual=None, cache_branch=None,
+                 deep_features=None):
         cfg, dtype, kernels = self.config, self.dtype, self.kernels
+        shallow = deep_features is not None
+        if shallow and cache_branch is None:
+            raise ValueError("deep_features need cache_branch: the skip index the cached features enter at")
         channels = cfg.block_out_channels
         if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
             raise ValueError("down_block_additional_residuals and mid_block_additional_residual go together, as "
@@ -276,33 +290,49 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         if cfg.center_input_sample:
             x = 2 * x - 1.0
         x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
-        x, skips = self.down_blocks(x, temb, context)
+        x, skips = self.down_blocks(x, temb, context, until=cache_branch if shallow else None)
         if down_block_additional_residuals is not None:
-            if len(down_block_additional_residuals) != len(skips):
+            if not shallow and len(down_block_additional_residuals) != len(skips):
                 raise ValueError(f"down_block_additional_residuals: expected {len(skips)} arrays, one per skip "
                                  f"connection, got {len(down_block_additional_residuals)}")
             skips = [skip + _residual(r, skip, f"down_block_additional_residuals[{i}]")
                      for i, (skip, r) in enumerate(zip(skips, down_block_additional_residuals))]
 
-        x = self.mid_block(x, temb, context)
-        if mid_block_additional_residual is not None:
-            x = x + _residual(mid_block_additional_residual, x, "mid_block_additional_residual")
+        if not shallow:
+            x = self.mid_block(x, temb, context)
+            if mid_block_additional_residual is not None:
+                x = x + _residual(mid_block_additional_residual, x, "mid_block_additional_residual")
 
         up_heads = cfg.heads[::-1]
         up_depths = cfg.per_block(cfg.transformer_layers_per_block)[::-1]
+        # the up layers in order, k = 0, 1, ...: layer k takes skip n - 1 - k; DeepCache's features enter at `entry`
+        n = len(cfg.up_block_types) * (cfg.layers_per_block + 1)
+        entry = None if cache_branch is None else n - 1 - cache_branch
+        k, features = 0, deep_features
         for i, (kind, out) in enumerate(zip(cfg.up_block_types, channels[::-1])):
             for j in range(cfg.layers_per_block + 1):
-                x = jnp.concatenate([x, skips.pop()], axis=-1)
-                x = self.resnet(out, f"up_blocks_{i}_resnets_{j}")(x, temb)
+                k += 1
+                if shallow and k - 1 < entry:  # a deep layer: its output is in the cached features
+                    continue
+                if k - 1 == entry:
+                    x = features = deep_features if shallow else x
+                x, skip = self.up_inputs(x, skips.pop(), i)
+                x = self.resnet(out, f"up_blocks_{i}_resnets_{j}")(jnp.concatenate([x, skip], axis=-1), temb)
                 if kind == "CrossAttnUpBlock2D":
                     x = Transformer2DModel(up_heads[i], up_depths[i], cfg, dtype, kernels,
                                            name=f"up_blocks_{i}_attentions_{j}")(x, context)
-            if i < len(channels) - 1:
+            if i < len(channels) - 1 and not (shallow and k - 1 < entry):
                 x = Upsample2D(out, dtype, kernels=kernels, name=f"up_blocks_{i}_upsamplers_0")(x, skips[-1].shape[1:3])
 
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
         x = conv(cfg.out_channels, name="conv_out", dtype=dtype, kernels=kernels)(x)
-        return jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
+        x = jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
+        return x if cache_branch is None else (x, features)
+
+    def up_inputs(self, x, skip, block):
+        """What an up layer of up block `block` concatenates: the backbone features x and the skip connection's,
+        both NHWC. A hook point of `sdflax.hooks` (FreeU rescales both here)."""
+        return x, skip
 
 
 def _residual(residual, target, name):

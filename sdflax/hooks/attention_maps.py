@@ -1,0 +1,68 @@
+"""Cross-attention maps (DAAM, Tang et al. 2022): for every text token, how much each latent pixel attends to it,
+averaged over heads and cross-attention layers (each upsampled to the latents' resolution) at every evaluation;
+the steps' mean is the word's heat map. The hook leaves the images unchanged."""
+
+from __future__ import annotations
+
+import flax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models.layers import attention_probs
+from .core import Hook, current_scope
+
+KEY = "cross_attention_maps"
+
+
+@flax.struct.dataclass
+class CrossAttentionMaps(Hook):
+    layers: tuple | None = flax.struct.field(pytree_node=False, default=None)  # checkpoint names; None: all attn2
+    per_layer: bool = flax.struct.field(pytree_node=False, default=False)  # also emit each layer's, by its name
+
+    def attend(self, site, attend, q, k, v):
+        if site.cross_attention and (self.layers is None or site.name in self.layers):
+            probs = site.conditional(attention_probs(q, k, site.module.upcast)).mean(1)  # (B, T, S), heads' mean
+            scope = current_scope()
+            maps = to_latent_size(probs, scope.latent_size)
+            scope.emit_mean(KEY, maps)
+            if self.per_layer:
+                scope.emit(site.name, maps)
+        return attend(q, k, v)
+
+
+def cross_attention_maps(layers=None, per_layer=False) -> CrossAttentionMaps:
+    """The hook; its maps come back as `output.trajectory.hooks["cross_attention_maps"]`, (evals, B, h, w, 77)."""
+    return CrossAttentionMaps(None if layers is None else tuple(layers), per_layer)
+
+
+def to_latent_size(probs, latent_size):
+    """(B, T, S) over a layer's T = h' w' pixels -> (B, h, w, S) at the latents' (h, w), nearest-neighbour."""
+    h, w = latent_size
+    f = next(f for f in (2 ** i for i in range(16)) if -(-h // f) * -(-w // f) == probs.shape[1])
+    maps = probs.reshape(probs.shape[0], -(-h // f), -(-w // f), probs.shape[-1])
+    return jnp.repeat(jnp.repeat(maps, f, axis=1), f, axis=2)[:, :h, :w]
+
+
+def word_map(maps, ids, word_ids):
+    """A word's heat map (B, h, w) from maps (evals, B, h, w, S) (their steps' mean) or (B, h, w, S): the sum over
+    the positions in `ids` (B, S) of the word's token ids `word_ids` (`tokenizer(word).input_ids[1:-1]`)."""
+    maps = np.asarray(maps)
+    maps = maps.mean(0) if maps.ndim == 5 else maps
+    ids = np.asarray(ids).reshape(maps.shape[0], -1)
+    mask = np.isin(ids, list(word_ids)).astype(np.float32)  # (B, S)
+    return np.einsum("bhws,bs->bhw", maps, mask)
+
+
+def save_overlay(image, heat, path, alpha=0.5):
+    """One image (H, W, 3) in [0, 1] with a heat map (h, w) laid over it in red, normalised to its maximum; a PNG."""
+    from PIL import Image
+
+    image = np.asarray(image, np.float32)
+    heat = np.asarray(heat, np.float32)
+    heat = heat / max(float(heat.max()), 1e-12)
+    heat = np.asarray(Image.fromarray(heat).resize(image.shape[1::-1], Image.BILINEAR))[..., None]
+    red = np.zeros_like(image)
+    red[..., 0] = 1
+    out = (1 - alpha * heat) * image + alpha * heat * red
+    Image.fromarray((np.clip(out, 0, 1) * 255).round().astype(np.uint8)).save(path)
+    return path

@@ -1,0 +1,125 @@
+"""The machinery under every hook: where a hook sees the UNet, and how values leave and cross the scan.
+
+A hook is a `flax.struct.dataclass`: its numbers (scales, strengths) are pytree leaves, traced like the prompts,
+and its other fields (`pytree_node=False`: layer names, intervals) are the pytree's static structure. A pipeline
+carries its hooks in `Inputs.hooks` (`Pipeline.with_hooks`), so jit keys its compiled programs on the hooks'
+structure (the same hook set never recompiles, a new one compiles once) while changing a scale does not.
+
+A hook overrides what it needs of:
+    attend(site, attend, q, k, v) -> out       every Attention of the UNet: q (B, T, heads, d), k and v
+                                               (B, S, heads, d); `attend` is the next hook's or the plain attention
+    up_inputs(site, x, skip) -> (x, skip)      every up layer of the UNet, before x and its skip are concatenated
+    condition(cond, settings) -> cond          the text conditioning (generate.Cond) before the UNet sees it:
+                                               its rows fix the UNet's batch (PAG adds a third chunk)
+    wrap_unet(unet_fn) -> unet_fn              the whole UNet call (DeepCache)
+    combine(outputs, inputs, settings) -> prediction   the UNet's output, one array per chunk -> the prediction
+                                               (PAG's guidance); the first hook that has one decides
+
+They are applied through Flax's `nn.intercept_methods` on two small methods, `Attention.attend` and
+`UNet2DConditionModel.up_inputs`: the models stay unaware of hooks, and a layer is addressed by its module path,
+which is the checkpoint's name (`down_blocks.1.attentions.0.transformer_blocks.0.attn2`).
+
+Inside the scan a hook may `emit(key, value)` per-image values (B, ...), which come back stacked per evaluation
+in `output.trajectory.hooks[key]` (evals, B, ...), and `read`/`write` memory carried from one evaluation to the
+next (DeepCache's features). Both go through the current `sampling.Scope`, which `sampling.denoise` opens around
+every model evaluation: values are tracers of the step being traced, returned from the scan's body, so hooks stay
+pure functions (jit, pmap, sharding, grad).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from ..models.layers import Attention
+from ..sampling import Scope, current_scope
+
+__all__ = ["Hook", "Scope", "Site", "checkpoint_name", "current_scope", "intercept"]
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a hook is called: the layer's checkpoint name, the evaluation index (traced), how many chunks of
+    B rows the UNet's batch holds (1: conditional only, 2: [uncond; cond], 3: PAG's [uncond; cond; perturbed]),
+    the up block index (up_inputs only) and the module."""
+
+    name: str
+    step: Any
+    chunks: int
+    block: int | None = None
+    module: Any = None
+
+    @property
+    def self_attention(self) -> bool:
+        return self.name.endswith("attn1")
+
+    @property
+    def cross_attention(self) -> bool:
+        return self.name.endswith("attn2")
+
+    @property
+    def conditional_chunk(self) -> int:
+        return 1 if self.chunks > 1 else 0
+
+    def conditional(self, x):
+        """The conditional chunk's rows of a (chunks * B, ...) array."""
+        return jnp.split(x, self.chunks)[self.conditional_chunk]
+
+
+def checkpoint_name(path) -> str:
+    """A Flax module path -> the diffusers checkpoint's dotted name: ('down_blocks_1_attentions_0',
+    'transformer_blocks_0', 'attn2') -> 'down_blocks.1.attentions.0.transformer_blocks.0.attn2'."""
+    parts = (re.sub(r"_(attentions|resnets|downsamplers|upsamplers)(?=_\d)", r".\1", part) for part in path)
+    parts = (re.sub(r"_(\d+)(?=[._]|$)", r".\1", part) for part in parts)
+    return ".".join(re.sub(r"(\.\d+)_", r"\1.", part) for part in parts)
+
+
+class Hook:
+    """The base of every hook: each method leaves what it sees unchanged."""
+
+    def attend(self, site, attend, q, k, v):
+        return attend(q, k, v)
+
+    def up_inputs(self, site, x, skip):
+        return x, skip
+
+    def condition(self, cond, settings):
+        return cond
+
+    def wrap_unet(self, unet_fn):
+        return unet_fn
+
+    def combine(self, out, scale, guidance):
+        """The UNet's output on the guidance batch -> the prediction; None: the pipeline's guidance."""
+        return None
+
+    carries = False  # whether it reads and writes memory across evaluations
+
+
+def intercept(hooks, step, chunks):
+    """A context in which the UNet's attention and up layers call `hooks` (the first listed outermost)."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module, method = context.module, context.method_name
+        if method == "attend" and isinstance(module, Attention):
+            site = Site(checkpoint_name(module.path), step, chunks, module=module)
+            call = next_fun
+            for hook in reversed(hooks):
+                call = _bind(hook.attend, site, call)
+            return call(*args, **kwargs)
+        if method == "up_inputs":
+            x, skip, block = args
+            site = Site(f"up_blocks.{block}", step, chunks, block=block, module=module)
+            for hook in reversed(hooks):
+                x, skip = hook.up_inputs(site, x, skip)
+            return x, skip
+        return next_fun(*args, **kwargs)
+
+    return nn.intercept_methods(interceptor)
+
+
+def _bind(method, site, inner):
+    return lambda q, k, v: method(site, inner, q, k, v)
