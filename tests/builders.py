@@ -93,6 +93,13 @@ def torch_text_encoder(config, seed=0):
 BUILDERS = {"unet": torch_unet, "vae": torch_vae, "text_encoder": torch_text_encoder}
 
 
+def saved(theirs, folder, cls):
+    """`theirs` (a diffusers pipeline) saved to `folder` and loaded by sdflax's pipeline class `cls`:
+    (theirs, pipeline, params)."""
+    theirs.save_pretrained(folder)
+    return (theirs, *cls.from_pretrained(folder))
+
+
 def torch_pipeline(arch="sd1", scheduler="pndm", seed=0, **scheduler_config):
     """A diffusers StableDiffusionPipeline with small random models, the real tokenizer and SD 1.4's schedule;
     `scheduler` is one of sdflax's short names below or a diffusers scheduler class name."""

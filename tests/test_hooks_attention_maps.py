@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import torch_pipeline
+from builders import saved, torch_pipeline
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +24,7 @@ LAYER = "down_blocks.1.attentions.0.transformer_blocks.0.attn2"
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sd1")
-    theirs = torch_pipeline("sd1", "ddim")
-    theirs.save_pretrained(folder)
-    ours, params = StableDiffusion.from_pretrained(folder)
-    return theirs, ours, params
+    return saved(torch_pipeline("sd1", "ddim"), tmp_path_factory.mktemp("sd1"), StableDiffusion)
 
 
 def torch_maps(theirs, latents):

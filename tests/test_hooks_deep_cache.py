@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import torch_pipeline
+from builders import saved, torch_pipeline
 
 import jax
 
@@ -18,9 +18,7 @@ PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a 
 
 @pytest.fixture(scope="module")
 def sd1(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sd1")
-    torch_pipeline("sd1", "ddim").save_pretrained(folder)
-    return StableDiffusion.from_pretrained(folder)
+    return saved(torch_pipeline("sd1", "ddim"), tmp_path_factory.mktemp("sd1"), StableDiffusion)[1:]
 
 
 @pytest.mark.parametrize("branch", [1, 5])  # within the last up block; past an upsampler

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from builders import torch_pipeline, torch_xl_pipeline
+from builders import saved, torch_pipeline, torch_xl_pipeline
 from test_inpaint import SIZE, inputs
 
 import jax
@@ -25,10 +25,8 @@ def test_pag_img2img_matches_diffusers(tmp_path, monkeypatch):
     import diffusers.pipelines.pag.pipeline_pag_sd_img2img as torch_module
     from diffusers import StableDiffusionPAGImg2ImgPipeline
 
-    plain = torch_pipeline("sd1", "ddim")
-    plain.save_pretrained(tmp_path)
+    plain, pipe, params = saved(torch_pipeline("sd1", "ddim"), tmp_path, StableDiffusionImg2Img)
     theirs = StableDiffusionPAGImg2ImgPipeline(**plain.components, pag_applied_layers=LAYERS)
-    pipe, params = StableDiffusionImg2Img.from_pretrained(tmp_path)
     pixels, _ = inputs()
     ids, image = pipe.prepare_inputs(PROMPTS, list(pixels))
     key = jax.random.key(3)
@@ -50,10 +48,8 @@ def test_pag_inpaint_matches_diffusers(tmp_path, monkeypatch):
     import diffusers.pipelines.pag.pipeline_pag_sd_inpaint as torch_module
     from diffusers import StableDiffusionPAGInpaintPipeline
 
-    plain = torch_pipeline("sd1", "ddim")
-    plain.save_pretrained(tmp_path)
+    plain, pipe, params = saved(torch_pipeline("sd1", "ddim"), tmp_path, StableDiffusionInpaint)
     theirs = StableDiffusionPAGInpaintPipeline(**plain.components, pag_applied_layers=LAYERS)
-    pipe, params = StableDiffusionInpaint.from_pretrained(tmp_path)
     pixels, masks = inputs()
     ids, image, mask = pipe.prepare_inputs(PROMPTS, list(pixels), list(masks))
     key = jax.random.key(3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import torch_pipeline
+from builders import saved, torch_pipeline
 
 import jax
 
@@ -22,10 +22,7 @@ CROSS, SELF = 0.5, 0.25  # injected in evaluations 0-1 (cross-attention) and 0 (
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sd1")
-    theirs = torch_pipeline("sd1", "ddim")
-    theirs.save_pretrained(folder)
-    ours, params = StableDiffusion.from_pretrained(folder)
+    theirs, ours, params = saved(torch_pipeline("sd1", "ddim"), tmp_path_factory.mktemp("sd1"), StableDiffusion)
     latent = np.random.default_rng(0).standard_normal((1, 4, 16, 16), dtype=np.float32)
     return theirs, ours, params, np.concatenate([latent, latent])  # P2P: one start noise for source and edit
 

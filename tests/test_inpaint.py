@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import SD1, torch_pipeline, torch_unet
+from builders import SD1, saved, torch_pipeline, torch_unet
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +48,8 @@ def run_both(tmp_path, monkeypatch, unet_channels, scheduler, strength, steps, *
     import diffusers.models.autoencoders.vae as torch_vae_module
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as torch_inpaint_module
 
-    theirs = torch_inpaint_pipeline(unet_channels, scheduler, **scheduler_config)
-    theirs.save_pretrained(tmp_path)
-    pipe, params = StableDiffusionInpaint.from_pretrained(tmp_path)
+    theirs, pipe, params = saved(torch_inpaint_pipeline(unet_channels, scheduler, **scheduler_config), tmp_path,
+                                 StableDiffusionInpaint)
     assert pipe.inpainting_unet == (unet_channels == 9)
 
     pixels, masks = inputs()

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from builders import REPO, torch_pipeline
+from builders import REPO, saved, torch_pipeline
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,7 @@ PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a 
 
 @pytest.fixture(scope="module")
 def sd1(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pipe")
-    torch_pipeline("sd1", "ddim").save_pretrained(folder)
-    return StableDiffusion.from_pretrained(folder)
+    return saved(torch_pipeline("sd1", "ddim"), tmp_path_factory.mktemp("pipe"), StableDiffusion)[1:]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from builders import SDXL, torch_text_encoder_2, torch_unet, torch_xl_pipeline
+from builders import SDXL, saved, torch_text_encoder_2, torch_unet, torch_xl_pipeline
 
 import jax
 import jax.numpy as jnp
@@ -138,11 +138,7 @@ def latents_for(pipe, batch=2):
 @pytest.fixture(scope="module")
 def euler(tmp_path_factory):
     """(diffusers pipeline, our pipeline, params) on one saved checkpoint with SDXL's Euler scheduler."""
-    folder = tmp_path_factory.mktemp("sdxl")
-    theirs = torch_xl_pipeline("euler")
-    theirs.save_pretrained(folder)
-    pipe, params = StableDiffusionXL.from_pretrained(folder)
-    return theirs, pipe, params
+    return saved(torch_xl_pipeline("euler"), tmp_path_factory.mktemp("sdxl"), StableDiffusionXL)
 
 
 def torch_images(theirs, latents, guidance=5.0, **kwargs):

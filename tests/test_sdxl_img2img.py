@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from builders import torch_xl_inpaint_pipeline, torch_xl_pipeline, torch_xl_refiner
+from builders import saved, torch_xl_inpaint_pipeline, torch_xl_pipeline, torch_xl_refiner
 
 import jax
 
@@ -94,10 +94,7 @@ def img2img(base):
 def refiner(tmp_path_factory):
     """(folder, diffusers refiner, ours, params) of a refiner-shaped checkpoint."""
     folder = tmp_path_factory.mktemp("sdxl_refiner")
-    theirs = torch_xl_refiner("euler")
-    theirs.save_pretrained(folder)
-    pipe, params = StableDiffusionXLImg2Img.from_pretrained(folder)
-    return folder, theirs, pipe, params
+    return (folder, *saved(torch_xl_refiner("euler"), folder, StableDiffusionXLImg2Img))
 
 
 def run_img2img(monkeypatch, theirs, pipe, params, strength, prompts=PROMPTS, **kwargs):
@@ -242,9 +239,7 @@ def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, strengt
     the known region pasted back at the cut schedule's levels)."""
     import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as module
 
-    theirs = torch_xl_inpaint_pipeline(unet_channels, "euler")
-    theirs.save_pretrained(tmp_path)
-    pipe, params = StableDiffusionXLInpaint.from_pretrained(tmp_path)
+    theirs, pipe, params = saved(torch_xl_inpaint_pipeline(unet_channels, "euler"), tmp_path, StableDiffusionXLInpaint)
     assert pipe.inpainting_unet == (unet_channels == 9)
     pixels, masks = pixels_and_masks()
     ids, image, mask = pipe.prepare_inputs(PROMPTS, list(pixels), list(masks))
