@@ -82,36 +82,25 @@ def _seed(text):
     return value
 
 
-def _strength(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}: 1 repaints everything, small values keep "
-                                         "the image")
-    return value
+def _number(check, problem):
+    """An argparse type: a float for which `check` holds, else `problem` (formatted with the `text` given and its
+    `value`)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(problem.format(text=text, value=value))
+        return value
+    return parse
 
 
-def _fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}: the fraction of the schedule the base "
-                                         "runs before the refiner takes over (e.g. 0.8)")
-    return value
-
-
-def _finite(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):  # NaN or inf guidance runs and gives a black image
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
+_strength = _number(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}: 1 repaints everything, small values keep "
+                    "the image")
+_fraction = _number(lambda v: 0 < v < 1, "must be in (0, 1), got {text}: the fraction of the schedule the base runs "
+                    "before the refiner takes over (e.g. 0.8)")
+_finite = _number(math.isfinite, "must be a finite number, got {text!r}")  # NaN or inf guidance: a black image
 
 
 def _lora(text):
