@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import numbers
 from collections.abc import Mapping
@@ -412,10 +413,17 @@ def _check_size(name, value):
         raise ValueError(f"{name} must be a positive whole number of pixels (or None for the default), got {value!r}")
 
 
+@functools.cache
+def _raw_key_size() -> int:
+    """uint32 words in a raw key of the default PRNG implementation (2 for threefry), made once per process
+    rather than on every call."""
+    return jax.random.PRNGKey(0).shape[-1]
+
+
 def _check_key(key, leading_dims):
     """One PRNG key or one per image ((devices, ...) first under pmap): typed (`jax.random.key`) or raw uint32
     (`jax.random.PRNGKey`)."""
-    raw_size = jax.random.PRNGKey(0).shape[-1]
+    raw_size = _raw_key_size()
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key) if hasattr(key, "dtype") else False
     if not typed and not (hasattr(key, "dtype") and key.dtype == np.uint32 and key.ndim and key.shape[-1] == raw_size):
         what = f"a {key.dtype} array of shape {key.shape}" if hasattr(key, "dtype") else repr(key)
