@@ -131,14 +131,15 @@ def main(argv=None):
 
     import jax
 
-    from sdflax.cli import default_cache_dir
+    from sdflax.cache import cache_dir as default_cache_dir
 
     if args.no_cache:
         jax.config.update("jax_enable_compilation_cache", False)
         cache_dir = None
     else:
         cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
-        jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile, as sdflax.cli
+        if cache_dir:
+            jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile, as sdflax.cli
 
     if args.attention == "cudnn" and jax.default_backend() != "gpu":
         return fail(f"--attention cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
@@ -225,9 +226,11 @@ def loop_worker(args):
     import jax.numpy as jnp
 
     from sdflax import StableDiffusion
-    from sdflax.cli import default_cache_dir
+    from sdflax.cache import cache_dir as default_cache_dir
 
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.cache_dir or default_cache_dir()))
+    cache_dir = args.cache_dir or default_cache_dir()
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     pipeline, params = StableDiffusion.from_pretrained(args.model, dtype=getattr(jnp, dtype),
                                                        scheduler=args.scheduler, attention=args.attention)

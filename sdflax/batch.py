@@ -150,8 +150,7 @@ def _run(args, signals) -> int:
 
     from .parallel import device_mesh, replicate_on
 
-    cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else cli.default_cache_dir()
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    cli._use_cache_dir(args)
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     cli._check_attention(view, backend, dtype)

@@ -20,8 +20,9 @@ import time
 
 import numpy as np
 
+from . import cache
+
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-CACHE_ENV = "SDFLAX_CACHE_DIR"
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
@@ -54,12 +55,15 @@ def _input_errors() -> tuple[type, ...]:
         SingleFileError
 
 
-def default_cache_dir() -> str:
-    """Where compiled programs are kept: $SDFLAX_CACHE_DIR, else ~/.cache/sdflax/jax (XDG_CACHE_HOME honoured)."""
-    if os.environ.get(CACHE_ENV):
-        return os.path.expanduser(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "sdflax", "jax")
+def _use_cache_dir(args) -> str | None:
+    """Point JAX's compilation cache at --cache-dir or sdflax's cache folder (None: SDFLAX_CACHE_DIR=off), before
+    the first compile."""
+    import jax
+
+    cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else cache.cache_dir()
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+    return cache_dir
 
 
 def _positive_int(text):
@@ -229,11 +233,11 @@ def _add_options(command, image=False, exclude=()):
         help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
     add("--grid", action="store_true", help="also write all images as one grid PNG")
     add("--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="status lines, download bars and a per-step bar; --no-progress prints only the results (default: on, "
-        "with the per-step bar on the CPU only: JAX does not keep programs with a host callback in its disk cache, "
-        "and on an accelerator compiling takes longer than sampling)")
-    add("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: ${CACHE_ENV} or "
-        "~/.cache/sdflax/jax)")
+        help="--progress adds a per-step bar to the status lines and download bars (its program is compiled on "
+        "every run: JAX keeps no program with a host callback in its disk cache); --no-progress prints only the "
+        "results (default: status lines and download bars)")
+    add("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: ${cache.CACHE_ENV} "
+        f"or ~/.cache/sdflax/jax; {cache.CACHE_ENV}={cache.OFF} keeps none)")
     command.set_defaults(run=run)
 
 
@@ -276,8 +280,7 @@ def run(args) -> int:
 
     import jax  # after the checks above, so that mistakes are reported without starting JAX
 
-    cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else default_cache_dir()
-    jax.config.update("jax_compilation_cache_dir", cache_dir)  # before the first compile
+    cache_dir = _use_cache_dir(args)
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     _check_attention(args, backend, dtype)
@@ -296,8 +299,8 @@ def run(args) -> int:
     where = f"{devices} {backend.upper()} device" + ("s" if devices > 1 else "")
     strength = f" (strength {checkpoint.strength})" if pictures else ""
     status(f"Compiling for {args.steps} steps{strength} at {checkpoint.width}x{checkpoint.height}, {len(seeds)} "
-           f"image(s) on {where} (once per setting; kept in {cache_dir}) ...")
-    step_bar = _StepBar() if (args.progress if args.progress is not None else backend == "cpu") else None
+           f"image(s) on {where} (once per setting; {f'kept in {cache_dir}' if cache_dir else 'not kept'}) ...")
+    step_bar = _StepBar() if args.progress else None
     with _CompileClock() as clock:
         start = time.perf_counter()
         try:

@@ -13,6 +13,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .cache import enable_compile_cache
 from .generate import Inputs, Output
 from .parallel import device_mesh, replicate_on, shard_batch
 
@@ -21,6 +22,7 @@ class Runner:
     def __init__(self, fn):
         self.fn = fn
         self._sharded = {}  # mesh -> program
+        enable_compile_cache()  # a second process loads the programs this one compiles
 
     @functools.cached_property
     def jit(self):

@@ -27,9 +27,12 @@ class Pretrained:
         return cls(cls.config_class.from_dict(config), dtype=dtype, kernels=kernels or resolve_kernels(attention))
 
     def param_shapes(self):
-        """The params tree as ShapeDtypeStructs, without computing anything."""
+        """The params tree as ShapeDtypeStructs, without computing anything: traced once per config, then read
+        from sdflax's cache folder (`sdflax.cache`)."""
+        from ..cache import param_shapes
+
         init = lambda: self.init(jax.random.key(0), *self.dummy_inputs())["params"]  # noqa: E731
-        return jax.eval_shape(init)
+        return param_shapes(self, lambda: jax.eval_shape(init))
 
     def init_params(self, key):
         """Random params (for tests and benchmarks)."""
