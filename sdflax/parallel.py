@@ -29,12 +29,21 @@ def replicate(tree, devices=None):
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
 
     def copy(x):
-        x = jax.numpy.asarray(x)[None]
+        x = jax.numpy.asarray(x)
         return jax.make_array_from_single_device_arrays(
-            (mesh.size, *x.shape[1:]), sharding, [jax.device_put(x, d) for d in mesh.devices.flat]
+            (mesh.size, *x.shape), sharding, [_with_leading_axis(x, d) for d in mesh.devices.flat]
         )
 
     return jax.tree.map(copy, tree)
+
+
+def _with_leading_axis(x: jax.Array, device):
+    """x[None] on `device`. A CPU array already there becomes a view of its own buffer (CPU buffers are host memory,
+    and numpy views and `device_put` of aligned host arrays share it), so that replicating gigabytes of params on
+    one CPU device copies nothing; elsewhere a copy."""
+    if device.platform == "cpu" and x.devices() == {device}:
+        return jax.device_put(np.asarray(x)[None], device)
+    return jax.device_put(x[None], device)
 
 
 def shard(tree, devices=None):

@@ -88,8 +88,8 @@ def test_readme_offline_command_runs_as_written(tmp_path):
     out = args.index("--out") + 1
     assert not os.path.isabs(args[out])
     args[out] = str(tmp_path / args[out])
-    # Two devices: the per-step bar (on by default on the CPU) must count each step once, not once per device.
-    result = run_cli(args, tmp_path, devices=2, cwd=ROOT)
+    # Two devices: the per-step bar (--progress) must count each step once, not once per device.
+    result = run_cli([*args, "--progress"], tmp_path, devices=2, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     paths = result.stdout.split()
     assert paths and all(os.path.isfile(p) and p.startswith(str(tmp_path)) for p in paths)
