@@ -66,14 +66,15 @@ def check_pipeline_folder(folder, name=None, components=COMPONENTS, tokenizers=(
                                  f"missing {', '.join(missing)}")
 
 
-def load_tokenizer(folder):
-    """CLIPTokenizer from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json` (transformers 5)."""
-    from transformers import CLIPTokenizer
+def load_tokenizer(folder, **special_tokens):
+    """CLIP's tokenizer (`sdflax.tokenizer`) from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json`
+    (transformers 5); `special_tokens` (e.g. `pad_token="!"`) override tokenizer_config.json's."""
+    from .tokenizer import CLIPTokenizer
 
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
     try:
-        return CLIPTokenizer.from_pretrained(folder)
+        return CLIPTokenizer.from_folder(folder, **special_tokens)
     except Exception as e:  # the Rust tokenizers library raises bare Exceptions for damaged files
         detail = " ".join(str(e).split())[:200]
         raise ConfigError(f"{folder}: cannot build a CLIP tokenizer from its files ({type(e).__name__}: "

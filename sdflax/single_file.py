@@ -279,13 +279,13 @@ def bundled_config_folder(version: str) -> str:
 
 
 def bundled_tokenizer(version: str, name: str = "tokenizer"):
-    from transformers import CLIPTokenizer
+    from .loading import load_tokenizer
 
     folder = os.fspath(resources.files("sdflax") / "configs" / "tokenizer")
     # The same BPE vocabulary; OpenCLIP encoders (SD 2.x's, SDXL's second) pad with "!" (id 0) where CLIP ViT-L
     # pads with <|endoftext|>.
     openclip = version == "sd2" or name == "tokenizer_2"
-    return CLIPTokenizer.from_pretrained(folder, **({"pad_token": "!"} if openclip else {}))
+    return load_tokenizer(folder, **({"pad_token": "!"} if openclip else {}))
 
 
 def file_contents(version: str):
