@@ -122,3 +122,24 @@ def test_the_kernels_platform_picks_the_paths():
     assert "convolution(" not in compiled_text(here.apply, params, x)
     assert "convolution(" in compiled_text(there.apply, params, x)
     np.testing.assert_allclose(jax.jit(there.apply)(params, x), jax.jit(here.apply)(params, x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("leaf", [("conv_in", "kernel"), ("time_embedding_linear_1", "kernel"),
+                                  ("conv_norm_out", "scale")])
+def test_a_parameter_of_the_wrong_shape_is_refused_at_apply(leaf):
+    """Layers check existing params against a shape-only initializer (`ReadsParams`): still Flax's shape error."""
+    import flax
+    from builders import REPO
+
+    from sdflax.models import UNet2DConditionModel
+    from sdflax.models.config import read_config_file
+
+    unet = UNet2DConditionModel.from_config(read_config_file(REPO / "weights" / "tiny-sd" / "unet" / "config.json"))
+    params = jax.tree.map(jnp.zeros_like, unet.param_shapes())
+    args = (jnp.ones((1, 4, 32, 32)), jnp.float32(1), jnp.ones((1, 77, 32)))
+    assert unet.apply(params, *args).shape == (1, 4, 32, 32)
+    module, name = leaf
+    wrong = params[module][name]
+    params[module][name] = jnp.zeros((*wrong.shape[:-1], wrong.shape[-1] + 1))
+    with pytest.raises(flax.errors.ScopeParamShapeError, match=f'"{name}" in "/{module}"'):
+        unet.apply(params, *args)

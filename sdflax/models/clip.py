@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ConfigError, config_from_dict, config_source
-from .layers import Kernels, dot_product_attention, resolve_kernels
+from .layers import Dense, Embed, Kernels, LayerNorm, dot_product_attention, resolve_kernels
 from .pretrained import Pretrained
 
 ACTIVATIONS = {
@@ -63,8 +63,8 @@ class EncoderLayer(nn.Module):
     def __call__(self, x):
         cfg = self.config
         heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-        norm = lambda name: nn.LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, name=name)  # noqa: E731
-        dense = lambda features, name: nn.Dense(features, dtype=self.dtype, name=name)  # noqa: E731
+        norm = lambda name: LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
 
         h = norm("layer_norm1")(x)
         split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
@@ -92,7 +92,7 @@ class CLIPTextModel(Pretrained, nn.Module):
     def __call__(self, input_ids, output_hidden_states=False):
         cfg = self.config
         input_ids = jnp.asarray(input_ids, jnp.int32)
-        embed = lambda n, name: nn.Embed(n, cfg.hidden_size, dtype=self.dtype, name=name)  # noqa: E731
+        embed = lambda n, name: Embed(n, cfg.hidden_size, dtype=self.dtype, name=name)  # noqa: E731
         positions = jnp.arange(input_ids.shape[-1])[None]
         x = embed(cfg.vocab_size, "embeddings_token_embedding")(input_ids)
         x = x + embed(cfg.max_position_embeddings, "embeddings_position_embedding")(positions)
@@ -101,7 +101,7 @@ class CLIPTextModel(Pretrained, nn.Module):
         for i in range(cfg.num_hidden_layers):
             x = EncoderLayer(cfg, self.dtype, self.kernels, name=f"encoder_layers_{i}")(x)
             hidden_states.append(x)
-        x = nn.LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, name="final_layer_norm")(x)
+        x = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, name="final_layer_norm")(x)
 
         # transformers' rule: legacy configs (eos id 2) pool at the largest id, the others at the first eos.
         if cfg.eos_token_id == 2:
@@ -111,7 +111,7 @@ class CLIPTextModel(Pretrained, nn.Module):
         pooled = jnp.take_along_axis(x, eos_position[:, None, None], axis=1)[:, 0]
         text_embeds = None
         if self.with_projection:
-            text_embeds = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)
+            text_embeds = Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)
         return CLIPTextOutput(x, pooled, tuple(hidden_states) if output_hidden_states else None, text_embeds)
 
 

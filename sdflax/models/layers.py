@@ -117,7 +117,35 @@ def _in_query_chunks(attend, q, k, v):
     return jnp.moveaxis(out, 0, 1).reshape(b, n * CPU_QUERY_CHUNK, h, -1)[:, :t]
 
 
-class GroupNorm(nn.Module):
+class ReadsParams:
+    """Mixed into every layer with parameters. On every apply Flax checks each parameter against an `eval_shape` of
+    its initializer; tracing the real (random) initializers was a large part of tracing a pipeline. Outside `init`
+    an existing parameter is checked against a shape-only initializer instead: the same shape check, cheaply."""
+
+    @nn.nowrap
+    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+        if not self.is_initializing() and self.has_variable("params", name):
+            init_fn = _shape_only
+        return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+
+
+def _shape_only(key, shape, dtype=jnp.float32):
+    return jnp.empty(shape, dtype)
+
+
+class Dense(ReadsParams, nn.Dense):
+    """nn.Dense, `ReadsParams`."""
+
+
+class LayerNorm(ReadsParams, nn.LayerNorm):
+    """nn.LayerNorm, `ReadsParams`."""
+
+
+class Embed(ReadsParams, nn.Embed):
+    """nn.Embed, `ReadsParams`."""
+
+
+class GroupNorm(ReadsParams, nn.Module):
     """torch.nn.GroupNorm on NHWC, statistics in float32."""
 
     num_groups: int
@@ -143,7 +171,7 @@ def conv(features, kernel=3, stride=1, padding=None, name=None, dtype=jnp.float3
                   kernels=kernels or resolve_kernels(), name=name)
 
 
-class Conv2d(nn.Module):
+class Conv2d(ReadsParams, nn.Module):
     """torch.nn.Conv2d on NHWC with symmetric zero padding; params as flax's nn.Conv (kernel HWIO, bias)."""
 
     features: int
@@ -217,7 +245,7 @@ def multi_head_attention(x, context, heads, head_dim, *, qkv_bias, upcast, dtype
     Called inside a compact method: the four projections become the caller's submodules, named as in diffusers.
     `attend(q, k, v)` replaces `dot_product_attention` (the UNet's Attention passes its hook point)."""
     inner = heads * head_dim
-    dense = lambda n, features, bias: nn.Dense(features, use_bias=bias, name=n, dtype=dtype)  # noqa: E731
+    dense = lambda n, features, bias: Dense(features, use_bias=bias, name=n, dtype=dtype)  # noqa: E731
     split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
     q = split(dense("to_q", inner, qkv_bias)(x))
     k = split(dense("to_k", inner, qkv_bias)(context))
@@ -241,7 +269,7 @@ class ResnetBlock2D(nn.Module):
         h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm1")(x))
         h = convolution(self.out_channels, name="conv1")(h)
         if temb is not None:
-            h = h + nn.Dense(self.out_channels, name="time_emb_proj", dtype=self.dtype)(nn.silu(temb))[:, None, None, :]
+            h = h + Dense(self.out_channels, name="time_emb_proj", dtype=self.dtype)(nn.silu(temb))[:, None, None, :]
         h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm2")(h))
         h = convolution(self.out_channels, name="conv2")(h)
         if x.shape[-1] != self.out_channels:

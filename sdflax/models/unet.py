@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from .config import ConfigError, config_from_dict, config_source
 from .pretrained import Pretrained
-from .layers import (Attention, Downsample2D, GroupNorm, Kernels, ResnetBlock2D, Upsample2D, conv, resolve_kernels,
-                     timestep_embedding)
+from .layers import (Attention, Dense, Downsample2D, GroupNorm, Kernels, LayerNorm, ResnetBlock2D, Upsample2D, conv,
+                     resolve_kernels, timestep_embedding)
 
 # The blocks sdflax builds; diffusers' others (Simple*, KDownBlock2D, AttnDownBlock2D, ...) compute otherwise.
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
@@ -130,11 +130,11 @@ class BasicTransformerBlock(nn.Module):
         dim = x.shape[-1]
         attn = lambda name: Attention(self.heads, self.head_dim, upcast=self.upcast, dtype=self.dtype,  # noqa: E731
                                       kernels=self.kernels, name=name)
-        norm = lambda name: nn.LayerNorm(1e-5, dtype=self.dtype, name=name)  # noqa: E731
+        norm = lambda name: LayerNorm(1e-5, dtype=self.dtype, name=name)  # noqa: E731
         x = x + attn("attn1")(norm("norm1")(x))
         x = x + attn("attn2")(norm("norm2")(x), context)
-        hidden, gate = jnp.split(nn.Dense(dim * 8, dtype=self.dtype, name="ff_net_0_proj")(norm("norm3")(x)), 2, -1)
-        return x + nn.Dense(dim, dtype=self.dtype, name="ff_net_2")(hidden * nn.gelu(gate, approximate=False))
+        hidden, gate = jnp.split(Dense(dim * 8, dtype=self.dtype, name="ff_net_0_proj")(norm("norm3")(x)), 2, -1)
+        return x + Dense(dim, dtype=self.dtype, name="ff_net_2")(hidden * nn.gelu(gate, approximate=False))
 
 
 class Transformer2DModel(nn.Module):
@@ -150,7 +150,7 @@ class Transformer2DModel(nn.Module):
     def __call__(self, x, context):
         b, h, w, c = x.shape
         linear = self.config.use_linear_projection
-        project = lambda name: (nn.Dense(c, dtype=self.dtype, name=name) if linear  # noqa: E731
+        project = lambda name: (Dense(c, dtype=self.dtype, name=name) if linear  # noqa: E731
                                 else conv(c, kernel=1, name=name, dtype=self.dtype, kernels=self.kernels))
         hidden = GroupNorm(self.config.norm_num_groups, 1e-6, self.dtype, name="norm")(x)
         hidden = project("proj_in")(hidden).reshape(b, h * w, c)
@@ -186,8 +186,8 @@ class UNetEncoder:
         cfg, dtype, features = self.config, self.dtype, self.config.block_out_channels[0] * 4
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (batch,))
         temb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        temb = nn.Dense(features, dtype=dtype, name="time_embedding_linear_1")(temb.astype(dtype))
-        temb = nn.Dense(features, dtype=dtype, name="time_embedding_linear_2")(nn.silu(temb))
+        temb = Dense(features, dtype=dtype, name="time_embedding_linear_1")(temb.astype(dtype))
+        temb = Dense(features, dtype=dtype, name="time_embedding_linear_2")(nn.silu(temb))
         if cfg.addition_embed_type == "text_time":
             return temb + self._text_time_embedding(text_embeds, time_ids, features)
         if text_embeds is not None or time_ids is not None:
@@ -214,8 +214,8 @@ class UNetEncoder:
                              f"features; this {type(self).__name__} expects "
                              f"projection_class_embeddings_input_dim={expected}")
         emb = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(self.dtype)
-        emb = nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
-        return nn.Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
+        emb = Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
+        return Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
 
     def down_blocks(self, x, temb, context, until=None):
         """conv_in's NHWC output -> (the deepest features, the skips): conv_in's output, each down resnet's (with
