@@ -1,7 +1,7 @@
 """One runner for every pipeline: the jit, pmap and jit + NamedSharding programs of a pure
 `fn(params, inputs: Inputs, settings: Settings) -> Output`, each built once and cached per static `Settings`.
 
-pmap's and vmap's `in_axes` come from the structure of `Inputs` (its batched fields), never from a table of
+What is split over devices comes from the structure of `Inputs` (its batched fields), never from a table of
 argument positions, so a new input needs no change here.
 """
 
@@ -27,13 +27,30 @@ class Runner:
     @functools.cached_property
     def jit(self):
         """One device: (B, ...) inputs, one key or one per image."""
-        return jax.jit(self.fn, static_argnums=2)
+        return jax.jit(self.fn, static_argnums=2, compiler_options=compiler_options())
 
     @functools.cached_property
     def pmap(self):
-        """`jax.pmap` over the local devices: params `replicate`d, batched inputs `shard`ed (devices, B / devices,
-        ...), one key per device or per image; shared inputs (scales, sizes) are broadcast."""
-        return jax.pmap(self.fn, in_axes=(0, Inputs.axes(), None), static_broadcasted_argnums=2)
+        """`jax.pmap`'s calling convention over the local devices: params `replicate`d, batched inputs `shard`ed
+        (devices, B / devices, ...), one key per device or per image; shared inputs (scales, sizes) are broadcast;
+        outputs lead with the device axis. Built as jax.pmap is now, jit + shard_map, each device running `fn` on
+        its slice without the device axis."""
+        mesh = device_mesh()
+        axis = mesh.axis_names[0]
+        in_specs = (P(axis), _input_specs(axis))
+        batched = Inputs.batched_fields()
+
+        def run(params, inputs, settings):
+            def local(params, inputs):
+                inputs = inputs.replace(**{name: jax.tree.map(lambda x: x[0], getattr(inputs, name))
+                                           for name in batched})
+                out = self.fn(jax.tree.map(lambda x: x[0], params), inputs, settings)
+                return jax.tree.map(lambda x: x[None], out)
+
+            return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(axis), check_vma=False)(
+                params, inputs)
+
+        return jax.jit(run, static_argnums=2, compiler_options=compiler_options())
 
     def sharded(self, mesh):
         """jit over (B, ...) inputs split over a one-axis device mesh, each device running `fn` on its own rows
@@ -42,8 +59,7 @@ class Runner:
         comes back as (evals, B, ...). One program per mesh and Settings."""
         if mesh not in self._sharded:
             axis = mesh.axis_names[0]
-            in_specs = (P(), Inputs(**{f.name: P(axis) if f.metadata.get("batched") else P()
-                                       for f in dataclasses.fields(Inputs)}))
+            in_specs = (P(), _input_specs(axis))
             out_specs = Output(P(axis), P(None, axis))  # images (B, ...), trajectory (evals, B, ...)
 
             def run(params, inputs, settings):
@@ -53,7 +69,7 @@ class Runner:
                 return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                      check_vma=False)(params, inputs)
 
-            self._sharded[mesh] = jax.jit(run, static_argnums=2)
+            self._sharded[mesh] = jax.jit(run, static_argnums=2, compiler_options=compiler_options())
         return self._sharded[mesh]
 
     def run_sharded(self, params, inputs: Inputs, settings, mesh=None) -> Output:
@@ -70,6 +86,18 @@ class Runner:
                    and getattr(inputs, name) is not None}
         inputs = inputs.replace(**shard_batch(batched, mesh), prng_seed=shard_batch(keys, mesh))
         return self.sharded(mesh)(replicate_on(params, mesh), inputs, settings)
+
+
+def compiler_options() -> dict | None:
+    """XLA options for the pipeline programs. On the CPU, LLVM's optimisation level 1 instead of 3: the programs'
+    time goes to library convolutions and matmuls, which it does not touch, so compiling is shorter and sampling
+    is not slower (README, "Time to first image")."""
+    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
+
+
+def _input_specs(axis) -> Inputs:
+    """Inputs' shard_map specs: batched fields split over `axis`, shared ones whole on every device."""
+    return Inputs(**{f.name: P(axis) if f.metadata.get("batched") else P() for f in dataclasses.fields(Inputs)})
 
 
 def _batch(inputs) -> int:
