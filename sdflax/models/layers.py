@@ -6,6 +6,8 @@ Everything is NHWC. Module and parameter names follow the diffusers checkpoints 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -120,13 +122,27 @@ def _in_query_chunks(attend, q, k, v):
 class ReadsParams:
     """Mixed into every layer with parameters. On every apply Flax checks each parameter against an `eval_shape` of
     its initializer; tracing the real (random) initializers was a large part of tracing a pipeline. Outside `init`
-    an existing parameter is checked against a shape-only initializer instead: the same shape check, cheaply."""
+    an existing parameter is checked against a shape-only initializer instead: the same shape check, cheaply. Inside
+    `shapes_only()` (parameter shapes, never values) parameters are made by it too."""
 
     @nn.nowrap
     def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-        if not self.is_initializing() and self.has_variable("params", name):
+        if _SHAPES_ONLY.get() or (not self.is_initializing() and self.has_variable("params", name)):
             init_fn = _shape_only
         return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+
+
+_SHAPES_ONLY = contextvars.ContextVar("sdflax_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Within, layers make parameters with `jnp.empty`: for `jax.eval_shape` of an init, where values are unused."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
 
 
 def _shape_only(key, shape, dtype=jnp.float32):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .layers import Kernels, resolve_kernels
+from .layers import Kernels, resolve_kernels, shapes_only
 
 
 class Pretrained:
@@ -31,8 +31,11 @@ class Pretrained:
         from sdflax's cache folder (`sdflax.cache`)."""
         from ..cache import param_shapes
 
-        init = lambda: self.init(jax.random.key(0), *self.dummy_inputs())["params"]  # noqa: E731
-        return param_shapes(self, lambda: jax.eval_shape(init))
+        def trace():
+            with shapes_only():
+                return jax.eval_shape(lambda: self.init(jax.random.key(0), *self.dummy_inputs())["params"])
+
+        return param_shapes(self, trace)
 
     def init_params(self, key):
         """Random params (for tests and benchmarks)."""
