@@ -63,7 +63,7 @@ def test_img2img_writes_pngs_with_their_settings_and_a_seed_gives_its_image_back
 def test_inpaint_writes_pngs_with_their_settings(pictures, tmp_path):
     result = run_cli(["inpaint", "a lighthouse", "--image", "in.png", "--mask", "mask.png", "--model", TINY,
                       "--steps", "2", "--seed", "5", "--height", "32", "--width", "36", "--scheduler", "ddim",
-                      "--out", str(tmp_path / "out")], tmp_path, devices=1, cwd=pictures)
+                      "--progress", "--out", str(tmp_path / "out")], tmp_path, devices=1, cwd=pictures)
     assert result.returncode == 0, result.stderr
     [path] = result.stdout.split()
     assert path == str(tmp_path / "out" / "a-lighthouse-5.png")
@@ -75,7 +75,7 @@ def test_inpaint_writes_pngs_with_their_settings(pictures, tmp_path):
         "strength": "1.0", "image": "in.png", "mask": "mask.png"}
     assert "warning" not in result.stderr
     assert "Compiling for 2 steps (strength 1.0) at 36x32" in result.stderr
-    counts = re.findall(r"(\d+)/(\d+) \[", result.stderr)  # the step bar, on by default on the CPU
+    counts = re.findall(r"(\d+)/(\d+) \[", result.stderr)  # the step bar (--progress)
     assert counts and counts[-1] == ("2", "2"), result.stderr
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -121,13 +122,19 @@ def _in_query_chunks(attend, q, k, v):
 
 class ReadsParams:
     """Mixed into every layer with parameters. On every apply Flax checks each parameter against an `eval_shape` of
-    its initializer; tracing the real (random) initializers was a large part of tracing a pipeline. Outside `init`
-    an existing parameter is checked against a shape-only initializer instead: the same shape check, cheaply. Inside
-    `shapes_only()` (parameter shapes, never values) parameters are made by it too."""
+    its initializer, which was a large part of tracing a pipeline. Outside `init` an existing parameter is read
+    directly and its shape compared with the one the layer asks for: the same ScopeParamShapeError, without a trace
+    per parameter. Inside `shapes_only()` (parameter shapes, never values) new parameters are made by `jnp.empty`."""
 
     @nn.nowrap
     def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-        if _SHAPES_ONLY.get() or (not self.is_initializing() and self.has_variable("params", name)):
+        shape = init_args[0] if init_args else None
+        if (isinstance(shape, tuple) and not self.is_initializing() and self.has_variable("params", name)):
+            value = self.get_variable("params", name)
+            if np.shape(value) != shape:
+                raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, np.shape(value), shape)
+            return flax.core.meta.unbox(value) if unbox else value
+        if _SHAPES_ONLY.get():
             init_fn = _shape_only
         return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
 
