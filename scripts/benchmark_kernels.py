@@ -4,8 +4,9 @@
     python scripts/benchmark_kernels.py --unet 32        # also one guided UNet evaluation on 32x32 latents (256 px)
 
 Milliseconds, median of --repeats calls each, as one JSON object:
-- attention: sdflax's `dot_product_attention` (in blocks of CPU_QUERY_CHUNK queries above that many), its XLA
-  path in one piece, jax.nn.dot_product_attention, and torch's scaled_dot_product_attention;
+- attention: sdflax's `dot_product_attention` (one (image, head) pair at a time, in blocks of queries, where an
+  image's logits exceed CPU_ATTENTION_BLOCK_BYTES), its XLA path in one piece, jax.nn.dot_product_attention, and
+  torch's scaled_dot_product_attention;
 - conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image), XLA's
   convolution, the patch matmul at every size, and torch's conv2d;
 - unet (with --unet N): sdflax's and diffusers' SD 1.5 UNet on a guidance batch of 2, random weights.
@@ -71,7 +72,7 @@ def attention_rows(shapes, repeats):
         with torch.no_grad():
             row["torch_sdpa"] = milliseconds(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv),
                                              repeats)
-        rows.append({**row, "query_blocks": t > layers.CPU_QUERY_CHUNK,
+        rows.append({**row, "loops": h * t * s * 4 > layers.CPU_ATTENTION_BLOCK_BYTES,
                      "ratio": round(row["sdflax"] / row["torch_sdpa"], 3)})
     return rows
 
@@ -138,9 +139,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     attention, convs = ATTENTION_SHAPES, CONV_SHAPES
     if args.small:
-        attention, convs = [(1, 300, 300, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 16, 8), (2, 32, 32, 8, 8)]
+        attention, convs = [(1, 1100, 1100, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 16, 8), (2, 32, 32, 8, 8)]
     report = {"device": str(jax.devices()[0]), "torch_threads": torch.get_num_threads(),
-              "cpu_query_chunk": layers.CPU_QUERY_CHUNK, "cpu_patch_matmul_pixels": layers.CPU_PATCH_MATMUL_PIXELS,
+              "cpu_attention_block_bytes": layers.CPU_ATTENTION_BLOCK_BYTES, "cpu_patch_matmul_pixels": layers.CPU_PATCH_MATMUL_PIXELS,
               "attention": attention_rows(attention, args.repeats), "conv": conv_rows(convs, args.repeats)}
     if args.unet:
         report["unet"] = unet_row(args.unet, args.repeats)

@@ -22,9 +22,16 @@ def compiled_text(fn, *args):
     return jax.jit(fn).lower(*args).compile().as_text()
 
 
-@pytest.mark.parametrize("tokens, keys, causal", [(700, 700, False), (1024, 77, False), (77, 77, True)])
-def test_attention_matches_sdpa(tokens, keys, causal):
-    """Query blocks on the CPU (700 is not a whole number of blocks: the last one is padded) and one piece."""
+@pytest.mark.parametrize("tokens, keys, causal, block_bytes, loops", [
+    (800, 800, False, None, 1),                # 10 MB of logits an image: one (image, head) pair at a time
+    (700, 700, False, 700 * 700 * 4 // 3, 2),  # three blocks of 234 queries a pair, the last one padded
+    (1024, 77, False, None, 0),                # an image's logits fit at once: one piece
+    (77, 77, True, None, 0),                   # causal (CLIP): one piece
+])
+def test_attention_matches_sdpa(tokens, keys, causal, block_bytes, loops, monkeypatch):
+    """The CPU's attention in one piece, by (image, head) pair, and in blocks of queries, against PyTorch."""
+    if block_bytes:
+        monkeypatch.setattr(layers, "CPU_ATTENTION_BLOCK_BYTES", block_bytes)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, tokens, 4, 40), dtype=np.float32)
     k, v = (rng.standard_normal((2, keys, 4, 40), dtype=np.float32) for _ in range(2))
@@ -32,8 +39,20 @@ def test_attention_matches_sdpa(tokens, keys, causal):
     theirs = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(t).transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
     np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=RTOL, atol=ATOL)
-    chunked = "while" in compiled_text(dot_product_attention, q, k, v)
-    assert chunked == (tokens > layers.CPU_QUERY_CHUNK and not causal)
+    assert compiled_text(functools.partial(dot_product_attention, causal=causal), q, k, v).count(" while(") == loops
+
+
+@pytest.mark.parametrize("tokens, keys", [(800, 800), (1024, 77)])
+def test_attention_of_an_image_does_not_depend_on_its_batch(tokens, keys):
+    """Whether the CPU's attention loops is decided by one image's logits, and each image's numbers are the same
+    bits alone and in a batch, on both paths."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, tokens, 4, 40), dtype=np.float32)
+    k, v = (rng.standard_normal((3, keys, 4, 40), dtype=np.float32) for _ in range(2))
+    attend = jax.jit(dot_product_attention)
+    batch = np.asarray(attend(q, k, v))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(attend(q[i:i + 1], k[i:i + 1], v[i:i + 1]))[0], batch[i])
 
 
 @pytest.mark.parametrize("size, channels, kernel, stride, padding", [
@@ -107,11 +126,11 @@ def test_kernels_are_resolved_once_into_one_hashable_value():
 
 
 def test_the_kernels_platform_picks_the_paths():
-    """The CPU's query blocks and patch matmul follow the Kernels value, not the compiling device: a GPU's choice
+    """The CPU's attention loop and patch matmul follow the Kernels value, not the compiling device: a GPU's choice
     compiled here has neither, and gives the same numbers."""
     gpu = layers.Kernels("gpu", "9.0")  # float32: XLA's attention, in one piece
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 700, 2, 16), dtype=np.float32) for _ in range(3))
+    q, k, v = (rng.standard_normal((1, 1100, 2, 16), dtype=np.float32) for _ in range(3))  # 9.7 MB of logits
     on_gpu = functools.partial(dot_product_attention, kernels=gpu)
     assert "while" not in compiled_text(on_gpu, q, k, v) and "while" in compiled_text(dot_product_attention, q, k, v)
     np.testing.assert_allclose(jax.jit(on_gpu)(q, k, v), jax.jit(dot_product_attention)(q, k, v), rtol=RTOL, atol=ATOL)

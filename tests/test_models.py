@@ -13,7 +13,7 @@ from builders import BUILDERS, CONFIGS, torch_unet, torch_vae
 import jax.numpy as jnp
 
 from sdflax import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
-from sdflax.models import Kernels, resolve_kernels
+from sdflax.models import Kernels, layers, resolve_kernels
 from sdflax.weights import CheckpointMismatchError
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity, per module
@@ -175,9 +175,11 @@ def test_models_take_one_kernels_value():
             cls.from_config(config, attention="cudnn").param_shapes()
 
 
-def test_unet_paths_follow_its_kernels():
+def test_unet_paths_follow_its_kernels(monkeypatch):
     """The Kernels platform reaches every layer: the UNet built for a GPU, compiled here, runs its 256-token
-    self-attention in one piece (no CPU query blocks) and every 3x3 conv as a convolution, with the same numbers."""
+    self-attention in one piece (no CPU loop over heads and query blocks, here made to run by a small block) and
+    every 3x3 conv as a convolution, with the same numbers."""
+    monkeypatch.setattr(layers, "CPU_ATTENTION_BLOCK_BYTES", 100_000)  # 256 x 256 logits: 262 kB a head
     unet = UNet2DConditionModel.from_config(CONFIGS["sd1"]["unet"])
     gpu = unet.clone(kernels=Kernels("gpu", "9.0"))
     rng = np.random.default_rng(3)

@@ -22,10 +22,10 @@ import numpy as np
 # flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "auto": cuDNN where it runs
 # for the call's head dimension and dtype (`Kernels.cudnn_runs`), XLA elsewhere.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-# On the CPU, attention over many tokens runs faster in blocks of this many queries, whose logits stay nearer the
-# cache, than in one piece (SD 1.5 on 2 cores: its 1024-token self-attention 61 -> 35 ms; a 512 px UNet evaluation
-# 13.4 s with blocks of 256 queries, 11.9 s with 128).
-CPU_QUERY_CHUNK = 128
+# On the CPU, attention runs one (image, head) pair at a time, in blocks of queries whose float32 logits take at
+# most this many bytes, so that they stay near the caches while exp, the row sums and the product with v read them
+# (README, "Performance": blocks of queries over every head at once wrote their logits to memory).
+CPU_ATTENTION_BLOCK_BYTES = 8 << 20
 # On the CPU, a convolution with at most this many output pixels per image is faster as one matmul over its 3x3
 # patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280). Per image, not per batch: the two paths sum
 # in different orders, and an image must not change with the batch it is made in.
@@ -95,10 +95,9 @@ def dot_product_attention(q, k, v, *, causal=False, upcast=True, kernels: Kernel
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)  # on q, not on the (T, S) logits: T·S/d fewer products
-    attend = functools.partial(_attention, causal=causal, dtype=dtype)
-    if kernels.platform == "cpu" and not causal and q.shape[1] > CPU_QUERY_CHUNK:
-        return _in_query_chunks(attend, q, k, v)
-    return attend(q, k, v)
+    if kernels.platform == "cpu" and not causal:
+        return _cpu_attention(q, k, v, dtype)
+    return _attention(q, k, v, causal=causal, dtype=dtype)
 
 
 def _attention(q, k, v, *, causal, dtype):
@@ -110,14 +109,35 @@ def _attention(q, k, v, *, causal, dtype):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def _in_query_chunks(attend, q, k, v):
-    """`attend` over blocks of CPU_QUERY_CHUNK queries, one after another (queries padded to a whole block)."""
+def _cpu_attention(q, k, v, dtype):
+    """Attention in one piece if an image's float32 logits fit in `CPU_ATTENTION_BLOCK_BYTES` (an image's, not the
+    batch's: the two paths round differently, and an image must not change with its batch), else for each (image,
+    head) pair in turn over blocks of queries that fit (queries padded to whole blocks). Each block is normalised
+    after its product with v: T·d divisions, not T·S."""
     b, t, h, d = q.shape
-    n = -(-t // CPU_QUERY_CHUNK)
-    q = jnp.pad(q, ((0, 0), (0, n * CPU_QUERY_CHUNK - t), (0, 0), (0, 0)))
-    blocks = jnp.moveaxis(q.reshape(b, n, CPU_QUERY_CHUNK, h, d), 1, 0)
-    out = jax.lax.map(lambda block: attend(block, k, v), blocks)
-    return jnp.moveaxis(out, 0, 1).reshape(b, n * CPU_QUERY_CHUNK, h, -1)[:, :t]
+    s = k.shape[1]
+    q, k, v = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))  # (B, heads, tokens, d)
+    if h * t * s * 4 <= CPU_ATTENTION_BLOCK_BYTES:
+        return jnp.moveaxis(_attend_normalising_late(q, k, v, dtype), 1, 2)
+    n = -(-t * s * 4 // CPU_ATTENTION_BLOCK_BYTES)  # blocks of queries per pair
+    block = -(-t // n)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, n * block - t), (0, 0))).reshape(b * h, n, block, d)
+    k, v = (x.reshape(b * h, *x.shape[2:]) for x in (k, v))
+
+    def pair(q, k, v):  # q (n, block, d); k, v (S, d)
+        return jax.lax.map(lambda q: _attend_normalising_late(q, k, v, dtype), q) if n > 1 else \
+            _attend_normalising_late(q, k, v, dtype)
+
+    out = jax.lax.map(lambda qkv: pair(*qkv), (q, k, v))  # (B·heads, n, block, dv)
+    return jnp.moveaxis(out.reshape(b, h, n * block, -1), 1, 2)[:, :t]
+
+
+def _attend_normalising_late(q, k, v, dtype):
+    """softmax(q kᵀ) v over (..., T, d), (..., S, d), (..., S, dv), divided by the softmax's sums after the
+    product with v."""
+    logits = jnp.einsum("...qd,...kd->...qk", q, k).astype(jnp.float32)
+    weights = jnp.exp(logits - logits.max(-1, keepdims=True))
+    return (jnp.einsum("...qk,...kd->...qd", weights.astype(dtype), v) / weights.sum(-1, keepdims=True)).astype(dtype)
 
 
 class ReadsParams:
