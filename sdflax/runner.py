@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -88,11 +89,28 @@ class Runner:
         return self.sharded(mesh)(replicate_on(params, mesh), inputs, settings)
 
 
+# XLA's CPU hands dots, reductions and convolutions to the YNNPACK library by default. Its convolutions fault in fresh
+# memory for their buffers on every call and set themselves up on a program's first run; XLA's own are faster in
+# the pipelines (README, "Performance"). These are the default's other types.
+CPU_YNN_FUSION_TYPES = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
+
+
+@functools.cache
 def compiler_options() -> dict | None:
-    """XLA options for the pipeline programs. On the CPU, LLVM's optimisation level 1 instead of 3: the programs'
+    """XLA options for the pipeline programs. On the CPU: LLVM's optimisation level 1 instead of 3 (the programs'
     time goes to library convolutions and matmuls, which it does not touch, so compiling is shorter and sampling
-    is not slower (README, "Time to first image")."""
-    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
+    is not slower), and convolutions left to XLA (`CPU_YNN_FUSION_TYPES`) where this jaxlib has the option. An
+    option the user's XLA_FLAGS set is left to them (e.g. README, "One image, any batch")."""
+    if jax.default_backend() != "cpu":
+        return None
+    options = {"xla_backend_optimization_level": 1, "xla_cpu_experimental_ynn_fusion_type": CPU_YNN_FUSION_TYPES}
+    options = {name: value for name, value in options.items() if f"--{name}=" not in os.environ.get("XLA_FLAGS", "")}
+    if "xla_cpu_experimental_ynn_fusion_type" in options:
+        try:  # an experimental option: another jaxlib may name it or its values otherwise
+            jax.jit(lambda x: x, compiler_options=options).lower(0.0).compile()
+        except jax.errors.JaxRuntimeError:
+            del options["xla_cpu_experimental_ynn_fusion_type"]
+    return options or None
 
 
 def _input_specs(axis) -> Inputs:

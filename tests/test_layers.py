@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 
 import jax
@@ -162,3 +163,35 @@ def test_a_parameter_of_the_wrong_shape_is_refused_at_apply(leaf):
     params[module][name] = jnp.zeros((*wrong.shape[:-1], wrong.shape[-1] + 1))
     with pytest.raises(flax.errors.ScopeParamShapeError, match=f'"{name}" in "/{module}"'):
         unet.apply(params, *args)
+
+
+def test_pipeline_programs_leave_cpu_convolutions_to_xla():
+    """`runner.compiler_options` keeps the CPU's convolutions out of YNNPACK (README, "Performance"): compiled with
+    them a convolution is XLA's own, without them this jaxlib hands it to YNNPACK."""
+    from sdflax.runner import compiler_options
+
+    x = np.random.default_rng(0).standard_normal((2, 32, 32, 32), dtype=np.float32)
+    layer = conv(32)
+    params = layer.init(jax.random.key(0), x)
+    ours, default = (jax.jit(layer.apply, compiler_options=options).lower(params, x).compile().as_text()
+                     for options in (compiler_options(), None))
+    assert "ynn_fusion" in default and "ynn_fusion" not in ours and " convolution(" in ours
+
+
+@pytest.mark.parametrize("xla_flags, expected", [
+    ("", {"xla_backend_optimization_level": 1, "xla_cpu_experimental_ynn_fusion_type":
+          "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}),
+    ("--xla_cpu_experimental_ynn_fusion_type=individual_dot,individual_convolution",
+     {"xla_backend_optimization_level": 1}),
+])
+def test_compiler_options_leave_what_xla_flags_set_to_the_user(xla_flags, expected):
+    """An option named in XLA_FLAGS is the user's (README, "One image, any batch"), fresh process each."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
+    out = subprocess.run([sys.executable, "-c", "import json; from sdflax.runner import compiler_options; "
+                          "print(json.dumps(compiler_options()))"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == expected
