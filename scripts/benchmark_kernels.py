@@ -10,7 +10,8 @@ Milliseconds, median of --repeats calls each, as one JSON object:
 - conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image), XLA's
   convolution, the patch matmul at every size, and torch's conv2d;
 - unet (with --unet N): sdflax's and diffusers' SD 1.5 UNet on a guidance batch of 2, random weights.
-Each row has `ratio`: sdflax over torch.
+Each row has `ratio`: sdflax over torch. Every JAX kernel is compiled with the pipelines' XLA options
+(`runner.compiler_options`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ except ImportError as e:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdflax.models import layers  # noqa: E402
+from sdflax.runner import compiler_options  # noqa: E402
 
 ATTENTION_SHAPES = [(2, 1024, 1024, 8, 40), (2, 1024, 77, 8, 40), (2, 4096, 4096, 8, 40)]  # B, T, S, heads, dim
 CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 16, 16, 640, 640), (8, 16, 16, 640, 640),
@@ -52,7 +54,7 @@ def milliseconds(fn, repeats):
 
 
 def jax_ms(fn, args, repeats):
-    compiled = jax.jit(fn).lower(*args).compile()
+    compiled = jax.jit(fn, compiler_options=compiler_options()).lower(*args).compile()  # as the pipelines do
     return milliseconds(lambda: jax.block_until_ready(compiled(*args)), repeats)
 
 
@@ -141,6 +143,7 @@ def main(argv=None):
     if args.small:
         attention, convs = [(1, 1100, 1100, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 16, 8), (2, 32, 32, 8, 8)]
     report = {"device": str(jax.devices()[0]), "torch_threads": torch.get_num_threads(),
+              "compiler_options": compiler_options(),
               "cpu_attention_block_bytes": layers.CPU_ATTENTION_BLOCK_BYTES, "cpu_patch_matmul_pixels": layers.CPU_PATCH_MATMUL_PIXELS,
               "attention": attention_rows(attention, args.repeats), "conv": conv_rows(convs, args.repeats)}
     if args.unet:

@@ -37,7 +37,7 @@ class Kernels:
     """How attention and convolutions are computed: the facts of the target device that decide it, and the user's
     attention choice. Frozen and hashable; resolved once (`resolve_kernels`) and handed to every layer.
 
-    The CPU's query blocks and patch matmuls are chosen from `platform` here, not by `lax.platform_dependent` at
+    The CPU's attention loop and patch matmuls are chosen from `platform` here, not by `lax.platform_dependent` at
     lowering: one value decides every kernel, a program holds only the path it runs, and the choice for another
     device can be compiled and checked on this one.
     """
