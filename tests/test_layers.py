@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -25,7 +28,7 @@ def compiled_text(fn, *args):
 
 @pytest.mark.parametrize("tokens, keys, causal, block_bytes, loops", [
     (800, 800, False, None, 1),                # 10 MB of logits an image: one (image, head) pair at a time
-    (700, 700, False, 700 * 700 * 4 // 3, 2),  # three blocks of 234 queries a pair, the last one padded
+    (700, 700, False, 660_000, 2),             # 1.96 MB a pair: three blocks of 234 queries, the last one padded
     (1024, 77, False, None, 0),                # an image's logits fit at once: one piece
     (77, 77, True, None, 0),                   # causal (CLIP): one piece
 ])
@@ -186,10 +189,6 @@ def test_pipeline_programs_leave_cpu_convolutions_to_xla():
 ])
 def test_compiler_options_leave_what_xla_flags_set_to_the_user(xla_flags, expected):
     """An option named in XLA_FLAGS is the user's (README, "One image, any batch"), fresh process each."""
-    import json
-    import subprocess
-    import sys
-
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
     out = subprocess.run([sys.executable, "-c", "import json; from sdflax.runner import compiler_options; "
                           "print(json.dumps(compiler_options()))"], env=env, capture_output=True, text=True)
