@@ -144,7 +144,8 @@ def main(argv=None):
         attention, convs = [(1, 1100, 1100, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 16, 8), (2, 32, 32, 8, 8)]
     report = {"device": str(jax.devices()[0]), "torch_threads": torch.get_num_threads(),
               "compiler_options": compiler_options(),
-              "cpu_attention_block_bytes": layers.CPU_ATTENTION_BLOCK_BYTES, "cpu_patch_matmul_pixels": layers.CPU_PATCH_MATMUL_PIXELS,
+              "cpu_attention_block_bytes": layers.CPU_ATTENTION_BLOCK_BYTES,
+              "cpu_patch_matmul_pixels": layers.CPU_PATCH_MATMUL_PIXELS,
               "attention": attention_rows(attention, args.repeats), "conv": conv_rows(convs, args.repeats)}
     if args.unet:
         report["unet"] = unet_row(args.unet, args.repeats)

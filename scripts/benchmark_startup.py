@@ -25,9 +25,9 @@ Phases (seconds): `import_s` (the framework and the library), `backend_s` (JAX's
 `load_s` (`from_pretrained`, params on the device), `first_call_s` (the first call, compiling included; for sdflax
 also split into `trace_s`, `lower_s` and `compile_s` from JAX's monitoring events), `steady_s` (a later call with
 the same shapes and new values), `to_first_image_s` (from the process's start to the first image in hand), and for
-the PNG-writing processes `to_png_s` (to the file's last write) and `process_s` (to the exit). The `sdflax` row starts with an empty cache folder (`SDFLAX_CACHE_DIR`: no compiled program,
-no parameter shapes), as on a user's first run; `sdflax_warm_cache` is every later run (one untimed process
-filled the folder).
+the PNG-writing processes `to_png_s` (to the file's last write) and `process_s` (to the exit). The `sdflax` row
+starts with an empty cache folder (`SDFLAX_CACHE_DIR`: no compiled program, no parameter shapes), as on a user's
+first run; `sdflax_warm_cache` is every later run (one untimed process filled the folder).
 Prints one JSON object: every run's phases, the medians, their ranges, and the ratios sdflax / baseline.
 
     python scripts/benchmark_startup.py --case small --peer-python peer/bin/python --repeats 3

@@ -149,7 +149,7 @@ class ReadsParams:
     @nn.nowrap
     def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
         shape = init_args[0] if init_args else None
-        if (isinstance(shape, tuple) and not self.is_initializing() and self.has_variable("params", name)):
+        if isinstance(shape, tuple) and not self.is_initializing() and self.has_variable("params", name):
             value = self.get_variable("params", name)
             if np.shape(value) != shape:
                 raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, np.shape(value), shape)
