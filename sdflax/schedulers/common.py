@@ -190,22 +190,25 @@ def alpha_prod_at(alpha_prod: np.ndarray, final_alpha_prod, timesteps: np.ndarra
     return np.where(timesteps >= 0, alpha_prod[np.maximum(timesteps, 0)], final_alpha_prod).astype(np.float32)
 
 
-def predict_x0_and_epsilon(model_output, sample, alpha_prod_t, prediction_type: str):
-    """Turn the network output into (x̂_0, ε̂) using x_t = √ᾱ_t x_0 + √(1-ᾱ_t) ε."""
-    beta_prod_t = 1.0 - alpha_prod_t
+def predict_x0_and_epsilon(model_output, sample, alpha, sigma, prediction_type: str, variance=1.0):
+    """(x̂_0, ε̂), float32, from the network output at sample = α x_0 + σ ε: the one conversion every scheduler
+    makes (k-diffusion's denoiser wrappers). The UNet sees sample / √variance, variance = α² + σ²: 1 for the
+    variance-preserving x_t (α = √ᾱ_t, σ = √(1-ᾱ_t)), 1 + σ² for the σ samplers' x_0 + σ ε (α = 1)."""
+    out, x = model_output.astype(jnp.float32), sample.astype(jnp.float32)
     if prediction_type == "epsilon":
-        pred_epsilon = model_output
-        pred_x0 = (sample - jnp.sqrt(beta_prod_t) * model_output) / jnp.sqrt(alpha_prod_t)
-    elif prediction_type == "sample":
-        pred_x0 = model_output
-        pred_epsilon = (sample - jnp.sqrt(alpha_prod_t) * model_output) / jnp.sqrt(beta_prod_t)
-    elif prediction_type == "v_prediction":
-        # v = √ᾱ_t ε - √(1-ᾱ_t) x_0  (Salimans & Ho 2022)
-        pred_x0 = jnp.sqrt(alpha_prod_t) * sample - jnp.sqrt(beta_prod_t) * model_output
-        pred_epsilon = jnp.sqrt(alpha_prod_t) * model_output + jnp.sqrt(beta_prod_t) * sample
-    else:
-        raise ValueError(f"prediction_type={prediction_type!r}; allowed: {PREDICTION_TYPES}")
-    return pred_x0, pred_epsilon
+        return (x - sigma * out) / alpha, out
+    if prediction_type == "sample":
+        return out, (x - alpha * out) / sigma
+    if prediction_type == "v_prediction":
+        # v = (α ε - σ x_0) / √variance on the UNet's unit-variance input (Salimans & Ho 2022)
+        rms = jnp.sqrt(variance)
+        return alpha * x / variance - sigma / rms * out, alpha / rms * out + sigma * x / variance
+    raise ValueError(f"prediction_type={prediction_type!r}; allowed: {PREDICTION_TYPES}")
+
+
+def alpha_sigma(alpha_prod_t):
+    """(α, σ) = (√ᾱ_t, √(1-ᾱ_t)): x_t = α x_0 + σ ε (Ho et al. 2020 eq. 4)."""
+    return jnp.sqrt(alpha_prod_t), jnp.sqrt(1.0 - alpha_prod_t)
 
 
 def add_noise(original_samples, noise, alpha_prod_t):
@@ -225,11 +228,16 @@ def step_noise(key, shape) -> jnp.ndarray:
     return jax.vmap(lambda k: jax.random.normal(k, one, jnp.float32))(key).reshape(shape)
 
 
-def draw_step_noise(key, variance_noise, shape, sampler: str) -> jnp.ndarray:
-    """The fresh N(0, I) noise of a stochastic step, float32: `variance_noise` as given (tests, parity with diffusers'
-    `variance_noise=`), or drawn from `key` by `step_noise`; exactly one of the two."""
-    if (key is None) == (variance_noise is None):
-        raise ValueError(f"{sampler} adds fresh noise each step: pass either a PRNG `key` or `variance_noise`")
+def draw_step_noise(key, variance_noise, shape, what: str, adds_noise=True):
+    """The fresh z ~ N(0, I) of a stochastic step, float32: `variance_noise` as given (tests, parity with diffusers'
+    `variance_noise=`), or drawn from `key` by `step_noise`; None where the step adds none (`adds_noise` False).
+    `what` says why the step needs noise, for the error."""
+    if key is not None and variance_noise is not None:
+        raise ValueError("pass either a PRNG `key` or `variance_noise`, not both")
+    if not adds_noise:
+        return None
+    if key is None and variance_noise is None:
+        raise ValueError(f"{what}: pass a PRNG `key` or `variance_noise`")
     return step_noise(key, shape) if variance_noise is None else variance_noise.astype(jnp.float32)
 
 
@@ -437,13 +445,9 @@ class SigmaSampler(SchedulerBase):
 
     def predict_x0(self, state, model_output, i, sample):
         """x̂_0 from the network output at evaluation i (diffusers' pred_original_sample), float32."""
-        sigma, x, out = state.sigmas[i], sample.astype(jnp.float32), model_output.astype(jnp.float32)
-        if self.config.prediction_type == "epsilon":
-            return x - sigma * out
-        if self.config.prediction_type == "v_prediction":
-            # v = √ᾱ ε - √(1-ᾱ) x_0 with √ᾱ = 1/√(σ²+1) and the model seeing x √ᾱ (Salimans & Ho 2022)
-            return out * (-sigma / jnp.sqrt(sigma**2 + 1)) + x / (sigma**2 + 1)
-        return out  # "sample"
+        sigma = state.sigmas[i]
+        return predict_x0_and_epsilon(model_output, sample, 1.0, sigma, self.config.prediction_type,
+                                      variance=sigma**2 + 1)[0]
 
     def add_noise(self, state, original_samples, noise, i):
         """x_0 + σ_i ε: the sample to start sampling at evaluation i from (img2img)."""
@@ -461,13 +465,8 @@ class VPSolver(SchedulerBase):
 
     def predict_x0(self, state, model_output, i, sample):
         """x̂_0 = (x - s ε̂) / α, the data prediction, from an ε, v or x_0 output. float32."""
-        alpha, s = state.alpha_t[i], state.sigma_t[i]
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
-        if self.config.prediction_type == "epsilon":
-            return (x - s * out) / alpha
-        if self.config.prediction_type == "v_prediction":  # v = α ε - s x_0 (Salimans & Ho 2022)
-            return alpha * x - s * out
-        return out  # "sample"
+        return predict_x0_and_epsilon(model_output, sample, state.alpha_t[i], state.sigma_t[i],
+                                      self.config.prediction_type)[0]
 
     def add_noise(self, state, original_samples, noise, i):
         """α_i x_0 + s_i ε: the sample to start sampling at evaluation i from (img2img)."""

@@ -57,9 +57,7 @@ class DDIMScheduler(common.SchedulerBase):
     def _predict(self, state: DDIMState, model_output, i, sample):
         """(x̂_0, ε̂) at evaluation i; x̂_0 clipped with `clip_sample` (ε̂ is not recomputed, as diffusers)."""
         pred_x0, pred_epsilon = common.predict_x0_and_epsilon(
-            model_output.astype(jnp.float32), sample.astype(jnp.float32), state.alpha_prod_t[i],
-            self.config.prediction_type,
-        )
+            model_output, sample, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
         if self.config.clip_sample:
             pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
         return pred_x0, pred_epsilon
@@ -81,12 +79,8 @@ class DDIMScheduler(common.SchedulerBase):
             adds_noise = float(eta) > 0  # as diffusers: noise only for eta > 0
         except jax.errors.ConcretizationTypeError:
             adds_noise = True  # traced eta: add σ_t z, which is 0 when eta is 0
-        if key is not None and variance_noise is not None:
-            raise ValueError("pass either `key` or `variance_noise`, not both")
-        if adds_noise and key is None and variance_noise is None:
-            raise ValueError(
-                "eta > 0 (or a traced eta) needs a PRNG `key` or `variance_noise`; use eta=0.0 for plain DDIM"
-            )
+        z = common.draw_step_noise(key, variance_noise, sample.shape,
+                                   "eta > 0 (or a traced eta) adds noise (use eta=0.0 for plain DDIM)", adds_noise)
 
         x = sample.astype(jnp.float32)
         alpha_prod_t, alpha_prod_t_prev = state.alpha_prod_t[i], state.alpha_prod_t_prev[i]
@@ -99,8 +93,6 @@ class DDIMScheduler(common.SchedulerBase):
         # x_{t-δ} = √ᾱ_{t-δ} x̂_0 + √(1-ᾱ_{t-δ}-σ_t²) ε̂ + σ_t z   (paper eq. 12)
         direction = jnp.sqrt(1.0 - alpha_prod_t_prev - std_dev_t**2) * pred_epsilon
         prev_sample = jnp.sqrt(alpha_prod_t_prev) * pred_x0 + direction
-        if adds_noise:
-            if variance_noise is None:
-                variance_noise = common.step_noise(key, sample.shape)
-            prev_sample = prev_sample + std_dev_t * variance_noise.astype(jnp.float32)
+        if z is not None:
+            prev_sample = prev_sample + std_dev_t * z
         return prev_sample.astype(sample.dtype), state

@@ -89,9 +89,7 @@ class DDPMScheduler(common.SchedulerBase):
     def predict_x0(self, state: DDPMState, model_output, i, sample):
         """x̂_0 at evaluation i, float32: diffusers' pred_original_sample (clipped with `clip_sample`)."""
         pred_x0, _ = common.predict_x0_and_epsilon(
-            model_output.astype(jnp.float32), sample.astype(jnp.float32), state.alpha_prod_t[i],
-            self.config.prediction_type,
-        )
+            model_output, sample, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
         if self.config.clip_sample:
             pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
         return pred_x0
@@ -102,16 +100,11 @@ class DDPMScheduler(common.SchedulerBase):
 
     def step(self, state: DDPMState, model_output, i, sample, key=None, variance_noise=None):
         """x_t -> x_{t'} ~ N(μ̃_t(x_t, x̂_0), σ_t² I): the noise z from a PRNG `key` or given as `variance_noise`."""
-        if key is not None and variance_noise is not None:
-            raise ValueError("pass either `key` or `variance_noise`, not both")
-        if state.stochastic and key is None and variance_noise is None:
-            raise ValueError("DDPM adds fresh noise at every step but the one at t = 0: pass a PRNG `key` or "
-                             "`variance_noise`")
+        z = common.draw_step_noise(key, variance_noise, sample.shape,
+                                   "DDPM adds fresh noise at every step but the one at t = 0", state.stochastic)
         x = sample.astype(jnp.float32)
         pred_x0 = self.predict_x0(state, model_output, i, x)
         prev_sample = state.x0_coeff[i] * pred_x0 + state.sample_coeff[i] * x
-        if state.stochastic:
-            if variance_noise is None:
-                variance_noise = common.step_noise(key, sample.shape)
-            prev_sample = prev_sample + state.noise_std[i] * variance_noise.astype(jnp.float32)
+        if z is not None:
+            prev_sample = prev_sample + state.noise_std[i] * z
         return prev_sample.astype(sample.dtype), state

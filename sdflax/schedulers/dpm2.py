@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
-from .heun import TwoStageSampler, draw_noise, first_evaluation, interleave, require_shape, second_stages
+from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ class DPM2AncestralScheduler(DPM2Scheduler):
     def step(self, state: DPM2State, model_output, i, sample, key=None, variance_noise=None):
         """DPM2's step towards σ_down, then x_{k+1} += σ_up z at a step's second evaluation, z ~ N(0, I) from `key`
         (or `variance_noise`); σ_up = 0 at first evaluations."""
-        noise = draw_noise(key, variance_noise, sample.shape, "DPM2 ancestral")
+        noise = common.draw_step_noise(key, variance_noise, sample.shape, "DPM2 ancestral adds fresh noise each step")
         prev_sample, state = self._step(state, model_output, i, sample)
         prev_sample = prev_sample + noise * state.sigma_up[i]
         return prev_sample.astype(sample.dtype), state

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
-from .heun import TwoStageSampler, draw_noise, first_evaluation, interleave, require_shape, second_stages
+from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,8 @@ class DPMpp2SAncestralScheduler(TwoStageSampler):
         """First evaluation of step k:  x_mid = (σ_mid/σ_k) x_k - (e^{-h/2} - 1) x̂_0(x_k).
         Second:  x_{k+1} = (σ_down/σ_k) x_k - (e^{-h} - 1) x̂_0(x_mid) + σ_up z,  z ~ N(0, I) from `key`
         (or `variance_noise`)."""
-        noise = draw_noise(key, variance_noise, sample.shape, "DPM++ 2S ancestral")
+        noise = common.draw_step_noise(key, variance_noise, sample.shape,
+                                       "DPM++ 2S ancestral adds fresh noise each step")
         x = sample.astype(jnp.float32)
         x0 = self.predict_x0(state, model_output, i, x)
         x_k = jnp.where(state.second[i], state.sample, x)

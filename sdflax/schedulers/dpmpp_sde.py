@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
-from .heun import TwoStageSampler, draw_noise, first_evaluation, interleave, require_shape, second_stages
+from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ class DPMSolverSDEScheduler(TwoStageSampler):
         """First evaluation of step k:  x_mid = a₁ x_k + b₁ x̂_0(x_k) + σ_up,1 z₁.
         Second:  x_{k+1} = a₂ x_k + b₂ x̂_0(x_mid) + σ_up,2 z₂,  z₂ correlated with z₁ as Brownian increments are.
         Fresh noise from `key`; `variance_noise` is taken as the evaluation's z itself (tests)."""
-        noise = draw_noise(key, variance_noise, sample.shape, "DPM++ SDE")
+        noise = common.draw_step_noise(key, variance_noise, sample.shape, "DPM++ SDE adds fresh noise each step")
         if variance_noise is None:  # a Brownian increment: part the first stage's, part fresh
             noise = state.noise_carry[i] * state.noise + state.noise_fresh[i] * noise
         x = sample.astype(jnp.float32)

@@ -64,13 +64,10 @@ class EulerAncestralScheduler(common.SigmaSampler):
 
     def step(self, state: EulerAncestralState, model_output, i, sample, key=None, variance_noise=None):
         """x_{i+1} = x + (σ_down - σ_i) (x - x̂_0) / σ_i + σ_up z,  z ~ N(0, I) from `key` (or `variance_noise`)."""
-        if (key is None) == (variance_noise is None):
-            raise ValueError("Euler ancestral adds fresh noise each step: pass either a PRNG `key` or `variance_noise`")
-        if variance_noise is None:
-            variance_noise = common.step_noise(key, sample.shape)
+        z = common.draw_step_noise(key, variance_noise, sample.shape, "Euler ancestral adds fresh noise each step")
         x = sample.astype(jnp.float32)
         sigma = state.sigmas[i]
         derivative = (x - self.predict_x0(state, model_output, i, x)) / sigma
         prev_sample = x + derivative * (state.sigma_down[i] - sigma)
-        prev_sample = prev_sample + variance_noise.astype(jnp.float32) * state.sigma_up[i]
+        prev_sample = prev_sample + z * state.sigma_up[i]
         return prev_sample.astype(sample.dtype), state

@@ -43,13 +43,6 @@ def require_shape(shape, sampler: str):
     return tuple(shape)
 
 
-def draw_noise(key, variance_noise, shape, sampler: str):
-    """N(0, I) noise for a stochastic evaluation, float32: `variance_noise` as given (tests), or from `key`."""
-    if (key is None) == (variance_noise is None):
-        raise ValueError(f"{sampler} adds fresh noise each step: pass either a PRNG `key` or `variance_noise`")
-    return common.step_noise(key, shape) if variance_noise is None else variance_noise.astype(jnp.float32)
-
-
 class TwoStageSampler(common.SigmaSampler):
     """A σ sampler whose steps take two model evaluations. `state.sigmas` (evals,) is the σ the model sees at each
     evaluation (scale_model_input, predict_x0); `state.step_sigmas` (evals,) is diffusers' `sigmas[step_index]`,

@@ -80,19 +80,6 @@ class ConsistencySampler(common.SchedulerBase):
         """q(x_t | x_0): √ᾱ_t x_0 + √(1-ᾱ_t) ε at t = timesteps[i] (img2img's start)."""
         return common.add_noise(original_samples, noise, state.alpha_prod_t[i])
 
-    @staticmethod
-    def _noise(state, key, variance_noise, sample_shape, what):
-        """The step's z ~ N(0, I), or None for a deterministic schedule."""
-        if key is not None and variance_noise is not None:
-            raise ValueError("pass either `key` or `variance_noise`, not both")
-        if not state.stochastic:
-            return None
-        if key is None and variance_noise is None:
-            raise ValueError(f"{what}: pass a PRNG `key` or `variance_noise`")
-        if variance_noise is None:
-            return common.step_noise(key, sample_shape)
-        return variance_noise.astype(jnp.float32)
-
 
 @dataclasses.dataclass(frozen=True)
 class LCMConfig(ConsistencyScheduleConfig):
@@ -152,8 +139,7 @@ class LCMScheduler(ConsistencySampler):
         `denoised`, what the last step returns)."""
         x = sample.astype(jnp.float32)
         pred_x0, _ = common.predict_x0_and_epsilon(
-            model_output.astype(jnp.float32), x, state.alpha_prod_t[i], self.config.prediction_type
-        )
+            model_output, x, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
         if self.config.clip_sample:
             pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
         return state.c_out[i] * pred_x0 + state.c_skip[i] * x
@@ -161,7 +147,8 @@ class LCMScheduler(ConsistencySampler):
     def step(self, state: LCMState, model_output, i, sample, key=None, variance_noise=None):
         """x_t -> √ᾱ_{t'} f(x_t, t) + √(1-ᾱ_{t'}) z: denoise to x̂_0 in one jump, then re-noise to the next timestep
         t' with fresh z from a PRNG `key` (or `variance_noise`); the last step returns f(x_t, t)."""
-        z = self._noise(state, key, variance_noise, sample.shape, "LCM re-noises between steps")
+        z = common.draw_step_noise(key, variance_noise, sample.shape, "LCM re-noises between steps",
+                                   state.stochastic)
         denoised = self.predict_x0(state, model_output, i, sample)
         prev_sample = state.sqrt_alpha_prod_next[i] * denoised
         if z is not None:

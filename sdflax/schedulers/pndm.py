@@ -116,9 +116,7 @@ class PNDMScheduler(common.SchedulerBase):
     def predict_x0(self, state: PNDMState, model_output, i, sample):
         """x̂_0 = (x_t - √(1-ᾱ_t) ε̂) / √ᾱ_t from this evaluation's own output, t = timesteps[i]. float32."""
         pred_x0, _ = common.predict_x0_and_epsilon(
-            model_output.astype(jnp.float32), sample.astype(jnp.float32), state.alpha_prod_model[i],
-            self.config.prediction_type,
-        )
+            model_output, sample, *common.alpha_sigma(state.alpha_prod_model[i]), self.config.prediction_type)
         return pred_x0
 
     def add_noise(self, state: PNDMState, original_samples, noise, i):
@@ -148,7 +146,8 @@ class PNDMScheduler(common.SchedulerBase):
 
         alpha_prod_t, alpha_prod_t_prev = state.alpha_prod_t[i], state.alpha_prod_t_prev[i]
         # v-prediction is converted to ε after combining, from the sample the step starts at (as diffusers)
-        _, combined = common.predict_x0_and_epsilon(combined, x_from, alpha_prod_t, self.config.prediction_type)
+        _, combined = common.predict_x0_and_epsilon(combined, x_from, *common.alpha_sigma(alpha_prod_t),
+                                                    self.config.prediction_type)
 
         # Transfer x_t -> x_{t-δ} along the DDIM path with ε held fixed (paper eq. 11):
         #   x_{t-δ} = √(ᾱ_{t-δ}/ᾱ_t) x_t - (ᾱ_{t-δ} - ᾱ_t) ε / (ᾱ_t √(1-ᾱ_{t-δ}) + √(ᾱ_t (1-ᾱ_t) ᾱ_{t-δ}))

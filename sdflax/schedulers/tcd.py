@@ -74,9 +74,7 @@ class TCDScheduler(ConsistencySampler):
 
     def _predict(self, state: TCDState, model_output, i, sample):
         return common.predict_x0_and_epsilon(
-            model_output.astype(jnp.float32), sample.astype(jnp.float32), state.alpha_prod_t[i],
-            self.config.prediction_type,
-        )
+            model_output, sample, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
 
     def predict_x0(self, state: TCDState, model_output, i, sample):
         """x̂_0 at evaluation i, float32 (diffusers' pred_original_sample; TCD does not clip it)."""
@@ -85,7 +83,8 @@ class TCDScheduler(ConsistencySampler):
     def step(self, state: TCDState, model_output, i, sample, key=None, variance_noise=None):
         """x_t -> x_s = √ᾱ_s x̂_0 + √(1-ᾱ_s) ε̂ (the trajectory mapped to s = ⌊(1-γ) t'⌋ ≤ t'), then for γ > 0
         forward to t' with fresh z from a PRNG `key` (or `variance_noise`); the last step returns x_s, s = 0."""
-        z = self._noise(state, key, variance_noise, sample.shape, "TCD with eta > 0 adds fresh noise")
+        z = common.draw_step_noise(key, variance_noise, sample.shape, "TCD with eta > 0 adds fresh noise",
+                                   state.stochastic)
         pred_x0, pred_epsilon = self._predict(state, model_output, i, sample)
         alpha_prod_s = state.alpha_prod_s[i]
         pred_noised = jnp.sqrt(alpha_prod_s) * pred_x0 + jnp.sqrt(1.0 - alpha_prod_s) * pred_epsilon
