@@ -309,6 +309,7 @@ def benchmark_sdflax(args, dtype_name):
     import jax.numpy as jnp
 
     from sdflax import Inputs, Settings, StableDiffusion, replicate, shard
+    from sdflax.pipeline import checks
     from sdflax.cli import _CompileClock, _scheduler_name
 
     dtype = getattr(jnp, dtype_name)
@@ -324,7 +325,7 @@ def benchmark_sdflax(args, dtype_name):
     jax.block_until_ready(params)
     load_s = time.perf_counter() - start
 
-    height, width = pipeline._sizes(args.height, args.width)
+    height, width = checks.sizes(pipeline, args.height, args.width)
     devices = jax.local_device_count()
     b = args.batch
     ids = pipeline.prepare_inputs([PROMPT] * (b * devices))
@@ -337,13 +338,13 @@ def benchmark_sdflax(args, dtype_name):
     else:  # pipeline(..., jit=True): pmap over the local devices, `b` images each
         program = pipeline._runner.pmap
         call_args = (replicate(params), inputs.replace(prompt_ids=shard(ids), prng_seed=jax.random.split(key, devices)))
-    all_args = (*call_args, settings)
+    all_args = (pipeline.spec, *call_args, settings)
 
     log(f"Compiling {args.steps} steps at {width}x{height}, {b} image(s) on each of {devices} "
         f"{jax.default_backend().upper()} device(s) ...")
     with _CompileClock() as clock:
         start = time.perf_counter()
-        compiled = program.lower(*all_args).compile()  # pmap: settings is its static argument
+        compiled = program.lower(*all_args).compile()  # the spec and settings are its static arguments
         compile_s = time.perf_counter() - start
     start = time.perf_counter()
     jax.block_until_ready(compiled(*call_args))
@@ -401,7 +402,7 @@ def count_flops(pipeline, compiled, program, all_args, params, latent_shape, arg
         twin = type(pipeline)(pipeline.text_encoder, unet, pipeline.vae, pipeline.tokenizer, pipeline.scheduler,
                               pipeline.dtype)
         program_flops = flops(getattr(twin._runner, "jit" if program is pipeline._runner.jit else "pmap")
-                              .lower(*all_args).cost_analysis())
+                              .lower(twin.spec, *all_args[1:]).cost_analysis())
         pipeline = twin
 
     def unet_eval(unet_params, x, t, context, scale):

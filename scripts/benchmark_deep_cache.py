@@ -59,7 +59,7 @@ def child(args):
                     guidance_scale=jnp.float32(7.5), guidance_rescale=jnp.float32(0), hooks=hooks)
     settings = Settings(num_inference_steps=args.steps, height=args.height, width=args.width)
     start = time.perf_counter()
-    compiled = pipeline._runner.jit.lower(params, inputs, settings).compile()
+    compiled = pipeline._runner.jit.lower(pipeline.spec, params, inputs, settings).compile()
     compile_s = time.perf_counter() - start
     images = jax.block_until_ready(compiled(params, inputs)).images
     times = []

@@ -36,7 +36,7 @@ except ImportError as e:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdflax.models import layers  # noqa: E402
-from sdflax.runner import compiler_options  # noqa: E402
+from sdflax.pipeline.runner import compiler_options  # noqa: E402
 
 ATTENTION_SHAPES = [(2, 1024, 1024, 8, 40), (2, 1024, 77, 8, 40), (2, 4096, 4096, 8, 40)]  # B, T, S, heads, dim
 CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 16, 16, 640, 640), (8, 16, 16, 640, 640),

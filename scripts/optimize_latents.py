@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from sdflax import StableDiffusion
+from sdflax.pipeline import checks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def main(argv=None):
     pipe, params = StableDiffusion.from_pretrained(args.model, scheduler="ddim")
     ids = pipe.prepare_inputs([args.prompt])
     key = jax.random.key(0)
-    height, width = pipe._sizes(args.size, args.size)
+    height, width = checks.sizes(pipe, args.size, args.size)
     shape = (1, pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     start = jax.random.normal(key, shape)
     target = jnp.asarray(args.target)

@@ -375,7 +375,7 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
     """Read the checkpoint's configs (kilobytes) and check the command against them with the library's own
     checks, so that a size, step count or strength the model cannot take fails before gigabytes download."""
     from .hub import ModelNotFoundError, resolve_folder, snapshot_commit
-    from .latents import start_step
+    from .pipeline.starts import start_step
     from .loading import check_pipeline_folder, load_scheduler
     from .models import AutoencoderKL, UNet2DConditionModel
     from .models.config import read_config_file
@@ -438,13 +438,13 @@ def _check_checkpoint(args, pictures, controls=None) -> _Checkpoint:
 def _check_refiner(args, xl, scheduler, vae) -> float:
     """The --high-noise-frac: --refiner's configs (kilobytes) are an SDXL checkpoint (a refiner or a base) whose
     latents are the base model's, and both halves of the schedule, cut there, run a step."""
-    from .generate import Settings
+    from .pipeline.types import Settings
     from .hub import ModelNotFoundError, resolve_folder
-    from .latents import schedule_window
+    from .pipeline.starts import schedule_window
     from .loading import check_pipeline_folder, load_scheduler
     from .models import AutoencoderKL, UNet2DConditionModel
     from .models.config import read_config_file
-    from .pipeline_xl import StableDiffusionXLImg2Img
+    from .pipeline import StableDiffusionXLImg2Img
 
     name = f"--refiner {args.refiner}"
     if not xl:
@@ -682,7 +682,7 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed, refin
     keys = shard(jnp.stack([jax.random.key(s) for s in seeds]))  # one key per image (sdflax.random_draws)
     extra, control = {}, []
     if controls:
-        from .pipeline_controlnet import preprocess_control_images
+        from .pipeline.images import preprocess_control_images
 
         control = [shard(np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(seeds), 0))
                    for picture in controls.pictures]  # the same control image for every seed
@@ -696,8 +696,8 @@ def _prepare(args, pipeline, params, checkpoint, pictures, controls, seed, refin
                                  height=checkpoint.height, width=checkpoint.width, guidance_scale=checkpoint.guidance,
                                  neg_prompt_ids=neg_ids)
         return seeds, (call if refiner is None else _refined(args, call, refiner, checkpoint, keys))
-    from .img2img import preprocess_images
-    from .inpaint import preprocess_images_and_masks
+    from .pipeline.images import preprocess_images
+    from .pipeline.images import preprocess_images_and_masks
 
     try:
         if "mask" in pictures:
@@ -779,7 +779,7 @@ def _read_picture(flag, path):
 
     from PIL import Image, UnidentifiedImageError
 
-    from .img2img import eight_bit
+    from .pipeline.images import eight_bit
 
     def too_large(size):
         return UserError(f"{flag} {path}: the picture is {size} pixels, larger than sdflax reads "
@@ -839,7 +839,7 @@ def _read_pictures(args) -> dict:
         if mask.size != image.size:
             raise UserError(f"--mask {args.mask} is {mask.size[0]}x{mask.size[1]} but --image {args.image} is "
                             f"{image.size[0]}x{image.size[1]}: give a mask of the image's size")
-        from .inpaint import has_transparency
+        from .pipeline.images import has_transparency
 
         if has_transparency(mask):  # its alpha would be dropped, not read as the mask: refused, not guessed
             raise UserError(f"--mask {args.mask}: the mask has transparency, which sdflax does not read as the mask: "

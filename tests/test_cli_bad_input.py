@@ -15,8 +15,8 @@ from PIL import Image
 from test_cli import TINY, one_error_line
 
 from sdflax.cli import _read_picture, main
-from sdflax.img2img import preprocess_images
-from sdflax.inpaint import preprocess_masks
+from sdflax.pipeline.images import preprocess_images
+from sdflax.pipeline.images import preprocess_masks
 
 
 def generate(*args):

@@ -40,9 +40,9 @@ def library_images(folder, kind, seeds, scales, nets, controls, pictures=(), str
     import jax.numpy as jnp
 
     from sdflax import ControlNetModel
-    from sdflax.img2img import preprocess_images
-    from sdflax.inpaint import preprocess_images_and_masks
-    from sdflax.pipeline_controlnet import preprocess_control_images
+    from sdflax.pipeline.images import preprocess_images
+    from sdflax.pipeline.images import preprocess_images_and_masks
+    from sdflax.pipeline.images import preprocess_control_images
 
     loaded = [ControlNetModel.from_pretrained(folder / net) for net in nets]
     pipe, params = kind.from_pretrained(TINY, controlnet=[net for net, _ in loaded])

@@ -18,7 +18,7 @@ from test_sigma_schedulers import (IMAGE, IMAGE_NOISE, SD1, assert_scan_equals_e
                                    noises_for, run_ours)
 from test_sigma_schedulers import test_every_scheduler_follows_the_protocol as follows_the_protocol
 
-from sdflax.generate import random_draws
+from sdflax import random_draws
 from sdflax.schedulers import (
     DDPMScheduler,
     LCMScheduler,

@@ -9,7 +9,7 @@ from builders import torch_pipeline
 
 import jax
 
-from sdflax.img2img import StableDiffusionImg2Img
+from sdflax import StableDiffusionImg2Img
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]

@@ -148,7 +148,7 @@ def test_masks_are_prepared_as_diffusers_prepares_them():
     from diffusers.image_processor import VaeImageProcessor
     from PIL import Image
 
-    from sdflax.inpaint import preprocess_masks
+    from sdflax.pipeline.images import preprocess_masks
 
     processor = VaeImageProcessor(vae_scale_factor=4, do_normalize=False, do_binarize=True,
                                   do_convert_grayscale=True)

@@ -171,7 +171,7 @@ def test_a_parameter_of_the_wrong_shape_is_refused_at_apply(leaf):
 def test_pipeline_programs_leave_cpu_convolutions_to_xla():
     """`runner.compiler_options` keeps the CPU's convolutions out of YNNPACK (README, "Performance"): compiled with
     them a convolution is XLA's own, without them this jaxlib hands it to YNNPACK."""
-    from sdflax.runner import compiler_options
+    from sdflax.pipeline.runner import compiler_options
 
     x = np.random.default_rng(0).standard_normal((2, 32, 32, 32), dtype=np.float32)
     layer = conv(32)
@@ -190,7 +190,7 @@ def test_pipeline_programs_leave_cpu_convolutions_to_xla():
 def test_compiler_options_leave_what_xla_flags_set_to_the_user(xla_flags, expected):
     """An option named in XLA_FLAGS is the user's (README, "One image, any batch"), fresh process each."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
-    out = subprocess.run([sys.executable, "-c", "import json; from sdflax.runner import compiler_options; "
+    out = subprocess.run([sys.executable, "-c", "import json; from sdflax.pipeline.runner import compiler_options; "
                           "print(json.dumps(compiler_options()))"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == expected

@@ -289,7 +289,7 @@ def test_schedule_cut_matches_diffusers(kind, steps, strength, start, end):
     from diffusers import StableDiffusionXLImg2ImgPipeline
 
     from sdflax import Settings
-    from sdflax.latents import _timesteps, schedule_window
+    from sdflax.pipeline.starts import schedule_timesteps, schedule_window
 
     from builders import SDXL_SCHEDULER
 
@@ -304,7 +304,7 @@ def test_schedule_cut_matches_diffusers(kind, steps, strength, start, end):
     ours = scheduler_from_config(SDXL_SCHEDULER, kind)
     first, num_evals = schedule_window(ours, Settings(steps, strength=strength, denoising_start=start,
                                                       denoising_end=end))
-    np.testing.assert_allclose(_timesteps(ours, steps, first)[:num_evals], timesteps.numpy(), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(schedule_timesteps(ours, steps, first)[:num_evals], timesteps.numpy(), rtol=0, atol=1e-4)
 
 
 def test_bfloat16_encodes_the_image_in_float32(base):
@@ -312,10 +312,9 @@ def test_bfloat16_encodes_the_image_in_float32(base):
     import jax.numpy as jnp
     from test_sdxl import conv_dtypes
 
-    from sdflax.latents import encode_image
-
     folder, _ = base
     pipe, params = StableDiffusionXLImg2Img.from_pretrained(folder, dtype=jnp.bfloat16)
+    encode_image = lambda _, p, x, eps: pipe.spec.vae.encode(p, x, eps)  # noqa: E731
     image = np.zeros((1, 3, SIZE, SIZE), np.float32)
     eps = np.zeros((1, 4, SIZE // 2, SIZE // 2), np.float32)
     assert conv_dtypes(lambda p, x: encode_image(pipe, p, x, eps), params, image) == {jnp.dtype(jnp.float32)}

@@ -1,20 +1,21 @@
 """Where sampling starts: from noise (text-to-image), from a noised image (SDEdit, Meng et al. 2022), or from an
 image and a mask (inpainting), each exactly as the matching diffusers pipeline does it for every scheduler.
 
-Each is a small class of static functions that `generate` calls: `images` names the (B, C, H, W) inputs it takes
-(for the checks before compiling), `begin(pipeline, params, inputs, settings) -> generate.Start`.
+Each is a frozen value holding the VAE (`vae.VAE`) it encodes with; `images` names the (B, C, H, W) inputs it
+takes (for the checks before compiling), `begin(params, inputs, settings, scheduler) -> types.Start`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .conditioning import vae_for
-from .generate import Start, random_draws
+from .types import Start, random_draws
 
 
 def start_step(num_inference_steps: int, strength: float) -> int:
@@ -35,7 +36,7 @@ def _check_fraction(name, value):
                          "last 20% of the steps to a refiner)")
 
 
-def _timesteps(scheduler, steps, start=0) -> np.ndarray:
+def schedule_timesteps(scheduler, steps, start=0) -> np.ndarray:
     """The timesteps of a schedule's evaluations as numpy, also while a caller traces (the schedule is static)."""
     with jax.ensure_compile_time_eval():
         return np.asarray(scheduler.set_timesteps(steps, shape=(1, 1, 1, 1), start=start).timesteps)
@@ -60,9 +61,9 @@ def schedule_window(scheduler, settings) -> tuple[int, int | None]:
     if first is None:
         start = start_step(steps, settings.strength)
     else:
-        full = _timesteps(scheduler, steps)
+        full = schedule_timesteps(scheduler, steps)
         run = int((full < int(round(T - first * T))).sum())
-        per_step = len(full) - len(_timesteps(scheduler, steps, 1)) if steps > 1 else 1  # evaluations per step
+        per_step = len(full) - len(schedule_timesteps(scheduler, steps, 1)) if steps > 1 else 1  # evaluations per step
         if per_step == 2 and run % 2 == 0:
             run += 1  # end after a step's second evaluation, not between its two (as diffusers)
         if run == 0:
@@ -71,15 +72,10 @@ def schedule_window(scheduler, settings) -> tuple[int, int | None]:
         start = (len(full) - run) // per_step
     if last is None:
         return start, None
-    num_evals = int((_timesteps(scheduler, steps, start) >= int(round(T - last * T))).sum())
+    num_evals = int((schedule_timesteps(scheduler, steps, start) >= int(round(T - last * T))).sum())
     if num_evals == 0:
         raise ValueError(f"denoising_end={last} ends before the first step: raise it, or raise num_inference_steps")
     return start, num_evals
-
-
-def latent_shape(pipeline, batch, height, width):
-    f = pipeline.vae_scale_factor
-    return (batch, pipeline.vae.config.latent_channels, height // f, width // f)
 
 
 def _given_or_drawn(given, drawn, name):
@@ -90,106 +86,111 @@ def _given_or_drawn(given, drawn, name):
     return given.astype(jnp.float32)
 
 
-def encode_image(pipeline, params, image, eps):
-    """Latents of `image` (B, 3, H, W) in [-1, 1]: a posterior sample mean + std * eps, scaled as the UNet
-    sees them (diffusers' `latent_dist.sample(generator) * scaling_factor`); in float32 where the family decodes
-    in float32 (SDXL's force_upcast, as diffusers)."""
-    vae, vae_params = vae_for(pipeline, params)
-    posterior = vae.apply(vae_params, jnp.asarray(image, vae.dtype), method="encode")
-    latents = posterior.mean.astype(jnp.float32) + posterior.std.astype(jnp.float32) * eps
-    return latents.astype(jnp.float32) * pipeline.vae.config.scaling_factor
+def _latent_shape(vae, batch, settings):
+    return (batch, vae.latent_channels, settings.height // vae.scale_factor, settings.width // vae.scale_factor)
 
 
+@dataclasses.dataclass(frozen=True)
 class FromNoise:
     """Text-to-image: x = σ_init · z, z ~ N(0, I) drawn from the key, or `latents` (unscaled, as diffusers')."""
 
+    vae: Any
+    channels: int  # the UNet's input channels
+
     images = ()
 
-    @staticmethod
-    def begin(pipeline, params, inputs, settings) -> Start:
+    @classmethod
+    def build(cls, vae, unet) -> "FromNoise":
+        return cls(vae, unet.config.in_channels)
+
+    def begin(self, params, inputs, settings, scheduler) -> Start:
         batch = (inputs.prompt_ids if inputs.prompt_embeds is None else inputs.prompt_embeds).shape[0]
-        shape = (batch, pipeline.unet.config.in_channels, settings.height // pipeline.vae_scale_factor,
-                 settings.width // pipeline.vae_scale_factor)
+        shape = (batch, self.channels, settings.height // self.vae.scale_factor,
+                 settings.width // self.vae.scale_factor)
         (drawn,), sampler_key = random_draws(inputs.prng_seed, shape, 1)
         if inputs.latents is not None and inputs.latents.shape != shape:
             raise ValueError(f"latents have shape {inputs.latents.shape}; expected {shape} for a batch of {batch} "
                              f"at {settings.height}x{settings.width}")
         latents = drawn if inputs.latents is None else inputs.latents.astype(jnp.float32)
         # The first σ can depend on the step count (Euler with leading spacing): the state knows it.
-        state = pipeline.scheduler.set_timesteps(settings.num_inference_steps, shape=shape)
-        _, num_evals = schedule_window(pipeline.scheduler, settings)
+        state = scheduler.set_timesteps(settings.num_inference_steps, shape=shape)
+        _, num_evals = schedule_window(scheduler, settings)
         return Start(latents * state.init_noise_sigma, state, sampler_key, num_evals=num_evals)
 
 
-def is_latent_image(pipeline, image) -> bool:
-    """An image with the VAE's latent channels is latents already (a base pipeline's output_type="latent"), as
-    diffusers reads a 4-channel image."""
-    return image.shape[-3] == pipeline.vae.config.latent_channels
-
-
+@dataclasses.dataclass(frozen=True)
 class FromImage:
     """Image-to-image: the image's latents noised to the timestep `strength` picks, then the rest of the schedule.
     With `denoising_start` (a refiner continuing a base run) the latents are not noised, as diffusers."""
 
+    vae: Any
+
     images = (("image", (3, 4)),)  # RGB, or 4-channel latents
 
-    @staticmethod
-    def begin(pipeline, params, inputs, settings) -> Start:
-        start, num_evals = schedule_window(pipeline.scheduler, settings)
-        shape = latent_shape(pipeline, inputs.image.shape[0], settings.height, settings.width)
+    @classmethod
+    def build(cls, vae, unet) -> "FromImage":
+        return cls(vae)
+
+    def begin(self, params, inputs, settings, scheduler) -> Start:
+        start, num_evals = schedule_window(scheduler, settings)
+        shape = _latent_shape(self.vae, inputs.image.shape[0], settings)
         (posterior_eps, drawn), sampler_key = random_draws(inputs.prng_seed, shape, 2)
-        if is_latent_image(pipeline, inputs.image):
+        if self.vae.is_latent_image(inputs.image):
             image_latents = inputs.image.astype(jnp.float32)
         else:
-            image_latents = encode_image(pipeline, params, inputs.image, posterior_eps)
+            image_latents = self.vae.encode(params, inputs.image, posterior_eps)
         noise = _given_or_drawn(inputs.noise, drawn, "noise")
-        state = pipeline.scheduler.set_timesteps(settings.num_inference_steps, shape=shape, start=start)
+        state = scheduler.set_timesteps(settings.num_inference_steps, shape=shape, start=start)
         if settings.denoising_start is not None:
             return Start(image_latents, state, sampler_key, num_evals=num_evals)
-        return Start(pipeline.scheduler.add_noise(state, image_latents, noise, 0), state, sampler_key,
-                     num_evals=num_evals)
+        return Start(scheduler.add_noise(state, image_latents, noise, 0), state, sampler_key, num_evals=num_evals)
 
 
-def is_inpainting_unet(pipeline) -> bool:
+def is_inpainting_unet(latent_channels: int, unet_channels: int) -> bool:
     """True for a 9-channel inpainting UNet, False for an ordinary one (the known region is pasted back)."""
-    latent, given = pipeline.vae.config.latent_channels, pipeline.unet.config.in_channels
-    if given not in (latent, 2 * latent + 1):
-        raise ValueError(f"the UNet takes {given} input channels; inpainting needs {latent} (an ordinary UNet) "
-                         f"or {2 * latent + 1} (latents, mask and masked image: an inpainting UNet)")
-    return given != latent
+    if unet_channels not in (latent_channels, 2 * latent_channels + 1):
+        raise ValueError(f"the UNet takes {unet_channels} input channels; inpainting needs {latent_channels} (an "
+                         f"ordinary UNet) or {2 * latent_channels + 1} (latents, mask and masked image: an "
+                         "inpainting UNet)")
+    return unet_channels != latent_channels
 
 
+@dataclasses.dataclass(frozen=True)
 class FromImageMask:
     """Inpainting: repaint where the mask is white (>= 0.5), keep the rest, as diffusers' inpainting pipeline.
 
-    Inpainting UNets (`in_channels=9`) see [latents, mask, masked image latents] at every step (Rombach et al.
-    2022, §4.5); with an ordinary UNet the known region is pasted back after every step, noised to the next
+    Inpainting UNets (`in_channels=9`, `nine`) see [latents, mask, masked image latents] at every step (Rombach
+    et al. 2022, §4.5); with an ordinary UNet the known region is pasted back after every step, noised to the next
     step's level (RePaint's simple variant, Lugmayr et al. 2022). Strength 1 starts from pure noise; below 1
     from the image latents noised to the starting timestep, as image-to-image.
     """
 
+    vae: Any
+    nine: bool  # a 9-channel inpainting UNet
+
     images = (("image", 3), ("mask", 1))
 
-    @staticmethod
-    def begin(pipeline, params, inputs, settings) -> Start:
+    @classmethod
+    def build(cls, vae, unet) -> "FromImageMask":
+        return cls(vae, is_inpainting_unet(vae.latent_channels, unet.config.in_channels))
+
+    def begin(self, params, inputs, settings, scheduler) -> Start:
         strength, steps = settings.strength, settings.num_inference_steps
-        start, num_evals = schedule_window(pipeline.scheduler, settings)
+        start, num_evals = schedule_window(scheduler, settings)
         noised = settings.denoising_start is None  # a refiner's start is not noised
-        nine = is_inpainting_unet(pipeline)
-        f = pipeline.vae_scale_factor
-        shape = latent_shape(pipeline, inputs.image.shape[0], settings.height, settings.width)
+        f = self.vae.scale_factor
+        shape = _latent_shape(self.vae, inputs.image.shape[0], settings)
         (image_eps, masked_eps, drawn), sampler_key = random_draws(inputs.prng_seed, shape, 3)
         noise = _given_or_drawn(inputs.noise, drawn, "noise")
 
         mask = (jnp.asarray(inputs.mask, jnp.float32) >= 0.5).astype(jnp.float32)  # binarised, as diffusers
         image = jnp.asarray(inputs.image, jnp.float32)
         # diffusers encodes the image only where it is needed, in this order: the posterior draws stay aligned.
-        needed = strength < 1 or not nine or not noised
-        image_latents = encode_image(pipeline, params, image, image_eps) if needed else None
-        masked_latents = encode_image(pipeline, params, image * (mask < 0.5), masked_eps)
+        needed = strength < 1 or not self.nine or not noised
+        image_latents = self.vae.encode(params, image, image_eps) if needed else None
+        masked_latents = self.vae.encode(params, image * (mask < 0.5), masked_eps)
         latent_mask = mask[:, :, ::f, ::f]  # nearest-neighbour resize to (h, w), as torch's interpolate
 
-        scheduler = pipeline.scheduler
         state = scheduler.set_timesteps(steps, shape=shape, start=start)
         if not noised:
             latents = image_latents
@@ -197,7 +198,7 @@ class FromImageMask:
             latents = noise * state.init_noise_sigma
         else:
             latents = scheduler.add_noise(state, image_latents, noise, 0)
-        if nine:
+        if self.nine:
             condition = jnp.concatenate([latent_mask, masked_latents], axis=1)
             return Start(latents, state, sampler_key, wrap_unet=functools.partial(_with_channels, condition),
                          num_evals=num_evals)

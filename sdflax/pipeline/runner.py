@@ -1,5 +1,6 @@
 """One runner for every pipeline: the jit, pmap and jit + NamedSharding programs of a pure
-`fn(params, inputs: Inputs, settings: Settings) -> Output`, each built once and cached per static `Settings`.
+`fn(spec, params, inputs: Inputs, settings: Settings) -> Output`, each built once and cached per static `Spec` and
+`Settings` (a new scheduler is a new spec: one more program, and the old one stays for when it comes back).
 
 What is split over devices comes from the structure of `Inputs` (its batched fields), never from a table of
 argument positions, so a new input needs no change here.
@@ -14,21 +15,21 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-from .cache import enable_compile_cache
-from .generate import Inputs, Output
-from .parallel import device_mesh, replicate_on, shard_batch
+from ..parallel import device_mesh, replicate_on, shard_batch
+from .types import Inputs, Output
 
 
 class Runner:
     def __init__(self, fn):
-        self.fn = fn
+        # a function of this runner's own: jax keys its compiled programs on the function, and each runner's
+        # programs (`jit._cache_size()`) are its own
+        self.fn = lambda *args: fn(*args)
         self._sharded = {}  # mesh -> program
-        enable_compile_cache()  # a second process loads the programs this one compiles
 
     @functools.cached_property
     def jit(self):
         """One device: (B, ...) inputs, one key or one per image."""
-        return jax.jit(self.fn, static_argnums=2, compiler_options=compiler_options())
+        return jax.jit(self.fn, static_argnums=(0, 3), compiler_options=compiler_options())
 
     @functools.cached_property
     def pmap(self):
@@ -41,17 +42,17 @@ class Runner:
         in_specs = (P(axis), _input_specs(axis))
         batched = Inputs.batched_fields()
 
-        def run(params, inputs, settings):
+        def run(spec, params, inputs, settings):
             def local(params, inputs):
                 inputs = inputs.replace(**{name: jax.tree.map(lambda x: x[0], getattr(inputs, name))
                                            for name in batched})
-                out = self.fn(jax.tree.map(lambda x: x[0], params), inputs, settings)
+                out = self.fn(spec, jax.tree.map(lambda x: x[0], params), inputs, settings)
                 return jax.tree.map(lambda x: x[None], out)
 
             return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(axis), check_vma=False)(
                 params, inputs)
 
-        return jax.jit(run, static_argnums=2, compiler_options=compiler_options())
+        return jax.jit(run, static_argnums=(0, 3), compiler_options=compiler_options())
 
     def sharded(self, mesh):
         """jit over (B, ...) inputs split over a one-axis device mesh, each device running `fn` on its own rows
@@ -63,21 +64,21 @@ class Runner:
             in_specs = (P(), _input_specs(axis))
             out_specs = Output(P(axis), P(None, axis))  # images (B, ...), trajectory (evals, B, ...)
 
-            def run(params, inputs, settings):
+            def run(spec, params, inputs, settings):
                 def local(params, inputs):  # this device's rows, and its key or its images' keys
-                    return self.fn(params, inputs.replace(prng_seed=inputs.prng_seed[0]), settings)
+                    return self.fn(spec, params, inputs.replace(prng_seed=inputs.prng_seed[0]), settings)
 
                 return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                      check_vma=False)(params, inputs)
 
-            self._sharded[mesh] = jax.jit(run, static_argnums=2, compiler_options=compiler_options())
+            self._sharded[mesh] = jax.jit(run, static_argnums=(0, 3), compiler_options=compiler_options())
         return self._sharded[mesh]
 
-    def run_sharded(self, params, inputs: Inputs, settings, mesh=None) -> Output:
+    def run_sharded(self, spec, params, inputs: Inputs, settings, mesh=None) -> Output:
         """Place the inputs on `mesh` (default: all local devices) and run the sharded program."""
         mesh = mesh or device_mesh()
         keys = inputs.prng_seed
-        batch = _batch(inputs)
+        batch = inputs.prompts().shape[0]
         if keys.shape[0] not in (mesh.size, batch):
             raise ValueError(f"prng_seed holds {keys.shape[0]} keys for {mesh.size} devices and {batch} images: use "
                              "jax.random.split(key, number_of_devices), or one key per image")
@@ -86,7 +87,7 @@ class Runner:
         batched = {name: getattr(inputs, name) for name in Inputs.batched_fields() if name != "prng_seed"
                    and getattr(inputs, name) is not None}
         inputs = inputs.replace(**shard_batch(batched, mesh), prng_seed=shard_batch(keys, mesh))
-        return self.sharded(mesh)(replicate_on(params, mesh), inputs, settings)
+        return self.sharded(mesh)(spec, replicate_on(params, mesh), inputs, settings)
 
 
 # XLA's CPU hands dots, reductions and convolutions to the YNNPACK library by default. Its convolutions fault in fresh
@@ -116,8 +117,3 @@ def compiler_options() -> dict | None:
 def _input_specs(axis) -> Inputs:
     """Inputs' shard_map specs: batched fields split over `axis`, shared ones whole on every device."""
     return Inputs(**{f.name: P(axis) if f.metadata.get("batched") else P() for f in dataclasses.fields(Inputs)})
-
-
-def _batch(inputs) -> int:
-    ids = inputs.prompt_ids if inputs.prompt_ids is not None else inputs.prompt_embeds
-    return ids.shape[0]

@@ -1,16 +1,101 @@
-"""Inpainting: repaint the white part of a mask, keep the black part, exactly as diffusers'
-`StableDiffusionInpaintPipeline`, with inpainting UNets (`in_channels=9`) or ordinary ones (`latents.FromImageMask`
-says how each is run); and mask preprocessing.
-"""
+"""Pictures in and out, on the host: images, masks and control images to the float arrays the pipelines take (as
+diffusers' image processors make them), and float images back to PIL."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
-from .conditioning import SDText
-from .img2img import SIXTEEN_BIT_MODES, as_list, multiple_size, preprocess_images
-from .latents import FromImageMask, is_inpainting_unet
-from .pipeline import Pipeline
+
+
+# PIL's modes of 16-bit greyscale PNGs ("I" in older Pillow). Pillow's convert("L" / "RGB") clips their values at
+# 255, which makes a picture nearly white: they are scaled to 8 bits (or to [0, 1] for masks) instead.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def eight_bit(image):
+    """A 16-bit greyscale PIL image as 8-bit "L" (value / 257, rounded); any other image as it is."""
+    from PIL import Image
+
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    array = np.clip(np.asarray(image, np.float64) / 257.0, 0, 255).round().astype(np.uint8)
+    return Image.fromarray(array)
+
+
+def to_pil(image, what="image"):
+    """A PIL image from a PIL image or an (H, W, C) array (uint8, uint16, or float in [0, 1]); 16-bit greyscale
+    images come back 8-bit (`eight_bit`). An alpha channel is kept here and dropped by convert("RGB"), as diffusers
+    drops it: the colours under transparent pixels are used as they are."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return eight_bit(image)
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"an {what} array must be (H, W, 3), got {array.shape}")
+    if array.dtype == np.uint16:
+        array = (array / 257.0).round().astype(np.uint8)
+    elif array.dtype != np.uint8:
+        array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
+    return Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array)
+
+
+def multiple_size(size, scale_factor: int, what="image"):
+    """(width, height) cut down to multiples of `scale_factor`, as diffusers' VaeImageProcessor; a warning names
+    the new size."""
+    width, height = (side - side % scale_factor for side in size)
+    if (width, height) != tuple(size):
+        if not width or not height:
+            raise ValueError(f"{what} of {size[0]}x{size[1]} is smaller than the VAE scale factor {scale_factor}")
+        warnings.warn(f"{what} of {size[0]}x{size[1]} resized to {width}x{height} (a multiple of the VAE scale "
+                      f"factor {scale_factor})", stacklevel=4)
+    return width, height
+
+
+def as_list(items, single_ndims=(3,)):
+    """One image (PIL, or an array of `single_ndims` dimensions) or several -> a list."""
+    from PIL import Image
+
+    single = isinstance(items, Image.Image) or (isinstance(items, np.ndarray) and items.ndim in single_ndims)
+    return [items] if single else list(items)
+
+
+def preprocess_images(images, scale_factor: int, what="image") -> np.ndarray:
+    """PIL images or arrays (H, W, 3) (uint8, or float in [0, 1]) -> float32 NCHW in [-1, 1] (a control image:
+    in [0, 1], as diffusers' control image processor leaves it).
+
+    Sides are cut down to a multiple of `scale_factor` (Lanczos, as diffusers' VaeImageProcessor), with a
+    warning that names the new size.
+    """
+    from PIL import Image
+
+    out = []
+    for image in as_list(images):
+        image = to_pil(image, what).convert("RGB")
+        size = multiple_size(image.size, scale_factor, what)
+        if size != image.size:
+            image = image.resize(size, Image.LANCZOS)
+        out.append(np.asarray(image, np.float32) / 255.0)
+    if len({a.shape for a in out}) > 1:
+        raise ValueError(f"{what}s differ in size: {sorted({a.shape[:2] for a in out})}; give {what}s of one size")
+    images = np.stack(out).transpose(0, 3, 1, 2)
+    return images if what == "control image" else images * 2.0 - 1.0
+
+
+def preprocess_control_images(images, scale_factor: int) -> np.ndarray:
+    """Control images -> float32 (B, 3, H, W) in [0, 1]."""
+    return preprocess_images(images, scale_factor, "control image")
+
+
+def numpy_to_pil(images):
+    """Float images in [0, 1], (..., H, W, 3) -> list of PIL images."""
+    from PIL import Image
+
+    images = np.asarray(images)
+    images = images.reshape(-1, *images.shape[-3:])
+    return [Image.fromarray((image * 255).round().astype(np.uint8)) for image in images]
 
 
 def has_transparency(mask) -> bool:
@@ -85,35 +170,6 @@ def preprocess_images_and_masks(images, masks, scale_factor: int) -> tuple[np.nd
             raise ValueError(f"mask of {mask_size[0]}x{mask_size[1]} for an image of {image_size[0]}x"
                              f"{image_size[1]}: give a mask the size of its image")
     return preprocess_images(images, scale_factor), preprocess_masks(masks, scale_factor)
-
-
-class StableDiffusionInpaint(Pipeline):
-    """`from_pretrained` as StableDiffusion (an inpainting checkpoint or any other);
-    `prepare_inputs(prompts, images, masks) -> (prompt_ids, images, masks)`."""
-
-    conditioning, start = SDText, FromImageMask
-
-    def prepare_inputs(self, prompts, images=None, masks=None, prompts_2=None):
-        prompt_ids = super().prepare_inputs(prompts, prompts_2)
-        if images is None and masks is None:
-            return prompt_ids
-        return (prompt_ids, *preprocess_images_and_masks(images, masks, self.vae_scale_factor))
-
-    @property
-    def inpainting_unet(self) -> bool:
-        """True for a 9-channel inpainting UNet, False for an ordinary one (the known region is pasted back)."""
-        return is_inpainting_unet(self)
-
-    def __call__(self, prompt_ids, image, mask, params, prng_seed, strength=1.0, num_inference_steps=50,
-                 height=None, width=None, guidance_scale=7.5, noise=None, neg_prompt_ids=None, jit=False,
-                 callback=None, guidance_rescale=0.0, guidance=None, return_trajectory=False, prompt_embeds=None,
-                 neg_prompt_embeds=None):
-        """Images (B, H, W, 3) in [0, 1] from `image` (B, 3, H, W) in [-1, 1] and `mask` (B, 1, H, W) (>= 0.5 is
-        repainted), or (devices, B, H, W, 3) with `jit=True`. `strength` and the step count are static. Strength 1
-        starts from pure noise (the image enters only through the kept region); below 1 the image latents are
-        noised to the starting timestep, as image-to-image. The other arguments as
-        `StableDiffusionImg2Img.__call__`."""
-        return self._run(locals())
 
 
 def _size(image):

@@ -1,10 +1,8 @@
-"""The one generate every pipeline runs: text conditioning -> initial latents -> the guided scan -> decode.
+"""The values a generate call is made of, at the bottom of the pipeline layer (they import no pipeline code).
 
-A pipeline is a choice of pieces (see `pipeline.Pipeline`): a model family's text conditioning
-(`conditioning.SDText`, `conditioning.SDXLText`) and a way to start the latents (`latents.FromNoise`,
-`FromImage`, `FromImageMask`). What may change between calls without recompiling is one pytree, `Inputs`;
-what fixes the compiled program is one frozen, hashable value, `Settings`. `runner.Runner` builds the jit, pmap
-and jit + NamedSharding programs of `generate` from those two types alone.
+What may change between calls without recompiling is one pytree, `Inputs`; what fixes the compiled program is one
+frozen, hashable value, `Settings`. `Cond` and `Start` are what the text and start pieces hand to the loop,
+`Output` what `generate` returns.
 """
 
 from __future__ import annotations
@@ -15,9 +13,6 @@ from typing import Any, Callable, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
-
-from . import sampling
-from .hooks.core import Hook, intercept
 
 
 def _batched(default=None):
@@ -59,6 +54,10 @@ class Inputs:
     # sdflax.hooks: a tuple of hooks (Pipeline.with_hooks); their numbers are traced, the rest is the pytree's
     # structure, on which jit keys its programs as on Settings
     hooks: Any = None
+
+    def prompts(self):
+        """prompt_ids, or prompt_embeds where no ids are given: the array the batch is counted on."""
+        return self.prompt_ids if self.prompt_ids is not None else self.prompt_embeds
 
     @classmethod
     def batched_fields(cls) -> tuple[str, ...]:
@@ -152,49 +151,14 @@ def random_draws(prng_seed, shape, count):
     return draws, keys[:, count]
 
 
-def generate(pipeline, params, inputs: Inputs, settings: Settings) -> Output:
-    """The whole prompt (+ image) -> images computation as a pure function of `params` and `inputs`.
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The pieces one pipeline runs, a frozen, hashable value: `generate`'s static first argument (one compile per
+    distinct spec, as per Settings). Each piece holds the models it runs; the weights are in `params`."""
 
-    `pipeline` supplies the models, the scheduler and its pieces: `pipeline.conditioning`, `pipeline.start`
-    and `pipeline.controls` (UNet wrappers such as ControlNet, each `wrap(...) -> (unet_fn -> unet_fn)`).
-    Differentiable end to end (each sampler step is rematerialised).
-    """
-    cond = pipeline.conditioning.encode(pipeline, params, inputs, settings)
-    if not settings.classifier_free_guidance:
-        cond = cond.conditional()
-    hooks = tuple(inputs.hooks or ())
-    for hook in hooks:
-        cond = hook.condition(cond, settings)
-    start = pipeline.start.begin(pipeline, params, inputs, settings)
-    chunks = cond.context.shape[0] // start.latents.shape[0]  # the UNet's batch: chunks of B rows
-
-    def unet_fn(x, t, context, step, **residuals):
-        if not hooks:
-            return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
-        with intercept(hooks, step, chunks):  # the UNet's layers only, not a ControlNet's
-            return pipeline.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
-
-    if start.wrap_unet is not None:
-        unet_fn = start.wrap_unet(unet_fn)
-    for control in pipeline.controls:  # each wraps the last, so the first listed is the innermost
-        unet_fn = control.wrap(pipeline, params, inputs, settings, cond, start)(unet_fn)
-    for hook in hooks:
-        unet_fn = hook.wrap_unet(unet_fn)
-    combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
-    if combines:
-        model = sampling.chunked_model(unet_fn, cond.context, chunks,
-                                       lambda *out: combines[0].combine(out, inputs, settings))
-    elif settings.classifier_free_guidance:
-        guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
-        model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
-                                      guidance)
-    else:
-        model = sampling.conditional_model(unet_fn, cond.context)
-    out = sampling.denoise(model, pipeline.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
-                           callback=settings.callback, return_trajectory=settings.return_trajectory,
-                           state=start.state, post_step=start.post_step, model_takes_step=True,
-                           num_evals=start.num_evals, memory=any(hook.carries for hook in hooks))
-    latents, trajectory = out if isinstance(out, tuple) else (out, None)
-    if settings.output_type == "latent":
-        return Output(latents, trajectory)
-    return Output(pipeline.decode_latents(params, latents), trajectory)
+    text: Any  # text.SDText / text.SDXLText: ids -> Cond
+    start: Any  # starts.FromNoise / FromImage / FromImageMask: -> Start
+    unet: Any
+    vae: Any  # vae.VAE: decodes the result
+    scheduler: Any
+    wrappers: tuple = ()  # UNet wrappers (controlnet.ControlNet), the first listed innermost

@@ -1,0 +1,285 @@
+"""Everything checked before a pipeline traces or compiles, as pure functions of the pipeline's components (`c`:
+models, tokenizer length, spec) and a call's arguments: what jax would otherwise accept and run into garbage, or
+fail on deep inside the trace. `split` turns a call's arguments into the (Inputs, Settings) that `generate` takes.
+
+`leading_dims`: 1 for (B, ...) inputs, 2 for pmap's (devices, B, ...), None inside a caller's trace (no checks
+that need concrete values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .controlnet import as_nets
+from .starts import schedule_window
+from .types import Inputs, Settings
+
+INPUTS = tuple(f.name for f in dataclasses.fields(Inputs))
+SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
+    """(Inputs, Settings) from a call's arguments (`renamed`: argument names that differ from the Inputs field
+    they fill), checked."""
+    spec = c.spec
+    steps = args["num_inference_steps"]
+    spec.scheduler.check_steps(steps)
+    for name in ("height", "width"):
+        check_size(name, args.get(name))
+    if args.get("output_type", "np") not in ("np", "latent"):
+        raise ValueError(f"output_type={args['output_type']!r}: 'np' (images in [0, 1]) or 'latent' (the latents, "
+                         "undecoded, e.g. for a refiner)")
+    window = {name: args[name] for name in ("strength", "denoising_start", "denoising_end") if name in args}
+    schedule_window(spec.scheduler, Settings(steps, **window))  # checked before anything is traced
+    args = {renamed.get(name, name): value for name, value in args.items()}
+    values = {name: args[name] for name in INPUTS if args.get(name) is not None}
+    for name in picture_inputs(spec):
+        values[name] = jax.tree.map(_float32_array, values[name])
+    values.setdefault("guidance_rescale", 0.0)
+    for name in Inputs.shared_fields():  # arrays, so that a Python float and an array share one program
+        if name in values:
+            values[name] = jnp.asarray(values[name], jnp.float32)
+    inputs = Inputs(**values, hooks=tuple(hooks) or None)
+    if leading_dims is not None:
+        spec.text.check_inputs(inputs)
+        check_shapes(c, inputs, leading_dims)
+        check_values(c, inputs, leading_dims)
+    height, width = sizes(c, *image_size(c, inputs, leading_dims, args.get("height"), args.get("width")))
+    inputs = spec.text.fill_inputs(inputs, height, width)
+    settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
+                           "height": height, "width": width,
+                           # a guidance function of the user's combines both halves at any scale
+                           "classifier_free_guidance": args.get("guidance") is not None
+                           or guided(args["guidance_scale"])})
+    return inputs, settings
+
+
+def picture_inputs(spec) -> list[str]:
+    """The (B, C, H, W) Inputs fields a spec reads: its start's images, then its wrappers' pictures."""
+    return [name for name, _ in spec.start.images] + [wrapper.picture for wrapper in spec.wrappers]
+
+
+def guided(guidance_scale) -> bool:
+    """Classifier-free guidance runs for scales above 1, as diffusers decides; at 1 or below the UNet sees only
+    the conditional batch. A scale traced by the caller's own jit keeps guidance on (its value is unknown)."""
+    if isinstance(guidance_scale, jax.core.Tracer):
+        return True
+    return bool(np.any(np.asarray(guidance_scale) > 1))
+
+
+def check_size(name, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+        raise ValueError(f"{name} must be a positive whole number of pixels (or None for the default), got {value!r}")
+
+
+def sizes(c, height, width):
+    """(height, width): as given, or the UNet's sample size in pixels; multiples of the VAE scale factor."""
+    f = c.vae_scale_factor
+    height = height or c.unet.config.sample_size * f
+    width = width or c.unet.config.sample_size * f
+    for name, value in (("height", height), ("width", width)):
+        if value % f:
+            raise ValueError(f"{name}={value} is not a multiple of the VAE scale factor {f}: "
+                             f"use {value // f * f} or {(value // f + 1) * f}")
+    return height, width
+
+
+def check_shapes(c, inputs, leading_dims):
+    tail = type(c.spec.text).ids_tail(c)
+    ids = inputs.prompts()
+    if ids is None:
+        raise ValueError("give prompt_ids (from pipeline.prepare_inputs(prompts)) or prompt_embeds")
+    sharded = " and shard()" if leading_dims == 2 else ""
+    for name in ("prompt_ids", "neg_prompt_ids"):
+        value = getattr(inputs, name)
+        if value is not None and (value.ndim != leading_dims + len(tail) or value.shape[-len(tail):] != tail):
+            expected = ("(devices, batch, " if leading_dims == 2 else "(batch, ") + ", ".join(map(str, tail)) + ")"
+            both = " (ids of both tokenizers)" if len(tail) == 2 else ""
+            raise ValueError(f"{name} has shape {value.shape}; expected {expected}{both}: make it with "
+                             f"pipeline.prepare_inputs(prompts){sharded}")
+    for name, twin in (("neg_prompt_ids", "prompt_ids"), ("neg_prompt_embeds", "prompt_embeds")):
+        a, b = getattr(inputs, name), getattr(inputs, twin)
+        if a is not None and b is not None and a.shape != b.shape:
+            raise ValueError(f"{name} {a.shape} and {twin} {b.shape} differ: give one negative prompt per prompt")
+    batch = ids.shape[:leading_dims]
+    start = c.spec.start
+    make = "pipeline.prepare_inputs(prompts, " + ", ".join(f"{name}s" for name, _ in start.images) + ")"
+    size = None
+    for name, channels in start.images:
+        x = getattr(inputs, name)
+        channels = channels if isinstance(channels, tuple) else (channels,)  # (3, 4): RGB, or latents
+        expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{' or '.join(map(str, channels))}, H, W)"
+        if x.ndim != leading_dims + 3 or x.shape[-3] not in channels:
+            raise ValueError(f"{name} has shape {x.shape}; expected {expected}: make it with {make}{sharded}")
+        if x.shape[:leading_dims] != batch:
+            raise ValueError(f"{name} has shape {x.shape} for prompt_ids of {ids.shape}: give one {name} per "
+                             "prompt")
+        if size is not None and x.shape[-2:] != size:
+            raise ValueError(f"{name} is {x.shape[-1]}x{x.shape[-2]} but the image is {size[1]}x{size[0]}: "
+                             f"give a {name} of the image's size")
+        size = x.shape[-2:]
+
+
+def check_values(c, inputs, leading_dims):
+    """Keys, token ids and scales of the right kind (a (3,) guidance scale would broadcast over the latent
+    width)."""
+    check_key(inputs.prng_seed, leading_dims)
+    vocab = min(encoder.config.vocab_size for encoder in (c.text_encoder, c.text_encoder_2) if encoder)
+    for name in ("prompt_ids", "neg_prompt_ids"):
+        check_ids(name, getattr(inputs, name), vocab)
+    for name in ("guidance_scale", "guidance_rescale"):
+        value = getattr(inputs, name)
+        if value.ndim:
+            raise ValueError(f"{name} must be one number, got an array of shape {value.shape}")
+        if not isinstance(value, jax.core.Tracer) and not np.isfinite(np.asarray(value)):
+            raise ValueError(f"{name} must be a finite number, got {float(value)}")
+
+
+def check_params(c, params, mode: str | None):
+    """params hold every model the pipeline runs, with a leading device axis exactly when pmap runs them.
+    `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either)."""
+    # every model this pipeline has (an SDXL refiner has no first text encoder), and its wrappers' params
+    needed = [name for name in type(c.spec.text).models if getattr(c, name) is not None]
+    needed += [wrapper.params_name for wrapper in c.spec.wrappers]
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "
+                        f"{type(params).__name__}")
+    missing = [name for name in needed if name not in params]
+    if missing:
+        raise ValueError(f"params has no {', '.join(map(repr, missing))} (it has {', '.join(map(repr, params))}): "
+                         f"pass the params from {type(c).__name__}.from_pretrained")
+    kernel = params["unet"].get("conv_in", {}).get("kernel") if isinstance(params["unet"], Mapping) else None
+    if kernel is None or mode is None:
+        return
+    replicated = mode == "jit=True"
+    if kernel.ndim == 5 and not replicated:
+        raise ValueError(f"params are replicated (a leading device axis), but {mode} takes them as "
+                         "from_pretrained gives them: pass unreplicated params, or call with jit=True")
+    if kernel.ndim == 4 and replicated:
+        raise ValueError("jit=True runs under pmap and needs replicated params: sdflax.replicate(params)")
+    if kernel.ndim == 5 and kernel.shape[0] != jax.local_device_count():
+        raise ValueError(f"params are replicated for {kernel.shape[0]} devices, but there are "
+                         f"{jax.local_device_count()}: sdflax.replicate(params) on this machine")
+
+
+def check_devices(inputs):
+    """pmap's inputs: one slice of the batch and one key (or one per image) per local device."""
+    devices = inputs.prompts().shape[0]
+    if devices != jax.local_device_count():
+        raise ValueError(f"prompt_ids lead with {devices}, but there are {jax.local_device_count()} devices: "
+                         "shard(prompt_ids) splits a batch divisible by the device count")
+    if inputs.prng_seed.shape[0] != devices:
+        raise ValueError(f"prng_seed leads with {inputs.prng_seed.shape[0]} for {devices} devices: one key "
+                         "per device (jax.random.split(key, devices)), or shard(keys) with one key per image")
+
+
+def image_size(c, inputs, leading_dims, height, width):
+    """(height, width): the pictures' for pipelines that take pictures (a given height/width must agree), else as
+    given."""
+    sizes = [(name, pixels(c, getattr(inputs, name))) for name, _ in c.spec.start.images]
+    if c.spec.wrappers:  # the control images
+        if leading_dims is not None:
+            check_control_images(c, inputs, leading_dims, inputs.prompts().shape[:leading_dims])
+        sizes.append(("the control image", as_nets(inputs.control_image)[0].shape[-2:]))
+    if not sizes:
+        return height, width
+    (first, actual), *others = sizes
+    for name, size in others:
+        if tuple(size) != tuple(actual):
+            raise ValueError(f"{name} is {size[1]}x{size[0]} but {first} is {actual[1]}x{actual[0]}: give "
+                             "images of one size")
+    for name, given, side in (("height", height, actual[0]), ("width", width, actual[1])):
+        if given is not None and given != side:
+            raise ValueError(f"{name}={given} but the image is {side}: resize the image, or leave {name} out")
+    return tuple(actual)
+
+
+def pixels(c, image):
+    """(H, W) of an image, or of the image that latents (an image with the latent channels) decode to."""
+    f = c.vae_scale_factor if c.spec.vae.is_latent_image(image) else 1
+    return tuple(side * f for side in image.shape[-2:])
+
+
+def check_control_images(c, inputs, leading_dims, batch):
+    """The control images against the nets: one (batch) per net, of the net's channels and one size."""
+    nets, images = c.controlnets, as_nets(inputs.control_image)
+    if len(images) != len(nets):
+        raise ValueError(f"{len(images)} control images for {len(nets)} ControlNets: give one image (batch) per "
+                         "net, in the order of the nets")
+    size = None
+    for k, (net, image) in enumerate(zip(nets, images)):
+        name = f"control image {k}" if len(nets) > 1 else "the control image"
+        channels = net.config.conditioning_channels
+        if image.ndim != leading_dims + 3 or image.shape[-3] != channels:
+            expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
+            sharded = " and shard()" if leading_dims == 2 else ""
+            raise ValueError(f"{name} has shape {image.shape}; expected {expected}: make it with "
+                             f"pipeline.prepare_image_inputs(images){sharded}")
+        if image.shape[:leading_dims] != batch:
+            raise ValueError(f"{name} has shape {image.shape} for a batch of {batch}: give one control image "
+                             "per prompt")
+        if size is not None and image.shape[-2:] != size:
+            raise ValueError(f"{name} is {image.shape[-1]}x{image.shape[-2]}, the first {size[1]}x{size[0]}: "
+                             "give control images of one size")
+        size = image.shape[-2:]
+    check_controlnets(nets, c.unet)
+
+
+def check_controlnets(nets, unet):
+    """ControlNets of the UNet's family."""
+    for net in nets:
+        if net.config.addition_embed_type != unet.config.addition_embed_type or (
+                net.config.cross_attention_dim != unet.config.cross_attention_dim):
+            raise ValueError("a ControlNet of another model family than the pipeline's UNet (cross-attention "
+                             f"dim {net.config.cross_attention_dim} vs {unet.config.cross_attention_dim}, "
+                             f"addition_embed_type {net.config.addition_embed_type!r} vs "
+                             f"{unet.config.addition_embed_type!r}): use a ControlNet trained for this base model")
+
+
+@functools.cache
+def raw_key_size() -> int:
+    """uint32 words in a raw key of the default PRNG implementation (2 for threefry), made once per process
+    rather than on every call."""
+    return jax.random.PRNGKey(0).shape[-1]
+
+
+def check_key(key, leading_dims):
+    """One PRNG key or one per image ((devices, ...) first under pmap): typed (`jax.random.key`) or raw uint32
+    (`jax.random.PRNGKey`)."""
+    raw_size = raw_key_size()
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key) if hasattr(key, "dtype") else False
+    if not typed and not (hasattr(key, "dtype") and key.dtype == np.uint32 and key.ndim and key.shape[-1] == raw_size):
+        what = f"a {key.dtype} array of shape {key.shape}" if hasattr(key, "dtype") else repr(key)
+        raise TypeError(f"prng_seed must be a PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got "
+                        f"{what:.200}")
+    key_dims = key.ndim - (0 if typed else 1)  # the dimensions that count keys
+    if leading_dims == 2 and key_dims not in (1, 2):
+        raise ValueError(f"prng_seed has shape {key.shape}: jit=True needs one key per device, "
+                         "jax.random.split(key, jax.local_device_count()), or shard(keys) with one key per image")
+    if leading_dims == 1 and key_dims > 1:
+        raise ValueError(f"prng_seed has shape {key.shape}: give one key, or one key per image (B, ...)")
+
+
+def check_ids(name, ids, vocab_size):
+    if ids is None:
+        return
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name} must be integer token ids (pipeline.prepare_inputs(prompts)), got {ids.dtype}")
+    if isinstance(ids, jax.core.Tracer):
+        return
+    low, high = int(np.min(ids)), int(np.max(ids))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside the text encoder's vocabulary [0, {vocab_size}): "
+                         "make the ids with pipeline.prepare_inputs(prompts)")
+
+
+def _float32_array(x):
+    return x if isinstance(x, jax.Array) else np.asarray(x, np.float32)

@@ -1,0 +1,64 @@
+"""ControlNet (Zhang et al. 2023): steer the UNet with residuals that ControlNets compute from a control image
+(edges, pose, depth), as diffusers' ControlNet pipelines do.
+
+`ControlNet` is a UNet wrapper (a `Spec`'s `wrappers`): at every evaluation each net sees the latents, the timestep,
+the text states and its control image, and the sum of their residuals, each times its scale while the step is
+inside its guidance window, is added to the UNet's skip connections and mid block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+def as_nets(value) -> tuple:
+    """One ControlNet (or its params, or its control image) or several -> a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlNet:
+    """The residuals of one or several ControlNets, added to the UNet's (diffusers' MultiControlNetModel sums);
+    their params are `params["controlnet"]`, a list for several nets."""
+
+    nets: tuple
+
+    # what this wrapper adds to a pipeline: its params, its picture input, and the arguments of its calls
+    params_name = "controlnet"
+    picture = "control_image"
+
+    def wrap(self, params, inputs, settings, cond, start):
+        net_params = as_nets(params["controlnet"])
+        images = as_nets(inputs.control_image)
+        n = len(self.nets)
+        scales = jnp.broadcast_to(jnp.asarray(inputs.controlnet_conditioning_scale, jnp.float32), (n,))
+        starts = jnp.broadcast_to(jnp.asarray(inputs.control_guidance_start, jnp.float32), (n,))
+        ends = jnp.broadcast_to(jnp.asarray(inputs.control_guidance_end, jnp.float32), (n,))
+        num_evals = start.state.timesteps.shape[0]
+
+        def wrapper(unet_fn):
+            def controlled(x, t, context, step, **residuals):
+                # guess mode: only the conditional half sees the nets; the unconditional half gets zero residuals
+                half = settings.guess_mode and settings.classifier_free_guidance
+                x_c, context_c = (jnp.split(x, 2)[1], jnp.split(context, 2)[1]) if half else (x, context)
+                extra = {name: jnp.split(v, 2)[1] if half else v for name, v in cond.unet_kwargs.items()}
+                down, mid = None, None
+                for k, (net, p, image) in enumerate(zip(self.nets, net_params, images)):
+                    # diffusers' guidance window: the net acts at evaluation i unless i/n < start or (i+1)/n > end
+                    outside = (step / num_evals < starts[k]) | ((step + 1) / num_evals > ends[k])
+                    scale = scales[k] * (1.0 - outside.astype(jnp.float32))
+                    image = jnp.tile(image, (x_c.shape[0] // image.shape[0], 1, 1, 1))  # [uncond; cond] rows
+                    d, m = net.apply(p, x_c, t, context_c, image.astype(net.dtype), scale, guess_mode=half, **extra)
+                    down = d if down is None else tuple(a + b for a, b in zip(down, d))
+                    mid = m if mid is None else mid + m
+                if half:
+                    down = tuple(jnp.concatenate([jnp.zeros_like(d), d]) for d in down)
+                    mid = jnp.concatenate([jnp.zeros_like(mid), mid])
+                return unet_fn(x, t, context, step, down_block_additional_residuals=down,
+                               mid_block_additional_residual=mid, **residuals)
+
+            return controlled
+
+        return wrapper

@@ -1,0 +1,268 @@
+"""`Pipeline`: the models, tokenizers and scheduler of one checkpoint (the weights live in the params you pass in),
+and the calls every pipeline answers the same way. Which pieces a pipeline runs and its public argument order
+come from its row of the table (`table.py`); the checks are in `checks.py`, the computation in `generate.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import checks
+from .generate import generate
+from .images import numpy_to_pil, preprocess_control_images, preprocess_images, preprocess_images_and_masks
+from .runner import Runner
+from .starts import FromNoise, is_inpainting_unet
+from .text import SDText
+from .types import Inputs, Settings, Spec
+from .vae import VAE
+
+
+@flax.struct.dataclass
+class StableDiffusionOutput:
+    """`.images`: float numpy in [0, 1], (B, H, W, 3), or (devices, B, H, W, 3) with jit=True (with
+    output_type="latent": the latents, (B, C, h, w)). `output[0]` too."""
+
+    images: Any
+    trajectory: Any = None  # sampling.Trajectory with return_trajectory=True
+
+    def __getitem__(self, index):
+        return (self.images,)[index]
+
+
+class Pipeline:
+    """What every pipeline shares. A row of the table sets the class attributes: the family's text conditioning
+    (`text`), the start kind (`start`), the UNet wrappers (`wrappers`), and `signature`, `__call__`'s."""
+
+    text = SDText
+    start = FromNoise
+    wrappers = ()
+    signature: inspect.Signature
+    renamed = {}  # argument names that differ from the Inputs field they fill
+    hooks = ()  # sdflax.hooks in every call (`with_hooks`)
+
+    def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
+                 tokenizer_2=None, force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None):
+        self.text_encoder, self.text_encoder_2, self.unet, self.vae = text_encoder, text_encoder_2, unet, vae
+        # one ControlNet module or a list of them; their params go in params["controlnet"] (a list for a list)
+        self.controlnets = () if controlnet is None else tuple(controlnet) if isinstance(controlnet, (list, tuple)) \
+            else (controlnet,)
+        if self.wrappers and not self.controlnets:
+            raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
+                             "ControlNetModel.from_pretrained")
+        self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
+        self._scheduler, self._force_zeros = scheduler, bool(force_zeros_for_empty_prompt)
+        self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
+        self.text.check_components(self)
+        self.vae_scale_factor = vae.config.scale_factor
+        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length. (An SDXL
+        # refiner has the second encoder alone.)
+        tokenizer, text_encoder = (tokenizer, text_encoder) if text_encoder is not None else (tokenizer_2,
+                                                                                              text_encoder_2)
+        self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
+        self.empty_prompt_ids = self.text.prepare_ids(self, [""])
+        self._runners = {}  # spec -> its programs, shared with the hooked views (`with_hooks`)
+        self._spec = None
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
+                        scheduler_config=None, variant=None, attention="auto", **components):
+        """(pipeline, params) from a diffusers checkpoint folder or hub id.
+
+        `scheduler="ddim"` swaps the kind and keeps the checkpoint's config values; `scheduler_config={...}`
+        overrides single values. `params = {"text_encoder": ..., "unet": ..., "vae": ...}` (SDXL: and
+        "text_encoder_2"). Other components are passed on as given (`controlnet=`).
+        """
+        from ..loading import load_pipeline
+
+        c = cls.text
+        parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
+                                      scheduler, scheduler_config, variant, attention, c.optional)
+        return cls(**parts, **components), params
+
+    @classmethod
+    def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
+                         scheduler_config=None, attention="auto", revision=None):
+        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 (SD 1.x, 2.x) or SGM
+        (SDXL) layout, the version read from the tensor names. Configs come from `config` (a diffusers folder or
+        hub id) or from the stable-diffusion-v1-5 / 2-1 / xl-base-1.0 defaults bundled with sdflax (v-prediction
+        for SD 2.x: pass `prediction_type="epsilon"` for a 512 px SD 2.x base model)."""
+        from ..single_file import load_single_file
+
+        parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
+                                         attention, revision, family=cls.text, pipeline=cls.__name__)
+        return cls(**parts), params
+
+    def load_lora(self, params, path, scale=1.0):
+        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
+        LoRAs stack by calling it again (`sdflax.lora.merge_lora` merges under jit with a traced `scale`)."""
+        from ..lora import load_lora
+
+        return load_lora(params, path, scale, self.unet.config)
+
+    def load_textual_inversion(self, params, path, token=None):
+        """params with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds) added.
+
+        The token (and `token_1`, ... for a multi-vector embedding) joins this pipeline's tokenizer, so use the
+        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors. SDXL files
+        (`clip_l` and `clip_g` tensors) extend both tokenizers and both text encoders."""
+        from ..textual_inversion import load_textual_inversion
+
+        params = load_textual_inversion(self, params, path, token)
+        self._spec = None  # the text encoders grew
+        return params
+
+    def with_hooks(self, *hooks):
+        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost): the same models and
+        compiled programs, each call's `Inputs.hooks` set to them. A new hook set compiles once; hooks that differ
+        only in their numbers (a scale) share the program. What hooks emit comes back in
+        `output.trajectory.hooks`."""
+        view = copy.copy(self)
+        view.hooks = tuple(hooks)
+        return view
+
+    # ---- what generate runs -------------------------------------------------------------------------------
+    @property
+    def spec(self) -> Spec:
+        """The pieces this pipeline runs (`types.Spec`), made from the components and the table row."""
+        if self._spec is None:
+            vae = VAE(self.vae, self.text.upcast_vae(self.vae))
+            self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.unet),
+                              self.unet, vae, self._scheduler, tuple(wrapper(self.controlnets) for wrapper in
+                                                                      self.wrappers))
+        return self._spec
+
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler):
+        self._scheduler, self._spec = scheduler, None  # a new spec: programs for the old one stay cached
+
+    @property
+    def force_zeros_for_empty_prompt(self) -> bool:
+        return self._force_zeros
+
+    @force_zeros_for_empty_prompt.setter
+    def force_zeros_for_empty_prompt(self, value):
+        self._force_zeros, self._spec = bool(value), None
+
+    @property
+    def inpainting_unet(self) -> bool:
+        """True for a 9-channel inpainting UNet, False for an ordinary one (the known region is pasted back)."""
+        return is_inpainting_unet(self.vae.config.latent_channels, self.unet.config.in_channels)
+
+    @property
+    def _runner(self) -> Runner:
+        """The programs of this pipeline's current spec (a scheduler set back finds its programs again)."""
+        return self._runners.setdefault(self.spec, Runner(generate))
+
+    @property
+    def _jitted(self):
+        """The one-device program (its `_cache_size()` counts compiles)."""
+        return self._runner.jit
+
+    # ---- inputs and outputs -------------------------------------------------------------------------------
+    def _prepare(self, prompts, prompts_2, pictures: dict):
+        """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
+        padded and truncated as diffusers does; with pictures, `(ids, *arrays)` in the order `__call__` takes them."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts_2 = [prompts_2] if isinstance(prompts_2, str) else list(prompts_2 or ())  # "" or None: prompts
+        ids = self.text.prepare_ids(self, prompts, prompts_2)
+        if all(picture is None for picture in pictures.values()):
+            return ids
+        if any(picture is None for picture in pictures.values()):
+            raise ValueError(f"give every picture: prepare_inputs(prompts, {', '.join(pictures)})")
+        f = self.vae_scale_factor
+        out = [ids]
+        if "masks" in pictures:
+            out += preprocess_images_and_masks(pictures["images"], pictures["masks"], f)
+        elif "images" in pictures:
+            out.append(preprocess_images(pictures["images"], f))
+        if "control_images" in pictures:
+            out.append(preprocess_control_images(pictures["control_images"], f))
+        return tuple(out)
+
+    numpy_to_pil = staticmethod(numpy_to_pil)
+
+    def encode_prompt(self, params, prompt_ids):
+        """The text encoders' output for ids (SD: states (B, 77, D); SDXL: (states, pooled))."""
+        return self.spec.text.encode_prompt(params, prompt_ids)
+
+    def decode_latents(self, params, latents):
+        """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
+        return self.spec.vae.decode(params, latents)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def generate(self, params, inputs: Inputs, settings: Settings):
+        """`sdflax.generate` with this pipeline's spec: a pure function of `params` and `inputs`."""
+        return generate(self.spec, params, inputs, settings)
+
+    def _call(self, args, kwargs):
+        """`__call__`: jit on one device, or pmap over the local devices (`jit=True`)."""
+        args = self._bind(args, kwargs, self.signature)
+        jit, params = args.pop("jit"), args.pop("params")
+        checks.check_params(self, params, f"jit={jit}")
+        inputs, settings = checks.split(self, args, 2 if jit else 1, self.renamed, self.hooks)
+        if jit:
+            checks.check_devices(inputs)
+            out = self._runner.pmap(self.spec, params, inputs, settings)
+        else:
+            out = self._runner.jit(self.spec, params, inputs, settings)
+        return StableDiffusionOutput(np.asarray(out.images), jax.tree.map(np.asarray, out.trajectory))
+
+    def _generate(self, *args, **kwargs):
+        """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
+        `(images, sampling.Trajectory)` with `return_trajectory=True` or hooks that emit values (`with_hooks`).
+        jit, pmap, vmap and grad apply to it."""
+        args = self._bind(args, kwargs, self.signature_without_jit())
+        params = args.pop("params")
+        checks.check_params(self, params, None)
+        inputs, settings = checks.split(self, args, None, self.renamed, self.hooks)
+        out = self.generate(params, inputs, settings)
+        return tuple(out) if out.trajectory is not None else out.images
+
+    def generate_sharded(self, *args, mesh=None, **kwargs):
+        """The `jit` + `NamedSharding` path, with `__call__`'s arguments (but `jit`): the batch (B, ...) is split
+        over a one-axis device mesh (default: all local devices); params are plain (not `replicate`d).
+        `prng_seed` holds one key per device, (devices, 2) as for `jit=True`, device d's rows then drawing from
+        key d so that the images equal the pmap path's, or one key per image. Returns (B, H, W, 3) numpy
+        images, or (images, trajectory) with `return_trajectory=True` (trajectory leaves (evals, B, ...)). On a
+        mesh of several processes' devices (`jax.distributed`), every process passes the whole batch and gets
+        back the rows of its own devices, in the mesh's order."""
+        args = self._bind(args, kwargs, self.signature_without_jit())
+        params = args.pop("params")
+        checks.check_params(self, params, "generate_sharded")
+        inputs, settings = checks.split(self, args, 1, self.renamed, self.hooks)
+        out = self._runner.run_sharded(self.spec, params, inputs, settings, mesh)
+        images = _own_rows(out.images, 0)
+        if out.trajectory is None:  # no return_trajectory, no hook that emits
+            return images
+        return images, jax.tree.map(lambda x: _own_rows(x, 1), out.trajectory)
+
+    @classmethod
+    def signature_without_jit(cls) -> inspect.Signature:
+        return cls.signature.replace(parameters=[p for p in cls.signature.parameters.values() if p.name != "jit"])
+
+    @staticmethod
+    def _bind(args, kwargs, signature) -> dict:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+
+def _own_rows(x, axis):
+    """A batch split over a mesh as numpy: all of it, or on a mesh spanning several processes the rows of this
+    process's devices (the others' rows are not here to copy)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
+    return np.concatenate([np.asarray(shard.data) for shard in shards], axis)

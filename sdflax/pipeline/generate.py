@@ -1,0 +1,60 @@
+"""The one generate every pipeline runs: text conditioning -> initial latents -> the guided scan -> decode.
+
+A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SDText`, `text.SDXLText`), a start
+(`starts.FromNoise`, `FromImage`, `FromImageMask`), UNet wrappers (`controlnet.ControlNet`), the UNet, the VAE and
+the scheduler. `runner.Runner` builds the jit, pmap and jit + NamedSharding programs of `generate`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .. import sampling
+from ..hooks.core import Hook, intercept
+from .types import Inputs, Output, Settings, Spec
+
+
+def generate(spec: Spec, params, inputs: Inputs, settings: Settings) -> Output:
+    """The whole prompt (+ image) -> images computation as a pure function of `params` and `inputs`.
+
+    Differentiable end to end (each sampler step is rematerialised).
+    """
+    cond = spec.text.encode(params, inputs, settings)
+    if not settings.classifier_free_guidance:
+        cond = cond.conditional()
+    hooks = tuple(inputs.hooks or ())
+    for hook in hooks:
+        cond = hook.condition(cond, settings)
+    start = spec.start.begin(params, inputs, settings, spec.scheduler)
+    chunks = cond.context.shape[0] // start.latents.shape[0]  # the UNet's batch: chunks of B rows
+
+    def unet_fn(x, t, context, step, **residuals):
+        if not hooks:
+            return spec.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+        with intercept(hooks, step, chunks):  # the UNet's layers only, not a ControlNet's
+            return spec.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+
+    if start.wrap_unet is not None:
+        unet_fn = start.wrap_unet(unet_fn)
+    for wrapper in spec.wrappers:  # each wraps the last, so the first listed is the innermost
+        unet_fn = wrapper.wrap(params, inputs, settings, cond, start)(unet_fn)
+    for hook in hooks:
+        unet_fn = hook.wrap_unet(unet_fn)
+    combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
+    if combines:
+        model = sampling.chunked_model(unet_fn, cond.context, chunks,
+                                       lambda *out: combines[0].combine(out, inputs, settings))
+    elif settings.classifier_free_guidance:
+        guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
+        model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
+                                      guidance)
+    else:
+        model = sampling.conditional_model(unet_fn, cond.context)
+    out = sampling.denoise(model, spec.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
+                           callback=settings.callback, return_trajectory=settings.return_trajectory,
+                           state=start.state, post_step=start.post_step, model_takes_step=True,
+                           num_evals=start.num_evals, memory=any(hook.carries for hook in hooks))
+    latents, trajectory = out if isinstance(out, tuple) else (out, None)
+    if settings.output_type == "latent":
+        return Output(latents, trajectory)
+    return Output(spec.vae.decode(params, latents), trajectory)
