@@ -27,15 +27,16 @@ def test_shallow_branch_with_its_own_features_equals_the_full_unet(sd1, branch):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
     context = rng.standard_normal((2, 77, 32), dtype=np.float32)
-    apply = jax.jit(pipe.unet.apply, static_argnames="cache_branch")
+    apply = jax.jit(pipe.unet.apply, static_argnames=("method", "branch"))
     plain = apply(params["unet"], x, np.array([500, 10]), context)
-    out, features = apply(params["unet"], x, np.array([500, 10]), context, cache_branch=branch)
+    out, features = apply(params["unet"], x, np.array([500, 10]), context, method="deep", branch=branch)
     np.testing.assert_array_equal(out, plain)
-    shallow, same = apply(params["unet"], x, np.array([500, 10]), context, cache_branch=branch, deep_features=features)
+    shallow = apply(params["unet"], x, np.array([500, 10]), context, method="shallow", branch=branch,
+                    features=features)
     np.testing.assert_allclose(shallow, plain, rtol=0, atol=1e-5)
     # the shallow branch really uses the features it is given
-    other, _ = apply(params["unet"], x, np.array([500, 10]), context, cache_branch=branch,
-                     deep_features=features * 1.5)
+    other = apply(params["unet"], x, np.array([500, 10]), context, method="shallow", branch=branch,
+                  features=features * 1.5)
     assert np.abs(other - plain).max() > 1e-3
 
 

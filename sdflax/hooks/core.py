@@ -92,8 +92,9 @@ class Hook:
     def wrap_unet(self, unet_fn):
         return unet_fn
 
-    def combine(self, out, scale, guidance):
-        """The UNet's output on the guidance batch -> the prediction; None: the pipeline's guidance."""
+    def combine(self, outputs, inputs, settings):
+        """The UNet's output, one array per chunk of the guidance batch -> the prediction. A hook that does not
+        override it leaves the pipeline's guidance in place."""
         return None
 
     carries = False  # whether it reads and writes memory across evaluations

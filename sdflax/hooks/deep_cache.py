@@ -12,12 +12,26 @@ shallowest SD setting (cache_layer_id=0, cache_block_id=0). DeepCache's evaluati
 from __future__ import annotations
 
 import flax
+import flax.linen as nn
 import jax
 
 from .. import sampling
+from ..models.unet import UNet2DConditionModel
 from .core import Hook, current_scope
 
 KEY = "deep_cache"
+
+
+def redirect(method: str, **keywords):
+    """A context in which a call of the UNet (not of a ControlNet) runs its `method` instead, given `keywords` too:
+    the hook reaches the UNet's halves through whatever wraps the UNet call."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and isinstance(context.module, UNet2DConditionModel):
+            return getattr(context.module, method)(*args, **kwargs, **keywords)
+        return next_fun(*args, **kwargs)
+
+    return nn.intercept_methods(interceptor)
 
 
 @flax.struct.dataclass
@@ -31,22 +45,26 @@ class DeepCache(Hook):
             scope = current_scope()
             features = scope.read(KEY)  # from the last full evaluation
 
-            sealed = scope.sealed_copy("DeepCache runs the UNet inside a lax.cond, out of which hooks cannot emit or "
-                                       "carry values: use it without hooks that emit (attention maps)")
-
             def full():
-                with sampling.scope(None, within=sealed):
-                    return unet_fn(x, t, context, step, cache_branch=self.branch, **residuals)
-
-            def shallow():
-                with sampling.scope(None, within=sealed):
-                    return unet_fn(x, t, context, step, cache_branch=self.branch, deep_features=features,
-                                   **residuals)
+                with redirect("deep", branch=self.branch):
+                    return unet_fn(x, t, context, step, **residuals)
 
             if features is None or self.interval == 1:
-                out, features = unet_fn(x, t, context, step, cache_branch=self.branch, **residuals)
+                out, features = full()
             else:
-                out, features = jax.lax.cond(step % self.interval == 0, full, shallow)
+                sealed = scope.sealed_copy("DeepCache runs the UNet inside a lax.cond, out of which hooks cannot "
+                                           "emit or carry values: use it without hooks that emit (attention maps)")
+
+                def sealed_full():
+                    with sampling.scope(None, within=sealed):
+                        return full()
+
+                def shallow():
+                    with sampling.scope(None, within=sealed), redirect("shallow", branch=self.branch,
+                                                                       features=features):
+                        return unet_fn(x, t, context, step, **residuals), features
+
+                out, features = jax.lax.cond(step % self.interval == 0, sealed_full, shallow)
             scope.write(KEY, features)
             return out
 

@@ -260,10 +260,7 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     array per skip connection (conv_in's output, each down resnet's, each downsampler's), added to the skips once
     the down blocks are done, and `mid_block_additional_residual`, added to the mid block's output.
 
-    DeepCache (Ma et al. 2023, `sdflax.hooks.deep_cache`): with `cache_branch` = s (a skip index, static) the UNet
-    returns `(prediction, features)`, features (NHWC) being what enters the up layer that takes skip s; given
-    those as `deep_features`, only the shallow branch runs (the layers down to skip s and up from it) and the
-    deep ones are replaced by the given features.
+    DeepCache (Ma et al. 2023, `sdflax.hooks.deep_cache`) runs the UNet by halves, through `deep` and `shallow`.
     """
 
     config: UNetConfig
@@ -271,14 +268,27 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = UNetConfig
 
-    @nn.compact
     def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
-                 down_block_additional_residuals=None, mid_block_additional_residual=None, cache_branch=None,
-                 deep_features=None):
+                 down_block_additional_residuals=None, mid_block_additional_residual=None):
+        return self._run(sample, timesteps, encoder_hidden_states, text_embeds, time_ids,
+                        down_block_additional_residuals, mid_block_additional_residual)[0]
+
+    def deep(self, *inputs, branch: int, **keywords):
+        """The whole UNet on `__call__`'s inputs -> (prediction, features): the NHWC features entering the up layer
+        that takes skip connection `branch` (static), which `shallow` reuses."""
+        return self._run(*inputs, branch=branch, **keywords)
+
+    def shallow(self, *inputs, branch: int, features, **keywords):
+        """Only the layers down to skip `branch` and up from it, `deep`'s `features` standing in for the deeper
+        ones -> the prediction."""
+        return self._run(*inputs, branch=branch, features=features, **keywords)[0]
+
+    @nn.compact
+    def _run(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
+            down_block_additional_residuals=None, mid_block_additional_residual=None, branch=None, features=None):
+        """-> (prediction, the features at `branch`); with `features`, only the shallow branch runs."""
         cfg, dtype, kernels = self.config, self.dtype, self.kernels
-        shallow = deep_features is not None
-        if shallow and cache_branch is None:
-            raise ValueError("deep_features need cache_branch: the skip index the cached features enter at")
+        shallow = features is not None
         channels = cfg.block_out_channels
         if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
             raise ValueError("down_block_additional_residuals and mid_block_additional_residual go together, as "
@@ -290,7 +300,7 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         if cfg.center_input_sample:
             x = 2 * x - 1.0
         x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
-        x, skips = self.down_blocks(x, temb, context, until=cache_branch if shallow else None)
+        x, skips = self.down_blocks(x, temb, context, until=branch if shallow else None)
         if down_block_additional_residuals is not None:
             if not shallow and len(down_block_additional_residuals) != len(skips):
                 raise ValueError(f"down_block_additional_residuals: expected {len(skips)} arrays, one per skip "
@@ -307,15 +317,15 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         up_depths = cfg.per_block(cfg.transformer_layers_per_block)[::-1]
         # the up layers in order, k = 0, 1, ...: layer k takes skip n - 1 - k; DeepCache's features enter at `entry`
         n = len(cfg.up_block_types) * (cfg.layers_per_block + 1)
-        entry = None if cache_branch is None else n - 1 - cache_branch
-        k, features = 0, deep_features
+        entry = None if branch is None else n - 1 - branch
+        k = 0
         for i, (kind, out) in enumerate(zip(cfg.up_block_types, channels[::-1])):
             for j in range(cfg.layers_per_block + 1):
                 k += 1
                 if shallow and k - 1 < entry:  # a deep layer: its output is in the cached features
                     continue
-                if k - 1 == entry:
-                    x = features = deep_features if shallow else x
+                if k - 1 == entry:  # the deep layers' output: cached here, or taken from the cache
+                    x, features = (features, features) if shallow else (x, x)
                 x, skip = self.up_inputs(x, skips.pop(), i)
                 x = self.resnet(out, f"up_blocks_{i}_resnets_{j}")(jnp.concatenate([x, skip], axis=-1), temb)
                 if kind == "CrossAttnUpBlock2D":
@@ -327,7 +337,7 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype, name="conv_norm_out")(x))
         x = conv(cfg.out_channels, name="conv_out", dtype=dtype, kernels=kernels)(x)
         x = jnp.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
-        return x if cache_branch is None else (x, features)
+        return x, features
 
     def up_inputs(self, x, skip, block):
         """What an up layer of up block `block` concatenates: the backbone features x and the skip connection's,
