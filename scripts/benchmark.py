@@ -310,7 +310,7 @@ def benchmark_sdflax(args, dtype_name):
 
     from sdflax import Inputs, Settings, StableDiffusion, replicate, shard
     from sdflax.pipeline import checks
-    from sdflax.cli import _CompileClock, _scheduler_name
+    from sdflax.cli import CompileClock, scheduler_name
 
     dtype = getattr(jnp, dtype_name)
     attention = args.attention
@@ -342,7 +342,7 @@ def benchmark_sdflax(args, dtype_name):
 
     log(f"Compiling {args.steps} steps at {width}x{height}, {b} image(s) on each of {devices} "
         f"{jax.default_backend().upper()} device(s) ...")
-    with _CompileClock() as clock:
+    with CompileClock() as clock:
         start = time.perf_counter()
         compiled = program.lower(*all_args).compile()  # the spec and settings are its static arguments
         compile_s = time.perf_counter() - start
@@ -369,7 +369,7 @@ def benchmark_sdflax(args, dtype_name):
         "model": args.model, "weights": "random" if configs else "checkpoint",
         "backend": jax.default_backend(), "device_kind": jax.local_devices()[0].device_kind, "devices": devices,
         "dtype": dtype_name, "attention": args.attention,
-        "scheduler": args.scheduler or _scheduler_name(pipeline.scheduler), "height": height, "width": width,
+        "scheduler": args.scheduler or scheduler_name(pipeline.scheduler), "height": height, "width": width,
         "steps": args.steps, "unet_evals": evals, "batch_per_device": b,
         "images_per_call": b * devices, "guidance_scale": args.guidance, "repeats": args.repeats,
         "load_s": load_s, "compile_s": compile_s, "first_call_s": first_call_s,

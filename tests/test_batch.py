@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sdflax.batch import Line, read_prompts
+from sdflax.cli.batch import Line, read_prompts
 from sdflax.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,7 +278,7 @@ def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_
 
 
 def main_args():
-    from sdflax.batch import add_command
+    from sdflax.cli.batch import add_command
     from sdflax.cli import build_parser
 
     return build_parser(add_command).parse_args(["batch", "p.txt", "--out", "x"])

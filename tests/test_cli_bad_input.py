@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from test_cli import TINY, one_error_line
 
-from sdflax.cli import _read_picture, main
+from sdflax.cli import main, read_picture as _read_picture
 from sdflax.pipeline.images import preprocess_images
 from sdflax.pipeline.images import preprocess_masks
 
@@ -179,13 +179,13 @@ def test_sizes_beyond_what_memory_can_hold(tmp_path, capsys, monkeypatch):
 
     import jax
 
-    import sdflax.cli
+    import sdflax.cli.run
 
     def exhausted(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB.")
 
-    prepare = sdflax.cli._prepare
-    monkeypatch.setattr(sdflax.cli, "_prepare", lambda *a: (prepare(*a)[0], exhausted))
+    prepare = sdflax.cli.run.prepare
+    monkeypatch.setattr(sdflax.cli.run, "prepare", lambda *a: (prepare(*a)[0], exhausted))
     assert generate("--out", tmp_path / "b.png") == 2
     assert "out of memory making 8 image(s) of 128x128 on 8 CPU devices: use fewer --num-images" in \
         one_error_line(capsys)

@@ -15,7 +15,7 @@ from test_lora import kohya_file
 from test_single_file import to_single_file
 from test_textual_inversion import write
 
-from sdflax.cli import _lora, main
+from sdflax.cli import lora_argument as _lora, main
 
 SIZE = ["--steps", "2", "--height", "64", "--width", "64", "--seed", "7", "--num-images", "1", "--no-progress"]
 PROMPT = "a fox by charturner"  # charturner: the token of charturner.pt

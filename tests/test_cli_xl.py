@@ -145,8 +145,6 @@ def test_refiner_of_other_latents(files, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("command, args, expected", [
     ("img2img", ["--model", TINY, "--prompt-2", "x"], "--prompt-2 is for SDXL's second text encoder"),
     ("inpaint", ["--model", TINY, "--negative-prompt-2", "x"], "--negative-prompt-2 is for SDXL's second text"),
-    ("img2img", ["--model", "base", "--controlnet", "net", "--control-image", "in.png"],
-     "--controlnet with an SDXL checkpoint runs with sdflax generate only, not img2img"),
 ])
 def test_img2img_and_inpaint_bad_input(command, args, expected, files, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(files)

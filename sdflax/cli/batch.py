@@ -1,0 +1,308 @@
+"""`sdflax batch PROMPTS --out DIR`: one PNG per prompt line, on every device of every process, resumable.
+
+Line n of PROMPTS (counted from 1) becomes `DIR/<n, 6 digits>-<slug>.png`, made with seed S + n - 1 (or its own),
+so an image is the same whatever the batch, device or process count, and equals `sdflax generate` with that
+seed: each line is a `Request`, made by the same call as generate's (`run.sample_rows`). Each PNG is written under
+a temporary name and linked into place (never over a file), then one record is appended to the process's manifest
+and fsynced: a run killed at any moment leaves whole PNGs and a manifest that lists them, and the same command
+run again makes only the rest. Several processes (`jax.distributed`) split the prompts over one global device
+mesh; each writes its own devices' images and its own manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from . import manifest as files
+from .output import image_settings, output_target, slug
+from .parse import add_options, finite, positive_int, seed
+from .preflight import check_attention, check_checkpoint
+from .request import Request, UserError
+from .run import devices_text, load, out_of_memory_is_one_line, sample_rows, use_compile_cache
+from .workers import Producer, Signals, Writer, run_until_done_or_signal
+
+KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
+# A line's own values are checked with the command line's parsers, so that both refuse the same values.
+CHECKS = {"seed": seed, "guidance": finite, "steps": positive_int, "width": positive_int, "height": positive_int}
+
+
+def add_command(commands):
+    b = commands.add_parser("batch", help="a file of prompts -> one PNG each, resumable, on many devices and hosts",
+                            description="Make one PNG per line of PROMPTS (a text file, one prompt a line, or .jsonl "
+                            "with per-line prompt, negative_prompt, seed, guidance, steps, width, height) in --out, "
+                            "with DIR/manifest.jsonl listing them. Line n uses seed S + n - 1 unless it sets its "
+                            "own. Run the same command again to finish an interrupted run: done images are "
+                            "skipped. Several processes (--coordinator, or as jax.distributed detects them on TPU, "
+                            "SLURM, Kubernetes) split the prompts over all their devices.")
+    b.add_argument("prompts", metavar="PROMPTS", help="text file (one prompt a line) or .jsonl (one object a line)")
+    add_options(b, exclude=("--num-images", "--grid", "--controlnet", "--control-image", "--control-scale", "--out"))
+    b.add_argument("--out", required=True, metavar="DIR", help="the folder for the PNGs and the manifest")
+    b.add_argument("--batch-per-device", type=positive_int, default=1, metavar="N",
+                   help="images each device makes at once (default: 1)")
+    b.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, to join several processes "
+                   "(default: as jax.distributed detects a TPU slice, SLURM or Kubernetes job; else one process)")
+    b.add_argument("--num-processes", type=positive_int, metavar="N", help="with --coordinator; 1 alone: this "
+                   "process only, even inside a cluster job")
+    b.add_argument("--process-id", type=int, metavar="I", help="with --coordinator: this process, 0 .. N-1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    number: int  # in the file, from 1
+    prompt: str
+    negative_prompt: str
+    seed: int | None  # its own, else the command's S + number - 1
+    guidance: float | None
+    steps: int
+    height: int | None
+    width: int | None
+
+    @property
+    def name(self):
+        return f"{self.number:06d}-{slug(self.prompt)}.png"
+
+    @property
+    def program(self):
+        """What fixes the compiled program (and the checks against the model): steps and size."""
+        return self.steps, self.height, self.width
+
+    def request(self, base: Request, seed: int) -> Request:
+        return dataclasses.replace(base, prompt=self.prompt, negative_prompt=self.negative_prompt, seed=seed,
+                                   guidance=self.guidance, steps=self.steps, height=self.height, width=self.width)
+
+
+def read_prompts(path, defaults) -> list[Line]:
+    """The prompt lines, each checked; a mistake names the line. Blank lines are skipped (and keep their number).
+    `defaults`: the command's negative_prompt, guidance, steps, height and width."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror or e
+        raise UserError(f"PROMPTS {path}: cannot read it ({reason}): give a text file, one prompt a line, or "
+                        ".jsonl") from e
+    jsonl = path.lower().endswith(".jsonl")
+    lines = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        values = json_line(path, number, raw) if jsonl else {"prompt": raw.strip()}
+        d = defaults
+        lines.append(Line(number, values["prompt"], values.get("negative_prompt", d.negative_prompt),
+                          values.get("seed"), values.get("guidance", d.guidance), values.get("steps", d.steps),
+                          values.get("height", d.height), values.get("width", d.width)))
+    if not lines:
+        raise UserError(f"PROMPTS {path} holds no prompt: write one prompt a line"
+                        + (', or one {"prompt": ...} object a line' if jsonl else ""))
+    return lines
+
+
+def json_line(path, number, raw) -> dict:
+    where = f"PROMPTS {path} line {number}"
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno}): write one object a line, e.g. "
+                        '{"prompt": "a red fox", "seed": 3}') from None
+    if not isinstance(values, dict):
+        raise UserError(f'{where}: a JSON {type(values).__name__}, not an object: write {{"prompt": ...}}')
+    unknown = [key for key in values if key not in KEYS]
+    if unknown:
+        raise UserError(f"{where}: unknown key {unknown[0]!r}: a line may set {', '.join(KEYS)}")
+    for key in ("prompt", "negative_prompt"):
+        if key in values and not isinstance(values[key], str):
+            raise UserError(f"{where}: {key} must be a string, got {json.dumps(values[key])}")
+    if not values.get("prompt", "").strip():
+        raise UserError(f'{where}: no "prompt": every line needs one')
+    for key, check in CHECKS.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not (whole or (key == "guidance" and isinstance(value, float))):
+            raise UserError(f"{where}: {key} must be a {'number' if key == 'guidance' else 'whole number'}, got "
+                            f"{json.dumps(value)}")
+        try:
+            values[key] = check(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise UserError(f"{where}: {key} {e}") from None
+    return values
+
+
+# ---- the command --------------------------------------------------------------------------------------------
+
+def run(args) -> int:
+    with Signals() as signals:
+        return run_lines(args, signals)
+
+
+def run_lines(args, signals) -> int:
+    status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
+    lines = read_prompts(args.prompts, args)  # every mistake before JAX starts
+    folder = output_folder(args.out)
+    base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
+    records = files.read_manifests(folder)
+    process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)
+    checkpoints = check_lines(base, lines, args.prompts)
+
+    import jax
+
+    from ..parallel import device_mesh, replicate_on
+
+    use_compile_cache(base)
+    backend = jax.default_backend()
+    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    check_attention(base, backend, dtype)
+
+    first_seed, seeds, manifest, todo = resume(args, folder, lines, checkpoints, records, process, processes)
+    if not todo:
+        print(f"batch: all {len(lines)} images are in {args.out} already", file=sys.stderr)
+        return 0
+
+    mesh = device_mesh(jax.devices())
+    status(f"Loading {args.model} in {dtype} ...")
+    pipeline, params = load(base, checkpoints[todo[0].program], dtype)
+    params = replicate_on(params, mesh)  # once: every batch then finds them in place
+    batch = args.batch_per_device * mesh.size
+    plan = make_plan(todo, batch, checkpoints)
+    mine = own_rows(mesh, args.batch_per_device, process)
+    total = sum(1 for _, rows in plan for r in mine if r < len(rows))
+    where = devices_text(mesh.size, backend) + (f" in {processes} processes" if processes > 1 else "")
+    status(f"batch: {len(todo)} of {len(lines)} images to make ({len(lines) - len(todo)} done before), "
+           f"{batch} at a time on {where}; this process writes {total}")
+
+    def checkpoint_of(line):
+        return dataclasses.replace(checkpoints[line.program], guidance=guidance(line, checkpoints))
+
+    def settings(line):
+        return {**image_settings(line.request(base, seeds[line.number]), pipeline.scheduler, checkpoint_of(line),
+                                 dtype), "seed": seeds[line.number]}
+
+    def make(key, lines):
+        """This process's images of one batch; the batch is padded with its last line."""
+        rows = lines + [lines[-1]] * (batch - len(lines))
+        checkpoint = checkpoint_of(rows[0])
+        call = sample_rows(pipeline, params, mesh, checkpoint, [line.request(base, seeds[line.number])
+                                                                 for line in rows])
+        return out_of_memory_is_one_line(call, None, f"{batch} images of {checkpoint.width}x{checkpoint.height} on "
+                                         f"{where}", "use a smaller --batch-per-device or --dtype bfloat16")
+
+    writer = Writer(folder, manifest, process, total, status, settings, first_seed, pipeline.numpy_to_pil,
+                    signals.stop)
+    return run_until_done_or_signal(Producer(make, plan, mine, writer), writer, signals, args.out, processes)
+
+
+def resume(args, folder, lines, checkpoints, records, process, processes):
+    """(the command's seed S, each line's seed, this process's manifest, the lines still to make): what the
+    manifests list is done, once checked to be this command's images, and a PNG a kill left unlisted is
+    adopted."""
+    first_seed = base_seed(args, records, processes)
+    seeds = {line.number: (line.seed if line.seed is not None else (first_seed + line.number - 1) % 2**32)
+             for line in lines}
+    keys = {line.number: image_key(line, seeds[line.number], checkpoints[line.program], args.model)
+            for line in lines}
+    done = files.check_records(records, lines, keys, args.out)
+    manifest = files.Manifest(os.path.join(folder, "manifest.jsonl" if processes == 1 else
+                                           f"manifest.{process}.jsonl"))
+    files.remove_own_temporaries(folder, process)
+    orphans = [line.number for line in lines if line.number not in done
+               and files.is_orphan(folder, line, keys, args.out)]
+    done, adopt = files.agree(lines, done, orphans, args.prompts, process, processes)
+    for line in lines:
+        if line.number in adopt:  # its settings as the PNG's text chunks hold them
+            manifest.append(files.record(line, first_seed, keys[line.number], process,
+                                         os.path.getmtime(os.path.join(folder, line.name))))
+    return first_seed, seeds, manifest, [line for line in lines if line.number not in done]
+
+
+def output_folder(out) -> str:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out} is a file: give a folder (sdflax batch writes one PNG a prompt and its "
+                        "manifest there)")
+    return output_target(os.path.join(out, "")).folder  # made, and checked to be writable
+
+
+def guidance(line, checkpoints):
+    return line.guidance if line.guidance is not None else checkpoints[line.program].guidance
+
+
+def check_lines(base, lines, prompts) -> dict:
+    """The checks of steps and size against the checkpoint's configs, once per program; a refusal names the
+    first line that asks for it."""
+    checkpoints = {}
+    for line in lines:
+        if line.program in checkpoints:
+            continue
+        steps, height, width = line.program
+        try:
+            request = dataclasses.replace(base, steps=steps, height=height, width=width)
+            checkpoints[line.program] = check_checkpoint(request, {})[0]
+        except UserError as e:
+            if line.program == (base.steps, base.height, base.width):
+                raise  # the command line's values
+            raise UserError(f"PROMPTS {prompts} line {line.number}: {e}") from e
+    return checkpoints
+
+
+def image_key(line, seed, checkpoint, model) -> dict:
+    """The settings that identify the image of a line, as the PNG's text chunks hold them."""
+    return files.image_key({"prompt": line.prompt, "negative_prompt": line.negative_prompt, "seed": seed,
+                            "steps": line.steps, "guidance_scale": line.guidance if line.guidance is not None
+                            else checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
+                            "model": model})
+
+
+def join_processes(args) -> tuple[int, int]:
+    """(this process, the process count): --coordinator, or whatever cluster jax.distributed detects, or one."""
+    import jax
+
+    explicit = (args.coordinator, args.num_processes, args.process_id)
+    if explicit == (None, 1, None):  # this process alone, whatever cluster it runs in
+        return 0, 1
+    if any(value is not None for value in explicit):
+        if any(value is None for value in explicit):
+            raise UserError("give --coordinator HOST:PORT, --num-processes N and --process-id I together (or none: "
+                            "jax.distributed then detects a TPU slice, SLURM or Kubernetes job)")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UserError(f"--process-id {args.process_id}: give 0 to {args.num_processes - 1}")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif not jax.distributed.is_initialized():
+        try:
+            jax.distributed.initialize()
+        except ValueError:  # no cluster detected: this process alone
+            pass
+    return jax.process_index(), jax.process_count()
+
+
+def base_seed(args, records, processes) -> int:
+    """--seed, else the one an earlier run of this command chose (its manifest says), else random; one for all."""
+    if args.seed is not None:
+        return args.seed
+    earlier = [r["batch_seed"] for r in records if "batch_seed" in r]
+    first = earlier[0] if earlier else int.from_bytes(os.urandom(4), "little") >> 1
+    if processes > 1:
+        from jax.experimental import multihost_utils
+
+        first = int(multihost_utils.broadcast_one_to_all(first))
+    return first
+
+
+def make_plan(todo, batch, checkpoints) -> list:
+    """[(key, lines)]: batches of `batch` lines, each of one compiled program and one guidance scale (the
+    pipeline takes one scale per call, traced: a new scale does not recompile), in the order of the file."""
+    groups = {}
+    for line in todo:
+        # SDXL's unconditional input is zeros without a negative prompt, the empty prompt's encoding with one
+        zeros = checkpoints[line.program].xl and not line.negative_prompt
+        groups.setdefault((line.program, guidance(line, checkpoints), zeros), []).append(line)
+    return [(key, lines[i:i + batch]) for key, lines in groups.items() for i in range(0, len(lines), batch)]
+
+
+def own_rows(mesh, per_device, process) -> list[int]:
+    """The rows of a batch that this process's devices make, in the mesh's order (generate_sharded's)."""
+    return [row for row in range(per_device * mesh.size)
+            if mesh.devices.flat[row // per_device].process_index == process]

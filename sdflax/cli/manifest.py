@@ -1,0 +1,167 @@
+"""`sdflax batch`'s files: the manifests (one JSON record per image written, appended and fsynced), PNGs written
+whole and linked into place, and what a run finds done: records and orphan PNGs checked to be this command's,
+agreed on by every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import zlib
+
+from .request import UserError
+
+# The settings that make an image: a manifest record or a PNG made with others is not this command's image.
+SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model")
+MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
+
+
+def read_manifests(folder) -> list[dict]:
+    """The records of every process's manifest; a last line cut short by a kill is not a record."""
+    records = []
+    for name in sorted(os.listdir(folder)):
+        if not MANIFEST.fullmatch(name):
+            continue
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            texts = f.read().split("\n")
+        for i, text in enumerate(texts):
+            try:
+                record = json.loads(text) if text.strip() else None
+            except json.JSONDecodeError:
+                if i == len(texts) - 1:
+                    continue  # cut short by a kill
+                record = "not JSON"
+            if record is not None and not (isinstance(record, dict) and isinstance(record.get("line"), int)):
+                raise UserError(f"{os.path.join(folder, name)} is not a manifest of sdflax batch (line {i + 1}): "
+                                "sdflax never overwrites a file; move it, or choose another --out")
+            if record is not None:
+                records.append(record)
+    return records
+
+
+def record(line, base, settings, process, made) -> dict:
+    """`batch_seed`: the command's S, so that a run without --seed goes on with the seed the first one drew."""
+    return {"line": line.number, "file": line.name, "seed": int(settings["seed"]), "settings": settings,
+            "process": process, "batch_seed": base, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(made))}
+
+
+class Manifest:
+    """This process's manifest: one JSON line per image, appended in one write and fsynced."""
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        size = os.fstat(self.fd).st_size
+        if size and os.pread(self.fd, 1, size - 1) != b"\n":  # a line cut short by a kill: not a record
+            with open(path, "rb") as f:
+                keep = f.read().rfind(b"\n") + 1
+            os.ftruncate(self.fd, keep)
+
+    def append(self, record):
+        os.write(self.fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
+        os.fsync(self.fd)
+
+
+def temporary(folder, name, process):
+    return os.path.join(folder, f".{name}.{process}.tmp")
+
+
+def remove_own_temporaries(folder, process):
+    """A kill leaves at most one half-written temporary file of this process's: not an image, removed."""
+    pattern = re.compile(rf"\.\d{{6,}}-.*\.png\.{process}\.tmp")
+    for name in os.listdir(folder):
+        if pattern.fullmatch(name):
+            os.unlink(os.path.join(folder, name))
+
+
+def link_png(folder, name, image, info, process):
+    """Write the PNG whole under a temporary name, then link it into place: the name never holds a partial
+    image, and a file that took the name meanwhile is never replaced."""
+    scratch, path = temporary(folder, name, process), os.path.join(folder, name)
+    try:
+        with open(scratch, "wb") as f:
+            image.save(f, format="PNG", pnginfo=info)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(scratch, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links
+            if os.path.lexists(path):
+                raise FileExistsError(path) from None
+            os.rename(scratch, path)
+    finally:
+        if os.path.lexists(scratch):
+            os.unlink(scratch)
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the name, before the manifest lists it
+    finally:
+        os.close(directory)
+
+
+def image_key(settings) -> dict:
+    """The settings that identify a line's image (SAME), as the PNG's text chunks hold them."""
+    return {name: str(settings[name]) for name in SAME}
+
+
+def check_records(records, lines, keys, out) -> set:
+    """The lines the manifests list; a record of another line or other settings is another command's: refused."""
+    numbers = {line.number for line in lines}
+    done = set()
+    for r in records:
+        number = r.get("line")
+        if number not in numbers:
+            raise UserError(f"--out {out} holds {r.get('file')}, made for line {number}, which PROMPTS does not "
+                            "have: use another --out for other prompts")
+        made = {name: str(r.get("settings", {}).get(name)) for name in SAME}
+        if made != keys[number]:
+            name = next(name for name in SAME if made[name] != keys[number][name])
+            raise UserError(f"--out {out} holds {r.get('file')} of line {number} made with {name} "
+                            f"{made[name]}, not {keys[number][name]}: use another --out for other settings")
+        done.add(number)
+    return done
+
+
+def is_orphan(folder, line, keys, out) -> bool:
+    """Whether the line's file exists though no manifest lists it: an image of this command written just before
+    a kill (adopted), or someone else's file, which sdflax never overwrites (refused)."""
+    path = os.path.join(folder, line.name)
+    if not os.path.lexists(path):
+        return False
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            made = {name: image.text.get(name) for name in SAME}
+    except Exception:  # noqa: BLE001 (any unreadable file is not ours)
+        made = None
+    if made != keys[line.number]:
+        raise UserError(f"--out {out}: {line.name} exists and is not this command's image of line {line.number}: "
+                        "sdflax never overwrites a file; move it, or choose another --out")
+    return True
+
+
+def agree(lines, done, orphans, prompts, process, processes):
+    """(the lines done, the orphans this process adopts): every process must plan the same batches, whether the
+    processes share one folder or each has its own disk, so what each one found is gathered."""
+    if processes == 1:
+        return done | set(orphans), orphans
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    with open(os.path.expanduser(prompts), "rb") as f:
+        crc = zlib.crc32(f.read())
+    numbers = [line.number for line in lines]
+    mine = np.array([crc & 0x7FFFFFFF] + [2 * (n in done) + (n in orphans) for n in numbers], np.int32)
+    seen = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 1 + lines)
+    if (seen[:, 0] != seen[0, 0]).any():
+        raise UserError(f"PROMPTS {prompts} differs between the processes: give every process the same file")
+    listed = (seen[:, 1:] >= 2).any(0)
+    found = (seen[:, 1:] % 2).astype(bool)
+    first_finder = np.where(found.any(0), found.argmax(0), -1)
+    adopt = [n for n, lst, f in zip(numbers, listed, first_finder) if not lst and f == process]
+    all_done = {n for n, lst, f in zip(numbers, listed, first_finder) if lst or f >= 0}
+    return all_done, adopt

@@ -1,0 +1,192 @@
+"""Where the PNGs go (`--out`: a folder or NAME.png, never over a file) and what they carry: one text chunk per
+setting, and A1111's `parameters` line, which other image tools read."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+
+from .request import UserError
+
+
+class OutputTarget:
+    """`--out`: a folder (names from the prompt and seed, never overwriting) or one NAME.png."""
+
+    def __init__(self, out):
+        self.out = out
+        self.file = out.lower().endswith(".png")
+        self.folder = (os.path.dirname(out) or ".") if self.file else out
+
+    def paths(self, prompt, seeds, grid):
+        if self.file:
+            if len(seeds) == 1 and not grid:
+                return [self.out], None
+            stem = self.out[:-4]
+            return [f"{stem}-{s}.png" for s in seeds], (self.out if grid else None)
+        stem = os.path.join(self.folder, slug(prompt))
+        paths = [unused(f"{stem}-{s}.png") for s in seeds]
+        return paths, (unused(f"{stem}-{seeds[0]}-grid.png") if grid else None)
+
+    def check_unused(self, prompt, seeds, grid):
+        """Refuse, before loading, to write over a file: NAME.png's names are the user's, not sdflax's to change."""
+        if not self.file:
+            return  # in a folder, names that are taken get a -1, -2, ... suffix
+        paths, grid_path = self.paths(prompt, seeds, grid)
+        taken = [path for path in [*paths, grid_path] if path and os.path.lexists(path)]
+        if taken:
+            refuse_taken(self.out, taken)
+
+
+def refuse_taken(out, taken):
+    names = ", ".join(taken[:3]) + (f" and {len(taken) - 3} more" if len(taken) > 3 else "")
+    raise UserError(f"--out {out}: {names} {'exists' if len(taken) == 1 else 'exist'}: sdflax never overwrites a "
+                    "file; choose another --out, or a folder (--out DIR: names there are never reused)")
+
+
+def output_target(out, grid=False, num_images=None) -> OutputTarget:
+    """Check that PNGs can be written there now, before minutes of loading and compiling."""
+    root, ext = os.path.splitext(out)
+    if ext.lower() in (".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"):
+        raise UserError(f"--out {out}: sdflax writes PNG files (they carry the settings): use {root}.png or a folder")
+    target = OutputTarget(out)
+    folder = target.folder
+    if target.file and os.path.isdir(out):
+        raise UserError(f"--out {out} is a folder: write {out}{os.sep} to put the images in it, or give another "
+                        "NAME.png")
+    if target.file and os.path.lexists(out) and (grid or num_images == 1):  # NAME.png is written: the image or
+        refuse_taken(out, [out])  # the grid (else check_unused decides, once the device count and seeds are known)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--out {out}: {folder} is a file, not a folder: give a folder or a NAME.png")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write in {folder} ({e.strerror or e}): choose another --out") from e
+    return target
+
+
+def unused(path):
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(path):
+        path, n = f"{stem}-{n}{ext}", n + 1
+    return path
+
+
+def slug(text, limit=40):
+    """A file-name-safe short form of the prompt: "A photo, of X!" -> "a-photo-of-x"."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    out = ""
+    for word in words:
+        if len(out) + len(word) + 1 > limit:
+            break
+        out = f"{out}-{word}" if out else word
+    return out or (words[0][:limit] if words else "image")
+
+
+def grid_shape(n):
+    """(rows, cols) with rows * cols == n, as square as n allows, wider than tall."""
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return rows, n // rows
+
+
+def image_settings(request, scheduler, checkpoint, dtype) -> dict:
+    """What a PNG records of the request that made it (`png_info`), all but the seed."""
+    settings = {"prompt": request.prompt, "negative_prompt": request.negative_prompt, "steps": request.steps,
+                "scheduler": request.scheduler or scheduler_name(scheduler), "sampler": a1111_sampler(scheduler),
+                "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
+                "model": request.model, "revision": request.revision or ("main" if not checkpoint.local else ""),
+                "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {sdflax_version()}"}
+    if request.image is not None:
+        settings.update(strength=checkpoint.strength, image=request.image,
+                        **({"mask": request.mask} if request.mask is not None else {}))
+    settings.update({key: value for key, value in (("prompt_2", request.prompt_2),
+                                                   ("negative_prompt_2", request.negative_prompt_2))
+                     if value is not None})
+    if checkpoint.high_noise_frac is not None:
+        settings.update(refiner=request.refiner, high_noise_frac=checkpoint.high_noise_frac)
+    if checkpoint.single_file and request.config:
+        settings["config"] = request.config
+    if request.lora:  # lists in the order of merging (JSON in the PNG), as the ControlNet entries
+        settings.update(lora=[path for path, _ in request.lora], lora_scale=[scale for _, scale in request.lora])
+    if request.embedding:
+        settings["embedding"] = list(request.embedding)
+    if request.controlnet:  # lists, one entry per net in their order (JSON in the PNG)
+        settings.update(controlnet=list(request.controlnet), control_image=list(request.control_image),
+                        control_scale=list(checkpoint.control_scales))
+    return settings
+
+
+def png_info(settings):
+    """PNG text chunks: one per setting, and A1111's `parameters` line, which other image tools read."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in settings.items():  # iTXt (UTF-8) where Latin-1 cannot hold the text
+        info.add_text(key, json.dumps(value) if isinstance(value, list) else str(value))
+    s = settings
+    # A1111 writes a LoRA into the prompt as <lora:NAME:WEIGHT>, NAME the file name without its extension
+    loras = "".join(f" <lora:{os.path.splitext(os.path.basename(path))[0]}:{scale}>"
+                    for path, scale in zip(s.get("lora", ()), s.get("lora_scale", ())))
+    parameters = (f"{s['prompt']}{loras}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
+                  f"{s.get('sampler', s['scheduler'])}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
+                  f"{s['width']}x{s['height']}, Model: {s['model']}")
+    if "strength" in s:
+        parameters += f", Denoising strength: {s['strength']}"
+    if "refiner" in s:  # as A1111 writes its refiner
+        parameters += f", Refiner: {s['refiner']}, Refiner switch at: {s['high_noise_frac']}"
+    for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))):
+        parameters += f', ControlNet {k}: "Model: {net}, Weight: {scale}"'  # as A1111's ControlNet extension
+    info.add_text("parameters", parameters)
+    return info
+
+
+def save(request, target, images, seeds, settings):
+    """Each image as a PNG with the settings that make it again (and the grid), never over an existing file."""
+    paths, grid_path = target.paths(request.prompt, seeds, request.grid)
+    try:
+        for path, image, s in zip(paths, images, seeds):
+            write_png(path, image, png_info({**settings, "seed": s}))
+        if grid_path:
+            from ..utils import make_image_grid
+
+            rows, cols = grid_shape(len(images))
+            write_png(grid_path, make_image_grid(images, rows, cols),
+                      png_info({**settings, "seed": seeds[0], "seeds": ",".join(map(str, seeds))}))
+    except FileExistsError as e:  # made since the check before loading
+        raise UserError(f"--out {request.out}: {e.filename} exists now: sdflax never overwrites a file; choose "
+                        "another --out, or a folder") from e
+    except OSError as e:
+        raise UserError(f"cannot write {e.filename or request.out}: {e.strerror or e}") from e
+
+
+def write_png(path, image, info):
+    with open(path, "xb") as f:  # "x": fails rather than replace a file that appeared while sampling
+        image.save(f, format="PNG", pnginfo=info)
+    print(path)
+
+
+def a1111_sampler(scheduler):
+    """A1111's name of the sampler and its σ schedule, else sdflax's name."""
+    from ..schedulers import a1111_name
+
+    return a1111_name(scheduler) or scheduler_name(scheduler)
+
+
+def scheduler_name(scheduler):
+    from ..schedulers import SCHEDULERS
+
+    return next((name for name, cls in SCHEDULERS.items() if type(scheduler) is cls), type(scheduler).__name__)
+
+
+def sdflax_version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sdflax")
+    except PackageNotFoundError:
+        return "unknown"

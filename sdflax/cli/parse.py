@@ -1,0 +1,193 @@
+"""The command line's flags: argparse types that refuse bad values in one line, and the parser of generate,
+img2img and inpaint (batch adds its command with `add_options`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .. import cache
+from .output import sdflax_version
+from .request import DEFAULT_MODEL
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {2**32 - 1}, got {value}")
+    return value
+
+
+def number(check, problem):
+    """An argparse type: a float for which `check` holds, else `problem` (formatted with the `text` given and its
+    `value`)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(problem.format(text=text, value=value))
+        return value
+    return parse
+
+
+strength = number(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}: 1 repaints everything, small values keep "
+                  "the image")
+fraction = number(lambda v: 0 < v < 1, "must be in (0, 1), got {text}: the fraction of the schedule the base runs "
+                  "before the refiner takes over (e.g. 0.8)")
+finite = number(math.isfinite, "must be a finite number, got {text!r}")  # NaN or inf guidance: a black image
+
+
+def lora_argument(text):
+    """PATH[:SCALE] -> (PATH, SCALE): the scale is read only where the part after the last ':' is a number, so
+    C:\\loras\\x.safetensors and names with colons are paths."""
+    path, colon, tail = text.rpartition(":")
+    try:
+        scale = float(tail) if colon and path else None
+    except ValueError:
+        scale = None
+    if scale is None:
+        return text, 1.0
+    if not math.isfinite(scale):
+        raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite number (1 is the LoRA's full "
+                                         "strength, 0 leaves the model as it is)")
+    return path, scale
+
+
+def scheduler_argument(text):
+    """sdflax's scheduler names, diffusers' class names and A1111's sampler names ("DPM++ 2M Karras")."""
+    from ..schedulers import scheduler_from_config
+
+    try:
+        scheduler_from_config({}, text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def build_parser(*more) -> argparse.ArgumentParser:
+    """generate, img2img and inpaint; `more`: `add_command(subparsers)` functions of other commands (batch's)."""
+    parser = Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {sdflax_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = " Images are spread over all local devices; image i uses seed S+i."
+    g = commands.add_parser("generate", help="text -> PNG images", description="Generate images from a prompt and "
+                            "write them as PNGs that carry their settings." + common)
+    g.add_argument("prompt", help="what to draw")
+    g.add_argument("--refiner", metavar="ID_OR_DIR", help="an SDXL refiner (hub id or diffusers folder) that "
+                   "finishes an SDXL base model's images: the base runs the first --high-noise-frac of the schedule "
+                   "and hands its latents to the refiner, which runs the rest of the --steps and decodes (diffusers' "
+                   "ensemble of expert denoisers); it reads --prompt and --negative-prompt (its one text encoder), "
+                   "--lora and --embedding apply to the base")
+    g.add_argument("--high-noise-frac", type=fraction, metavar="F", help="with --refiner: the fraction of the "
+                   "schedule the base runs, in (0, 1) (default: 0.8)")
+    add_options(g)
+
+    i = commands.add_parser("img2img", help="image + text -> PNG images", description="Redraw an image after a "
+                            "prompt (SDEdit): the image is noised as far as --strength says, then denoised." + common)
+    i.add_argument("prompt", help="what to draw")
+    i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
+    i.add_argument("--strength", type=strength, help="how far to noise the image, in (0, 1]: 1 repaints "
+                   "everything, small values keep the image; runs int(steps * strength) steps (default: the "
+                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL)")
+    add_options(i, image=True)
+
+    p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
+                            "of a mask after a prompt and keep the black part (an inpainting checkpoint, or any "
+                            "other: the kept part is pasted back after every step)." + common)
+    p.add_argument("prompt", help="what to draw in the masked region")
+    p.add_argument("--image", required=True, metavar="IN.png", help="the picture to repaint")
+    p.add_argument("--mask", required=True, metavar="MASK.png", help="greyscale, the image's size: white is "
+                   "repainted, black kept (binarised at 0.5)")
+    p.add_argument("--strength", type=strength, help="in (0, 1]: 1 starts the masked region from pure noise, "
+                   "smaller values from the noised image (default: the pipeline's, as diffusers: 1; 0.9999 for SDXL)")
+    add_options(p, image=True)
+    for add_command in more:
+        add_command(commands)
+    return parser
+
+
+def add_options(command, image=False, exclude=()):
+    """The options all commands share (but those named in `exclude`: `sdflax batch` has its own --out)."""
+    from ..models.layers import ATTENTION_IMPLEMENTATIONS
+
+    size = "resize the image to" if image else "pixels,"
+
+    def add(flag, **kwargs):
+        if flag not in exclude:
+            command.add_argument(flag, **kwargs)
+
+    add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
+    add("--prompt-2", metavar="TEXT", help="SDXL: the prompt of the second text encoder (default: the prompt)")
+    add("--negative-prompt-2", metavar="TEXT", help="SDXL: the negative prompt of the second text encoder "
+        "(default: the negative prompt)")
+    add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
+        help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x or SDXL base, told apart "
+             f"by its tensor names) (default: {DEFAULT_MODEL})")
+    add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
+    add("--config", metavar="ID_OR_DIR", help="with a single-file --model: a diffusers folder or hub id of the "
+        "same architecture, for the model, scheduler and tokenizer configs (default: sdflax's bundled SD 1.5, SD 2.1 "
+        "(768 px, v-prediction) or SDXL base configs)")
+    add("--lora", action="append", default=[], type=lora_argument, metavar="PATH[:SCALE]",
+        help="a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the model at SCALE (default: 1.0); repeat for "
+             "several, merged in order. A file whose name ends in :NUMBER needs its :SCALE written out")
+    add("--embedding", action="append", default=[], metavar="PATH",
+        help="a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds); its token is the "
+             "file name without the extension, as in A1111: write it in the prompt; repeat for several")
+    add("--scheduler", type=scheduler_argument, metavar="NAME", help="sampler: sdflax's name (dpmpp_2m, "
+        "euler_ancestral, ...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the "
+        "checkpoint's own)")
+    add("--steps", type=positive_int, default=50, help="denoising steps (default: 50)")
+    add("--guidance", type=finite, default=None, metavar="SCALE",
+        help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
+             "inpaint)")
+    add("--height", type=positive_int, metavar="H", help=f"{size} H pixels, a multiple of the VAE scale factor "
+        + ("(default: the image's own, cut down to a multiple)" if image else "(default: the model's own, 512 for "
+           "SD 1.x)"))
+    add("--width", type=positive_int, metavar="W", help=f"{size} W pixels (default: the "
+        + ("image's own)" if image else "model's own)"))
+    add("--seed", type=seed, help="seed of the first image (default: random, printed and saved)")
+    add("--num-images", type=positive_int, metavar="N",
+        help="images to keep (default: one per device; computed in multiples of the device count)")
+    add("--dtype", choices=("bfloat16", "float32"),
+        help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
+    add("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
+        help="UNet attention: cuDNN flash attention where it runs (NVIDIA GPU, bfloat16), else XLA (auto, the "
+             "default), or either forced")
+    add("--controlnet", action="append", default=[], metavar="ID_OR_PATH",
+        help="a ControlNet to steer by --control-image: hub id, diffusers folder, or an original-layout "
+             ".safetensors/.pth file (SD 1.x/2.x); repeat for several nets")
+    add("--control-image", action="append", default=[], metavar="IMG",
+        help="the condition image (edges, pose, depth, ...) of each --controlnet, in their order; resized to the "
+             "output size")
+    add("--control-scale", action="append", default=[], type=float, metavar="S",
+        help="how strongly the nets steer: one value for all or one per net (default: the pipeline's, as diffusers: "
+             "1.0 for generate, 0.8 for img2img, 0.5 for inpaint)")
+    add("--out", default="outputs", metavar="PATH",
+        help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
+    add("--grid", action="store_true", help="also write all images as one grid PNG")
+    add("--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="--progress adds a per-step bar to the status lines and download bars (its program is compiled on "
+        "every run: JAX keeps no program with a host callback in its disk cache); --no-progress prints only the "
+        "results (default: status lines and download bars)")
+    add("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: ${cache.CACHE_ENV} "
+        f"or ~/.cache/sdflax/jax; {cache.CACHE_ENV}={cache.OFF} keeps none)")

@@ -1,0 +1,240 @@
+"""Checks before anything loads: the checkpoint's configs (kilobytes) are read and the request is checked against
+them with the library's own checks, so that a size, step count or strength the model cannot take fails before
+gigabytes download. Configs only: no model is built here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .pictures import fit_pictures
+from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """What the configs say and what the request resolves to with them: the folder, the pipeline class, the
+    values left to their defaults (the class's `defaults`, the model's size)."""
+
+    folder: str
+    local: bool
+    commit: str
+    xl: bool
+    pipeline: type  # the class of the request's cell: family x start x ControlNet
+    guidance: float
+    height: int
+    width: int
+    single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
+    strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
+    high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
+    control_scales: tuple = ()  # one per --controlnet
+
+
+def read_configs(folder):
+    """(VAEConfig, UNetConfig) of a checkpoint folder."""
+    from ..models import UNetConfig, VAEConfig
+    from ..models.config import read_config_file
+
+    return (VAEConfig.from_dict(read_config_file(os.path.join(folder, "vae", "config.json"))),
+            UNetConfig.from_dict(read_config_file(os.path.join(folder, "unet", "config.json"))))
+
+
+def check_checkpoint(request, pictures, controls=None):
+    """(Checkpoint, pictures, controls), the pictures resized to the output size."""
+    from ..hub import ModelNotFoundError, resolve_folder, snapshot_commit
+    from ..loading import check_pipeline_folder, load_scheduler
+    from ..models.config import read_config_file
+    from ..pipeline import pipeline_class
+    from ..pipeline.starts import start_step
+
+    single_file = os.path.isfile(os.path.expanduser(request.model))
+    local = single_file or os.path.isdir(os.path.expanduser(request.model))
+    if local and request.revision:
+        what = "a file" if single_file else "a local folder"
+        raise UserError(f"--revision applies to hub ids, but {request.model} is {what}: drop --revision")
+    if request.config is not None and not single_file:
+        raise UserError(f"--config applies to a single-file --model ({', '.join(SINGLE_FILE_SUFFIXES)}), but "
+                        f"{request.model} is not a file: drop --config")
+    try:
+        if single_file:
+            folder, xl = single_file_configs(request)
+        else:
+            folder = resolve_folder(request.model, request.revision, allow_patterns=CONFIG_FILES)
+            check_pipeline_folder(folder, request.model)
+            index = read_config_file(os.path.join(folder, "model_index.json"))
+            xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
+        vae, unet = read_configs(folder)
+        scheduler = load_scheduler(folder, request.scheduler)
+        scheduler.check_steps(request.steps)
+    except (ModelNotFoundError, ValueError, TypeError) as e:
+        raise UserError(str(e)) from e
+    cls = pipeline_class("sdxl" if xl else "sd", request.start, bool(request.controlnet))
+    strength = None
+    if pictures:
+        strength = request.strength if request.strength is not None else cls.defaults["strength"]
+        try:
+            start_step(request.steps, strength)
+        except ValueError:
+            raise UserError(f"--strength {strength} with --steps {request.steps} runs no denoising step: raise "
+                            f"--strength to at least {1 / request.steps:.3g} or --steps") from None
+    if not xl:
+        for flag, value in (("--prompt-2", request.prompt_2), ("--negative-prompt-2", request.negative_prompt_2)):
+            if value is not None:
+                raise UserError(f"{flag} is for SDXL's second text encoder, but {request.model} is not an SDXL "
+                                f"checkpoint (it has one): drop {flag}")
+    latent, unet_channels = vae.latent_channels, unet.in_channels
+    if request.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
+        raise UserError(f"{request.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
+                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
+    if request.command != "inpaint" and unet_channels == 2 * latent + 1:
+        raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
+    check_controlnets(request, unet)
+    factor = vae.scale_factor
+    height, width, pictures, controls = fit_pictures(request, unet.sample_size * factor, factor, pictures, controls)
+    guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
+    high_noise_frac = check_refiner(request, xl, scheduler, vae) if request.refiner else None
+    if request.high_noise_frac is not None and high_noise_frac is None:
+        raise UserError("--high-noise-frac applies with --refiner: add --refiner ID_OR_DIR, or drop it")
+    scales = ()
+    if controls:
+        default = cls.defaults["controlnet_conditioning_scale"]
+        scales = controls.scales * (len(request.controlnet) if len(controls.scales) == 1 else 1) or \
+            (default,) * len(request.controlnet)
+    commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
+    checkpoint = Checkpoint(folder, local, commit, xl, cls, guidance, height, width, single_file, strength,
+                            high_noise_frac, scales)
+    return checkpoint, pictures, controls
+
+
+def check_refiner(request, xl, scheduler, vae) -> float:
+    """The --high-noise-frac: --refiner's configs (kilobytes) are an SDXL checkpoint (a refiner or a base) whose
+    latents are the base model's, and both halves of the schedule, cut there, run a step."""
+    from ..hub import ModelNotFoundError, resolve_folder
+    from ..loading import check_pipeline_folder, load_scheduler
+    from ..models.config import read_config_file
+    from ..pipeline import StableDiffusionXLImg2Img
+    from ..pipeline.starts import schedule_window
+    from ..pipeline.types import Settings
+
+    name = f"--refiner {request.refiner}"
+    if not xl:
+        raise UserError(f"{name}: a refiner finishes SDXL base images, but {request.model} is not an SDXL "
+                        "checkpoint: drop --refiner, or give an SDXL base --model")
+    if request.controlnet:
+        raise UserError(f"{name} with --controlnet is not supported: drop one of them")
+    if os.path.isfile(os.path.expanduser(request.refiner)):
+        raise UserError(f"{name} is a file: sdflax takes a refiner as a hub id or diffusers folder")
+    fraction = request.high_noise_frac if request.high_noise_frac is not None else DEFAULT_HIGH_NOISE_FRAC
+    family = StableDiffusionXLImg2Img.text
+    try:
+        folder = resolve_folder(request.refiner, None, allow_patterns=CONFIG_FILES)
+        index_file = os.path.join(folder, "model_index.json")
+        kind = read_config_file(index_file).get("_class_name") if os.path.isfile(index_file) else None
+        if kind is not None and not str(kind).startswith("StableDiffusionXL"):  # before naming files it lacks
+            raise UserError(f"{name} is a {kind} checkpoint, not an SDXL refiner or SDXL one: give the folder or hub "
+                            "id of one, e.g. stabilityai/stable-diffusion-xl-refiner-1.0")
+        check_pipeline_folder(folder, name, tuple(family.models), family.tokenizers)  # null parts need no files
+        refiner_vae, unet = read_configs(folder)
+        refiner_scheduler = load_scheduler(folder, request.scheduler)
+    except (ModelNotFoundError, ValueError, TypeError) as e:
+        raise UserError(str(e)) from e
+    if kind is None or unet.addition_embed_type != "text_time":
+        raise UserError(f"{name} is not an SDXL refiner or SDXL checkpoint: give the folder or hub id of one, e.g. "
+                        "stabilityai/stable-diffusion-xl-refiner-1.0")
+    latent = vae.latent_channels
+    if (refiner_vae.latent_channels, unet.in_channels) != (latent, latent) \
+            or refiner_vae.scale_factor != vae.scale_factor:
+        raise UserError(f"{name} takes other latents than {request.model} ({refiner_vae.latent_channels} "
+                        f"channels, UNet input {unet.in_channels}, VAE scale factor "
+                        f"{refiner_vae.scale_factor}; the base: {latent}, {latent}, {vae.scale_factor}): give "
+                        "a refiner made for this base")
+    for which, which_scheduler, cut in (("the base", scheduler, dict(denoising_end=fraction)),
+                                        (name, refiner_scheduler, dict(denoising_start=fraction))):
+        try:
+            schedule_window(which_scheduler, Settings(request.steps, **cut))
+        except ValueError:
+            raise UserError(f"--high-noise-frac {fraction} with --steps {request.steps} leaves {which} no step: "
+                            "raise --steps, or move --high-noise-frac towards 0.5") from None
+    return fraction
+
+
+def single_file_configs(request) -> tuple[str, bool]:
+    """(the folder of configs for a single-file --model, whether it is SDXL): the version is told from the tensor
+    names (a .safetensors header, a .ckpt's pickle: the tensors are memory-mapped, not read), the configs are
+    --config's or sdflax's bundled ones for that version."""
+    from ..checkpoint_files import read_checkpoint
+    from ..hub import resolve_folder
+    from ..loading import check_pipeline_folder
+    from ..single_file import NAMES, bundled_config_folder, detect_version, file_contents
+
+    suffix = os.path.splitext(request.model)[1].lower()
+    if suffix not in SINGLE_FILE_SUFFIXES:
+        raise UserError(f"--model {request.model} is a file but not a {' or '.join(SINGLE_FILE_SUFFIXES)} "
+                        "checkpoint: give a single-file checkpoint, a diffusers folder or a hub id")
+    try:
+        version = detect_version(read_checkpoint(os.path.expanduser(request.model)))
+    except ValueError as e:
+        raise UserError(f"--model {request.model}: {e}") from e
+    if version == "sdxl_refiner":
+        raise UserError(f"--model {request.model} is {NAMES[version]} checkpoint (one OpenCLIP text encoder, no "
+                        "CLIP ViT-L): a refiner finishes a base model's images and does not draw from a prompt "
+                        "alone; give an SD 1.x, 2.x or SDXL base checkpoint")
+    if request.config is None:
+        return bundled_config_folder(version), version == "sdxl"
+    contents = file_contents(version)
+    folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
+    check_pipeline_folder(folder, f"--config {request.config}", tuple(contents.models), contents.tokenizers)
+    return folder, version == "sdxl"
+
+
+def check_controlnets(request, unet):
+    """Each --controlnet exists and, where its config.json can be read (a folder or hub id: kilobytes), was made
+    for the checkpoint's model family. An original-layout file is checked when it loads."""
+    from ..hub import ModelNotFoundError, resolve_folder
+    from ..models.config import read_config_file
+    from ..models.controlnet import ControlNetConfig
+
+    for name in request.controlnet:
+        if os.path.isfile(os.path.expanduser(name)):
+            continue
+        try:
+            folder = resolve_folder(name, None, allow_patterns=["config.json"])
+            config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
+        except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
+            raise UserError(f"--controlnet {name}: {e}") from e
+        if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
+                                                                        unet.addition_embed_type):
+            raise UserError(f"--controlnet {name} was made for another model family than {request.model} (text "
+                            f"width {config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet "
+                            "trained for this base model")
+
+
+def check_lora_and_embedding_files(request):
+    """Each --lora and --embedding file is there, and no two embeddings claim one token (their file names); whether
+    they fit the model is known once it is loaded."""
+    for path, _ in request.lora:
+        if not os.path.isfile(os.path.expanduser(path)):
+            head, _, tail = path.rpartition(":")
+            if head and os.path.isfile(os.path.expanduser(head)):
+                raise UserError(f"--lora {path}: the scale {tail!r} is not a number: write PATH:SCALE with a number, "
+                                f"e.g. {head}:0.7")
+            raise UserError(f"--lora {path}: no such file: give the path of a LoRA .safetensors file, with :SCALE "
+                            "after it if wanted")
+    tokens = {}
+    for path in request.embedding:
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise UserError(f"--embedding {path}: no such file: give the path of a textual-inversion .pt or "
+                            ".safetensors file")
+        token = os.path.splitext(os.path.basename(path))[0]
+        if token in tokens:
+            raise UserError(f"--embedding {tokens[token]} and --embedding {path} both give the token {token!r} (the "
+                            "file name): rename one of the files")
+        tokens[token] = path
+
+
+def check_attention(request, backend, dtype):
+    from ..models.layers import attention_for
+
+    if request.attention == "cudnn" and attention_for(64, dtype) != "cudnn":
+        raise UserError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 (here: {backend}, {dtype}): "
+                        "use --attention auto")

@@ -1,0 +1,84 @@
+"""What one run asks for (`Request`), built from the command line or a line of a prompt file, and the one error
+type a user sees (`UserError`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+DEFAULT_HIGH_NOISE_FRAC = 0.8  # diffusers' base + refiner example
+CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", "tokenizer_2/*"]
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")  # --model as one file in the CompVis / A1111 / SGM layout
+MAX_PICTURE_SIDE = 8192  # --image, --mask, --control-image: at most 8192x8192 pixels (64 Mpx), read from the header
+STARTS = {"generate": "noise", "img2img": "image", "inpaint": "image_mask"}  # command -> the pipeline's start
+
+
+class UserError(Exception):
+    """Something the user can fix; the message is one line that names it and says how."""
+
+
+def input_errors() -> tuple[type, ...]:
+    """The library's error types for bad files and arguments: their message is the one line a user sees, wherever
+    in a command they are raised (imported late: they are only needed once something failed)."""
+    from ..checkpoint_files import CheckpointFileError
+    from ..hub import ModelNotFoundError
+    from ..lora import LoraMismatchError
+    from ..models.config import ConfigError
+    from ..single_file import SingleFileError
+    from ..weights import CheckpointMismatchError
+
+    return CheckpointFileError, ConfigError, CheckpointMismatchError, LoraMismatchError, ModelNotFoundError, \
+        SingleFileError
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One run: `generate`, `img2img` or `inpaint`. None means "the default" (the checkpoint's, the pipeline
+    class's, or one drawn at run time for the seed)."""
+
+    command: str
+    prompt: str
+    negative_prompt: str = ""
+    prompt_2: str | None = None
+    negative_prompt_2: str | None = None
+    model: str = DEFAULT_MODEL
+    revision: str | None = None
+    config: str | None = None  # with a single-file model: the folder or hub id of its configs
+    refiner: str | None = None
+    high_noise_frac: float | None = None
+    image: str | None = None
+    mask: str | None = None
+    strength: float | None = None
+    controlnet: tuple[str, ...] = ()
+    control_image: tuple[str, ...] = ()
+    control_scale: tuple[float, ...] = ()
+    lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
+    embedding: tuple[str, ...] = ()
+    scheduler: str | None = None
+    steps: int = 50
+    guidance: float | None = None
+    height: int | None = None
+    width: int | None = None
+    seed: int | None = None
+    num_images: int | None = None
+    dtype: str | None = None
+    attention: str = "auto"
+    out: str = "outputs"
+    grid: bool = False
+    progress: bool | None = None  # None: status lines; True: and a step bar; False: results only
+    cache_dir: str | None = None
+
+    @classmethod
+    def from_args(cls, args, **changes) -> Request:
+        """From an argparse Namespace: the fields it has (a command may lack some options), then `changes`."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        values = {**values, **changes}
+        for name in ("controlnet", "control_image", "control_scale", "embedding"):
+            values[name] = tuple(values.get(name, ()))
+        values["lora"] = tuple(tuple(pair) for pair in values.get("lora", ()))
+        return cls(**values)
+
+    @property
+    def start(self) -> str:
+        """The pipeline's start: "noise", "image" or "image_mask"."""
+        return STARTS[self.command]
