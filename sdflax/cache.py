@@ -50,12 +50,14 @@ def enable_compile_cache(path: str | None = None) -> str | None:
     return path
 
 
-def param_shapes(module, trace):
-    """`trace()`'s params tree of ShapeDtypeStructs for `module`, read from the cache when it was traced before."""
+def param_shapes(module, trace=None):
+    """`module.param_shapes()` (or `trace()`): the params tree of ShapeDtypeStructs, read from the cache when it
+    was traced before. The loaders ask here; the models themselves keep nothing."""
     import jax
     import jax.numpy as jnp
     from flax import traverse_util
 
+    trace = trace or module.param_shapes
     folder = cache_dir()
     if folder is None:
         return trace()

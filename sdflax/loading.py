@@ -1,21 +1,24 @@
-"""Everything that turns files into a pipeline's parts: which files of a checkpoint repo to fetch, the folder
-check (one for the library and the CLI), tokenizers, the scheduler, and models built from config + weights.
+"""Diffusers folders -> a pipeline's parts: which files of a checkpoint repo to fetch, the folder check (one for
+the library and the CLI), tokenizers, the scheduler, and the models (`assemble.py`, the path single files take too).
 
-`StableDiffusion.from_pretrained`, the models' own `from_pretrained` and `from_single_file` all come through
-here; the models themselves never touch the hub or the file system.
+Pipelines' and the models' own `from_pretrained` come through here; the models themselves never touch the hub or
+the file system, and import nothing above them: this module gives them `load_model` on import.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import jax.numpy as jnp
 
+from .assemble import assemble
 from .hub import ModelNotFoundError, resolve_folder
 from .models.config import ConfigError, read_config_file
-from .models.layers import resolve_kernels
+from .models.pretrained import Pretrained
 from .schedulers import scheduler_from_config
+from .tokenizer import CLIPTokenizer
+from .weights import read_weights, weight_files
 
 COMPONENTS = ("text_encoder", "unet", "vae")  # an SD 1.x / 2.x pipeline's models
 TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))  # SD 1.x hub layout, or transformers 5
@@ -69,8 +72,6 @@ def check_pipeline_folder(folder, name=None, components=COMPONENTS, tokenizers=(
 def load_tokenizer(folder, **special_tokens):
     """CLIP's tokenizer (`sdflax.tokenizer`) from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json`
     (transformers 5); `special_tokens` (e.g. `pad_token="!"`) override tokenizer_config.json's."""
-    from .tokenizer import CLIPTokenizer
-
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
     try:
@@ -93,21 +94,18 @@ def load_scheduler(folder, kind=None, overrides=None):
     return scheduler_from_config(read_config_file(path), kind, overrides)
 
 
-def build_models(classes: dict, configs: dict, dtype, attention="auto") -> dict:
-    """{name: module} from config dicts, all with the one kernel choice made here for the default device."""
-    kernels = resolve_kernels(attention)
-    return {name: cls.from_config(configs[name], dtype, kernels=kernels) for name, cls in classes.items()}
-
-
-def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None, **kwargs):
-    """(module, params) of one model from a diffusers/transformers model folder or hub id."""
-    from .weights import load_weights
-
+def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None,
+               attention="auto", kernels=None):
+    """(module, params) of one model from a diffusers/transformers model folder or hub id; the models'
+    `from_pretrained`."""
     folder = resolve_folder(path_or_repo_id, revision)
     if subfolder:
         folder = os.path.join(folder, subfolder)
-    module = cls.from_config(read_config_file(os.path.join(folder, "config.json")), dtype, **kwargs)
-    return module, load_weights(folder, module.param_shapes(), dtype, variant)
+    config = read_config_file(os.path.join(folder, "config.json"))
+    where = os.path.basename(os.path.normpath(folder)) or folder
+    modules, params, _ = assemble({where: cls}, {where: config}, lambda _, __: (where, read_weights(folder, variant)),
+                                  dtype, attention, kernels)
+    return modules[where], params[where]
 
 
 def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_options: tuple = (), revision=None,
@@ -119,8 +117,6 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
     model_index.json entries passed on (SDXL's force_zeros_for_empty_prompt). Components named in `optional` may
     be null in model_index.json (an SDXL refiner has no first text encoder and tokenizer): they are passed as None.
     """
-    from .weights import load_weights, weight_files
-
     files = checkpoint_files(variant, tuple(models), tokenizers)
     folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
     if not os.path.isfile(os.path.join(folder, "model_index.json")):
@@ -137,25 +133,20 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
         patterns = [f"{c}/*.bin" for c in models] + [f"{c}/*.msgpack" for c in models]
         folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
     check_pipeline_folder(folder, str(path_or_repo_id), tuple(models), tokenizers)  # before anything slow
-
-    scheduler = load_scheduler(folder, scheduler, scheduler_config)
-    modules = build_models(models, {name: read_config_file(os.path.join(folder, name, "config.json"))
-                                    for name in models}, dtype, attention)
     for name in models:
         weight_files(os.path.join(folder, name), variant)  # fail on a missing weights file before reading anything
-    # Tracing the models for their parameter shapes and building the tokenizers hold the GIL; copying tensors
-    # into device buffers does not. So a side thread does the first while this one copies, biggest model first.
-    order = sorted(modules, key=lambda name: name != "unet")
-    with ThreadPoolExecutor(1) as side:
-        shapes = {name: side.submit(modules[name].param_shapes) for name in order}
-        pending = {name: side.submit(load_tokenizer, os.path.join(folder, name)) for name in tokenizers}
-        params = {name: load_weights(os.path.join(folder, name), shapes[name].result(), dtype, variant)
-                  for name in order}
-        loaded = {name: future.result() for name, future in pending.items()}
+
+    scheduler = load_scheduler(folder, scheduler, scheduler_config)
+    configs = {name: read_config_file(os.path.join(folder, name, "config.json")) for name in models}
+    modules, params, loaded = assemble(
+        models, configs, lambda name, _: (name, read_weights(os.path.join(folder, name), variant)), dtype, attention,
+        tokenizers={name: functools.partial(load_tokenizer, os.path.join(folder, name)) for name in tokenizers})
     options = {key: index[key] for key in index_options if key in index}
-    parts = {**dict.fromkeys(absent), **modules, **loaded, **options, "scheduler": scheduler, "dtype": dtype}
-    return parts, {name: params[name] for name in models}
+    return {**dict.fromkeys(absent), **modules, **loaded, **options, "scheduler": scheduler, "dtype": dtype}, params
 
 
 def _has_safetensors(folder):
     return os.path.isdir(folder) and any(name.endswith(".safetensors") for name in os.listdir(folder))
+
+
+Pretrained.folder_loader = staticmethod(load_model)  # the models' from_pretrained (see Pretrained)

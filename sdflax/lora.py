@@ -12,7 +12,7 @@ Two naming schemes are in circulation and both are read:
 
 Both name a module by its PyTorch path, which is our module path with "." -> "_" (see weights.py), so a target
 is found by name alone. Original UNet names (input_blocks / middle_block / output_blocks) go through the LDM
-table of single-file checkpoints (`single_file.unet_table`), built from the UNet's config.
+table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's config.
 
 `read_lora` turns a file into a small pytree (torch-layout `down`/`up` and `alpha` per target kernel);
 `merge_lora` is a pure function of (params, lora, scale), so LoRAs stack by calling it twice and
@@ -31,7 +31,8 @@ import numpy as np
 from flax import traverse_util
 
 from .checkpoint_files import read_checkpoint, safetensors_metadata
-from .single_file import map_key, unet_table
+from .ldm_names import map_key, unet_table
+from .weights import short_list
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
 
@@ -79,8 +80,8 @@ class LoraMismatchError(ValueError):
 
 
 def ldm_names(unet_config) -> dict:
-    """`single_file.unet_table` with every "_" in its names read as ".": kohya flattens the LDM module path with
-    "_" (input_blocks_4_1_proj_in), so that name with "_" -> "." looks up in it through `single_file.map_key`."""
+    """`ldm_names.unet_table` with every "_" in its names read as ".": kohya flattens the LDM module path with
+    "_" (input_blocks_4_1_proj_in), so that name with "_" -> "." looks up in it through `ldm_names.map_key`."""
     def dots(name):
         return name.replace("_", ".")
 
@@ -234,23 +235,18 @@ def read_lora(path, params, unet_config=None) -> dict:
     if unknown:
         hint = " (original UNet names: pass unet_config=pipeline.unet.config)" if ldm is None and any(
             re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", k) for k in unknown) else ""
-        problems.append(f"targets not in the model{hint}: {_listing(unknown)}")
+        problems.append(f"targets not in the model{hint}: {short_list(unknown)}")
     if mismatched:
         problems.append("shape mismatch: " + "; ".join(mismatched[:8]))
     if incomplete:
-        problems.append(f"down/up pairs with a half missing: {_listing(incomplete)}")
+        problems.append(f"down/up pairs with a half missing: {short_list(incomplete)}")
     if not_lora:
-        problems.append(f"not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): {_listing(not_lora)}")
+        problems.append(f"not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): {short_list(not_lora)}")
     if problems:
         raise LoraMismatchError(f"LoRA file {name} does not fit this pipeline: " + " | ".join(problems))
     if not lora:
         raise LoraMismatchError(f"LoRA file {name} holds no LoRA tensors")
     return lora
-
-
-def _listing(keys, limit=12):
-    keys = sorted(keys)
-    return ", ".join(keys[:limit]) + (f" ... and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _delta(down, up, kernel_shape):

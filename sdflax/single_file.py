@@ -20,13 +20,28 @@ ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 import warnings
 from importlib import resources
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import numpy as np
+
+from .assemble import assemble
+from .checkpoint_files import read_checkpoint
+from .hub import resolve_folder
+from .ldm_names import clip_table, controlnet_table, map_key, openclip_table, unet_table, vae_table
+from .loading import check_pipeline_folder, load_scheduler, load_tokenizer, read_index
+from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
+from .models.config import read_config_file
+from .models.controlnet import ControlNetModel
+from .models.unet import UNet2DConditionModel
+from .models.vae import AutoencoderKL
+from .weights import CheckpointMismatchError, short_list
 
 __all__ = ["SingleFileError", "detect_version", "split_components", "bundled_config_folder"]
 
@@ -61,16 +76,6 @@ KNOWN_EXTRAS = re.compile(r"^model_ema\.|^first_stage_model\.loss\.")
 DEFAULTS = {"sd1": "stable-diffusion-v1-5", "sd2": "stable-diffusion-2-1 (768 px, v-prediction)",
             "sdxl": "stable-diffusion-xl-base-1.0", "sdxl_refiner": "stable-diffusion-xl-refiner-1.0"}
 
-RESNET = {"in_layers.0": "norm1", "in_layers.2": "conv1", "emb_layers.1": "time_emb_proj", "out_layers.0": "norm2",
-          "out_layers.3": "conv2", "skip_connection": "conv_shortcut"}
-VAE_RESNET = {"nin_shortcut": "conv_shortcut"}
-VAE_ATTENTION = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
-OPENCLIP_LAYER = {
-    "ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.out_proj": "self_attn.out_proj",
-    "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2",
-    "attn.in_proj_weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "attn.in_proj_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-}
 # OpenCLIP projects with `x @ text_projection` (width, proj); transformers' Linear holds the transpose.
 OPENCLIP_PROJECTION = re.compile(r"\.model\.text_projection$")
 
@@ -79,137 +84,19 @@ class SingleFileError(ValueError):
     """The file is not a single-file SD 1.x / 2.x / SDXL checkpoint, or holds tensors no table maps."""
 
 
-def encoder_table(cfg) -> dict:
-    """LDM names of the UNet's encoder half -> diffusers prefixes (or (prefix, leaf renames)), laid out as the
-    config builds it; the ControlNet copies this half under the same names."""
-    levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
-    table = {"time_embed.0": "time_embedding.linear_1", "time_embed.2": "time_embedding.linear_2",
-             "label_emb.0.0": "add_embedding.linear_1", "label_emb.0.2": "add_embedding.linear_2",  # SDXL
-             "input_blocks.0.0": "conv_in",
-             "middle_block.0": ("mid_block.resnets.0", RESNET), "middle_block.1": "mid_block.attentions.0",
-             "middle_block.2": ("mid_block.resnets.1", RESNET)}
-    i = 1  # input_blocks: one entry per resnet (+ attention), then one per downsampler
-    for b, kind in enumerate(cfg.down_block_types):
-        for j in range(per_block):
-            table[f"input_blocks.{i}.0"] = (f"down_blocks.{b}.resnets.{j}", RESNET)
-            if kind == "CrossAttnDownBlock2D":
-                table[f"input_blocks.{i}.1"] = f"down_blocks.{b}.attentions.{j}"
-            i += 1
-        if b < levels - 1:
-            table[f"input_blocks.{i}.0.op"] = f"down_blocks.{b}.downsamplers.0.conv"
-            i += 1
-    return table
-
-
-def unet_table(cfg) -> dict:
-    """LDM UNet module prefix -> diffusers prefix (or (prefix, leaf renames)), laid out as the config builds it."""
-    levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
-    table = {**encoder_table(cfg), "out.0": "conv_norm_out", "out.2": "conv_out"}
-    i = 0  # output_blocks: resnet, attention, and the upsampler inside the block's last entry
-    for b, kind in enumerate(cfg.up_block_types):
-        cross = kind == "CrossAttnUpBlock2D"
-        for j in range(per_block + 1):
-            table[f"output_blocks.{i}.0"] = (f"up_blocks.{b}.resnets.{j}", RESNET)
-            if cross:
-                table[f"output_blocks.{i}.1"] = f"up_blocks.{b}.attentions.{j}"
-            if j == per_block and b < levels - 1:
-                table[f"output_blocks.{i}.{2 if cross else 1}.conv"] = f"up_blocks.{b}.upsamplers.0.conv"
-            i += 1
-    return table
-
-
-def controlnet_table(cfg) -> dict:
-    """The original ControlNet layout (lllyasviel's cldm.py) -> diffusers: the UNet encoder's names, one zero
-    convolution per skip (`zero_convs.k.0`) and the mid block's (`middle_block_out.0`), and the condition encoder
-    `input_hint_block`, a Sequential of convs with a SiLU after each but the last (so the convs sit at even
-    indices): conv_in, then the blocks, then conv_out."""
-    levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
-    skips = 1 + levels * per_block + levels - 1  # conv_in, every resnet (+ attention), every downsampler
-    table = {**encoder_table(cfg), "middle_block_out.0": "controlnet_mid_block",
-             "input_hint_block.0": "controlnet_cond_embedding.conv_in"}
-    table.update({f"zero_convs.{k}.0": f"controlnet_down_blocks.{k}" for k in range(skips)})
-    blocks = 2 * (len(cfg.conditioning_embedding_out_channels) - 1)
-    table.update({f"input_hint_block.{2 * (j + 1)}": f"controlnet_cond_embedding.blocks.{j}" for j in range(blocks)})
-    table[f"input_hint_block.{2 * (blocks + 1)}"] = "controlnet_cond_embedding.conv_out"
-    return table
-
-
-def vae_table(cfg) -> dict:
-    """LDM VAE prefixes -> diffusers; the decoder's `up.N` count from the bottom, diffusers' `up_blocks` from the top."""
-    levels, per_block = len(cfg.block_out_channels), cfg.layers_per_block
-    table = {name: name for name in ("encoder.conv_in", "encoder.conv_out", "decoder.conv_in", "decoder.conv_out",
-                                     "quant_conv", "post_quant_conv")}
-    for part in ("encoder", "decoder"):
-        table[f"{part}.norm_out"] = f"{part}.conv_norm_out"
-        table[f"{part}.mid.block_1"] = (f"{part}.mid_block.resnets.0", VAE_RESNET)
-        table[f"{part}.mid.block_2"] = (f"{part}.mid_block.resnets.1", VAE_RESNET)
-        table[f"{part}.mid.attn_1"] = (f"{part}.mid_block.attentions.0", VAE_ATTENTION)
-    for i in range(levels):
-        for j in range(per_block):
-            table[f"encoder.down.{i}.block.{j}"] = (f"encoder.down_blocks.{i}.resnets.{j}", VAE_RESNET)
-        if i < levels - 1:
-            table[f"encoder.down.{i}.downsample.conv"] = f"encoder.down_blocks.{i}.downsamplers.0.conv"
-        source = levels - 1 - i
-        for j in range(per_block + 1):
-            table[f"decoder.up.{source}.block.{j}"] = (f"decoder.up_blocks.{i}.resnets.{j}", VAE_RESNET)
-        if i < levels - 1:
-            table[f"decoder.up.{source}.upsample.conv"] = f"decoder.up_blocks.{i}.upsamplers.0.conv"
-    return table
-
-
-def openclip_table(cfg, projection=False) -> dict:
-    """OpenCLIP text tower -> transformers' CLIPTextModel names (CLIPTextModelWithProjection's with `projection`),
-    for the config's number of layers."""
-    table = {"token_embedding": "embeddings.token_embedding",
-             "positional_embedding": "embeddings.position_embedding.weight", "ln_final": "final_layer_norm"}
-    if projection:  # stored transposed: see OPENCLIP_PROJECTION
-        table["text_projection"] = "text_projection.weight"
-    for i in range(cfg.num_hidden_layers):
-        table[f"transformer.resblocks.{i}"] = (f"encoder.layers.{i}", OPENCLIP_LAYER)
-    return table
-
-
-def clip_table(cfg) -> None:
-    return None  # SD 1.x stores transformers' own names: nothing to rename
-
-
-def _lookup(mapping: dict, parts: list[str]):
-    """The longest prefix of `parts` in `mapping`: (value, the parts after it), or (None, parts)."""
-    for n in range(len(parts), 0, -1):
-        value = mapping.get(".".join(parts[:n]))
-        if value is not None:
-            return value, parts[n:]
-    return None, parts
-
-
-def map_key(key: str, table) -> tuple[str, ...] | None:
-    """An LDM name (without its component prefix) -> diffusers name(s); None if the table has no entry."""
-    if table is None:
-        return (key,)
-    entry, rest = _lookup(table, key.split("."))
-    if entry is None:
-        return None
-    target, leaves = entry if isinstance(entry, tuple) else (entry, {})
-    leaf, rest = _lookup(leaves, rest)
-    if isinstance(leaf, tuple):  # a fused tensor: one name per part
-        return tuple(".".join([target, name, *rest]) for name in leaf)
-    return (".".join([target, *([leaf] if leaf else []), *rest]),)
-
-
 def detect_version(keys) -> str:
     """'sd1' (CLIP ViT-L text encoder), 'sd2' (OpenCLIP ViT-H), 'sdxl' (CLIP ViT-L and OpenCLIP ViT-bigG) or
     'sdxl_refiner' (OpenCLIP ViT-bigG alone) from the tensor names."""
     keys = list(keys)
     if not any(k.startswith("model.diffusion_model.") for k in keys):
-        sample = ", ".join(sorted(keys)[:5])
         raise SingleFileError(f"not a single-file Stable Diffusion checkpoint: no model.diffusion_model.* tensors "
-                              f"(found {sample}{' ...' if len(keys) > 5 else ''}); a diffusers folder loads with "
+                              f"(found {short_list(keys, 5)}); a diffusers folder loads with "
                               "StableDiffusion.from_pretrained")
     encoders = {m[0] for k in keys if (m := re.match(r"(cond_stage_model|conditioner\.embedders\.\d+)\.\w+\.", k))}
     for version, layout in LAYOUTS.items():
         if encoders == {prefix for prefix in layout if prefix not in MODELS}:
             return version
-    found = _listing(prefix + "*" for prefix in encoders)
+    found = short_list(prefix + "*" for prefix in encoders)
     if any(k.startswith("conditioner.") for k in encoders):
         raise SingleFileError("an SDXL checkpoint needs CLIP ViT-L (conditioner.embedders.0.transformer.*) and "
                               "OpenCLIP ViT-bigG (conditioner.embedders.1.model.*), or for a refiner OpenCLIP ViT-bigG "
@@ -260,16 +147,11 @@ def split_components(state_dict: dict, configs: dict, version: str) -> dict[str,
             out[component][name] = part
     if unknown:
         raise SingleFileError(f"{len(unknown)} tensors that no table maps (is the config right for this file?): "
-                              f"{_listing(unknown)}")
+                              f"{short_list(unknown)}")
     if extras:
-        warnings.warn(f"ignoring {len(extras)} tensors the pipeline does not use: {_listing(extras, 6)}",
-                      stacklevel=4)  # the caller of StableDiffusion.from_single_file
+        warnings.warn(f"ignoring {len(extras)} tensors the pipeline does not use: {short_list(extras, 6)}",
+                      stacklevel=6)  # from_single_file's caller, past load_single_file, assemble and its `tensors`
     return out
-
-
-def _listing(keys, limit=12):
-    keys = sorted(keys)
-    return ", ".join(keys[:limit]) + (f" ... and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def bundled_config_folder(version: str) -> str:
@@ -279,8 +161,6 @@ def bundled_config_folder(version: str) -> str:
 
 
 def bundled_tokenizer(version: str, name: str = "tokenizer"):
-    from .loading import load_tokenizer
-
     folder = os.fspath(resources.files("sdflax") / "configs" / "tokenizer")
     # The same BPE vocabulary; OpenCLIP encoders (SD 2.x's, SDXL's second) pad with "!" (id 0) where CLIP ViT-L
     # pads with <|endoftext|>.
@@ -291,10 +171,6 @@ def bundled_tokenizer(version: str, name: str = "tokenizer"):
 def file_contents(version: str):
     """What a file of `version` holds, in a pipeline family's terms: models {folder: class}, tokenizer folders
     and the model_index.json options its parts come with."""
-    from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
-    from .models.unet import UNet2DConditionModel
-    from .models.vae import AutoencoderKL
-
     classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
                "unet": UNet2DConditionModel, "vae": AutoencoderKL}
     models = {c: classes[c] for c in sorted(LAYOUTS[version].values())}
@@ -308,19 +184,8 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     `StableDiffusion.from_single_file`. `family` (a pipeline's conditioning: `models`, `tokenizers`,
     `index_options`) must hold the models the file does, else the error names `pipeline`'s right sibling;
     without it the parts are what the file holds (an SDXL refiner's: no first text encoder)."""
-    import jax.numpy as jnp
-
-    from .checkpoint_files import read_checkpoint
-    from .loading import build_models, check_pipeline_folder, load_scheduler, load_tokenizer, read_index
-    from .models.config import read_config_file
-    from .weights import CheckpointMismatchError, convert_state_dict
-
     dtype = jnp.float32 if dtype is None else dtype
-    name = os.fspath(path)
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"no checkpoint file at {name}")
-    where = os.path.basename(name)
-    state_dict = read_checkpoint(name)
+    where, state_dict = read_file(path, "checkpoint")
     version = detect_version(state_dict)
     contents = file_contents(version)
     family = family or contents
@@ -328,21 +193,18 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     if absent - set(getattr(family, "optional", ())) or set(contents.models) - set(family.models):
         raise SingleFileError(f"{where} is {NAMES[version]} checkpoint ({', '.join(contents.models)}), not one "
                               f"{pipeline or 'this pipeline'} runs: use {PIPELINES[version]}.from_single_file")
-    family = SimpleNamespace(models={c: family.models[c] for c in contents.models},
-                             tokenizers=tuple(t for t in family.tokenizers if t in contents.tokenizers),
-                             index_options=family.index_options)
+    models = {c: family.models[c] for c in contents.models}
+    tokenizer_names = tuple(t for t in family.tokenizers if t in contents.tokenizers)
 
     if config is not None:
-        from .hub import resolve_folder
-
         folder = resolve_folder(config, revision, allow_patterns=["model_index.json", "*/config.json", "scheduler/*",
-                                                                  *(f"{t}/*" for t in family.tokenizers)])
-        check_pipeline_folder(folder, f"config={config}", tuple(family.models), family.tokenizers)
-        tokenizers = {t: load_tokenizer(os.path.join(folder, t)) for t in family.tokenizers}
+                                                                  *(f"{t}/*" for t in tokenizer_names)])
+        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizer_names)
+        tokenizers = {t: functools.partial(load_tokenizer, os.path.join(folder, t)) for t in tokenizer_names}
     else:
         folder = bundled_config_folder(version)
-        tokenizers = {t: bundled_tokenizer(version, t) for t in family.tokenizers}
-    model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in family.models}
+        tokenizers = {t: functools.partial(bundled_tokenizer, version, t) for t in tokenizer_names}
+    model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in models}
     overrides = dict(scheduler_config or {})
     if prediction_type is not None:
         overrides["prediction_type"] = prediction_type
@@ -351,19 +213,37 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     scheduler = load_scheduler(folder, scheduler, overrides or None)
     index = read_index(folder)
 
-    modules = build_models(family.models, model_configs, dtype, attention)
-    try:
-        components = split_components(state_dict, {c: m.config for c, m in modules.items()}, version)
-        params = {c: convert_state_dict(components[c], m.param_shapes(), dtype, where=f"{where} ({c})")
-                  for c, m in modules.items()}
-    except (SingleFileError, CheckpointMismatchError) as e:
-        source = f"the configs in {config}" if config is not None else (
-            f"sdflax's bundled {DEFAULTS[version]} configs")
-        raise SingleFileError(f"{e}; the model configs came from {source}: for another architecture pass "
-                              "config=<a diffusers folder or hub id of the same model>") from None
+    components = {}
+
+    def tensors(component, modules):  # the file split by component once the models' configs are known
+        if not components:
+            components.update(split_components(state_dict, {c: m.config for c, m in modules.items()}, version))
+        return f"{where} ({component})", components[component]
+
+    source = f"the configs in {config}" if config is not None else f"sdflax's bundled {DEFAULTS[version]} configs"
+    with configs_named(f"; the model configs came from {source}: for another architecture pass config=<a "
+                       "diffusers folder or hub id of the same model>"):
+        modules, params, tokenizers = assemble(models, model_configs, tensors, dtype, attention, tokenizers=tokenizers)
     options = {key: index[key] for key in family.index_options if key in index}
     nothing = {c: None for c in absent} | {c.replace("text_encoder", "tokenizer"): None for c in absent}
     return {**nothing, **tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params
+
+
+def read_file(path, what) -> tuple[str, dict]:
+    """(the file's name, its tensors) of a single-file checkpoint or ControlNet (`what`)."""
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"no {what} file at {name}")
+    return os.path.basename(name), read_checkpoint(name)
+
+
+@contextlib.contextmanager
+def configs_named(advice: str):
+    """Tensors that do not fit the models raise SingleFileError with `advice`: where the configs came from."""
+    try:
+        yield
+    except (SingleFileError, CheckpointMismatchError) as e:
+        raise SingleFileError(f"{e}{advice}") from None
 
 
 CONTROLNET_PREFIX = "control_model."  # ControlNet 1.0 files hold a whole SD model besides the net
@@ -379,8 +259,6 @@ def controlnet_config(state_dict: dict, name: str) -> dict:
         raise SingleFileError(f"{name}: cannot tell the base model of this ControlNet from its tensors (an SDXL "
                               "net?): pass config=<the diffusers folder or hub id of a ControlNet of the same "
                               "architecture>")
-    from .models.config import read_config_file
-
     config = read_config_file(os.path.join(bundled_config_folder(version), "unet", "config.json"))
     hint = sorted(int(m[1]) for k in state_dict if (m := re.fullmatch(r"input_hint_block\.(\d+)\.weight", k)))
     if not hint or hint != list(range(0, 2 * len(hint), 2)):
@@ -397,19 +275,9 @@ def controlnet_config(state_dict: dict, name: str) -> dict:
 
 def load_controlnet(cls, path, config=None, dtype=None, attention="auto", revision=None):
     """(cls (ControlNetModel), params) from a ControlNet file in the original layout (control_v11p_sd15_canny.pth /
-    .safetensors, or a ControlNet 1.0 file under `control_model.`); see `ControlNetModel.from_single_file`."""
-    import jax.numpy as jnp
-
-    from .checkpoint_files import read_checkpoint
-    from .models.config import read_config_file
-    from .weights import CheckpointMismatchError, convert_state_dict
-
+    .safetensors, or a ControlNet 1.0 file under `control_model.`); `ControlNetModel.from_single_file`."""
     dtype = jnp.float32 if dtype is None else dtype
-    name = os.fspath(path)
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"no ControlNet file at {name}")
-    where = os.path.basename(name)
-    state_dict = read_checkpoint(name)
+    where, state_dict = read_file(path, "ControlNet")
     if any(k.startswith(CONTROLNET_PREFIX) for k in state_dict):
         state_dict = {k[len(CONTROLNET_PREFIX):]: v for k, v in state_dict.items() if k.startswith(CONTROLNET_PREFIX)}
     if "input_hint_block.0.weight" not in state_dict or "time_embed.0.weight" not in state_dict:
@@ -419,27 +287,23 @@ def load_controlnet(cls, path, config=None, dtype=None, attention="auto", revisi
         raise SingleFileError(f"{where} is not a ControlNet in the original layout (no input_hint_block / "
                               f"time_embed tensors; found {found})")
     if config is not None:
-        from .hub import resolve_folder
-
         folder = resolve_folder(config, revision, allow_patterns=["config.json"])
         model_config = read_config_file(os.path.join(folder, "config.json"))
     else:
         model_config = controlnet_config(state_dict, where)
-    model = cls.from_config(model_config, dtype, attention)
-    table = controlnet_table(model.config)
-    named, unknown = {}, []
-    for key, array in state_dict.items():
-        names = map_key(key, table)
-        if names is None:
-            unknown.append(key)
-        else:
-            named[names[0]] = array
-    try:
-        if unknown:
-            raise SingleFileError(f"{len(unknown)} tensors that no table maps: {_listing(unknown)}")
-        params = convert_state_dict(named, model.param_shapes(), dtype, where=where)
-    except (SingleFileError, CheckpointMismatchError) as e:
-        source = f"the config in {config}" if config is not None else "the tensors and sdflax's bundled UNet configs"
-        raise SingleFileError(f"{e}\nThe ControlNet config came from {source}: for another architecture pass config="
-                              "<the diffusers folder or hub id of a ControlNet of the same architecture>") from None
-    return model, params
+
+    def tensors(_, modules):
+        table = controlnet_table(modules["controlnet"].config)
+        named = {key: map_key(key, table) for key in state_dict}
+        if unknown := [key for key, names in named.items() if names is None]:
+            raise SingleFileError(f"{len(unknown)} tensors that no table maps: {short_list(unknown)}")
+        return where, {names[0]: state_dict[key] for key, names in named.items()}
+
+    source = f"the config in {config}" if config is not None else "the tensors and sdflax's bundled UNet configs"
+    with configs_named(f"\nThe ControlNet config came from {source}: for another architecture pass config=<the "
+                       "diffusers folder or hub id of a ControlNet of the same architecture>"):
+        modules, params, _ = assemble({"controlnet": cls}, {"controlnet": model_config}, tensors, dtype, attention)
+    return modules["controlnet"], params["controlnet"]
+
+
+ControlNetModel.file_loader = staticmethod(load_controlnet)  # the models' from_single_file (see Pretrained)

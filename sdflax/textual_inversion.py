@@ -13,6 +13,7 @@ An embedding of n vectors becomes the tokens `token`, `token_1`, ..., `token_{n-
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import zipfile
@@ -150,44 +151,53 @@ def expand_prompts(prompts: list[str], tokenizer) -> list[str]:
     return expanded
 
 
-def load_textual_inversion(pipeline, params, path, token=None):
-    """Add a file's token(s) to the pipeline's tokenizer(s) and rows to its text encoders' embedding tables.
+def load_textual_inversion(parts, params, path, token=None) -> tuple[dict, dict]:
+    """(new parts, new params) with a file's token(s) added to the tokenizer(s) and its vectors as new rows of the
+    text encoders' embedding tables; nothing given is changed.
 
-    Returns new params; the tokenizers gain the tokens and the text encoder modules the larger vocab size. An SDXL
-    pipeline takes SDXL files (`clip_l` for the first encoder, `clip_g` for the second), others one tensor.
+    `parts` maps a pipeline's part names to its objects (its constructor arguments, or `vars(pipeline)`): the
+    tokenizer and text encoder ("tokenizer", "text_encoder"; SDXL's "tokenizer_2", "text_encoder_2"), others
+    ignored. The new parts are copies of the tokenizers that gain the tokens and clones of the text encoders with
+    the larger vocab size. With a second text encoder the file is an SDXL one (`clip_l` for the first encoder,
+    `clip_g` for the second), else one tensor.
     """
-    if len(pipeline.conditioning.tokenizers) == 2:
-        token, parts = read_sdxl_embedding(path, token)
-        targets = [(*SDXL_KEYS[key], key, vectors) for key, vectors in parts.items()]
+    present = {name for name, part in parts.items() if part is not None}
+    if "text_encoder_2" in present:
+        token, vectors = read_sdxl_embedding(path, token)
+        targets = [(*SDXL_KEYS[key], key, vectors[key]) for key in SDXL_KEYS if SDXL_KEYS[key][1] in present]
     else:
         token, vectors = read_embedding(path, token)
         targets = [("tokenizer", "text_encoder", "the embedding", vectors)]
     tokens = [token] + [f"{token}_{i}" for i in range(1, len(targets[0][3]))]
-    for tokenizer_name, encoder, what, vectors in targets:  # every check before anything changes
+    for tokenizer, encoder, what, vectors in targets:  # every check before anything is made
         width = params[encoder]["embeddings_token_embedding"]["embedding"].shape[1]
         if vectors.shape[1] != width:
             models = "SDXL's are 768 and 1280" if len(targets) == 2 else "SD 1.x is 768, SD 2.x 1024"
             raise ValueError(f"{path}: {what} has vectors of {vectors.shape[1]} dimensions but {encoder}'s have "
                              f"{width} (an embedding for another model: {models})")
-        taken = [t for t in tokens if t in getattr(pipeline, tokenizer_name).get_vocab()]
+        taken = [t for t in tokens if t in parts[tokenizer].get_vocab()]
         if taken:
             raise ValueError(f"token(s) {taken} already in the tokenizer: choose another name with token=...")
-    for tokenizer_name, encoder, _, vectors in targets:
-        params = _add_rows(pipeline, params, getattr(pipeline, tokenizer_name), encoder, tokens, vectors)
-    return params
+    copies = {}  # one copy per tokenizer object: a pipeline may give both encoders the same tokenizer
+    new_parts, params = {}, dict(params)
+    for tokenizer, encoder, _, vectors in targets:
+        original = parts[tokenizer]
+        if id(original) not in copies:
+            copies[id(original)] = copy.deepcopy(original)
+            copies[id(original)].add_tokens(tokens)
+        new_parts[tokenizer] = copies[id(original)]
+        ids = np.asarray(new_parts[tokenizer].convert_tokens_to_ids(tokens))
+        new_parts[encoder], params[encoder] = _add_rows(parts[encoder], params[encoder], ids, vectors)
+    return new_parts, params
 
 
-def _add_rows(pipeline, params, tokenizer, encoder, tokens, vectors):
-    """params with `tokens` added to `tokenizer` and `vectors` as their rows of `encoder`'s embedding table."""
-    table = params[encoder]["embeddings_token_embedding"]["embedding"]
+def _add_rows(module, params, ids, vectors):
+    """(module, params) of a text encoder with `vectors` as the embedding table's rows `ids`."""
+    table = params["embeddings_token_embedding"]["embedding"]
     rows, width = table.shape
-    tokenizer.add_tokens([t for t in tokens if t not in tokenizer.get_vocab()])  # one tokenizer may serve both
-    ids = np.asarray(tokenizer.convert_tokens_to_ids(tokens))
-
     # New ids follow the tokenizer's vocabulary, normally the table's last row: grow the table to cover them.
     size = max(rows, int(ids.max()) + 1)
     new_table = jnp.zeros((size, width), table.dtype).at[:rows].set(table).at[ids].set(vectors.astype(table.dtype))
-    embedding = {**params[encoder]["embeddings_token_embedding"], "embedding": new_table}
-    module = getattr(pipeline, encoder)
-    setattr(pipeline, encoder, module.clone(config=dataclasses.replace(module.config, vocab_size=size)))
-    return {**params, encoder: {**params[encoder], "embeddings_token_embedding": embedding}}
+    embedding = {**params["embeddings_token_embedding"], "embedding": new_table}
+    module = module.clone(config=dataclasses.replace(module.config, vocab_size=size))
+    return module, {**params, "embeddings_token_embedding": embedding}

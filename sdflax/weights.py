@@ -64,10 +64,11 @@ def _to_flax_layout(array: np.ndarray, source_leaf: str, target_leaf: str, targe
     return array.transpose(2, 3, 1, 0) if array.ndim == 4 else array.T
 
 
-def _short_list(keys, limit=12):
-    keys = sorted(keys)
-    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
+def short_list(names, limit=12) -> str:
+    """The names sorted and comma-joined, the first `limit` of them, for an error message."""
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="checkpoint"):
@@ -98,9 +99,9 @@ def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="check
     if mismatched:
         problems.append("shape mismatch: " + "; ".join(mismatched[:12]))
     if missing:
-        problems.append(f"missing from the checkpoint: {_short_list(missing)}")
+        problems.append(f"missing from the checkpoint: {short_list(missing)}")
     if unexpected:
-        problems.append(f"not used by the model: {_short_list(unexpected)}")
+        problems.append(f"not used by the model: {short_list(unexpected)}")
     if problems:
         raise CheckpointMismatchError(f"{where} does not match the model config: " + " | ".join(problems))
     return traverse_util.unflatten_dict(_to_device(params, np.dtype(dtype)))
@@ -166,9 +167,9 @@ def _expand_index(folder, name):
     return [os.path.join(folder, shard) for shard in shards]
 
 
-def load_weights(folder, shapes, dtype=jnp.float32, variant=None):
-    """Read a model folder's weights into the params tree described by `shapes`."""
+def read_weights(folder, variant=None) -> dict:
+    """{name: array} of a model folder's weight files (all shards), as they are stored."""
     state_dict = {}
     for path in weight_files(folder, variant):
         state_dict.update(read_checkpoint(path))
-    return convert_state_dict(state_dict, shapes, dtype, where=os.path.basename(os.path.normpath(folder)) or folder)
+    return state_dict

@@ -274,7 +274,7 @@ def test_full_size_single_files_need_no_config(version):
     config, built on the meta device and written in the original layout, maps onto exactly our params' names."""
     import diffusers
 
-    from sdflax import single_file
+    from sdflax import ldm_names, single_file
 
     config = {**PUBLISHED[version], "conditioning_embedding_out_channels": (16, 32, 96, 256)}
     with torch.device("meta"):
@@ -284,6 +284,6 @@ def test_full_size_single_files_need_no_config(version):
     inferred = single_file.controlnet_config(ldm, "control.safetensors")
     ours = ControlNetModel.from_config(inferred)
     assert ours.config == ControlNetModel.from_config(dict(theirs.config)).config
-    table = single_file.controlnet_table(ours.config)
-    mapped = {single_file.map_key(k, table)[0] for k in ldm}
+    table = ldm_names.controlnet_table(ours.config)
+    mapped = {ldm_names.map_key(k, table)[0] for k in ldm}
     assert mapped == set(state)

@@ -14,8 +14,8 @@ from test_lora import IMAGE_ATOL, assert_params_close, both, kohya_file, kohya_s
 import jax
 
 from sdflax import StableDiffusion, StableDiffusionXL
+from sdflax.ldm_names import unet_table
 from sdflax.lora import LoraMismatchError, read_lora
-from sdflax.single_file import unet_table
 from sdflax.weights import convert_state_dict
 
 SCALE = 0.7

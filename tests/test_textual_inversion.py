@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 import jax
 
 from sdflax import StableDiffusion
+from sdflax.textual_inversion import load_textual_inversion
 
 ATOL = 1e-5  # text encoder states, float32 (the per-module tolerance of test_models.py)
 VOCAB = 49408
@@ -65,8 +66,10 @@ def test_embedding_matches_diffusers(folders, tmp_path, arch, fmt):
     token = "<sks-toy>"
     write(tmp_path / name, fmt, vectors, token)
 
-    ours = pipe.load_textual_inversion(params, tmp_path / name, token=token)
+    given = pipe
+    pipe, ours = pipe.load_textual_inversion(params, tmp_path / name, token=token)
     theirs.load_textual_inversion(str(tmp_path / name), token=token)
+    assert len(given.tokenizer) == given.text_encoder.config.vocab_size == VOCAB  # a new pipeline; this one as it was
 
     # Exactly the new rows are added, the old table and every other parameter unchanged.
     table = np.asarray(ours["text_encoder"]["embeddings_token_embedding"]["embedding"])
@@ -103,8 +106,8 @@ def test_token_name_from_the_file_and_two_embeddings(folders, tmp_path):
     first, second = torch.randn(1, width), torch.randn(2, width)
     write(tmp_path / "learned_embeds.safetensors", "diffusers.safetensors", first, "<cat-toy>")
     write(tmp_path / "charturner.pt", "a1111.pt", second, "ignored-name")
-    params = pipe.load_textual_inversion(params, tmp_path / "learned_embeds.safetensors")  # its key: <cat-toy>
-    params = pipe.load_textual_inversion(params, tmp_path / "charturner.pt")  # A1111: the file name
+    pipe, params = pipe.load_textual_inversion(params, tmp_path / "learned_embeds.safetensors")  # its key: <cat-toy>
+    pipe, params = pipe.load_textual_inversion(params, tmp_path / "charturner.pt")  # A1111: the file name
     ids = pipe.prepare_inputs(["<cat-toy> by charturner"])[0]
     assert list(ids[1:2]) == [VOCAB] and list(ids[3:5]) == [VOCAB + 1, VOCAB + 2]
     table = params["text_encoder"]["embeddings_token_embedding"]["embedding"]
@@ -118,7 +121,7 @@ def test_errors(folders, tmp_path):
     pipe, params = StableDiffusion.from_pretrained(folder)
     width = pipe.text_encoder.config.hidden_size
     write(tmp_path / "a.safetensors", "diffusers.safetensors", torch.randn(1, width), "<a>")
-    params = pipe.load_textual_inversion(params, tmp_path / "a.safetensors")
+    pipe, params = pipe.load_textual_inversion(params, tmp_path / "a.safetensors")
     with pytest.raises(ValueError, match="already in the tokenizer"):
         pipe.load_textual_inversion(params, tmp_path / "a.safetensors")
     with pytest.raises(ValueError, match="already in the tokenizer"):
@@ -129,3 +132,22 @@ def test_errors(folders, tmp_path):
     save_file({"clip_l": torch.randn(1, 768), "clip_g": torch.randn(1, 1280)}, tmp_path / "sdxl.safetensors")
     with pytest.raises(ValueError, match="SDXL"):
         pipe.load_textual_inversion(params, tmp_path / "sdxl.safetensors")
+
+
+def test_new_parts_and_params_the_given_ones_unchanged(folders, tmp_path):
+    _, folder = folders("sd1")
+    pipe, params = StableDiffusion.from_pretrained(folder)
+    width = pipe.text_encoder.config.hidden_size
+    write(tmp_path / "a.safetensors", "diffusers.safetensors", torch.randn(2, width), "<a>")
+    tokenizer, text_encoder, table = pipe.tokenizer, pipe.text_encoder, params["text_encoder"]
+    vocab, config = tokenizer.get_vocab(), text_encoder.config
+    parts, new_params = load_textual_inversion(vars(pipe), params, tmp_path / "a.safetensors")
+
+    assert set(parts) == {"tokenizer", "text_encoder"}
+    assert len(parts["tokenizer"]) == parts["text_encoder"].config.vocab_size == VOCAB + 2
+    assert parts["tokenizer"].convert_tokens_to_ids(["<a>", "<a>_1"]) == [VOCAB, VOCAB + 1]
+    assert tokenizer.get_vocab() == vocab and "<a>" not in tokenizer.get_vocab()  # the given tokenizer as it was
+    assert text_encoder.config is config and config.vocab_size == VOCAB  # and the given module
+    assert pipe.tokenizer is tokenizer and pipe.text_encoder is text_encoder
+    assert params["text_encoder"] is table and table["embeddings_token_embedding"]["embedding"].shape[0] == VOCAB
+    assert new_params["unet"] is params["unet"] and new_params["vae"] is params["vae"]

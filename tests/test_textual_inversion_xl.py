@@ -32,7 +32,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def fresh(saved):
-    """Both pipelines anew: loading an embedding changes their tokenizers and text encoders."""
+    """Both pipelines anew: loading an embedding changes diffusers' tokenizers and text encoders."""
     theirs, folder = saved
     return (copy.deepcopy(theirs), *StableDiffusionXL.from_pretrained(folder))
 
@@ -52,7 +52,7 @@ def tables(params):
 def test_embedding_matches_diffusers_in_both_encoders(fresh, tmp_path, count):
     theirs, pipe, params = fresh
     state = write(tmp_path / "embedding.safetensors", count)
-    ours = pipe.load_textual_inversion(params, tmp_path / "embedding.safetensors", token=TOKEN)
+    pipe, ours = pipe.load_textual_inversion(params, tmp_path / "embedding.safetensors", token=TOKEN)
     for key, (tokenizer, encoder) in ENCODERS.items():
         theirs.load_textual_inversion(state[key], token=TOKEN, tokenizer=getattr(theirs, tokenizer),
                                       text_encoder=getattr(theirs, encoder))
@@ -92,7 +92,7 @@ def test_embedding_matches_diffusers_in_both_encoders(fresh, tmp_path, count):
 def test_token_from_the_file_name(fresh, tmp_path):
     _, pipe, params = fresh
     write(tmp_path / "charturner.safetensors", 2)
-    pipe.load_textual_inversion(params, tmp_path / "charturner.safetensors")
+    pipe, _ = pipe.load_textual_inversion(params, tmp_path / "charturner.safetensors")
     ids = pipe.prepare_inputs(["by charturner"])[0]
     assert list(ids[0, 2:4]) == list(ids[1, 2:4]) == [VOCAB, VOCAB + 1]
 

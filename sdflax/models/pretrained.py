@@ -1,4 +1,4 @@
-"""`from_config` / `from_pretrained` for the three models, and `apply` that takes a bare params tree."""
+"""`from_config` / `from_pretrained` for the models, and `apply` that takes a bare params tree."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from .layers import Kernels, resolve_kernels, shapes_only
 
 class Pretrained:
     """Mixed into each model. Subclasses set `config_class`, define `dummy_inputs()` for shape inference and take
-    a `kernels` field (`layers.Kernels`) that they hand to every layer."""
+    a `kernels` field (`layers.Kernels`) that they hand to every layer.
+
+    The models read no files: `from_pretrained` hands its work to `folder_loader`, a function
+    `(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs) -> (module, params)` that sdflax's
+    loading layer (`sdflax.loading.load_model`) sets when `import sdflax` runs. So the models import nothing above
+    them and the loader keeps one path for every source.
+    """
+
+    folder_loader = None
 
     def apply(self, variables, *args, **kwargs):
         if "params" not in variables:  # a bare params tree, as `from_pretrained` returns it
@@ -27,15 +35,10 @@ class Pretrained:
         return cls(cls.config_class.from_dict(config), dtype=dtype, kernels=kernels or resolve_kernels(attention))
 
     def param_shapes(self):
-        """The params tree as ShapeDtypeStructs, without computing anything: traced once per config, then read
-        from sdflax's cache folder (`sdflax.cache`)."""
-        from ..cache import param_shapes
-
-        def trace():
-            with shapes_only():
-                return jax.eval_shape(lambda: self.init(jax.random.key(0), *self.dummy_inputs())["params"])
-
-        return param_shapes(self, trace)
+        """The params tree as ShapeDtypeStructs, traced without computing anything (`sdflax.cache.param_shapes`
+        keeps them between processes)."""
+        with shapes_only():
+            return jax.eval_shape(lambda: self.init(jax.random.key(0), *self.dummy_inputs())["params"])
 
     def init_params(self, key):
         """Random params (for tests and benchmarks)."""
@@ -45,6 +48,13 @@ class Pretrained:
     def from_pretrained(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None,
                         **kwargs):
         """(module, params) from a diffusers/transformers model folder or hub id; `subfolder` e.g. "unet"."""
-        from ..loading import load_model
+        return loader(cls, "folder_loader")(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs)
 
-        return load_model(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs)
+
+def loader(cls, name):
+    """The loading function `cls.<name>`, or a clear error when sdflax's loading layer was never imported."""
+    function = getattr(cls, name)
+    if function is None:
+        raise RuntimeError(f"{cls.__name__}.{name} is not set: `import sdflax` sets the models' loaders "
+                           "(sdflax.loading, sdflax.single_file)")
+    return function
