@@ -10,6 +10,7 @@ from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionControl
                        StableDiffusionXLInpaint, generate, random_draws)
 from .utils import make_image_grid
 from . import hooks
+from . import loading, single_file  # noqa: F401  (they give the models their from_pretrained / from_single_file)
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "ControlNetModel", "Inputs", "Settings",
            "StableDiffusion", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",

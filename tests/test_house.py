@@ -1,4 +1,5 @@
-"""The shape of the package: no import cycles between sdflax's modules, and the README's layout names its files."""
+"""The shape of the package: no import cycles between sdflax's modules, the models import nothing above them, no
+module over 500 lines or using another's private names, and the README's layout names its files."""
 
 from __future__ import annotations
 
@@ -57,16 +58,52 @@ def test_no_import_cycle():
             visit(name, [name])
 
 
-def test_models_do_not_import_the_hub():
-    """Models load through `sdflax.loading`; only it and the CLI talk to huggingface_hub."""
+def test_models_import_nothing_above_them():
+    """The models are the bottom floor: loading, the cache and the hub build on them, never the other way."""
     for path in (PACKAGE / "models").glob("*.py"):
-        assert not {t for t in imports_of(path) if t.startswith("sdflax.hub")}, path.name
+        assert {t for t in imports_of(path) if not t.startswith("sdflax.models")} == set(), path.name
+
+
+def test_no_module_over_500_lines():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}
+
+
+def test_no_module_uses_another_modules_private_names():
+    """`from sdflax.x import _name` or `x._name` on an imported sdflax module: a private name shared is a public
+    one, and should be named so."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        imported = {}  # local name -> sdflax module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                if not base.startswith("sdflax"):
+                    continue
+                for alias in node.names:
+                    if alias.name.startswith("_") and base != name:
+                        found.append(f"{name} imports {base}.{alias.name}")
+                    if f"{base}.{alias.name}" in modules:
+                        imported[alias.asname or alias.name] = f"{base}.{alias.name}"
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and imported.get(node.value.id, name) != name):
+                found.append(f"{name} uses {imported[node.value.id]}.{node.attr}")
+    assert found == []
 
 
 def test_readme_layout_names_every_module():
     block = re.search(r"## Layout\n\n```\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
     named = set()
     for line in block.splitlines():
+        if line.startswith(" "):  # an entry's description continued
+            continue
         entry = line.split("  ")[0]
         for part in entry.split(", "):
             named.add(part if "/" in part else f"sdflax/{part}")

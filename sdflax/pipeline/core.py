@@ -108,16 +108,28 @@ class Pipeline:
         return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):
-        """params with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds) added.
-
-        The token (and `token_1`, ... for a multi-vector embedding) joins this pipeline's tokenizer, so use the
-        returned params with this pipeline; `prepare_inputs` expands the token to all its vectors. SDXL files
-        (`clip_l` and `clip_g` tensors) extend both tokenizers and both text encoders."""
+        """(pipeline, params) with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds)
+        added: a new pipeline whose tokenizer knows the token (and `token_1`, ... for a multi-vector embedding,
+        which `prepare_inputs` expands), and params with its vectors. Pure: this pipeline and `params` stay as they
+        were. SDXL files (`clip_l` and `clip_g` tensors) extend both tokenizers and both text encoders."""
         from ..textual_inversion import load_textual_inversion
 
-        params = load_textual_inversion(self, params, path, token)
-        self._spec = None  # the text encoders grew
-        return params
+        parts, params = load_textual_inversion(self.components(), params, path, token)
+        return self.replace(**parts), params
+
+    def components(self) -> dict:
+        """The constructor's arguments that made this pipeline."""
+        return {"text_encoder": self.text_encoder, "unet": self.unet, "vae": self.vae, "tokenizer": self.tokenizer,
+                "scheduler": self.scheduler, "dtype": self.dtype, "text_encoder_2": self.text_encoder_2,
+                "tokenizer_2": self.tokenizer_2, "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
+                "requires_aesthetics_score": self.requires_aesthetics_score,
+                "controlnet": list(self.controlnets) or None}
+
+    def replace(self, **components):
+        """A pipeline of this class with some components replaced (and this one's hooks)."""
+        pipeline = type(self)(**{**self.components(), **components})
+        pipeline.hooks = self.hooks
+        return pipeline
 
     def with_hooks(self, *hooks):
         """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost): the same models and

@@ -238,4 +238,6 @@ def size_conditioning(height, width, original_size=None, crops_coords_top_left=N
 
 
 def _frozen(ids) -> tuple:
-    return tuple(map(tuple, np.asarray(ids).tolist()))
+    """Nested tuples of an int array's values (hashable, unlike the array)."""
+    as_tuples = lambda x: tuple(map(as_tuples, x)) if isinstance(x, list) else x  # noqa: E731
+    return as_tuples(np.asarray(ids).tolist())
