@@ -143,3 +143,49 @@ def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, ca
 
 def test_help_lists_the_controlnet_options(capsys):
     assert_help_lists(capsys, "--controlnet ID_OR_PATH", "--control-image IMG", "--control-scale S")
+
+
+@pytest.fixture(scope="module")
+def xl_folder(tmp_path_factory):
+    """A small SDXL base and an SDXL ControlNet made for it, a 32x32 picture, its mask and a control image."""
+    from builders import torch_xl_pipeline
+
+    tmp = tmp_path_factory.mktemp("controlnet-cli-xl")
+    base = torch_xl_pipeline("euler")
+    base.save_pretrained(tmp / "xl")
+    torch_controlnet(base.unet, seed=4).save_pretrained(tmp / "net")
+    rng = np.random.default_rng(1)
+    for name in ("in.png", "edges.png"):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp / name)
+    mask = np.zeros((32, 32), np.uint8)
+    mask[6:22, 5:25] = 255
+    Image.fromarray(mask).save(tmp / "mask.png")
+    return tmp
+
+
+@pytest.mark.parametrize("command", ["img2img", "inpaint"])
+def test_sdxl_img2img_and_inpaint_with_a_net_equal_the_library_with_its_defaults(xl_folder, tmp_path, command):
+    """The strength, guidance and net scale left out: the pipeline class's own defaults, in the CLI as in the
+    library."""
+    import jax
+
+    from sdflax import ControlNetModel, StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint
+
+    mask = ["--mask", "mask.png"] if command == "inpaint" else []
+    result = run_cli([command, "a house", "--image", "in.png", *mask, "--model", "xl", "--steps", "2", "--seed", "3",
+                      "--controlnet", "net", "--control-image", "edges.png", "--no-progress",
+                      "--out", str(tmp_path / "out.png")], tmp_path, devices=1, cwd=xl_folder)
+    assert result.returncode == 0, result.stderr
+    kind = {"img2img": StableDiffusionXLControlNetImg2Img, "inpaint": StableDiffusionXLControlNetInpaint}[command]
+    net, net_params = ControlNetModel.from_pretrained(xl_folder / "net")
+    pipe, params = kind.from_pretrained(xl_folder / "xl", controlnet=net)
+    params["controlnet"] = net_params
+    pictures = [[Image.open(xl_folder / "in.png")]] + ([[Image.open(xl_folder / "mask.png")]] if mask else [])
+    arrays = pipe.prepare_inputs(["a house"], *pictures, [Image.open(xl_folder / "edges.png")])
+    [expected] = pipe(*arrays, params, jax.random.key(3), num_inference_steps=2).images
+    assert expected.std() > 0.05  # not a blank image: the comparison means something
+    assert_close_to(tmp_path / "out.png", expected)
+    text = Image.open(tmp_path / "out.png").text
+    defaults = kind.defaults
+    assert (text["strength"], text["guidance_scale"], json.loads(text["control_scale"])) == (
+        str(defaults["strength"]), str(defaults["guidance_scale"]), [defaults["controlnet_conditioning_scale"]])

@@ -220,8 +220,8 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
 
         try:
             if "mask" in pictures:
-                arrays = preprocess_images_and_masks([pictures["image"]], [pictures["mask"]],
-                                                     pipeline.vae_scale_factor)
+                arrays = list(preprocess_images_and_masks([pictures["image"]], [pictures["mask"]],
+                                                          pipeline.vae_scale_factor))
             else:
                 arrays = [preprocess_images([pictures["image"]], pipeline.vae_scale_factor)]
         except ValueError as e:
