@@ -1,6 +1,6 @@
 """sdflax's cache folder: parameter shapes read back equal the traced ones, a damaged or stale file is traced over,
-`SDFLAX_CACHE_DIR=off` keeps nothing, and pipelines turn JAX's compilation cache on only where the process did
-not choose."""
+`SDFLAX_CACHE_DIR=off` keeps nothing, pipelines leave JAX's compilation cache as the process set it, and
+`sdflax.enable_compile_cache()` turns it on where the process did not choose."""
 
 import json
 import subprocess
@@ -90,19 +90,27 @@ if setting == "own-folder":
     jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 elif setting == "disabled":
     jax.config.update("jax_enable_compilation_cache", False)
-from sdflax import StableDiffusion
-pipeline, params = StableDiffusion.from_pretrained(sys.argv[3])
-print(json.dumps([jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache]))
+import sdflax
+pipeline, params = sdflax.StableDiffusion.from_pretrained(sys.argv[3])
+pipeline(pipeline.prepare_inputs(["a"]), params, jax.random.key(0), 1, height=16, width=16)
+chosen = [jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache]
+if setting != "untouched":
+    sdflax.enable_compile_cache()
+print(json.dumps([chosen, [jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache]]))
 """
 
 
-@pytest.mark.parametrize("setting", ["default", "own-folder", "disabled", "off"])
-def test_pipelines_turn_the_compile_cache_on_unless_the_process_chose(tmp_path, setting):
+@pytest.mark.parametrize("setting", ["untouched", "default", "own-folder", "disabled", "off"])
+def test_the_compile_cache_is_the_processs_choice(tmp_path, setting):
+    """Making and running a pipeline changes no JAX setting; `sdflax.enable_compile_cache()` points the cache at
+    sdflax's folder unless the process chose a folder or turned the cache off (or SDFLAX_CACHE_DIR=off)."""
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
            cache.CACHE_ENV: "off" if setting == "off" else str(tmp_path / "sdflax")}
     out = subprocess.run([sys.executable, "-c", CHOICE, setting, str(tmp_path / "mine"), str(TINY)], env=env,
                          capture_output=True, text=True, check=True)
-    folder, enabled = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (folder, enabled) == {"default": (str(tmp_path / "sdflax"), True),
-                                 "own-folder": (str(tmp_path / "mine"), True),
-                                 "disabled": (None, False), "off": (None, True)}[setting]
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tuple(before) == {"own-folder": (str(tmp_path / "mine"), True), "disabled": (None, False)}.get(
+        setting, (None, True))  # as the process left it
+    assert tuple(after) == {"untouched": (None, True), "default": (str(tmp_path / "sdflax"), True),
+                            "own-folder": (str(tmp_path / "mine"), True), "disabled": (None, False),
+                            "off": (None, True)}[setting]
