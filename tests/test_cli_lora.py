@@ -80,7 +80,7 @@ def test_loras_and_an_embedding_equal_the_library(files, folder_png):
     from sdflax import StableDiffusion
 
     pipe, params = StableDiffusion.from_pretrained(TINY)
-    params = pipe.load_textual_inversion(params, files / "charturner.pt")
+    pipe, params = pipe.load_textual_inversion(params, files / "charturner.pt")
     merged = pipe.load_lora(pipe.load_lora(params, files / "a.safetensors", 0.7), files / "b.safetensors", 1.0)
     ids, neg = pipe.prepare_inputs([PROMPT]), pipe.prepare_inputs([""])
     expected, without_loras = (pipe(ids, p, jax.random.key(7), 2, height=64, width=64, guidance_scale=7.5,
