@@ -46,6 +46,7 @@ from sdflax.schedulers import (
     UniPCScheduler,
     common,
     scheduler_from_config,
+    sigma_schedules,
 )
 
 # numpy 2 on diffusers' numpy calls with torch tensors, thousands of times here
@@ -550,13 +551,13 @@ def test_beta_quantile_matches_scipy():
     """sdflax's Beta(0.6, 0.6) quantile (numpy bisection / Newton) against scipy's, which diffusers calls."""
     p = np.concatenate([np.linspace(0, 1, 101), [1e-9, 1e-4, 0.3, 1 - 1e-4, 1 - 1e-12]])
     expected = scipy.stats.beta.ppf(p, 0.6, 0.6)
-    np.testing.assert_allclose(common.beta_ppf(p, 0.6, 0.6), expected, rtol=1e-13, atol=1e-300)
-    assert common.beta_ppf(0.0, 0.6, 0.6) == 0.0 and common.beta_ppf(1.0, 0.6, 0.6) == 1.0
+    np.testing.assert_allclose(sigma_schedules.beta_ppf(p, 0.6, 0.6), expected, rtol=1e-13, atol=1e-300)
+    assert sigma_schedules.beta_ppf(0.0, 0.6, 0.6) == 0.0 and sigma_schedules.beta_ppf(1.0, 0.6, 0.6) == 1.0
     x = np.linspace(0, 1, 201)
     for a, b in [(0.6, 0.6), (2.0, 0.5), (0.5, 3.0)]:
-        np.testing.assert_allclose(common.betainc(x, a, b), scipy.special.betainc(a, b, x), rtol=0, atol=2e-15)
+        np.testing.assert_allclose(sigma_schedules.betainc(x, a, b), scipy.special.betainc(a, b, x), rtol=0, atol=2e-15)
     p = np.array([0.2, 0.9])
-    np.testing.assert_allclose(common.beta_ppf(p, 2.0, 0.5), scipy.stats.beta.ppf(p, 2.0, 0.5), rtol=1e-13)
+    np.testing.assert_allclose(sigma_schedules.beta_ppf(p, 2.0, 0.5), scipy.stats.beta.ppf(p, 2.0, 0.5), rtol=1e-13)
 
 
 def test_schedulers_do_not_import_scipy():

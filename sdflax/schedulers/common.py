@@ -4,7 +4,6 @@ and the σ view of the same schedule that the Euler / LMS / DPM-Solver samplers 
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import typing
 from functools import partial
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.config import ConfigError, config_from_dict, config_source
+from . import sigma_schedules
 
 BETA_SCHEDULES = ("linear", "scaled_linear")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
@@ -22,7 +22,7 @@ PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 # How the σ samplers place their n noise levels (`sigma_schedule`): at the spaced timesteps ("spaced"), or between
 # σ_max and σ_min by Karras et al.'s ρ = 7 ramp, evenly in log σ, or at Beta(0.6, 0.6) quantiles; diffusers'
 # use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas, at most one of which may be set.
-SIGMA_SCHEDULES = ("spaced", "karras", "exponential", "beta")
+SIGMA_SCHEDULES = ("spaced", *sigma_schedules.SCHEDULES)
 SIGMA_FLAGS = {"use_karras_sigmas": "karras", "use_exponential_sigmas": "exponential", "use_beta_sigmas": "beta"}
 
 
@@ -206,6 +206,14 @@ def predict_x0_and_epsilon(model_output, sample, alpha, sigma, prediction_type: 
     raise ValueError(f"prediction_type={prediction_type!r}; allowed: {PREDICTION_TYPES}")
 
 
+def clip_x0(config, pred_x0):
+    """x̂_0 clipped to ±clip_sample_range where the config sets `clip_sample` (diffusers' option, for pixel-space
+    models; ε̂ is not recomputed from it, as diffusers)."""
+    if not config.clip_sample:
+        return pred_x0
+    return jnp.clip(pred_x0, -config.clip_sample_range, config.clip_sample_range)
+
+
 def alpha_sigma(alpha_prod_t):
     """(α, σ) = (√ᾱ_t, √(1-ᾱ_t)): x_t = α x_0 + σ ε (Ho et al. 2020 eq. 4)."""
     return jnp.sqrt(alpha_prod_t), jnp.sqrt(1.0 - alpha_prod_t)
@@ -258,101 +266,12 @@ def with_final_sigma(sigmas: np.ndarray, train: np.ndarray, final_sigma: str) ->
     return np.append(sigmas, {"zero": 0.0, "sigma_min": train[0]}[final_sigma]).astype(np.float32)
 
 
-def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
-    """σ_i = (σ_max^{1/ρ} + i/(n-1) (σ_min^{1/ρ} - σ_max^{1/ρ}))^ρ, Karras et al. 2022 eq. 5, descending."""
-    sigma_min, sigma_max = float(sigma_min), float(sigma_max)  # float64 math, as diffusers' `.item()` end points
-    ramp = np.linspace(0, 1, n)
-    min_inv_rho, max_inv_rho = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
-    return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
-
-
-def exponential_sigmas(sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
-    """σ_i = exp(log σ_max + i/(n-1) (log σ_min - log σ_max)): even steps in log σ, i.e. in the half log-SNR λ
-    (k-diffusion's `get_sigmas_exponential`), descending."""
-    return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), n))
-
-
-def beta_sigmas(sigma_min: float, sigma_max: float, n: int, alpha: float = 0.6, beta: float = 0.6) -> np.ndarray:
-    """σ_i = σ_min + F⁻¹(1 - i/(n-1)) (σ_max - σ_min), F the Beta(α, β) CDF ("Beta Sampling is All You Need",
-    arXiv:2407.12173); with α = β = 0.6 the steps crowd at both ends of the schedule. Descending."""
-    sigma_min, sigma_max = float(sigma_min), float(sigma_max)
-    return sigma_min + beta_ppf(1 - np.linspace(0, 1, n), alpha, beta) * (sigma_max - sigma_min)
-
-
-def betainc(x, a: float, b: float) -> np.ndarray:
-    """The regularized incomplete beta function I_x(a, b) = ∫_0^x t^{a-1} (1-t)^{b-1} dt / B(a, b), float64.
-
-    Its continued fraction (Abramowitz & Stegun 26.5.8) by the modified Lentz method, which converges fast for
-    x < (a+1)/(a+b+2); I_x(a, b) = 1 - I_{1-x}(b, a) covers the rest.
-    """
-    log_beta = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)  # log B(a, b), symmetric in a, b
-    x = np.asarray(x, np.float64)
-    flip = x > (a + 1) / (a + b + 2)
-    x = np.where(flip, 1 - x, x)
-    a, b = np.where(flip, b, a), np.where(flip, a, b)
-    with np.errstate(divide="ignore"):  # x = 0: log 0 = -inf, front = 0
-        front = np.exp(a * np.log(x) + b * np.log1p(-x) - log_beta) / a  # x^a (1-x)^b / (a B(a, b))
-    # I = front / (1 + d_1 / (1 + d_2 / (1 + ...))), d_{2m+1} = -(a+m)(a+b+m) x / ((a+2m)(a+2m+1)),
-    # d_{2m} = m (b-m) x / ((a+2m-1)(a+2m)); Lentz keeps the ratios c, d of successive convergents.
-    tiny = 1e-300
-    f, c, d = np.ones_like(x), np.ones_like(x), np.zeros_like(x)
-    for k in range(1, 1000):
-        m = k // 2
-        if k % 2:
-            coef = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        else:
-            coef = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        d = 1 + coef * d
-        d = 1 / np.where(np.abs(d) < tiny, tiny, d)
-        c = 1 + coef / c
-        c = np.where(np.abs(c) < tiny, tiny, c)
-        f = f * (c * d)
-        if k % 2 == 0 and np.all(np.abs(c * d - 1) < 2.5e-16):
-            break
-    value = front / f
-    return np.where(flip, 1 - value, value)
-
-
-def beta_ppf(p, a: float, b: float) -> np.ndarray:
-    """The Beta(a, b) quantile x = I⁻¹_p(a, b) in float64, as scipy.stats.beta.ppf that diffusers calls: Newton's
-    method on I_x - p (dI/dx = x^{a-1} (1-x)^{b-1} / B(a, b)) inside a bisection bracket that catches the steps
-    leaving it, to full precision. The ends map to exactly 0 and 1."""
-    log_beta = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
-    p = np.asarray(p, np.float64)
-    inside = (p > 0) & (p < 1)
-    target = np.where(inside, p, 0.5)  # the ends are set below; keep log(x), log(1-x) finite meanwhile
-    lo, hi = np.zeros_like(p), np.ones_like(p)
-    x = np.full_like(p, 0.5)
-    for _ in range(100):
-        f = betainc(x, a, b) - target
-        lo, hi = np.where(f < 0, x, lo), np.where(f < 0, hi, x)
-        density = np.exp((a - 1) * np.log(x) + (b - 1) * np.log1p(-x) - log_beta)
-        newton = x - f / density
-        step = np.where((lo < newton) & (newton < hi), newton, 0.5 * (lo + hi))
-        if np.all(np.abs(step - x) <= 2 * np.spacing(x)):  # converged, to a rounding of I_x
-            x = step
-            break
-        x = step
-    return np.where(inside, x, np.where(p >= 1, 1.0, 0.0))
-
-
 def sigma_schedule(config, karras: bool = False) -> str:
     """Which of SIGMA_SCHEDULES the config asks for: its use_karras_sigmas / use_exponential_sigmas /
     use_beta_sigmas (absent fields are off); `karras=True` is the older spelling of "karras"."""
     if karras:
         return "karras"
     return next((kind for flag, kind in SIGMA_FLAGS.items() if getattr(config, flag, False)), "spaced")
-
-
-def schedule_sigmas(schedule: str, sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
-    """n σ from sigma_max down to sigma_min, float64, placed by `schedule` (one of SIGMA_SCHEDULES but "spaced")."""
-    if schedule == "karras":
-        return karras_sigmas(sigma_min, sigma_max, n)
-    if schedule == "exponential":
-        return exponential_sigmas(sigma_min, sigma_max, n)
-    if schedule == "beta":
-        return beta_sigmas(sigma_min, sigma_max, n)
-    raise ValueError(f"sigma schedule {schedule!r}; allowed: {SIGMA_SCHEDULES[1:]}")
 
 
 def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
@@ -381,7 +300,7 @@ def discrete_sigma_schedule(config, num_inference_steps: int, karras: bool = Fal
     if schedule != "spaced":
         lo = sigma_min if sigma_min is not None else spaced[-1]
         hi = sigma_max if sigma_max is not None else spaced[0]
-        spaced = schedule_sigmas(schedule, lo, hi, num_inference_steps)
+        spaced = sigma_schedules.schedule_sigmas(schedule, lo, hi, num_inference_steps)
         timesteps = sigma_to_t(spaced, np.log(sigmas))
     return timesteps.astype(np.float32), with_final_sigma(spaced, sigmas, final_sigma)
 
@@ -402,7 +321,7 @@ def multistep_sigma_schedule(config, num_inference_steps: int, sigma_min=None, s
         return timesteps, np.interp(timesteps, np.arange(len(train)), train), train
     lo = sigma_min if sigma_min is not None else train[0]
     hi = sigma_max if sigma_max is not None else train[-1]
-    sigmas = schedule_sigmas(schedule, lo, hi, num_inference_steps)
+    sigmas = sigma_schedules.schedule_sigmas(schedule, lo, hi, num_inference_steps)
     t = sigma_to_t(sigmas, np.log(train))
     return (t.round() if schedule == "karras" else t).astype(np.int64), sigmas, train
 

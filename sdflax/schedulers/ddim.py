@@ -58,9 +58,7 @@ class DDIMScheduler(common.SchedulerBase):
         """(x̂_0, ε̂) at evaluation i; x̂_0 clipped with `clip_sample` (ε̂ is not recomputed, as diffusers)."""
         pred_x0, pred_epsilon = common.predict_x0_and_epsilon(
             model_output, sample, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
-        if self.config.clip_sample:
-            pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
-        return pred_x0, pred_epsilon
+        return common.clip_x0(self.config, pred_x0), pred_epsilon
 
     def predict_x0(self, state: DDIMState, model_output, i, sample):
         """x̂_0 at evaluation i, float32: diffusers' pred_original_sample (clipped with `clip_sample`)."""

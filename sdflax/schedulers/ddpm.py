@@ -90,9 +90,7 @@ class DDPMScheduler(common.SchedulerBase):
         """x̂_0 at evaluation i, float32: diffusers' pred_original_sample (clipped with `clip_sample`)."""
         pred_x0, _ = common.predict_x0_and_epsilon(
             model_output, sample, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
-        if self.config.clip_sample:
-            pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
-        return pred_x0
+        return common.clip_x0(self.config, pred_x0)
 
     def add_noise(self, state: DDPMState, original_samples, noise, i):
         """q(x_t | x_0): √ᾱ_t x_0 + √(1-ᾱ_t) ε at t = timesteps[i] (img2img's start)."""

@@ -124,7 +124,7 @@ class DPMSolverScheduler(common.VPSolver):
         m = self.predict_x0(state, model_output, i, x)
         prev_sample = state.coef_sample[i] * x + state.coef_d0[i] * m + state.coef_d1[i] * (m - state.prev_x0)
         if self.config.algorithm_type == "sde-dpmsolver++":
-            z = common.draw_step_noise(key, variance_noise, sample.shape, 
+            z = common.draw_step_noise(key, variance_noise, sample.shape,
                                        "DPM-Solver++ 2M SDE adds fresh noise each step")
             prev_sample = prev_sample + state.coef_noise[i] * z
         return prev_sample.astype(sample.dtype), state.replace(prev_x0=m)

@@ -120,7 +120,7 @@ class DPMPP3MSDEScheduler(common.SigmaSampler):
         ms = jnp.concatenate([m[None], state.history])  # m_i, m_{i-1}, m_{i-2}
         prev_sample = state.coef_sample[i] * x + sum(state.coef_x0[i, j] * ms[j] for j in range(HISTORY + 1))
         if self.config.eta and self.config.s_noise:
-            z = common.draw_step_noise(key, variance_noise, sample.shape, 
+            z = common.draw_step_noise(key, variance_noise, sample.shape,
                                        "DPM-Solver++(3M) SDE adds fresh noise each step")
             prev_sample = prev_sample + state.coef_noise[i] * z
         return prev_sample.astype(sample.dtype), state.replace(history=ms[:HISTORY])

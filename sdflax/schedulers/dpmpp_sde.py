@@ -14,7 +14,7 @@ import flax
 import jax.numpy as jnp
 import numpy as np
 
-from . import common
+from . import common, sigma_schedules
 from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
 
 
@@ -65,7 +65,7 @@ def sde_schedule(cfg: DPMSolverSDEConfig, n: int) -> tuple[np.ndarray, np.ndarra
         if schedule != "karras":  # diffusers' `_convert_to_karras` here ignores the config's end points
             lo = cfg.sigma_min if cfg.sigma_min is not None else lo
             hi = cfg.sigma_max if cfg.sigma_max is not None else hi
-        sigmas = common.schedule_sigmas(schedule, lo, hi, n)
+        sigmas = sigma_schedules.schedule_sigmas(schedule, lo, hi, n)
         timesteps = common.sigma_to_t(sigmas, np.log(train))
     t = -np.log(sigmas)
     t_mid = common.sigma_to_t(np.exp(-(t[:-1] + np.diff(t) / 2)), np.log(train))

@@ -117,10 +117,7 @@ class HeunScheduler(TwoStageSampler):
         )
 
     def predict_x0(self, state, model_output, i, sample):
-        x0 = super().predict_x0(state, model_output, i, sample)
-        if self.config.clip_sample:
-            return jnp.clip(x0, -self.config.clip_sample_range, self.config.clip_sample_range)
-        return x0
+        return common.clip_x0(self.config, super().predict_x0(state, model_output, i, sample))
 
     def step(self, state: HeunState, model_output, i, sample, key=None):
         """Predictor (first evaluation of step k):  d_k = (x_k - x̂_0) / σ_k,  x̃ = x_k + (σ_{k+1} - σ_k) d_k.

@@ -140,8 +140,7 @@ class LCMScheduler(ConsistencySampler):
         x = sample.astype(jnp.float32)
         pred_x0, _ = common.predict_x0_and_epsilon(
             model_output, x, *common.alpha_sigma(state.alpha_prod_t[i]), self.config.prediction_type)
-        if self.config.clip_sample:
-            pred_x0 = jnp.clip(pred_x0, -self.config.clip_sample_range, self.config.clip_sample_range)
+        pred_x0 = common.clip_x0(self.config, pred_x0)
         return state.c_out[i] * pred_x0 + state.c_skip[i] * x
 
     def step(self, state: LCMState, model_output, i, sample, key=None, variance_noise=None):
