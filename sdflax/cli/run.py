@@ -204,7 +204,6 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     in prompts and seed), made by `generate_sharded` over `mesh`, the same pictures for every row. With `refiner`
     (pipeline, params) the base runs to --high-noise-frac and the refiner from there."""
     import jax
-    import jax.numpy as jnp
 
     n = len(rows)
     ids = prompt_ids(pipeline, [r.prompt for r in rows], [r.prompt_2 for r in rows])
@@ -213,7 +212,8 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     negative = any(r.negative_prompt or r.negative_prompt_2 for r in rows)
     neg_ids = None if checkpoint.xl and not negative else prompt_ids(
         pipeline, [r.negative_prompt for r in rows], [r.negative_prompt_2 for r in rows])
-    keys = jnp.stack([jax.random.key(r.seed) for r in rows])  # one key per image (sdflax.random_draws)
+    # one key per image (sdflax.random_draws), as numpy: every process of a mesh spanning several passes them all
+    keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in rows])
     arrays, extra = [], {}
     if pictures:
         from ..pipeline.images import preprocess_images, preprocess_images_and_masks
