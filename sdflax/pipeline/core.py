@@ -16,7 +16,7 @@ import numpy as np
 
 from . import checks
 from .generate import generate
-from .images import numpy_to_pil, preprocess_control_images, preprocess_images, preprocess_images_and_masks
+from .images import numpy_to_pil, preprocess_pictures
 from .runner import Runner
 from .starts import FromNoise, is_inpainting_unet
 from .text import SDText
@@ -74,12 +74,8 @@ class Pipeline:
     @classmethod
     def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
                         scheduler_config=None, variant=None, attention="auto", **components):
-        """(pipeline, params) from a diffusers checkpoint folder or hub id.
-
-        `scheduler="ddim"` swaps the kind and keeps the checkpoint's config values; `scheduler_config={...}`
-        overrides single values. `params = {"text_encoder": ..., "unet": ..., "vae": ...}` (SDXL: and
-        "text_encoder_2"). Other components are passed on as given (`controlnet=`).
-        """
+        """(pipeline, params) from a diffusers checkpoint folder or hub id; `scheduler="ddim"` swaps the kind,
+        `scheduler_config={...}` single values; other components are passed on (`controlnet=`)."""
         from ..loading import load_pipeline
 
         c = cls.text
@@ -90,10 +86,8 @@ class Pipeline:
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
                          scheduler_config=None, attention="auto", revision=None):
-        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 (SD 1.x, 2.x) or SGM
-        (SDXL) layout, the version read from the tensor names. Configs come from `config` (a diffusers folder or
-        hub id) or from the stable-diffusion-v1-5 / 2-1 / xl-base-1.0 defaults bundled with sdflax (v-prediction
-        for SD 2.x: pass `prediction_type="epsilon"` for a 512 px SD 2.x base model)."""
+        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout; configs from
+        `config` or bundled defaults (README, "Single-file checkpoints")."""
         from ..single_file import load_single_file
 
         parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
@@ -108,10 +102,8 @@ class Pipeline:
         return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):
-        """(pipeline, params) with a textual-inversion embedding (A1111 .pt/.safetensors, diffusers learned_embeds)
-        added: a new pipeline whose tokenizer knows the token (and `token_1`, ... for a multi-vector embedding,
-        which `prepare_inputs` expands), and params with its vectors. Pure: this pipeline and `params` stay as they
-        were. SDXL files (`clip_l` and `clip_g` tensors) extend both tokenizers and both text encoders."""
+        """(pipeline, params) with a textual-inversion embedding added (A1111 .pt/.safetensors, diffusers
+        learned_embeds; SDXL's clip_l + clip_g): a new pipeline whose tokenizer(s) know the token. Pure."""
         from ..textual_inversion import load_textual_inversion
 
         parts, params = load_textual_inversion(self.components(), params, path, token)
@@ -132,10 +124,8 @@ class Pipeline:
         return pipeline
 
     def with_hooks(self, *hooks):
-        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost): the same models and
-        compiled programs, each call's `Inputs.hooks` set to them. A new hook set compiles once; hooks that differ
-        only in their numbers (a scale) share the program. What hooks emit comes back in
-        `output.trajectory.hooks`."""
+        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost), sharing its compiled
+        programs; hooks that differ only in their numbers share a program. What they emit: `trajectory.hooks`."""
         view = copy.copy(self)
         view.hooks = tuple(hooks)
         return view
@@ -191,17 +181,7 @@ class Pipeline:
         ids = self.text.prepare_ids(self, prompts, prompts_2)
         if all(picture is None for picture in pictures.values()):
             return ids
-        if any(picture is None for picture in pictures.values()):
-            raise ValueError(f"give every picture: prepare_inputs(prompts, {', '.join(pictures)})")
-        f = self.vae_scale_factor
-        out = [ids]
-        if "masks" in pictures:
-            out += preprocess_images_and_masks(pictures["images"], pictures["masks"], f)
-        elif "images" in pictures:
-            out.append(preprocess_images(pictures["images"], f))
-        if "control_images" in pictures:
-            out.append(preprocess_control_images(pictures["control_images"], f))
-        return tuple(out)
+        return ids, *preprocess_pictures(pictures, self.vae_scale_factor)
 
     numpy_to_pil = staticmethod(numpy_to_pil)
 
@@ -220,45 +200,38 @@ class Pipeline:
 
     def _call(self, args, kwargs):
         """`__call__`: jit on one device, or pmap over the local devices (`jit=True`)."""
-        args = self._bind(args, kwargs, self.signature)
-        jit, params = args.pop("jit"), args.pop("params")
-        checks.check_params(self, params, f"jit={jit}")
-        inputs, settings = checks.split(self, args, 2 if jit else 1, self.renamed, self.hooks)
+        jit = self._bind(args, kwargs, self.signature)["jit"]
+        params, inputs, settings = self._checked(args, kwargs, self.signature, f"jit={jit}", 2 if jit else 1)
         if jit:
             checks.check_devices(inputs)
-            out = self._runner.pmap(self.spec, params, inputs, settings)
-        else:
-            out = self._runner.jit(self.spec, params, inputs, settings)
+        out = (self._runner.pmap if jit else self._runner.jit)(self.spec, params, inputs, settings)
         return StableDiffusionOutput(np.asarray(out.images), jax.tree.map(np.asarray, out.trajectory))
 
     def _generate(self, *args, **kwargs):
         """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
         `(images, sampling.Trajectory)` with `return_trajectory=True` or hooks that emit values (`with_hooks`).
         jit, pmap, vmap and grad apply to it."""
-        args = self._bind(args, kwargs, self.signature_without_jit())
-        params = args.pop("params")
-        checks.check_params(self, params, None)
-        inputs, settings = checks.split(self, args, None, self.renamed, self.hooks)
-        out = self.generate(params, inputs, settings)
+        out = self.generate(*self._checked(args, kwargs, self.signature_without_jit(), None, None))
         return tuple(out) if out.trajectory is not None else out.images
 
     def generate_sharded(self, *args, mesh=None, **kwargs):
-        """The `jit` + `NamedSharding` path, with `__call__`'s arguments (but `jit`): the batch (B, ...) is split
-        over a one-axis device mesh (default: all local devices); params are plain (not `replicate`d).
-        `prng_seed` holds one key per device, (devices, 2) as for `jit=True`, device d's rows then drawing from
-        key d so that the images equal the pmap path's, or one key per image. Returns (B, H, W, 3) numpy
-        images, or (images, trajectory) with `return_trajectory=True` (trajectory leaves (evals, B, ...)). On a
-        mesh of several processes' devices (`jax.distributed`), every process passes the whole batch and gets
-        back the rows of its own devices, in the mesh's order."""
-        args = self._bind(args, kwargs, self.signature_without_jit())
-        params = args.pop("params")
-        checks.check_params(self, params, "generate_sharded")
-        inputs, settings = checks.split(self, args, 1, self.renamed, self.hooks)
+        """`__call__`'s arguments (but `jit`) run by jit + NamedSharding: the batch (B, ...) split over a one-axis
+        device mesh (default: the local devices), plain params; one key per device or per image. (B, H, W, 3)
+        numpy images, or (images, trajectory); on a mesh of several processes, this process's rows."""
+        params, inputs, settings = self._checked(args, kwargs, self.signature_without_jit(), "generate_sharded", 1)
         out = self._runner.run_sharded(self.spec, params, inputs, settings, mesh)
         images = _own_rows(out.images, 0)
         if out.trajectory is None:  # no return_trajectory, no hook that emits
             return images
         return images, jax.tree.map(lambda x: _own_rows(x, 1), out.trajectory)
+
+    def _checked(self, args, kwargs, signature, mode, leading_dims):
+        """(params, Inputs, Settings) from a call's arguments, checked (`mode`, `leading_dims`: see checks)."""
+        values = self._bind(args, kwargs, signature)
+        values.pop("jit", None)
+        params = values.pop("params")
+        checks.check_params(self, params, mode)
+        return (params, *checks.split(self, values, leading_dims, self.renamed, self.hooks))
 
     @classmethod
     def signature_without_jit(cls) -> inspect.Signature:
