@@ -92,7 +92,8 @@ else:
             from flax.jax_utils import replicate
             from flax.training.common_utils import shard
         else:
-            from sdflax import StableDiffusion as Pipeline, replicate, shard
+            from sdflax import StableDiffusion as Pipeline, enable_compile_cache, replicate, shard
+            enable_compile_cache()  # what a library user calls to keep compiled programs between processes
     timed("import_s", imports)
     timed("backend_s", lambda: jax.devices())
     from jax import monitoring

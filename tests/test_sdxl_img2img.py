@@ -158,8 +158,8 @@ def test_refiner_loads_with_the_second_encoder_alone(refiner):
     assert ids.shape == (2, 1, 77)
     np.testing.assert_array_equal(ids[:, 0], theirs.tokenizer_2(PROMPTS, padding="max_length", max_length=77,
                                                                 truncation=True, return_tensors="np").input_ids)
-    check_pipeline_folder(folder, components=tuple(StableDiffusionXL.conditioning.models),
-                          tokenizers=StableDiffusionXL.conditioning.tokenizers)  # null components need no files
+    check_pipeline_folder(folder, components=tuple(StableDiffusionXL.text.models),
+                          tokenizers=StableDiffusionXL.text.tokenizers)  # null components need no files
     with pytest.raises(ModelNotFoundError, match="lists text_encoder, tokenizer as null"):
         StableDiffusion.from_pretrained(folder)
     with pytest.raises(ValueError, match="one text encoder"):

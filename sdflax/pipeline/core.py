@@ -177,7 +177,7 @@ class Pipeline:
         """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
         padded and truncated as diffusers does; with pictures, `(ids, *arrays)` in the order `__call__` takes them."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        prompts_2 = [prompts_2] if isinstance(prompts_2, str) else list(prompts_2 or ())  # "" or None: prompts
+        prompts_2 = None if not prompts_2 else [prompts_2] if isinstance(prompts_2, str) else list(prompts_2)
         ids = self.text.prepare_ids(self, prompts, prompts_2)
         if all(picture is None for picture in pictures.values()):
             return ids

@@ -92,11 +92,11 @@ def preprocess_control_images(images, scale_factor: int) -> np.ndarray:
 def preprocess_pictures(pictures: dict, scale_factor: int) -> list[np.ndarray]:
     """`prepare_inputs`' pictures by name ("images", "masks", "control_images") -> the arrays `__call__` takes,
     in that order."""
+    if "masks" in pictures:  # (which says itself what is missing)
+        out = list(preprocess_images_and_masks(pictures["images"], pictures["masks"], scale_factor))
     if any(picture is None for picture in pictures.values()):
         raise ValueError(f"give every picture: prepare_inputs(prompts, {', '.join(pictures)})")
-    if "masks" in pictures:
-        out = list(preprocess_images_and_masks(pictures["images"], pictures["masks"], scale_factor))
-    else:
+    if "masks" not in pictures:
         out = [preprocess_images(pictures["images"], scale_factor)] if "images" in pictures else []
     if "control_images" in pictures:
         out.append(preprocess_control_images(pictures["control_images"], scale_factor))
