@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdflax import StableDiffusion, replicate, shard
+from sdflax import StableDiffusion, enable_compile_cache, replicate, shard
+
+enable_compile_cache()  # the test session's folder (SDFLAX_CACHE_DIR): workers share their compiled programs
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["a fox", "a lighthouse at night", "a tree", "a red car"]

@@ -11,3 +11,9 @@ if "SDFLAX_CACHE_DIR" not in os.environ:
 
     os.environ["SDFLAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="sdflax-test-cache-")
     atexit.register(shutil.rmtree, os.environ["SDFLAX_CACHE_DIR"], ignore_errors=True)
+
+# Compiled programs kept in that folder, as the command line keeps them: a worker process or a later test that
+# compiles the same program loads it.
+import sdflax  # noqa: E402
+
+sdflax.enable_compile_cache()

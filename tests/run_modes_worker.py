@@ -15,8 +15,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from sdflax import (StableDiffusion, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL, replicate,
-                    shard)
+from sdflax import (StableDiffusion, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL,
+                    enable_compile_cache, replicate, shard)
+
+enable_compile_cache()  # the test session's folder (SDFLAX_CACHE_DIR): workers share their compiled programs
 
 STEPS, STRENGTH, BATCH = 3, 0.75, 2
 PROMPTS = ["a red boat on a lake", "a city street at night"]
