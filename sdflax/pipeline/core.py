@@ -165,7 +165,10 @@ class Pipeline:
     @property
     def _runner(self) -> Runner:
         """The programs of this pipeline's current spec (a scheduler set back finds its programs again)."""
-        return self._runners.setdefault(self.spec, Runner(generate))
+        spec = self.spec
+        if spec not in self._runners:
+            self._runners[spec] = Runner(generate)
+        return self._runners[spec]
 
     @property
     def _jitted(self):
