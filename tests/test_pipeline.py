@@ -140,6 +140,21 @@ def test_scheduler_choice_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="unknown scheduler 'warp'"):
         StableDiffusion.from_pretrained(tmp_path, scheduler="warp")
 
+    # pipeline.scheduler takes the names from_pretrained takes and builds them as it does (the checkpoint's config
+    # with the overrides it was loaded with), whatever scheduler it holds now; anything else is refused at once
+    for names in (["DPM++ 2M Karras", "pndm"], ["euler", "ddim"], ["EulerAncestralDiscreteScheduler"]):
+        for name in names:
+            pipe.scheduler = name
+        expected, _ = StableDiffusion.from_pretrained(tmp_path, scheduler=names[-1],
+                                                      scheduler_config={"timestep_spacing": "trailing"})
+        assert pipe.scheduler == expected.scheduler, names
+    with pytest.raises(ValueError, match="^pipeline.scheduler = 'warp': unknown scheduler 'warp'; known: ddim, "):
+        pipe.scheduler = "warp"
+    with pytest.raises(TypeError, match="scheduler must be an sdflax scheduler object or, for pipeline.scheduler, a "
+                                        "name such as 'dpmpp_2m'"):
+        pipe.scheduler = expected.scheduler.config
+    assert pipe.scheduler == expected.scheduler  # unchanged by a refused value
+
 
 def test_output_helpers(sd1):
     from sdflax import make_image_grid

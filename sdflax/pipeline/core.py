@@ -6,7 +6,9 @@ come from its row of the table (`table.py`); the checks are in `checks.py`, the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
+import os
 from typing import Any
 
 import flax
@@ -14,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.config import read_config_file
+from ..schedulers import Scheduler, scheduler_from_config
 from . import checks
 from .generate import generate
 from .images import numpy_to_pil, preprocess_pictures
@@ -57,7 +61,7 @@ class Pipeline:
             raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
                              "ControlNetModel.from_pretrained")
         self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
-        self._scheduler, self._force_zeros = scheduler, bool(force_zeros_for_empty_prompt)
+        self._scheduler, self._force_zeros = checked_scheduler(scheduler), bool(force_zeros_for_empty_prompt)
         self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
         self.text.check_components(self)
         self.vae_scale_factor = vae.config.scale_factor
@@ -68,6 +72,9 @@ class Pipeline:
         self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
         self.empty_prompt_ids = self.text.prepare_ids(self, [""])
         self._runners = {}  # spec -> its programs, shared with the hooked views (`with_hooks`)
+        # what a scheduler name is built from (`scheduler`): the checkpoint's scheduler_config.json with the loader's
+        # overrides, as from_pretrained builds a name; None (a pipeline made here): the current scheduler's config
+        self.scheduler_base_config = None
         self._spec = None
 
     # ---- loading ------------------------------------------------------------------------------------------
@@ -81,7 +88,10 @@ class Pipeline:
         c = cls.text
         parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
                                       scheduler, scheduler_config, variant, attention, c.optional)
-        return cls(**parts, **components), params
+        pipeline = cls(**parts, **components)
+        pipeline.scheduler_base_config = with_overrides(read_scheduler_config(path_or_repo_id, revision),
+                                                        scheduler_config)
+        return pipeline, params
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
@@ -90,9 +100,15 @@ class Pipeline:
         `config` or bundled defaults (README, "Single-file checkpoints")."""
         from ..single_file import load_single_file
 
+        from ..single_file import bundled_config_folder
+
         parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
                                          attention, revision, family=cls.text, pipeline=cls.__name__)
-        return cls(**parts), params
+        pipeline = cls(**parts)
+        folder = config if config is not None else bundled_config_folder(bundled_version(parts))
+        overrides = {**(scheduler_config or {}), **({"prediction_type": prediction_type} if prediction_type else {})}
+        pipeline.scheduler_base_config = with_overrides(read_scheduler_config(folder, revision), overrides)
+        return pipeline, params
 
     def load_lora(self, params, path, scale=1.0):
         """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
@@ -120,7 +136,7 @@ class Pipeline:
     def replace(self, **components):
         """A pipeline of this class with some components replaced (and this one's hooks)."""
         pipeline = type(self)(**{**self.components(), **components})
-        pipeline.hooks = self.hooks
+        pipeline.hooks, pipeline.scheduler_base_config = self.hooks, self.scheduler_base_config
         return pipeline
 
     def with_hooks(self, *hooks):
@@ -147,7 +163,11 @@ class Pipeline:
 
     @scheduler.setter
     def scheduler(self, scheduler):
-        self._scheduler, self._spec = scheduler, None  # a new spec: programs for the old one stay cached
+        """A scheduler object, or a name (sdflax's, diffusers' class name or A1111's, as `from_pretrained` takes)
+        built from the current scheduler's config."""
+        if isinstance(scheduler, str):
+            scheduler = scheduler_by_name(scheduler, self.scheduler_base_config or config_dict(self._scheduler))
+        self._scheduler, self._spec = checked_scheduler(scheduler), None  # a new spec: old programs stay cached
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:
@@ -245,6 +265,55 @@ class Pipeline:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
+
+
+def scheduler_by_name(name: str, config: dict):
+    """The scheduler `name` built from a scheduler config dict, as `from_pretrained(..., scheduler=name)` builds it
+    from the checkpoint's."""
+    try:
+        return scheduler_from_config(config, name)
+    except ValueError as e:
+        raise ValueError(f"pipeline.scheduler = {name!r}: {e}") from None
+
+
+def config_dict(scheduler) -> dict:
+    config = scheduler.config
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+
+
+def read_scheduler_config(folder_or_repo, revision=None) -> dict | None:
+    """A checkpoint's scheduler/scheduler_config.json from a local folder or, for a hub id, the Hugging Face cache
+    (the loader has just fetched it: nothing is downloaded); None where it is not there."""
+    path = os.path.join(os.path.expanduser(str(folder_or_repo)), "scheduler", "scheduler_config.json")
+    if not os.path.isfile(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            path = try_to_load_from_cache(str(folder_or_repo), "scheduler/scheduler_config.json", revision=revision)
+        except ValueError:  # not a hub id
+            return None
+    return read_config_file(path) if isinstance(path, str) and os.path.isfile(path) else None
+
+
+def with_overrides(config: dict | None, overrides) -> dict | None:
+    return None if config is None else {**config, **(overrides or {})}
+
+
+def bundled_version(parts) -> str:
+    """Which of sdflax's bundled configs a single file without `config=` was read with (`single_file.detect_version`
+    by its text encoders: two SDXL, the second alone a refiner, OpenCLIP ViT-H (1024 wide) SD 2.x)."""
+    if parts.get("text_encoder_2") is not None:
+        return "sdxl" if parts.get("text_encoder") is not None else "sdxl_refiner"
+    return "sd2" if parts["text_encoder"].config.hidden_size == 1024 else "sd1"
+
+
+def checked_scheduler(scheduler):
+    """`scheduler` if it follows the scheduler protocol (`sdflax.schedulers.Scheduler`), else a TypeError now
+    rather than at the next call."""
+    if not isinstance(scheduler, Scheduler):
+        raise TypeError(f"scheduler must be an sdflax scheduler object or, for pipeline.scheduler, a name such as "
+                        f"'dpmpp_2m' or 'DPM++ 2M Karras'; got {type(scheduler).__name__} {scheduler!r:.60}")
+    return scheduler
 
 
 def _own_rows(x, axis):
