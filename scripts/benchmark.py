@@ -84,8 +84,8 @@ def log(message):
 
 
 def build_parser():
+    from sdflax.cli.parse import scheduler_argument
     from sdflax.models.layers import ATTENTION_IMPLEMENTATIONS
-    from sdflax.schedulers import SCHEDULERS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=SD15_NAME, help=f"{SD15_NAME} (default), a diffusers folder or a hub id")
@@ -96,7 +96,9 @@ def build_parser():
     p.add_argument("--batch", type=int, default=1, help="images per device and call (default: 1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="default: bfloat16 on an accelerator, float32 on the CPU")
-    p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's own")
+    p.add_argument("--scheduler", type=scheduler_argument, metavar="NAME", help="as `sdflax generate --scheduler`: "
+                   "sdflax's name (dpmpp_2m, ...), a diffusers class name or A1111's (\"DPM++ 2M Karras\") "
+                   "(default: the model's own)")
     p.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
                    help="UNet attention: cuDNN flash attention where it runs, else XLA (auto, the default), or "
                         "either forced")
@@ -125,7 +127,8 @@ def main(argv=None):
             import diffusers  # noqa: F401
             import torch  # noqa: F401
         except ImportError as e:
-            return fail(f"--compare torch needs PyTorch and diffusers ({e}): pip install torch diffusers")
+            return fail(f"--compare torch needs PyTorch and diffusers ({e}): pip install torch==2.13.0 "
+                        "diffusers==0.39.0")
         # Both frameworks share the accelerator: JAX must not reserve most of its memory up front.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -445,7 +448,7 @@ def torch_pipeline(args, dtype, device):
     import torch
     import transformers
 
-    from sdflax.schedulers import DIFFUSERS_NAMES, SCHEDULERS
+    from sdflax.schedulers import DIFFUSERS_NAMES, scheduler_from_config
 
     configs, tokenizer_folder = model_configs(args)
     if configs:
@@ -462,9 +465,13 @@ def torch_pipeline(args, dtype, device):
     else:
         pipe = diffusers.StableDiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, safety_checker=None,
                                                                  requires_safety_checker=False)
-    if args.scheduler:  # the same kind as sdflax's, from the model's scheduler config
-        name = {cls: n for n, cls in DIFFUSERS_NAMES.items()}[SCHEDULERS[args.scheduler]]
-        pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config)
+    if args.scheduler:  # the class and config values sdflax runs, from the model's scheduler config
+        ours = scheduler_from_config(dict(pipe.scheduler.config), args.scheduler)
+        name = {cls: n for n, cls in DIFFUSERS_NAMES.items()}.get(type(ours))
+        if name is None:
+            raise SystemExit(fail(f"--compare torch: diffusers has no class for --scheduler {args.scheduler!r}"))
+        pipe.scheduler = getattr(diffusers, name).from_config({**pipe.scheduler.config,
+                                                               **dataclasses.asdict(ours.config)})
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device, dtype)
 

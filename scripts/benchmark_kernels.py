@@ -28,11 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import torch
-except ImportError as e:
-    sys.exit(f"benchmark_kernels: the comparison needs PyTorch ({e}): pip install torch")
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdflax.models import layers  # noqa: E402
@@ -41,6 +36,17 @@ from sdflax.pipeline.runner import compiler_options  # noqa: E402
 ATTENTION_SHAPES = [(2, 1024, 1024, 8, 40), (2, 1024, 77, 8, 40), (2, 4096, 4096, 8, 40)]  # B, T, S, heads, dim
 CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 16, 16, 640, 640), (8, 16, 16, 640, 640),
                (2, 32, 32, 320, 320), (1, 64, 64, 512, 512)]  # B, H, W, in, out
+
+
+def require_torch():
+    """PyTorch, the comparison's other side; without it one line and status 2 (--help needs none)."""
+    try:
+        import torch
+    except ImportError as e:
+        print(f"benchmark_kernels: error: the comparison needs PyTorch ({e}): pip install torch==2.13.0",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    return torch
 
 
 def milliseconds(fn, repeats):
@@ -59,6 +65,8 @@ def jax_ms(fn, args, repeats):
 
 
 def attention_rows(shapes, repeats):
+    import torch
+
     rows = []
     for b, t, s, h, d in shapes:
         rng = np.random.default_rng(0)
@@ -89,6 +97,8 @@ def patch_matmul_conv(module, params, x):
 
 
 def conv_rows(shapes, repeats):
+    import torch
+
     rows = []
     for b, hgt, wid, c_in, c_out in shapes:
         x = jnp.asarray(np.random.default_rng(0).standard_normal((b, hgt, wid, c_in), np.float32))
@@ -115,6 +125,7 @@ def conv_rows(shapes, repeats):
 
 def unet_row(latent_size, repeats):
     import diffusers
+    import torch
     from benchmark import SD15, random_params
 
     from sdflax.models import UNet2DConditionModel
@@ -139,6 +150,7 @@ def main(argv=None):
     parser.add_argument("--unet", type=int, metavar="N", help="also time the SD 1.5 UNet on NxN latents")
     parser.add_argument("--small", action="store_true", help="tiny shapes only: a quick check that it runs")
     args = parser.parse_args(argv)
+    torch = require_torch()
     attention, convs = ATTENTION_SHAPES, CONV_SHAPES
     if args.small:
         attention, convs = [(1, 1100, 1100, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 16, 8), (2, 32, 32, 8, 8)]

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "weights" / "tiny-sd"
@@ -58,8 +57,21 @@ CHECK_IDS = [49406, 320, 1125, 539, 550, 18376, 6765, 320, 4558, 525, 7496, 4940
 MAX_BYTES = 20_000_000
 
 
+def require_torch():
+    """PyTorch, which builds the models; without it one line and status 2 (--help needs none)."""
+    try:
+        import torch
+    except ImportError as e:
+        print(f"make_tiny_checkpoint: error: the checkpoint is built with PyTorch ({e}): pip install torch==2.13.0",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    return torch
+
+
 def randomize_norms(model, seed):
     """Norm layers start at scale 1, bias 0; draw them too, so a loader that mixes the two up shows it."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
@@ -71,6 +83,8 @@ def randomize_norms(model, seed):
 
 def seeded(build, seed):
     """Each model from its own fresh seed, so changing one model's config leaves the others' weights alone."""
+    import torch
+
     torch.manual_seed(seed)
     return randomize_norms(build(), seed)
 
@@ -132,6 +146,7 @@ def main(argv=None):
                         help="folder with CLIP's vocab.json and merges.txt (default: ../shared/data/clip-tokenizer)")
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args(argv)
+    require_torch()
 
     start = time.perf_counter()
     save(make_pipeline(args.tokenizer_dir, args.seed), args.out, args.tokenizer_dir)

@@ -10,6 +10,7 @@ import fnmatch
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -78,11 +79,28 @@ def tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def full(tmp):
-    """One uninterrupted run: 12 images in batches of 4 (2 devices, 2 each), grouped by guidance."""
-    done = run(tmp, command(tmp, tmp / "full"))
+def full_run(tmp):
+    """One uninterrupted run, with its status lines: 12 images in batches of 4 (2 devices, 2 each), grouped by
+    guidance."""
+    done = run(tmp, [arg for arg in command(tmp, tmp / "full") if arg != "--no-progress"])
     assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def full(tmp, full_run):
     return tmp / "full"
+
+
+def test_batch_says_what_it_compiles_as_generate_does(full_run):
+    """Friction: `sdflax batch` printed nothing while it compiled (`generate` says "Compiling ..."). The three
+    guidance scales share one program: one line."""
+    compiling = [line for line in full_run.stderr.splitlines() if line.startswith("Compiling")]
+    assert len(compiling) == 1, full_run.stderr
+    assert re.fullmatch(r"Compiling for 2 steps at 32x32, 4 image\(s\) on 2 CPU devices \(once per setting; kept "
+                        r"in .*jax-cache\) \.\.\.", compiling[0]), compiling
+    lines = full_run.stderr.splitlines()
+    assert lines.index(compiling[0]) < lines.index("batch: 4/12 images")  # before the first batch is written
 
 
 def test_one_png_per_line_with_its_settings_and_a_manifest_listing_them(full):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sdflax.cli import grid_shape, main, slug
+from sdflax.cli import StepBar, grid_shape, main, png_info, slug
+from sdflax.cli.output import OutputTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "weights" / "tiny-sd")
@@ -94,7 +95,8 @@ def test_readme_offline_command_runs_as_written(tmp_path):
     paths = result.stdout.split()
     assert paths and all(os.path.isfile(p) and p.startswith(str(tmp_path)) for p in paths)
     counts = re.findall(r"(\d+)/(\d+) \[", result.stderr)
-    assert counts and counts[-1][0] == counts[-1][1], result.stderr  # the bar ends full, not past its total
+    steps = args[args.index("--steps") + 1]
+    assert counts and counts[-1] == (steps, steps), result.stderr  # the bar ends full, in steps (PNDM: 1 more eval)
     assert "Compiling for" in result.stderr
 
 
@@ -157,6 +159,66 @@ def test_output_path_that_cannot_be_written(tmp_path, capsys):
         err = one_error_line(capsys)
         assert f"--out {out}" in err and "a-file" in err
     assert not (tmp_path / "a-file").is_dir()
+
+
+def test_progress_bar_counts_steps_not_unet_evaluations(capsys):
+    """Friction: `--steps 4` with PNDM showed "0/5" (its 5 UNet evaluations). Each device reports every
+    evaluation; Heun and DPM2 run two a step (but the last), PNDM one more than the steps."""
+    for steps, evaluations in ((4, 5), (4, 7), (4, 4)):
+        bar = StepBar(steps)
+        for device in range(2):
+            for i in range(evaluations):
+                bar(i, evaluations, None)
+        assert (bar.bar.n, bar.bar.total) == (steps, steps)
+        bar.close()
+    assert "4/4" in capsys.readouterr().err
+
+
+def test_a_rerun_into_a_folder_names_files_by_run_not_like_seeds(tmp_path):
+    """Friction: a second run wrote a-fox-0-1.png, which reads as seed 1. A run whose names are taken writes
+    NAME-runN.png for all its files, N the first run number free for every one of them; no file is ever replaced."""
+    target = OutputTarget(str(tmp_path))
+    first = target.paths("a fox", [0, 1], grid=True)
+    assert first == ([str(tmp_path / "a-fox-0.png"), str(tmp_path / "a-fox-1.png")],
+                     str(tmp_path / "a-fox-0-grid.png"))
+    for path in [*first[0], first[1]]:
+        Path(path).write_text("run 1")
+    second = target.paths("a fox", [0, 1], grid=True)
+    assert second == ([str(tmp_path / "a-fox-0-run2.png"), str(tmp_path / "a-fox-1-run2.png")],
+                      str(tmp_path / "a-fox-0-grid-run2.png"))
+    (tmp_path / "a-fox-2-run2.png").write_text("the user's")  # seeds 1, 2: a-fox-1.png and a-fox-2-run2.png taken
+    assert target.paths("a fox", [1, 2], grid=False) == ([str(tmp_path / "a-fox-1-run3.png"),
+                                                          str(tmp_path / "a-fox-2-run3.png")], None)
+    assert target.paths("a fox", [5], grid=False) == ([str(tmp_path / "a-fox-5.png")], None)
+
+
+def test_an_empty_negative_prompt_writes_no_negative_prompt_line():
+    """Friction: `parameters` had an empty "Negative prompt: " line; A1111 writes none."""
+    settings = {"prompt": "a fox", "steps": 2, "scheduler": "pndm", "sampler": "PLMS", "guidance_scale": 7.5,
+                "seed": 3, "width": 64, "height": 64, "model": "m"}
+
+    def parameters(negative):
+        chunks = dict(c[1].split(b"\0", 1) for c in png_info({**settings, "negative_prompt": negative}).chunks)
+        return chunks[b"parameters"].decode()
+
+    assert parameters("") == "a fox\nSteps: 2, Sampler: PLMS, CFG scale: 7.5, Seed: 3, Size: 64x64, Model: m"
+    assert parameters("blurry").startswith("a fox\nNegative prompt: blurry\nSteps: 2, ")
+
+
+def test_height_and_width_help_says_what_they_do(capsys):
+    """Friction: `--height H  pixels, H pixels` in generate's --help, and "cut down" for img2img's pictures,
+    which are resized (as the warning says)."""
+    text = {}
+    for command in ("generate", "img2img", "inpaint"):
+        assert main([command, "--help"]) == 0
+        text[command] = " ".join(capsys.readouterr().out.split())
+    assert "--height H image height in pixels, a multiple of the VAE scale factor" in text["generate"]
+    assert "--width W image width in pixels (default: the model's own)" in text["generate"]
+    for command in ("img2img", "inpaint"):
+        assert ("--height H resize the picture to H pixels high, a multiple of the VAE scale factor (default: its "
+                "height, rounded down to a multiple)") in text[command]
+        assert "--width W resize the picture to W pixels wide" in text[command]
+    assert not any("pixels, H pixels" in t or "cut down" in t for t in text.values())
 
 
 def test_naming_helpers():

@@ -128,6 +128,9 @@ def test_img2img_and_inpaint_with_a_net_and_diffusers_default_scales(folder, tmp
     (["--controlnet", "nowhere/none", "--control-image", "edges.png"], "--controlnet nowhere/none:"),
     (["--controlnet", "wide", "--control-image", "edges.png"],
      "--controlnet wide was made for another model family than"),
+    (["--controlnet", "net1", "--control-image", "edges.png", "--controlnet-config", "net2"],
+     "--controlnet-config applies to original-layout --controlnet files (.safetensors, .pth), but no --controlnet "
+     "is one: drop --controlnet-config"),
 ])
 def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(folder)
@@ -142,7 +145,49 @@ def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, ca
 
 
 def test_help_lists_the_controlnet_options(capsys):
-    assert_help_lists(capsys, "--controlnet ID_OR_PATH", "--control-image IMG", "--control-scale S")
+    assert_help_lists(capsys, "--controlnet ID_OR_PATH", "--controlnet-config ID_OR_DIR", "--control-image IMG",
+                      "--control-scale S")
+
+
+def test_an_original_layout_net_takes_its_config_from_controlnet_config(folder, tmp_path, capsys, monkeypatch):
+    """Friction: an original-layout ControlNet file whose architecture its tensors do not tell (here a 32-wide
+    test net) could not be used from the command line, and the error said "pass config=", a Python argument.
+    --controlnet-config gives its config; the net loads (in process: no compile) with the folder's params."""
+    from diffusers import ControlNetModel as TorchControlNet
+    from flax import traverse_util
+    from safetensors.torch import save_file
+    from test_controlnet_model import controlnet_to_ldm
+
+    from sdflax import ControlNetModel
+    from sdflax.cli import Request, build_parser
+    from sdflax.cli.batch import add_command
+    from sdflax.cli.pictures import read_controls
+    from sdflax.cli.preflight import check_checkpoint
+    from sdflax.cli.run import load
+
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    theirs = TorchControlNet.from_pretrained(folder / "net1")
+    net_file = str(tmp_path / "net1.safetensors")
+    save_file(controlnet_to_ldm(theirs.state_dict(), dict(theirs.config)), net_file)
+    args = ["generate", "a house", "--model", TINY, "--controlnet", net_file, "--control-image", "edges.png",
+            "--height", "28", "--width", "32", "--no-progress", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = one_error_line(capsys)
+    assert f"--controlnet {net_file}: " in err and "cannot tell the base model of this ControlNet" in err
+    assert "pass --controlnet-config <the diffusers folder or hub id of a ControlNet" in err and "config=" not in err
+    assert main([*args, "--controlnet-config", "net1", "--controlnet-config", "net2"]) == 2
+    assert "2 --controlnet-config for 1 original-layout --controlnet files: give one per file" in one_error_line(
+        capsys)
+
+    request = Request.from_args(build_parser(add_command).parse_args([*args, "--controlnet-config", "net1"]))
+    checkpoint, _, _ = check_checkpoint(request, {}, read_controls(request))
+    _, params = load(request, checkpoint, "float32")
+    _, expected = ControlNetModel.from_pretrained(folder / "net1")
+    flat, expected = traverse_util.flatten_dict(params["controlnet"][0]), traverse_util.flatten_dict(expected)
+    assert flat.keys() == expected.keys()
+    for path, value in expected.items():
+        np.testing.assert_array_equal(flat[path], value, err_msg="/".join(path))
 
 
 @pytest.fixture(scope="module")

@@ -53,14 +53,13 @@ def test_names_give_diffusers_schedules(name):
     np.testing.assert_allclose(np.asarray(state.timesteps, np.float64), theirs.timesteps.numpy(), rtol=0, atol=1e-3)
     for key, value in kwargs.items():
         assert getattr(ours.config, key) == value, key
-    if "SGM" not in name:
-        assert a1111_name(ours) == name
+    assert a1111_name(ours) == name  # "Euler a SGM Uniform" too: trailing spacing is part of the name
 
 
 def test_every_name_and_schedule_round_trips():
     count = 0
     for sampler, (kind, _) in names.SAMPLERS.items():
-        for suffix in ("", *names.SIGMA_SCHEDULES):
+        for suffix in ("", *names.SIGMA_SCHEDULES, names.SGM_UNIFORM):
             name = f"{sampler} {suffix}".strip()
             try:
                 scheduler = scheduler_from_config(SD1, name.upper())  # case and spacing are ignored
@@ -70,18 +69,54 @@ def test_every_name_and_schedule_round_trips():
             assert type(scheduler) is SCHEDULERS[kind]
             assert a1111_name(scheduler) == name
             count += 1
-    assert count >= 30
+    assert count >= 75
+
+
+def parameters_line(tmp_path, sampler):
+    from PIL import Image
+
+    settings = {"prompt": "a fox", "negative_prompt": "", "steps": 20, "scheduler": "dpmpp_2m", "sampler": sampler,
+                "guidance_scale": 7.5, "seed": 3, "width": 512, "height": 512, "model": "m"}
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png", pnginfo=png_info(settings))
+    return Image.open(tmp_path / "x.png").text["parameters"]
 
 
 def test_parameters_line_names_the_sampler(tmp_path):
-    from PIL import Image
+    assert "\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7.5, Seed: 3," in parameters_line(
+        tmp_path, "DPM++ 2M Karras")
 
-    settings = {"prompt": "a fox", "negative_prompt": "", "steps": 20, "scheduler": "dpmpp_2m",
-                "sampler": "DPM++ 2M Karras", "guidance_scale": 7.5, "seed": 3, "width": 512, "height": 512,
-                "model": "m"}
-    Image.new("RGB", (8, 8)).save(tmp_path / "x.png", pnginfo=png_info(settings))
-    parameters = Image.open(tmp_path / "x.png").text["parameters"]
-    assert "\nSteps: 20, Sampler: DPM++ 2M Karras, CFG scale: 7.5, Seed: 3," in parameters
+
+def test_the_tables_dpmpp_2m_sde_heun_spelling_is_a_name():
+    """Friction: README's table names the sampler "DPM++ 2M SDE (Heun)", which the CLI and the API refused."""
+    for name, flag in (("DPM++ 2M SDE (Heun)", None), ("dpm++ 2m sde (heun) Karras", "use_karras_sigmas")):
+        scheduler = scheduler_from_config({**SD1, "use_karras_sigmas": flag is None}, name)
+        assert type(scheduler) is SCHEDULERS["dpmpp_2m_sde"] and scheduler.config.solver_type == "heun"
+        assert scheduler.config.use_karras_sigmas == (flag is not None)
+    assert a1111_name(scheduler_from_config(SD1, "DPM++ 2M SDE (Heun)")) == "DPM++ 2M SDE Heun"
+
+
+def test_parameters_line_writes_the_schedule_type_that_runs_the_same_schedule(tmp_path):
+    """Friction: "Euler a SGM Uniform" was written "Sampler: Euler a", which A1111 runs with leading spacing.
+    A1111 1.9+ writes `Sampler: S, Schedule type: T` and reads a missing type as the sampler's "Automatic" (Karras
+    for DPM++ 2M): every sampler with σ schedules gets its type written out, and sampler + type read back by
+    sdflax is the scheduler that wrote it."""
+    import re
+
+    assert "Sampler: Euler a, Schedule type: SGM Uniform, CFG" in parameters_line(tmp_path, "Euler a SGM Uniform")
+    assert "Sampler: DPM++ 2M, Schedule type: Uniform, CFG" in parameters_line(tmp_path, "DPM++ 2M")
+    assert "Sampler: PLMS, CFG" in parameters_line(tmp_path, "PLMS")  # A1111's PLMS has no schedule types
+    for sampler, (kind, _) in names.SAMPLERS.items():
+        for suffix in ("", *names.SIGMA_SCHEDULES, names.SGM_UNIFORM):
+            try:
+                scheduler = scheduler_from_config(SD1, f"{sampler} {suffix}")
+            except ValueError:
+                continue  # no such σ schedule for this sampler
+            line = parameters_line(tmp_path, a1111_name(scheduler))
+            written, schedule = re.search(r"Sampler: ([^,]+), (?:Schedule type: ([^,]+), )?CFG", line).groups()
+            assert written == sampler
+            assert schedule == (suffix or ("Uniform" if "use_karras_sigmas" in dir(scheduler.config) else None))
+            again = scheduler_from_config(SD1, f"{written} {schedule or ''}")
+            assert type(again) is type(scheduler) and again.config == scheduler.config, line
 
 
 def test_sdflax_names_keep_the_config_and_overrides_win():

@@ -22,7 +22,7 @@ from .output import image_settings, output_target, slug
 from .parse import add_options, finite, positive_int, seed
 from .preflight import check_attention, check_checkpoint
 from .request import Request, UserError
-from .run import devices_text, load, out_of_memory_is_one_line, sample_rows, use_compile_cache
+from .run import compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows, use_compile_cache
 from .workers import Producer, Signals, Writer, run_until_done_or_signal
 
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
@@ -39,7 +39,8 @@ def add_command(commands):
                             "skipped. Several processes (--coordinator, or as jax.distributed detects them on TPU, "
                             "SLURM, Kubernetes) split the prompts over all their devices.")
     b.add_argument("prompts", metavar="PROMPTS", help="text file (one prompt a line) or .jsonl (one object a line)")
-    add_options(b, exclude=("--num-images", "--grid", "--controlnet", "--control-image", "--control-scale", "--out"))
+    add_options(b, exclude=("--num-images", "--grid", "--controlnet", "--controlnet-config", "--control-image",
+                            "--control-scale", "--out"))
     b.add_argument("--out", required=True, metavar="DIR", help="the folder for the PNGs and the manifest")
     b.add_argument("--batch-per-device", type=positive_int, default=1, metavar="N",
                    help="images each device makes at once (default: 1)")
@@ -152,8 +153,9 @@ def run_lines(args, signals) -> int:
     import jax
 
     from ..parallel import device_mesh, replicate_on
+    from ..pipeline.checks import guided
 
-    use_compile_cache(base)
+    cache_dir = use_compile_cache(base)
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     check_attention(base, backend, dtype)
@@ -182,10 +184,16 @@ def run_lines(args, signals) -> int:
         return {**image_settings(line.request(base, seeds[line.number]), pipeline.scheduler, checkpoint_of(line),
                                  dtype), "seed": seeds[line.number]}
 
+    compiled = set()
+
     def make(key, lines):
         """This process's images of one batch; the batch is padded with its last line."""
         rows = lines + [lines[-1]] * (batch - len(lines))
         checkpoint = checkpoint_of(rows[0])
+        program, scale, zeros = key
+        if (program, zeros, guided(scale)) not in compiled:  # what fixes the compiled program
+            compiled.add((program, zeros, guided(scale)))
+            status(compiling_line(rows[0].steps, checkpoint, batch, where, cache_dir))
         call = sample_rows(pipeline, params, mesh, checkpoint, [line.request(base, seeds[line.number])
                                                                  for line in rows])
         return out_of_memory_is_one_line(call, None, f"{batch} images of {checkpoint.width}x{checkpoint.height} on "

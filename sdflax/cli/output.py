@@ -13,7 +13,8 @@ from .request import UserError
 
 
 class OutputTarget:
-    """`--out`: a folder (names from the prompt and seed, never overwriting) or one NAME.png."""
+    """`--out`: a folder (PROMPT-SEED.png, never overwriting: a rerun's files are PROMPT-SEED-run2.png, ...) or one
+    NAME.png."""
 
     def __init__(self, out):
         self.out = out
@@ -27,13 +28,14 @@ class OutputTarget:
             stem = self.out[:-4]
             return [f"{stem}-{s}.png" for s in seeds], (self.out if grid else None)
         stem = os.path.join(self.folder, slug(prompt))
-        paths = [unused(f"{stem}-{s}.png") for s in seeds]
-        return paths, (unused(f"{stem}-{seeds[0]}-grid.png") if grid else None)
+        names = [f"{stem}-{s}" for s in seeds] + ([f"{stem}-{seeds[0]}-grid"] if grid else [])
+        paths = unused_run(names)
+        return paths[:len(seeds)], (paths[-1] if grid else None)
 
     def check_unused(self, prompt, seeds, grid):
         """Refuse, before loading, to write over a file: NAME.png's names are the user's, not sdflax's to change."""
         if not self.file:
-            return  # in a folder, names that are taken get a -1, -2, ... suffix
+            return  # in a folder, a run whose names are taken writes NAME-run2.png, NAME-run3.png, ...
         paths, grid_path = self.paths(prompt, seeds, grid)
         taken = [path for path in [*paths, grid_path] if path and os.path.lexists(path)]
         if taken:
@@ -69,12 +71,13 @@ def output_target(out, grid=False, num_images=None) -> OutputTarget:
     return target
 
 
-def unused(path):
-    stem, ext = os.path.splitext(path)
-    n = 1
-    while os.path.exists(path):
-        path, n = f"{stem}-{n}{ext}", n + 1
-    return path
+def unused_run(stems):
+    """STEM.png for each stem, or, where one of them is taken, STEM-runN.png with the first N >= 2 for which none is:
+    the files of one run share their suffix, and the seed stays the last number before it."""
+    paths, n = [f"{stem}.png" for stem in stems], 2
+    while any(os.path.lexists(path) for path in paths):
+        paths, n = [f"{stem}-run{n}.png" for stem in stems], n + 1
+    return paths
 
 
 def slug(text, limit=40):
@@ -118,6 +121,8 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
     if request.controlnet:  # lists, one entry per net in their order (JSON in the PNG)
         settings.update(controlnet=list(request.controlnet), control_image=list(request.control_image),
                         control_scale=list(checkpoint.control_scales))
+        if request.controlnet_config:  # one per original-layout file of `controlnet`
+            settings["controlnet_config"] = list(request.controlnet_config)
     return settings
 
 
@@ -132,9 +137,11 @@ def png_info(settings):
     # A1111 writes a LoRA into the prompt as <lora:NAME:WEIGHT>, NAME the file name without its extension
     loras = "".join(f" <lora:{os.path.splitext(os.path.basename(path))[0]}:{scale}>"
                     for path, scale in zip(s.get("lora", ()), s.get("lora_scale", ())))
-    parameters = (f"{s['prompt']}{loras}\nNegative prompt: {s['negative_prompt']}\nSteps: {s['steps']}, Sampler: "
-                  f"{s.get('sampler', s['scheduler'])}, CFG scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: "
-                  f"{s['width']}x{s['height']}, Model: {s['model']}")
+    negative = f"\nNegative prompt: {s['negative_prompt']}" if s["negative_prompt"] else ""  # none: no line, as A1111
+    sampler, schedule = a1111_parameters_sampler(s.get("sampler", s["scheduler"]))
+    schedule = f", Schedule type: {schedule}" if schedule else ""
+    parameters = (f"{s['prompt']}{loras}{negative}\nSteps: {s['steps']}, Sampler: {sampler}{schedule}, CFG scale: "
+                  f"{s['guidance_scale']}, Seed: {s['seed']}, Size: {s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
     if "refiner" in s:  # as A1111 writes its refiner
@@ -171,10 +178,18 @@ def write_png(path, image, info):
 
 
 def a1111_sampler(scheduler):
-    """A1111's name of the sampler and its σ schedule, else sdflax's name."""
+    """A1111's name of the sampler and its schedule type, else sdflax's name."""
     from ..schedulers import a1111_name
 
     return a1111_name(scheduler) or scheduler_name(scheduler)
+
+
+def a1111_parameters_sampler(name):
+    """(Sampler, Schedule type or None) as A1111 writes them for a scheduler's name ("Euler a SGM Uniform" ->
+    "Euler a", "SGM Uniform"), so that A1111 runs the same schedule."""
+    from ..schedulers import SCHEDULERS, names
+
+    return names.parameters_sampler(name, SCHEDULERS)
 
 
 def scheduler_name(scheduler):

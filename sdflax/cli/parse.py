@@ -130,8 +130,6 @@ def add_options(command, image=False, exclude=()):
     """The options all commands share (but those named in `exclude`: `sdflax batch` has its own --out)."""
     from ..models.layers import ATTENTION_IMPLEMENTATIONS
 
-    size = "resize the image to" if image else "pixels,"
-
     def add(flag, **kwargs):
         if flag not in exclude:
             command.add_argument(flag, **kwargs)
@@ -160,11 +158,15 @@ def add_options(command, image=False, exclude=()):
     add("--guidance", type=finite, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
              "inpaint)")
-    add("--height", type=positive_int, metavar="H", help=f"{size} H pixels, a multiple of the VAE scale factor "
-        + ("(default: the image's own, cut down to a multiple)" if image else "(default: the model's own, 512 for "
-           "SD 1.x)"))
-    add("--width", type=positive_int, metavar="W", help=f"{size} W pixels (default: the "
-        + ("image's own)" if image else "model's own)"))
+    if image:
+        add("--height", type=positive_int, metavar="H", help="resize the picture to H pixels high, a multiple of the "
+            "VAE scale factor (default: its height, rounded down to a multiple)")
+        add("--width", type=positive_int, metavar="W", help="resize the picture to W pixels wide (default: its "
+            "width, rounded down to a multiple)")
+    else:
+        add("--height", type=positive_int, metavar="H", help="image height in pixels, a multiple of the VAE scale "
+            "factor (default: the model's own, 512 for SD 1.x)")
+        add("--width", type=positive_int, metavar="W", help="image width in pixels (default: the model's own)")
     add("--seed", type=seed, help="seed of the first image (default: random, printed and saved)")
     add("--num-images", type=positive_int, metavar="N",
         help="images to keep (default: one per device; computed in multiples of the device count)")
@@ -176,6 +178,10 @@ def add_options(command, image=False, exclude=()):
     add("--controlnet", action="append", default=[], metavar="ID_OR_PATH",
         help="a ControlNet to steer by --control-image: hub id, diffusers folder, or an original-layout "
              ".safetensors/.pth file (SD 1.x/2.x); repeat for several nets")
+    add("--controlnet-config", action="append", default=[], metavar="ID_OR_DIR",
+        help="a diffusers ControlNet folder or hub id of the same architecture as an original-layout --controlnet "
+             "file, for its config; one per such file, in their order; needed where the tensors do not tell the "
+             "architecture (SDXL nets, the shuffle net)")
     add("--control-image", action="append", default=[], metavar="IMG",
         help="the condition image (edges, pose, depth, ...) of each --controlnet, in their order; resized to the "
              "output size")

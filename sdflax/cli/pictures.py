@@ -93,8 +93,9 @@ def read_pictures(request) -> dict:
 
 def fit_pictures(request, default, factor, pictures, controls):
     """(height, width, pictures, controls): --height/--width must be multiples of the VAE scale factor. Without
-    them the size is --image's, else the first --control-image's (as diffusers' pipelines take it), cut down to
-    multiples (with a warning line), else the model's. Every input picture is resized to it."""
+    them the size is --image's, else the first --control-image's (as diffusers' pipelines take it), each side rounded
+    down to a multiple (with a warning line), else the model's. Every input picture is resized to it (scaled, not
+    cropped)."""
     for flag, value in (("--height", request.height), ("--width", request.width)):
         if value is not None and value > MAX_PICTURE_SIDE:  # its latents and attention would exhaust any memory
             raise UserError(f"{flag} {value} is larger than sdflax makes ({MAX_PICTURE_SIDE} pixels at most)")

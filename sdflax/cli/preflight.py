@@ -187,24 +187,43 @@ def single_file_configs(request) -> tuple[str, bool]:
     return folder, version == "sdxl"
 
 
+def controlnet_configs(request) -> tuple:
+    """Each --controlnet's --controlnet-config: the original-layout files take them in order, the others None."""
+    files = [os.path.isfile(os.path.expanduser(name)) for name in request.controlnet]
+    given = request.controlnet_config
+    if given and not any(files):
+        raise UserError("--controlnet-config applies to original-layout --controlnet files (.safetensors, .pth), but "
+                        "no --controlnet is one: drop --controlnet-config (a folder or hub id has its config.json)")
+    if given and len(given) != sum(files):
+        raise UserError(f"{len(given)} --controlnet-config for {sum(files)} original-layout --controlnet files: give "
+                        "one per file, in their order")
+    configs = iter(given)
+    return tuple(next(configs) if is_file and given else None for is_file in files)
+
+
 def check_controlnets(request, unet):
-    """Each --controlnet exists and, where its config.json can be read (a folder or hub id: kilobytes), was made
-    for the checkpoint's model family. An original-layout file is checked when it loads."""
+    """Each --controlnet exists and, where its config.json can be read (a folder's, a hub id's or an original-layout
+    file's --controlnet-config: kilobytes), was made for the checkpoint's model family. An original-layout file
+    without one is checked when it loads."""
     from ..hub import ModelNotFoundError, resolve_folder
     from ..models.config import read_config_file
     from ..models.controlnet import ControlNetConfig
 
-    for name in request.controlnet:
+    for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
-            continue
+            if config_source is None:
+                continue
+            flag, source = f"--controlnet-config {config_source}", config_source
+        else:
+            flag, source = f"--controlnet {name}", name
         try:
-            folder = resolve_folder(name, None, allow_patterns=["config.json"])
+            folder = resolve_folder(source, None, allow_patterns=["config.json"])
             config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
         except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
-            raise UserError(f"--controlnet {name}: {e}") from e
+            raise UserError(f"{flag}: {e}") from e
         if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
                                                                         unet.addition_embed_type):
-            raise UserError(f"--controlnet {name} was made for another model family than {request.model} (text "
+            raise UserError(f"{flag} was made for another model family than {request.model} (text "
                             f"width {config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet "
                             "trained for this base model")
 

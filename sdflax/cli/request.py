@@ -50,6 +50,7 @@ class Request:
     mask: str | None = None
     strength: float | None = None
     controlnet: tuple[str, ...] = ()
+    controlnet_config: tuple[str, ...] = ()  # one per original-layout file of `controlnet`, in their order
     control_image: tuple[str, ...] = ()
     control_scale: tuple[float, ...] = ()
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
@@ -73,7 +74,7 @@ class Request:
         """From an argparse Namespace: the fields it has (a command may lack some options), then `changes`."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values = {**values, **changes}
-        for name in ("controlnet", "control_image", "control_scale", "embedding"):
+        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "embedding"):
             values[name] = tuple(values.get(name, ()))
         values["lora"] = tuple(tuple(pair) for pair in values.get("lora", ()))
         return cls(**values)

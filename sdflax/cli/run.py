@@ -15,7 +15,7 @@ import numpy as np
 from .. import cache
 from .output import image_settings, output_target, save
 from .pictures import read_controls, read_pictures
-from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files
+from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files, controlnet_configs
 from .request import UserError
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
@@ -58,10 +58,8 @@ def run(request) -> int:
     load_s = time.perf_counter() - start
 
     where = devices_text(mesh.size, backend)
-    strength = f" (strength {checkpoint.strength})" if pictures else ""
-    status(f"Compiling for {request.steps} steps{strength} at {checkpoint.width}x{checkpoint.height}, {len(seeds)} "
-           f"image(s) on {where} (once per setting; {f'kept in {cache_dir}' if cache_dir else 'not kept'}) ...")
-    step_bar = StepBar() if request.progress else None
+    status(compiling_line(request.steps, checkpoint, len(seeds), where, cache_dir))
+    step_bar = StepBar(steps_run(request, checkpoint, refiner)) if request.progress else None
     with CompileClock() as clock:
         start = time.perf_counter()
         images = out_of_memory_is_one_line(call, step_bar, f"{len(seeds)} image(s) of {checkpoint.width}x"
@@ -83,6 +81,13 @@ def use_compile_cache(request) -> str | None:
     """JAX's compilation cache in --cache-dir or sdflax's cache folder (None: SDFLAX_CACHE_DIR=off), turned on
     before the first compile: the one place the command line does it."""
     return cache.enable_compile_cache(os.path.expanduser(request.cache_dir) if request.cache_dir else None)
+
+
+def compiling_line(steps, checkpoint, count, where, cache_dir) -> str:
+    """The status line before a program's first call (generate's and batch's)."""
+    strength = f" (strength {checkpoint.strength})" if checkpoint.strength is not None else ""
+    return (f"Compiling for {steps} steps{strength} at {checkpoint.width}x{checkpoint.height}, {count} image(s) on "
+            f"{where} (once per setting; {f'kept in {cache_dir}' if cache_dir else 'not kept'}) ...")
 
 
 def devices_text(count, backend) -> str:
@@ -112,10 +117,9 @@ def load(request, checkpoint, dtype):
     kind, dtype = checkpoint.pipeline, getattr(jnp, dtype)
     try:
         nets = []
-        for name in request.controlnet:
-            path = os.path.expanduser(name)
-            if os.path.isfile(path):  # an original-layout file
-                nets.append(ControlNetModel.from_single_file(path, dtype=dtype, attention=request.attention))
+        for name, config in zip(request.controlnet, controlnet_configs(request)):
+            if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
+                nets.append(load_controlnet_file(name, config, dtype, request.attention))
             else:
                 nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=request.attention))
         extra = {"controlnet": [net for net, _ in nets]} if nets else {}
@@ -129,6 +133,19 @@ def load(request, checkpoint, dtype):
     if nets:
         params["controlnet"] = [net_params for _, net_params in nets]
     return add_loras_and_embeddings(request, pipeline, params)
+
+
+def load_controlnet_file(name, config, dtype, attention):
+    """(controlnet, params) of an original-layout --controlnet file, its config from --controlnet-config or read
+    off its tensors."""
+    from .. import ControlNetModel
+    from ..single_file import SingleFileError
+
+    try:
+        return ControlNetModel.from_single_file(os.path.expanduser(name), config=config, dtype=dtype,
+                                                attention=attention)
+    except SingleFileError as e:  # the library's advice names its Python argument, config=: here it is a flag
+        raise flag_error("--controlnet", name, str(e).replace("pass config=<", "pass --controlnet-config <")) from e
 
 
 def load_refiner(request, dtype):
@@ -180,7 +197,7 @@ def add_loras_and_embeddings(request, pipeline, params):
 
 
 def flag_error(flag, path, error) -> UserError:
-    """The library's message about a file, led by the flag that named it."""
+    """The library's message (an error or its text) about a file, led by the flag that named it."""
     message = str(error)
     return UserError(f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}")
 
@@ -271,7 +288,9 @@ def refined(base, refiner, mesh, checkpoint, rows, keys):
         latents = base(callback, denoising_end=checkpoint.high_noise_frac, output_type="latent")
         if callback is not None:
             callback.close()  # the base's bar ends before the refiner's starts
-        bar = StepBar("refining") if callback is not None else None
+        steps = rows[0].steps
+        bar = StepBar(steps - refiner_start(pipe, steps, checkpoint.high_noise_frac), "refining") \
+            if callback is not None else None
         try:
             return pipe.generate_sharded(ids, latents, params, keys, num_inference_steps=rows[0].steps,
                                          guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids,
@@ -284,22 +303,46 @@ def refined(base, refiner, mesh, checkpoint, rows, keys):
 
 # ---- progress and timing ------------------------------------------------------------------------------------
 
+def steps_run(request, checkpoint, refiner=None) -> int:
+    """The steps of the schedule the (base) model runs: img2img and inpaint skip the first 1 - strength of them; with
+    a refiner the base stops where the refiner's part begins."""
+    from ..pipeline.starts import start_step
+
+    if checkpoint.strength is not None:
+        return request.steps - start_step(request.steps, checkpoint.strength)
+    if refiner is not None:
+        return refiner_start(refiner[0], request.steps, checkpoint.high_noise_frac)
+    return request.steps
+
+
+def refiner_start(pipe, steps, high_noise_frac) -> int:
+    """The steps of the schedule the refiner skips: the base's."""
+    from ..pipeline.starts import schedule_window
+    from ..pipeline.types import Settings
+
+    return schedule_window(pipe.scheduler, Settings(steps, denoising_start=high_noise_frac))[0]
+
+
 class StepBar:
-    """A tqdm bar fed by the pipeline's per-step host callback; each device reports every step, so a step counts
+    """A tqdm bar of `steps` steps fed by the pipeline's per-evaluation host callback. A sampler may run more
+    evaluations than steps (PNDM one more, Heun and DPM2 two a step): evaluation i of n completes
+    (i + 1) * steps // n steps, so the bar ends at steps/steps. Each device reports every evaluation, so it counts
     once, when the first device reaches it. One object per run: the callback is static."""
 
-    def __init__(self, desc="denoising"):
-        self.bar, self.done, self.lock, self.desc = None, 0, threading.Lock(), desc
+    def __init__(self, steps, desc="denoising"):
+        self.steps, self.desc = steps, desc
+        self.bar, self.done, self.lock = None, 0, threading.Lock()
 
-    def __call__(self, step, num_steps, latents):
+    def __call__(self, evaluation, num_evals, latents):
         with self.lock:
             if self.bar is None:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=num_steps, desc=self.desc, unit="step", file=sys.stderr, dynamic_ncols=True)
-            if step + 1 > self.done:
-                self.bar.update(step + 1 - self.done)
-                self.done = step + 1
+                self.bar = tqdm(total=self.steps, desc=self.desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+            done = (evaluation + 1) * self.steps // num_evals
+            if done > self.done:
+                self.bar.update(done - self.done)
+                self.done = done
 
     def close(self):
         if self.bar is not None:
