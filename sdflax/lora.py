@@ -75,6 +75,14 @@ PROCESSOR_RENAMES["text_encoder_2"] = PROCESSOR_RENAMES["text_encoder"]
 STRIP = ("base_model.model.", "text_model.", "text_model_")
 
 
+# The width of the text states a UNet's cross-attention reads (its attn2.to_k input) -> the family that has it
+FAMILIES = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL"}
+# Names only one family's LoRAs have: SDXL's two text encoders (kohya's te1 / te2, diffusers' text_encoder_2), and
+# kohya's one text encoder of SD 1.x / 2.x (its SDXL files say te1 and te2)
+SDXL_NAMES = ("lora_te1_", "lora_te2_", "text_encoder_2.")
+SD_NAMES = ("lora_te_",)
+
+
 class LoraMismatchError(ValueError):
     """The LoRA file names modules the model does not have, or its shapes do not fit them."""
 
@@ -243,10 +251,41 @@ def read_lora(path, params, unet_config=None) -> dict:
     if not_lora:
         problems.append(f"not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): {short_list(not_lora)}")
     if problems:
-        raise LoraMismatchError(f"LoRA file {name} does not fit this pipeline: " + " | ".join(problems))
+        raise LoraMismatchError(family_mismatch(name, list(tensors), groups, params, indexes.get("unet"))
+                                or f"LoRA file {name} does not fit this pipeline: " + " | ".join(problems))
     if not lora:
         raise LoraMismatchError(f"LoRA file {name} holds no LoRA tensors")
     return lora
+
+
+def family_mismatch(name, keys, groups, params, unet_index) -> str | None:
+    """One line saying which model family a LoRA that does not fit was made for, and which this pipeline is, where
+    its names (`SDXL_NAMES`, `SD_NAMES`) or its cross-attention width (`FAMILIES`) say so; else None."""
+    xl = "text_encoder_2" in params
+    width = None
+    if unet_index is not None:
+        index, flat = unet_index
+        width = next((flat[path].shape[0] for module, path in index.items() if module.endswith("attn2_to_k")), None)
+    ours = "SDXL" if xl else FAMILIES.get(width, "SD 1.x/2.x")
+    theirs_width, width_key = next(((parts["down"][1].shape[1], parts["down"][0]) for (component, module), parts
+                                    in groups.items() if component == "unet" and module.endswith("attn2_to_k")
+                                    and "down" in parts and parts["down"][1].ndim == 2), (None, None))
+    downs = tuple(suffix for suffix, role in ROLES.items() if role == "down")  # one key per module
+    named = lambda prefixes: sorted(k for k in keys if k.startswith(prefixes) and k.endswith(downs))  # noqa: E731
+    if named(SDXL_NAMES) and not xl:
+        theirs, why = "SDXL", "names of SDXL's two text encoders"
+        examples = (named(SDXL_NAMES[1:]) or named(SDXL_NAMES))[:2]  # the second encoder's, where it has one
+    elif named(SD_NAMES) and xl:
+        theirs, why, examples = FAMILIES.get(theirs_width, "SD 1.x/2.x"), "kohya's name of SD's one text encoder", \
+            named(SD_NAMES)[:2]
+    elif theirs_width and width and theirs_width != width:
+        theirs = FAMILIES.get(theirs_width, f"a model of {theirs_width}-wide text states")
+        why, examples = f"its cross-attention reads {theirs_width}-wide text states, this UNet's {width}", [width_key]
+    else:
+        return None
+    fix = ("load it with StableDiffusionXL" if theirs == "SDXL" else "load it with StableDiffusion"
+           if xl and theirs.startswith("SD") else f"use a LoRA made for {ours}")
+    return f"LoRA file {name} is for {theirs}, this pipeline is {ours} ({why}): {fix}. E.g. {', '.join(examples)}"
 
 
 def _delta(down, up, kernel_shape):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from builders import torch_pipeline, torch_xl_pipeline
+from safetensors.torch import save_file
 from test_lora import IMAGE_ATOL, assert_params_close, both, kohya_file, kohya_stem, peft_file
 
 import jax
@@ -156,3 +157,39 @@ def test_sd1_kohya_original_unet_names(sd1, tmp_path):
     # diffusers reads the second module of every output block as an attention, so the upsampler of SD 1.x's first
     # up block (no attention: output_blocks_2_1_conv) is lost on its side; sdflax reads it by the LDM table.
     check_original_names(sd1, tmp_path, kohya_stem, diffusers_misreads={"up_blocks.0.upsamplers.0.conv"})
+
+
+@pytest.mark.parametrize("made_for, fmt, expected", [
+    ("xl", "kohya", "SDXL, this pipeline is SD 1.x/2.x (names of SDXL's two text encoders): load it with "
+                    "StableDiffusionXL. E.g. lora_te2_"),
+    ("xl", "peft", "SDXL, this pipeline is SD 1.x/2.x (names of SDXL's two text encoders): load it with "
+                   "StableDiffusionXL. E.g. text_encoder_2."),
+    ("sd1", "kohya", "SD 1.x/2.x, this pipeline is SDXL (kohya's name of SD's one text encoder): load it with "
+                     "StableDiffusion. E.g. lora_te_"),
+    ("sd1", "peft", "a model of 32-wide text states, this pipeline is SDXL (its cross-attention reads 32-wide text "
+                    "states, this UNet's 64): use a LoRA made for SDXL. E.g. unet."),
+])
+def test_a_lora_for_the_other_family_says_which_it_is_for(xl, sd1, tmp_path, made_for, fmt, expected):
+    (theirs, _, _), (_, pipe, params) = (xl, sd1) if made_for == "xl" else (sd1, xl)
+    path = tmp_path / "lora.safetensors"
+    if fmt == "kohya":
+        kohya_file(path, theirs, stem=sdxl_stem if made_for == "xl" else kohya_stem)
+    else:
+        peft_file(path, theirs)
+    with pytest.raises(LoraMismatchError) as error:
+        pipe.load_lora(params, path)
+    message = str(error.value)
+    assert message.startswith(f"LoRA file {path} is for {expected}")
+    assert len(message) - len(str(path)) < 300 and message.count(", ") <= 2  # one line, two names at most
+
+
+def test_the_family_of_a_full_size_lora_comes_from_its_cross_attention_width(tmp_path):
+    """An SDXL UNet LoRA (2048-wide text states) on an SD 1.x UNet (768): shapes alone, no names, tell."""
+    name = "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k"
+    params = {"unet": {name.replace(".", "_"): {"kernel": np.zeros((768, 320), np.float32)}}, "text_encoder": {}}
+    save_file({f"unet.{name}.lora_A.weight": torch.zeros(4, 2048), f"unet.{name}.lora_B.weight": torch.zeros(640, 4)},
+              tmp_path / "xl.safetensors")
+    with pytest.raises(LoraMismatchError, match=r"is for SDXL, this pipeline is SD 1.x \(its cross-attention reads "
+                                                r"2048-wide text states, this UNet's 768\): load it with "
+                                                r"StableDiffusionXL. E.g. unet.down_blocks.1"):
+        read_lora(tmp_path / "xl.safetensors", params)
