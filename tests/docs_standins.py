@@ -1,0 +1,194 @@
+"""The tiny stand-ins the documentation's examples run on (tests/test_docs.py), declared in one place.
+
+STANDINS maps every hub id the pages name to a small random-weight checkpoint of the same family, made by the tests'
+builders and saved with diffusers' save_pretrained into a Hugging Face cache laid out as the hub lays it out
+(models--org--name/snapshots/<commit>/..., refs/main), so `from_pretrained("stable-diffusion-v1-5/...")` and
+`sdflax generate --model ...` take the real loading path offline. FILES are the files the pages read (a picture, a
+mask, LoRAs, embeddings, a single-file checkpoint, prompt files), made into each page's working folder.
+
+The stand-ins keep the builders' small sizes (32 px images: latents of 16 x 16 and a VAE of scale factor 2), not the
+real models' 512 / 1024 px, so that a page's fifty steps cost little: the pages state no pixel size that depends on
+it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+from builders import REPO, SD1
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+# SD 1.5's family at the builders' smallest: one layer a block, 32 px images (a VAE of scale factor 2).
+SD15 = {**SD1, "unet": {**SD1["unet"], "layers_per_block": 1}, "vae": {**SD1["vae"], "layers_per_block": 1}}
+
+
+@functools.cache
+def torch_sd15():
+    """The SD 1.5 stand-in as a diffusers pipeline (its LoRAs, embeddings and single file are made from it)."""
+    from diffusers import StableDiffusionPipeline, PNDMScheduler
+    from transformers import CLIPTokenizer
+
+    from builders import SD14_SCHEDULER, TOKENIZER, torch_text_encoder, torch_unet, torch_vae
+
+    return StableDiffusionPipeline(
+        vae=torch_vae(SD15["vae"]), text_encoder=torch_text_encoder(SD15["text_encoder"]),
+        tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER), unet=torch_unet(SD15["unet"]),
+        scheduler=PNDMScheduler.from_config(SD14_SCHEDULER), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False)
+
+
+def sd15(folder):
+    torch_sd15().save_pretrained(folder)
+
+
+def sd15_inpainting(folder):
+    """The SD 1.5 stand-in with a 9-channel UNet (latents, mask, masked image latents), as SD 1.5's inpainting
+    checkpoint."""
+    from diffusers import StableDiffusionInpaintPipeline
+
+    from builders import torch_unet
+
+    components = {**torch_sd15().components, "unet": torch_unet({**SD15["unet"], "in_channels": 9}, seed=3)}
+    StableDiffusionInpaintPipeline(**components).save_pretrained(folder)
+
+
+def sdxl_base(folder):
+    from builders import torch_xl_pipeline
+
+    torch_xl_pipeline().save_pretrained(folder)
+
+
+def sdxl_refiner(folder):
+    from builders import torch_xl_refiner
+
+    torch_xl_refiner().save_pretrained(folder)
+
+
+def sdxl_inpainting(folder):
+    from builders import torch_xl_inpaint_pipeline
+
+    torch_xl_inpaint_pipeline().save_pretrained(folder)
+
+
+def sd15_controlnet(folder):
+    from builders import torch_controlnet
+
+    torch_controlnet(torch_sd15().unet).save_pretrained(folder)
+
+
+def sdxl_controlnet(folder):
+    from builders import SDXL, torch_controlnet, torch_unet
+
+    torch_controlnet(torch_unet(SDXL["unet"])).save_pretrained(folder)
+
+
+def sd15_lora(folder):
+    """A LoRA for the SD 1.5 stand-in in diffusers' layout, under the file name the LCM-LoRA repository uses."""
+    from test_lora import peft_file
+
+    folder.mkdir(parents=True)
+    peft_file(folder / "pytorch_lora_weights.safetensors", torch_sd15(), seed=5)
+
+
+# hub id -> how its stand-in is made.
+STANDINS = {
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": sd15,
+    "runwayml/stable-diffusion-v1-5": sd15,
+    "stabilityai/sd-turbo": sd15,
+    "stable-diffusion-v1-5/stable-diffusion-inpainting": sd15_inpainting,
+    "stabilityai/stable-diffusion-xl-base-1.0": sdxl_base,
+    "stabilityai/sdxl-turbo": sdxl_base,
+    "stabilityai/stable-diffusion-xl-refiner-1.0": sdxl_refiner,
+    "diffusers/stable-diffusion-xl-1.0-inpainting-0.1": sdxl_inpainting,
+    "lllyasviel/sd-controlnet-canny": sd15_controlnet,
+    "lllyasviel/control_v11p_sd15_canny": sd15_controlnet,
+    "diffusers/controlnet-canny-sdxl-1.0": sdxl_controlnet,
+    "latent-consistency/lcm-lora-sdv1-5": sd15_lora,
+}
+
+
+def pictures(folder, size=64):
+    """photo.png (a colour gradient), mask.png (white square: repainted) and edges.png (a canny-like drawing),
+    and odd.png, whose sides are not multiples of 8."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:size, 0:size] / size
+    photo = np.stack([x, y, 1 - x], -1)
+    Image.fromarray((photo * 255).astype(np.uint8)).save(folder / "photo.png")
+    mask = np.zeros((size, size), np.uint8)
+    mask[size // 4: 3 * size // 4, size // 4: 3 * size // 4] = 255
+    Image.fromarray(mask).save(folder / "mask.png")
+    edges = np.zeros((size, size, 3), np.uint8)
+    edges[size // 2, :] = edges[:, size // 3] = 255
+    Image.fromarray(edges).save(folder / "edges.png")
+    Image.fromarray((photo[:45, :61] * 255).astype(np.uint8)).save(folder / "odd.png")
+
+
+def files(folder):
+    """Everything the pages read from their working folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from builders import torch_xl_pipeline
+    from test_lora import kohya_file
+    from test_single_file import to_single_file
+    from test_textual_inversion import write
+    from test_textual_inversion_xl import write as write_xl
+
+    folder.mkdir(parents=True)
+    pictures(folder)
+    tiny = torch_sd15()
+    for sub in ("loras", "embeddings", "models"):
+        (folder / sub).mkdir()
+    kohya_file(folder / "loras" / "add_detail.safetensors", tiny, seed=1)
+    kohya_file(folder / "loras" / "film-grain.safetensors", tiny, seed=2,
+               keep=lambda component, name: component == "unet")
+    kohya_file(folder / "style.safetensors", tiny, seed=3)
+    torch.manual_seed(0)
+    write(folder / "embeddings" / "charturner.pt", "a1111.pt", torch.randn(2, 32), "ignored")
+    shutil.copy(folder / "embeddings" / "charturner.pt", folder / "charturner.pt")
+    save_file(to_single_file(tiny, "sd1"), folder / "models" / "dreamshaper_8.safetensors")
+    kohya_file(folder / "sdxl-style.safetensors", torch_xl_pipeline(), seed=4)
+    write_xl(folder / "sdxl-emb.safetensors", 2)
+    (folder / "prompts.txt").write_text("a red fox, watercolor\na lighthouse at dusk\n")
+    (folder / "prompts.jsonl").write_text(
+        '{"prompt": "a red fox, watercolor", "negative_prompt": "blurry", "seed": 7, "guidance": 5.0}\n'
+        '{"prompt": "a lighthouse at dusk", "steps": 3, "width": 96, "height": 64}\n')
+    shutil.copy(REPO / "scripts" / "example_scheduler.py", folder / "example_scheduler.py")
+
+
+def build(root: Path):
+    """root/hub: the Hugging Face cache of STANDINS; root/files: FILES. Built in a temporary folder and renamed
+    into place, so a reader never sees half of it."""
+    staging = root.with_name(f"{root.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    made = {}
+    for hub_id, make in STANDINS.items():
+        repo = staging / "hub" / ("models--" + hub_id.replace("/", "--"))
+        snapshot = repo / "snapshots" / COMMIT
+        if make in made:  # an alias: the same stand-in under another id
+            shutil.copytree(made[make], snapshot)
+        else:
+            make(snapshot)
+            made[make] = snapshot
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(COMMIT)
+    files(staging / "files")
+    os.rename(staging, root)
+    return root
+
+
+def standins(root: Path):
+    """The stand-ins under `root`, built once for every pytest-xdist worker that asks (a file lock)."""
+    from filelock import FileLock
+
+    with FileLock(str(root) + ".lock"):
+        if not root.exists():
+            build(root)
+    return root
