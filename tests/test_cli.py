@@ -174,6 +174,27 @@ def test_progress_bar_counts_steps_not_unet_evaluations(capsys):
     assert "4/4" in capsys.readouterr().err
 
 
+def test_the_step_bar_counts_the_steps_the_model_runs():
+    """img2img and inpaint run int(steps * strength) steps; with a refiner the base runs the steps before its cut
+    and the refiner the rest (a Heun step cut between its evaluations is the refiner's, as diffusers cuts it)."""
+    from types import SimpleNamespace
+
+    from sdflax.cli import Request
+    from sdflax.cli.run import refiner_start, steps_run
+    from sdflax.schedulers import scheduler_from_config
+
+    request = Request("generate", "a fox", steps=10)
+    plain = SimpleNamespace(strength=None, high_noise_frac=None)
+    assert steps_run(request, plain) == 10
+    assert steps_run(request, SimpleNamespace(strength=0.75, high_noise_frac=None)) == 7
+    xl = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
+          "timestep_spacing": "leading"}
+    for kind, steps in (("euler", 8), ("heun", 7)):  # timesteps 901, 801, ..., 201 at or above 200, then 101, 1
+        refiner = SimpleNamespace(scheduler=scheduler_from_config(xl, kind))
+        base = steps_run(request, SimpleNamespace(strength=None, high_noise_frac=0.8), (refiner, None))
+        assert base == refiner_start(refiner, 10, 0.8) == steps
+
+
 def test_a_rerun_into_a_folder_names_files_by_run_not_like_seeds(tmp_path):
     """Friction: a second run wrote a-fox-0-1.png, which reads as seed 1. A run whose names are taken writes
     NAME-runN.png for all its files, N the first run number free for every one of them; no file is ever replaced."""
