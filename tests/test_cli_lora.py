@@ -93,7 +93,7 @@ def test_loras_and_an_embedding_equal_the_library(files, folder_png):
     assert json.loads(text["lora"]) == ["a.safetensors", "b.safetensors"]
     assert json.loads(text["lora_scale"]) == [0.7, 1.0]
     assert json.loads(text["embedding"]) == ["charturner.pt"]
-    assert text["parameters"].startswith(f"{PROMPT} <lora:a:0.7> <lora:b:1.0>\nNegative prompt: \nSteps: 2, ")
+    assert text["parameters"].startswith(f"{PROMPT} <lora:a:0.7> <lora:b:1.0>\nSteps: 2, ")  # no empty negative line
 
 
 def test_single_file_model_with_config_equals_the_folder(files, folder_png):
