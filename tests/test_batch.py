@@ -3,7 +3,7 @@
 
 Every run shares one disk compile cache and the same static settings, so the batch program compiles once for one
 process and once for a process of a two-process mesh. XLA_FLAGS keep the CPU's reductions out of YNNPACK, whose
-order depends on the whole tensor (README "One image, any batch"): images are then equal bit for bit whatever
+order depends on the whole tensor (docs/batch.md, "One image, any batch"): images are then equal bit for bit whatever
 the batch they are made in."""
 
 import fnmatch

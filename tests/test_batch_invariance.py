@@ -2,7 +2,7 @@
 in a batch of four, under pmap on 2 and 4 simulated devices and under generate_sharded is the same bit for bit,
 with a stochastic sampler (Euler ancestral: fresh noise at every step, image b's from key b).
 
-On XLA's CPU backend this needs its reductions kept out of YNNPACK (README, "One image, any batch"): the flag is
+On XLA's CPU backend this needs its reductions kept out of YNNPACK (docs/batch.md, "One image, any batch"): the flag is
 set for the subprocesses that make the images (tests/batch_invariance_worker.py)."""
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def test_a_parameter_of_the_wrong_shape_is_refused_at_apply(leaf):
 
 
 def test_pipeline_programs_leave_cpu_convolutions_to_xla():
-    """`runner.compiler_options` keeps the CPU's convolutions out of YNNPACK (README, "Performance"): compiled with
+    """`runner.compiler_options` keeps the CPU's convolutions out of YNNPACK (docs/performance.md): compiled with
     them a convolution is XLA's own, without them this jaxlib hands it to YNNPACK."""
     from sdflax.pipeline.runner import compiler_options
 
@@ -188,7 +188,7 @@ def test_pipeline_programs_leave_cpu_convolutions_to_xla():
      {"xla_backend_optimization_level": 1}),
 ])
 def test_compiler_options_leave_what_xla_flags_set_to_the_user(xla_flags, expected):
-    """An option named in XLA_FLAGS is the user's (README, "One image, any batch"), fresh process each."""
+    """An option named in XLA_FLAGS is the user's (docs/batch.md, "One image, any batch"), fresh process each."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
     out = subprocess.run([sys.executable, "-c", "import json; from sdflax.pipeline.runner import compiler_options; "
                           "print(json.dumps(compiler_options()))"], env=env, capture_output=True, text=True)

@@ -24,7 +24,7 @@ import numpy as np
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 # On the CPU, attention runs one (image, head) pair at a time, in blocks of queries whose float32 logits take at
 # most this many bytes, so that they stay near the caches while exp, the row sums and the product with v read them
-# (README, "Performance": blocks of queries over every head at once wrote their logits to memory).
+# (docs/performance.md: blocks of queries over every head at once wrote their logits to memory).
 CPU_ATTENTION_BLOCK_BYTES = 8 << 20
 # On the CPU, a convolution with at most this many output pixels per image is faster as one matmul over its 3x3
 # patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280). Per image, not per batch: the two paths sum

@@ -92,7 +92,7 @@ class Runner:
 
 # XLA's CPU hands dots, reductions and convolutions to the YNNPACK library by default. Its convolutions fault in fresh
 # memory for their buffers on every call and set themselves up on a program's first run; XLA's own are faster in
-# the pipelines (README, "Performance"). These are the default's other types.
+# the pipelines (docs/performance.md, "What pays on this CPU"). These are the default's other types.
 CPU_YNN_FUSION_TYPES = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 
@@ -101,7 +101,7 @@ def compiler_options() -> dict | None:
     """XLA options for the pipeline programs. On the CPU: LLVM's optimisation level 1 instead of 3 (the programs'
     time goes to library convolutions and matmuls, which it does not touch, so compiling is shorter and sampling
     is not slower), and convolutions left to XLA (`CPU_YNN_FUSION_TYPES`) where this jaxlib has the option. An
-    option the user's XLA_FLAGS set is left to them (e.g. README, "One image, any batch")."""
+    option the user's XLA_FLAGS set is left to them (e.g. docs/batch.md, "One image, any batch")."""
     if jax.default_backend() != "cpu":
         return None
     options = {"xla_backend_optimization_level": 1, "xla_cpu_experimental_ynn_fusion_type": CPU_YNN_FUSION_TYPES}

@@ -2,7 +2,7 @@
 order, from which the public classes are made. A new UNet-side conditioning is a piece and a row; a new family a
 text piece and its rows.
 
-Every argument means the same in every class (README, "How a pipeline is built"); the defaults are diffusers'
+Every argument means the same in every class (docs/design.md, "How a pipeline is built"); the defaults are diffusers'
 for the matching pipeline: `DEFAULTS`, with a row's own values where diffusers' pipelines differ.
 """
 
@@ -135,7 +135,8 @@ def make_class(name: str, row: Row) -> type:
     with_self = [inspect.Parameter("self", kind)]
     __call__.__signature__ = call_signature.replace(parameters=with_self + list(call_signature.parameters.values()))
     __call__.__doc__ = ("Images (B, H, W, 3) in [0, 1]; with `jit=True` under `jax.pmap` (inputs `shard`ed, params "
-                        "`replicate`d): (devices, B, H, W, 3). The arguments: README, \"How a pipeline is built\".")
+                        "`replicate`d): (devices, B, H, W, 3). The arguments: docs/design.md, \"How a pipeline is "
+                        "built\".")
     prepare_inputs.__signature__ = prepare_signature.replace(
         parameters=with_self + list(prepare_signature.parameters.values()))
     prepare_inputs.__doc__ = Pipeline._prepare.__doc__
