@@ -168,39 +168,50 @@ def test_loads_both_encoders_and_tokenizers(euler):
         pipe(ids[:, 0], params, jax.random.key(0), STEPS)
 
 
-def test_images_match_diffusers_with_negative_prompt(euler):
-    theirs, pipe, params = euler
-    latents = latents_for(pipe)
-    expected = torch_images(theirs, latents, negative_prompt=NEGATIVE)
-    ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, guidance_scale=5.0, latents=latents,
-                neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
-    check_images(ours, expected)
+def compile_events() -> list:
+    """The XLA compiles of this process from now on, as they happen."""
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: events.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    return events
 
 
-def test_images_match_diffusers_zero_negative_size_conditioning_and_rescale(euler):
+def test_images_match_diffusers_with_and_without_negative_prompt_in_one_program(euler):
     theirs, pipe, params = euler
     latents = latents_for(pipe)
     ids = pipe.prepare_inputs(PROMPTS)
+    compiles = compile_events()
     # No negative prompt and force_zeros_for_empty_prompt: zero unconditional embeddings.
     plain = pipe(ids, params, jax.random.key(0), STEPS, latents=latents).images
     check_images(plain, torch_images(theirs, latents))
-    compiled = pipe._jitted._cache_size()
-    # Non-default size / crop micro-conditioning and guidance_rescale: traced, the same compiled program.
+    before, programs = len(compiles), pipe._jitted._cache_size()
+    # A negative prompt: the same program (which rows get zeros is chosen in it).
+    negative = pipe(ids, params, jax.random.key(0), STEPS, guidance_scale=5.0, latents=latents,
+                    neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
+    check_images(negative, torch_images(theirs, latents, negative_prompt=NEGATIVE))
+    # Non-default size / crop micro-conditioning and guidance_rescale: traced, the same program too.
     sized = pipe(ids, params, jax.random.key(0), STEPS, latents=latents, guidance_rescale=0.7, **SIZES).images
     check_images(sized, torch_images(theirs, latents, guidance_rescale=0.7, **SIZES))
     assert np.abs(sized - plain).max() > 1e-2
-    assert pipe._jitted._cache_size() == compiled
+    assert len(compiles) == before and pipe._jitted._cache_size() == programs
 
 
-def test_images_match_diffusers_without_zeros_for_empty_prompt(tmp_path):
+def test_images_match_diffusers_without_zeros_for_empty_prompt(euler, tmp_path):
     theirs = torch_xl_pipeline("euler", force_zeros_for_empty_prompt=False)
     theirs.save_pretrained(tmp_path)
     pipe, params = StableDiffusionXL.from_pretrained(tmp_path)
     assert not pipe.force_zeros_for_empty_prompt  # read from model_index.json
     latents = latents_for(pipe)
-    ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, guidance_scale=6.0,
-                latents=latents).images
-    check_images(ours, torch_images(theirs, latents, guidance=6.0))  # the empty prompt, encoded
+    ids = pipe.prepare_inputs(PROMPTS)
+    ours = pipe(ids, params, jax.random.key(0), STEPS, guidance_scale=6.0, latents=latents).images
+    expected = torch_images(theirs, latents, guidance=6.0)
+    check_images(ours, expected)  # the empty prompt, encoded
+    # An empty negative prompt given is encoded with force_zeros_for_empty_prompt too (diffusers zeros a missing
+    # one only): the checkpoint that forces zeros has the same weights.
+    _, zeros, zeros_params = euler
+    empty = zeros(ids, zeros_params, jax.random.key(0), STEPS, guidance_scale=6.0, latents=latents,
+                  neg_prompt_ids=zeros.prepare_inputs(["", ""])).images
+    check_images(empty, expected)
 
 
 def test_images_match_diffusers_dpm_solver(tmp_path):

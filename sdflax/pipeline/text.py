@@ -76,7 +76,7 @@ class SDText:
         pass
 
     def fill_inputs(self, inputs, height, width):
-        return inputs
+        return fill_negative(inputs, self.empty_ids)[0]
 
     def encode_prompt(self, params, prompt_ids):
         return self.text_encoder.apply(params["text_encoder"], prompt_ids).last_hidden_state
@@ -179,6 +179,9 @@ class SDXLText:
                                   inputs.target_size)
         scores = [jnp.asarray(default if given is None else given, jnp.float32) for given, default in
                   ((inputs.aesthetic_score, 6.0), (inputs.negative_aesthetic_score, 2.5))]  # diffusers' defaults
+        inputs, filled = fill_negative(inputs, self.empty_ids)
+        if inputs.neg_prompt_ids is not None:
+            inputs = inputs.replace(no_negative_prompt=np.full(inputs.neg_prompt_ids.shape[:-2], filled))
         return inputs.replace(**dict(zip(("original_size", "crops_coords_top_left", "target_size"), sizes)),
                               **dict(zip(("aesthetic_score", "negative_aesthetic_score"), scores)))
 
@@ -202,19 +205,29 @@ class SDXLText:
             context, pooled = inputs.prompt_embeds, inputs.pooled_prompt_embeds
         if inputs.neg_prompt_embeds is not None:
             neg_context, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
-        elif inputs.neg_prompt_ids is None and self.force_zeros_for_empty_prompt:
-            neg_context, neg_pooled = jnp.zeros_like(context), jnp.zeros_like(pooled)
+        elif inputs.neg_prompt_ids is None:
+            neg_context, neg_pooled = self.default_negative(params, context, pooled)
         else:
-            neg = jnp.asarray(self.empty_ids) if inputs.neg_prompt_ids is None else inputs.neg_prompt_ids
-            neg_context, neg_pooled = self.encode_prompt(params, neg)
-            neg_context = jnp.broadcast_to(neg_context, context.shape)
-            neg_pooled = jnp.broadcast_to(neg_pooled, pooled.shape)
+            neg_context, neg_pooled = self.encode_prompt(params, inputs.neg_prompt_ids)
+            if inputs.no_negative_prompt is not None:  # chosen in the program: one for both kinds of call
+                default_context, default_pooled = self.default_negative(params, context, pooled)
+                absent = inputs.no_negative_prompt
+                neg_context = jnp.where(absent[:, None, None], default_context, neg_context)
+                neg_pooled = jnp.where(absent[:, None], default_pooled, neg_pooled)
         ids, neg_ids = self.time_ids(inputs)
         batch = context.shape[0]
         unet_kwargs = {"text_embeds": jnp.concatenate([neg_pooled, pooled]),
                        "time_ids": jnp.concatenate([jnp.broadcast_to(neg_ids, (batch, neg_ids.shape[0])),
                                                     jnp.broadcast_to(ids, (batch, ids.shape[0]))])}
         return Cond(jnp.concatenate([neg_context, context]).astype(self.dtype), unet_kwargs)
+
+    def default_negative(self, params, context, pooled):
+        """The negative (states, pooled) of rows given no negative prompt: zeros if the checkpoint says
+        `force_zeros_for_empty_prompt`, else the empty prompt's."""
+        if self.force_zeros_for_empty_prompt:
+            return jnp.zeros_like(context), jnp.zeros_like(pooled)
+        neg_context, neg_pooled = self.encode_prompt(params, jnp.asarray(self.empty_ids))
+        return jnp.broadcast_to(neg_context, context.shape), jnp.broadcast_to(neg_pooled, pooled.shape)
 
     def time_ids(self, inputs):
         """(time ids, the unconditional rows' time ids), from filled inputs (`fill_inputs`). Base: original size,
@@ -227,6 +240,18 @@ class SDXLText:
             return ids, ids
         return (jnp.concatenate([original, crop, inputs.aesthetic_score.reshape(1)]),
                 jnp.concatenate([original, jnp.zeros_like(crop), inputs.negative_aesthetic_score.reshape(1)]))
+
+
+def fill_negative(inputs, empty_ids):
+    """(inputs, filled): `neg_prompt_ids` the empty prompt's ids where prompt ids came without a negative prompt
+    (filled True), so that calls with and without one share a program; else as given (filled False)."""
+    ids = inputs.prompt_ids
+    if ids is None or inputs.prompt_embeds is not None or inputs.neg_prompt_ids is not None or \
+            inputs.neg_prompt_embeds is not None:
+        return inputs, False
+    empty = np.asarray(empty_ids, np.int32)[0]  # (77,), SDXL (2, 77)
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    return inputs.replace(neg_prompt_ids=xp.broadcast_to(empty.astype(ids.dtype), ids.shape)), True
 
 
 def size_conditioning(height, width, original_size=None, crops_coords_top_left=None, target_size=None):

@@ -27,6 +27,9 @@ class Inputs:
 
     prompt_ids: Any = _batched()  # (B, 77) for SD, (B, 2, 77) for SDXL (one row per tokenizer)
     neg_prompt_ids: Any = _batched()  # as prompt_ids; None: the empty prompt (SDXL: zeros, if its config says)
+    # (B,) bool: the rows given no negative prompt, for SDXL's default there (zeros if its config says); SDXL
+    # pipelines fill it in beside placeholder neg_prompt_ids, so that calls with and without one share a program
+    no_negative_prompt: Any = _batched()
     prompt_embeds: Any = _batched()  # (B, 77, D): text states that replace prompt_ids' encoding
     neg_prompt_embeds: Any = _batched()
     pooled_prompt_embeds: Any = _batched()  # SDXL: (B, P), the second encoder's projected pooled output
