@@ -4,7 +4,8 @@ STANDINS maps every hub id the pages name to a small random-weight checkpoint of
 builders and saved with diffusers' save_pretrained into a Hugging Face cache laid out as the hub lays it out
 (models--org--name/snapshots/<commit>/..., refs/main), so `from_pretrained("stable-diffusion-v1-5/...")` and
 `sdflax generate --model ...` take the real loading path offline. FILES are the files the pages read (a picture, a
-mask, LoRAs, embeddings, a single-file checkpoint, prompt files), made into each page's working folder.
+mask, LoRAs, embeddings, a single-file checkpoint, an original-layout ControlNet file, prompt files), made into
+each page's working folder.
 
 The stand-ins keep the builders' small sizes (32 px images: latents of 16 x 16 and a VAE of scale factor 2), not the
 real models' 512 / 1024 px, so that a page's fifty steps cost little: the pages state no pixel size that depends on
@@ -18,13 +19,18 @@ import os
 import shutil
 from pathlib import Path
 
-from builders import REPO, SD1
+from builders import REPO, SD1, SDXL
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-# SD 1.5's family at the builders' smallest: one layer a block, 32 px images (a VAE of scale factor 2).
-SD15 = {**SD1, "unet": {**SD1["unet"], "layers_per_block": 1}, "vae": {**SD1["vae"], "layers_per_block": 1}}
+# SD 1.5's family at its smallest: two UNet blocks (cross-attention in the outer one, down and up, and in the middle
+# block: what ControlNet, FreeU, PAG, DeepCache and the attention hooks address) of one layer each, 32 px images (a
+# VAE of scale factor 2). Each program the pages compile is mostly this UNet's.
+SD15 = {**SD1, "unet": {**SD1["unet"], "layers_per_block": 1, "block_out_channels": (32, 64),
+                        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+                        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")},
+        "vae": {**SD1["vae"], "layers_per_block": 1}}
 
 
 @functools.cache
@@ -57,34 +63,66 @@ def sd15_inpainting(folder):
     StableDiffusionInpaintPipeline(**components).save_pretrained(folder)
 
 
-def sdxl_base(folder):
-    from builders import torch_xl_pipeline
+# SDXL's family as the builders' (two blocks, cross-attention in the inner one), one layer a block and one
+# transformer layer each.
+SDXL_UNET = {**SDXL["unet"], "layers_per_block": 1, "transformer_layers_per_block": (1, 1)}
 
-    torch_xl_pipeline().save_pretrained(folder)
+
+@functools.cache
+def torch_sdxl():
+    """The SDXL base stand-in as a diffusers pipeline (its refiner, inpainting model, ControlNet and LoRA are made
+    from it)."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from builders import torch_unet, torch_xl_pipeline
+
+    return StableDiffusionXLPipeline(**{**torch_xl_pipeline().components, "unet": torch_unet(SDXL_UNET)},
+                                     add_watermarker=False)
+
+
+def sdxl_base(folder):
+    torch_sdxl().save_pretrained(folder)
 
 
 def sdxl_refiner(folder):
-    from builders import torch_xl_refiner
+    """The refiner's shape (builders.torch_xl_refiner): the base's VAE and second encoder, a UNet of its own."""
+    from diffusers import StableDiffusionXLImg2ImgPipeline
 
-    torch_xl_refiner().save_pretrained(folder)
+    from builders import SDXL_REFINER_UNET, torch_unet
+
+    base = torch_sdxl()
+    unet = torch_unet({**SDXL_REFINER_UNET, "layers_per_block": 1, "transformer_layers_per_block": (1, 1)}, seed=2)
+    StableDiffusionXLImg2ImgPipeline(
+        vae=base.vae, text_encoder=None, text_encoder_2=base.text_encoder_2, tokenizer=None,
+        tokenizer_2=base.tokenizer_2, unet=unet, scheduler=base.scheduler, requires_aesthetics_score=True,
+        force_zeros_for_empty_prompt=False, add_watermarker=False).save_pretrained(folder)
 
 
 def sdxl_inpainting(folder):
-    from builders import torch_xl_inpaint_pipeline
+    """With a 9-channel UNet (latents, mask, masked image latents), as SDXL's inpainting checkpoint."""
+    from diffusers import StableDiffusionXLInpaintPipeline
 
-    torch_xl_inpaint_pipeline().save_pretrained(folder)
+    from builders import torch_unet
+
+    components = {**torch_sdxl().components, "unet": torch_unet({**SDXL_UNET, "in_channels": 9}, seed=1)}
+    StableDiffusionXLInpaintPipeline(**components, add_watermarker=False).save_pretrained(folder)
+
+
+@functools.cache
+def torch_sd15_controlnet():
+    from builders import torch_controlnet
+
+    return torch_controlnet(torch_sd15().unet)
 
 
 def sd15_controlnet(folder):
-    from builders import torch_controlnet
-
-    torch_controlnet(torch_sd15().unet).save_pretrained(folder)
+    torch_sd15_controlnet().save_pretrained(folder)
 
 
 def sdxl_controlnet(folder):
-    from builders import SDXL, torch_controlnet, torch_unet
+    from builders import torch_controlnet
 
-    torch_controlnet(torch_unet(SDXL["unet"])).save_pretrained(folder)
+    torch_controlnet(torch_sdxl().unet).save_pretrained(folder)
 
 
 def sd15_lora(folder):
@@ -107,6 +145,7 @@ STANDINS = {
     "diffusers/stable-diffusion-xl-1.0-inpainting-0.1": sdxl_inpainting,
     "lllyasviel/sd-controlnet-canny": sd15_controlnet,
     "lllyasviel/control_v11p_sd15_canny": sd15_controlnet,
+    "lllyasviel/control_v11e_sd15_shuffle": sd15_controlnet,
     "diffusers/controlnet-canny-sdxl-1.0": sdxl_controlnet,
     "latent-consistency/lcm-lora-sdv1-5": sd15_lora,
 }
@@ -135,7 +174,7 @@ def files(folder):
     import torch
     from safetensors.torch import save_file
 
-    from builders import torch_xl_pipeline
+    from test_controlnet_model import controlnet_to_ldm
     from test_lora import kohya_file
     from test_single_file import to_single_file
     from test_textual_inversion import write
@@ -154,7 +193,9 @@ def files(folder):
     write(folder / "embeddings" / "charturner.pt", "a1111.pt", torch.randn(2, 32), "ignored")
     shutil.copy(folder / "embeddings" / "charturner.pt", folder / "charturner.pt")
     save_file(to_single_file(tiny, "sd1"), folder / "models" / "dreamshaper_8.safetensors")
-    kohya_file(folder / "sdxl-style.safetensors", torch_xl_pipeline(), seed=4)
+    net = torch_sd15_controlnet()  # an original-layout ControlNet file (its config: --controlnet-config)
+    save_file(controlnet_to_ldm(net.state_dict(), dict(net.config)), folder / "control_v11e_sd15_shuffle.safetensors")
+    kohya_file(folder / "sdxl-style.safetensors", torch_sdxl(), seed=4)
     write_xl(folder / "sdxl-emb.safetensors", 2)
     (folder / "prompts.txt").write_text("a red fox, watercolor\na lighthouse at dusk\n")
     (folder / "prompts.jsonl").write_text(
