@@ -17,3 +17,36 @@ if "SDFLAX_CACHE_DIR" not in os.environ:
 import sdflax  # noqa: E402
 
 sdflax.enable_compile_cache()
+
+# pytest-xdist runs the suite on two workers (`-n 2`, README): torch's OpenMP threads would spin against the other
+# worker's on a small machine, so each worker's torch keeps to one thread (its results do not depend on it).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Where the suite's time goes: with SDFLAX_TEST_COMPILE_REPORT=FILE, each process appends one line per test module,
+# "<seconds compiling> <programs traced> <module>" (tracing, lowering and XLA's compile or the cache's load).
+_REPORT = os.environ.get("SDFLAX_TEST_COMPILE_REPORT")
+if _REPORT:
+    import collections
+
+    import jax
+    import pytest
+
+    _compiles = collections.defaultdict(lambda: [0.0, 0])
+    _module = ["(collection)"]
+
+    def _listen(event, seconds, **_):
+        if event.startswith("/jax/core/compile/"):
+            _compiles[_module[0]][0] += seconds
+            _compiles[_module[0]][1] += event == "/jax/core/compile/jaxpr_trace_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(_listen)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _module[0] = item.nodeid.split("::")[0]
+        yield
+
+    def pytest_sessionfinish(session):
+        with open(_REPORT, "a") as report:
+            report.writelines(f"{seconds:.1f} {count} {module}\n" for module, (seconds, count) in _compiles.items())
