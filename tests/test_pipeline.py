@@ -10,7 +10,9 @@ from builders import REPO, torch_pipeline
 import jax
 import jax.numpy as jnp
 
-from sdflax import StableDiffusion, replicate
+import sdflax
+from sdflax import Inputs, Settings, StableDiffusion, replicate
+from sdflax.pipeline.runner import compiler_options
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
@@ -80,11 +82,17 @@ def test_python_loop_mode_equals_scan(sd1):
     np.testing.assert_allclose(looped, scanned, rtol=1e-4, atol=1e-5)
 
 
+def compile_events() -> list:
+    """The XLA compiles of this process from now on, as they happen."""
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: events.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    return events
+
+
 def test_traced_values_never_recompile(sd1):
     pipe, params = sd1
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    compiles = compile_events()
     ids = pipe.prepare_inputs(PROMPTS)
     latents = np.random.default_rng(0).standard_normal((2, 4, 16, 16), dtype=np.float32)
     pipe(ids, params, jax.random.key(0), 2)  # first call: compiles
@@ -101,6 +109,26 @@ def test_traced_values_never_recompile(sd1):
     pipe(ids, params, jax.random.key(0), 2, height=16, width=48)  # new size: one more
     pipe(ids[:1], params, jax.random.key(0), 2)  # new batch: one more
     assert pipe._jitted._cache_size() == 5
+
+
+def test_sdflax_generate_is_one_compiled_program(sd1):
+    pipe, params = sd1
+    ids, neg = pipe.prepare_inputs(PROMPTS), pipe.prepare_inputs(NEGATIVE)
+    inputs = Inputs(prompt_ids=ids, neg_prompt_ids=neg, prng_seed=jax.random.key(0), guidance_scale=jnp.float32(7.5),
+                    guidance_rescale=jnp.float32(0))  # as the pipeline's call makes them
+    settings = Settings(num_inference_steps=2, height=32, width=32)
+    # one program, not hundreds of eager operations; inside a caller's trace too
+    jaxpr = jax.make_jaxpr(sdflax.generate, static_argnums=(0, 3))(pipe.spec, params, inputs, settings).jaxpr
+    assert [eqn.primitive.name for eqn in jaxpr.eqns] == ["jit"]
+    compiler_options()  # its probe of this jaxlib's options compiles, once a process
+    compiles = compile_events()
+    images = sdflax.generate(pipe.spec, params, inputs, settings).images
+    assert len(compiles) <= 1  # the program (unless this process has it already)
+    sdflax.generate(pipe.spec, params, inputs.replace(prng_seed=jax.random.key(1), guidance_scale=jnp.float32(3)),
+                    settings)
+    assert len(compiles) <= 1  # traced values: the same program
+    # the program of the pipeline's call, with its compiler options
+    np.testing.assert_array_equal(images, pipe(ids, params, jax.random.key(0), 2, neg_prompt_ids=neg).images)
 
 
 def test_negative_prompts_change_the_image_and_do_not_recompile(sd1):

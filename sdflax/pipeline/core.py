@@ -19,7 +19,7 @@ import numpy as np
 from ..models.config import read_config_file
 from ..schedulers import Scheduler, scheduler_from_config
 from . import checks
-from .generate import generate
+from .generate import generate, generate_fn
 from .images import numpy_to_pil, preprocess_pictures
 from .runner import Runner
 from .starts import FromNoise, is_inpainting_unet
@@ -187,7 +187,7 @@ class Pipeline:
         """The programs of this pipeline's current spec (a scheduler set back finds its programs again)."""
         spec = self.spec
         if spec not in self._runners:
-            self._runners[spec] = Runner(generate)
+            self._runners[spec] = Runner(generate_fn)
         return self._runners[spec]
 
     @property
@@ -218,7 +218,7 @@ class Pipeline:
 
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, params, inputs: Inputs, settings: Settings):
-        """`sdflax.generate` with this pipeline's spec: a pure function of `params` and `inputs`."""
+        """`sdflax.generate` with this pipeline's spec: a pure function of `params` and `inputs`, compiled."""
         return generate(self.spec, params, inputs, settings)
 
     def _call(self, args, kwargs):
@@ -234,7 +234,7 @@ class Pipeline:
         """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
         `(images, sampling.Trajectory)` with `return_trajectory=True` or hooks that emit values (`with_hooks`).
         jit, pmap, vmap and grad apply to it."""
-        out = self.generate(*self._checked(args, kwargs, self.signature_without_jit(), None, None))
+        out = generate_fn(self.spec, *self._checked(args, kwargs, self.signature_without_jit(), None, None))
         return tuple(out) if out.trajectory is not None else out.images
 
     def generate_sharded(self, *args, mesh=None, **kwargs):

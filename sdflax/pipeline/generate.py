@@ -2,20 +2,33 @@
 
 A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SDText`, `text.SDXLText`), a start
 (`starts.FromNoise`, `FromImage`, `FromImageMask`), UNet wrappers (`controlnet.ControlNet`), the UNet, the VAE and
-the scheduler. `runner.Runner` builds the jit, pmap and jit + NamedSharding programs of `generate`.
+the scheduler. `generate_fn` is the computation; `runner.Runner` builds its jit, pmap and jit + NamedSharding
+programs, and `generate` (`sdflax.generate`) is its jit program.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .. import sampling
 from ..hooks.core import Hook, intercept
+from .runner import Runner
 from .types import Inputs, Output, Settings, Spec
 
 
 def generate(spec: Spec, params, inputs: Inputs, settings: Settings) -> Output:
-    """The whole prompt (+ image) -> images computation as a pure function of `params` and `inputs`.
+    """`generate_fn` compiled (`spec` and `settings` static): one compile per spec, settings and input shapes, none
+    for new traced values; the pipelines' one-device program. A pure function still: jit, vmap and grad apply to
+    it (a caller's transformation of traced arguments compiles it without the pipelines' compiler options, which
+    only a top-level jit takes)."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((params, inputs))):
+        return _NESTED(spec, params, inputs, settings)
+    return _PROGRAMS.jit(spec, params, inputs, settings)
+
+
+def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Output:
+    """The whole prompt (+ image) -> images computation as a pure function of `params` and `inputs`, uncompiled.
 
     Differentiable end to end (each sampler step is rematerialised).
     """
@@ -58,3 +71,7 @@ def generate(spec: Spec, params, inputs: Inputs, settings: Settings) -> Output:
     if settings.output_type == "latent":
         return Output(latents, trajectory)
     return Output(spec.vae.decode(params, latents), trajectory)
+
+
+_PROGRAMS = Runner(generate_fn)  # generate's: the pipelines' one-device program, made when first called
+_NESTED = jax.jit(generate_fn, static_argnums=(0, 3))
