@@ -97,7 +97,7 @@ class Pipeline:
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
                          scheduler_config=None, attention="auto", revision=None):
         """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout; configs from
-        `config` or bundled defaults (README, "Single-file checkpoints")."""
+        `config` or bundled defaults (docs/checkpoints.md)."""
         from ..single_file import load_single_file
 
         from ..single_file import bundled_config_folder
