@@ -98,9 +98,7 @@ class Pipeline:
                          scheduler_config=None, attention="auto", revision=None):
         """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout; configs from
         `config` or bundled defaults (docs/checkpoints.md)."""
-        from ..single_file import load_single_file
-
-        from ..single_file import bundled_config_folder
+        from ..single_file import bundled_config_folder, load_single_file
 
         parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
                                          attention, revision, family=cls.text, pipeline=cls.__name__)
