@@ -7,7 +7,8 @@ Milliseconds, median of --repeats calls each, as one JSON object:
 - attention: sdflax's `dot_product_attention` (one (image, head) pair at a time, in blocks of queries, where an
   image's logits exceed CPU_ATTENTION_BLOCK_BYTES), its XLA path in one piece, jax.nn.dot_product_attention, and
   torch's scaled_dot_product_attention;
-- conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image), XLA's
+- conv: sdflax's 3x3 conv (a patch matmul up to CPU_PATCH_MATMUL_PIXELS output pixels an image from
+  CPU_PATCH_MATMUL_MIN_CHANNELS input channels), XLA's
   convolution, the patch matmul at every size, and torch's conv2d;
 - unet (with --unet N): sdflax's and diffusers' SD 1.5 UNet on a guidance batch of 2, random weights.
 Each row has `ratio`: sdflax over torch. Every JAX kernel is compiled with the pipelines' XLA options
@@ -34,8 +35,8 @@ from sdflax.models import layers  # noqa: E402
 from sdflax.pipeline.runner import compiler_options  # noqa: E402
 
 ATTENTION_SHAPES = [(2, 1024, 1024, 8, 40), (2, 1024, 77, 8, 40), (2, 4096, 4096, 8, 40)]  # B, T, S, heads, dim
-CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 16, 16, 640, 640), (8, 16, 16, 640, 640),
-               (2, 32, 32, 320, 320), (1, 64, 64, 512, 512)]  # B, H, W, in, out
+CONV_SHAPES = [(2, 4, 4, 2560, 1280), (2, 8, 8, 2560, 1280), (2, 8, 8, 128, 128), (2, 16, 16, 640, 640),
+               (8, 16, 16, 640, 640), (2, 32, 32, 320, 320), (1, 64, 64, 512, 512)]  # B, H, W, in, out
 
 
 def require_torch():
@@ -89,11 +90,12 @@ def attention_rows(shapes, repeats):
 
 def patch_matmul_conv(module, params, x):
     """sdflax's conv forced onto its patch-matmul path, whatever the size (the rule is read when tracing)."""
-    saved, layers.CPU_PATCH_MATMUL_PIXELS = layers.CPU_PATCH_MATMUL_PIXELS, float("inf")
+    saved = layers.CPU_PATCH_MATMUL_PIXELS, layers.CPU_PATCH_MATMUL_MIN_CHANNELS
+    layers.CPU_PATCH_MATMUL_PIXELS, layers.CPU_PATCH_MATMUL_MIN_CHANNELS = float("inf"), 0
     try:
         return module.apply(params, x)
     finally:
-        layers.CPU_PATCH_MATMUL_PIXELS = saved
+        layers.CPU_PATCH_MATMUL_PIXELS, layers.CPU_PATCH_MATMUL_MIN_CHANNELS = saved
 
 
 def conv_rows(shapes, repeats):
@@ -118,7 +120,7 @@ def conv_rows(shapes, repeats):
         tb = torch.from_numpy(np.array(bias))
         with torch.no_grad():
             row["torch_conv2d"] = milliseconds(lambda: torch.nn.functional.conv2d(tx, tw, tb, padding=1), repeats)
-        rows.append({**row, "patch_matmul": hgt * wid <= layers.CPU_PATCH_MATMUL_PIXELS,
+        rows.append({**row, "patch_matmul": layers.patch_matmul_pays(hgt * wid, c_in, 3),
                      "ratio": round(row["sdflax"] / row["torch_conv2d"], 3)})
     return rows
 
@@ -153,11 +155,12 @@ def main(argv=None):
     torch = require_torch()
     attention, convs = ATTENTION_SHAPES, CONV_SHAPES
     if args.small:
-        attention, convs = [(1, 1100, 1100, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 16, 8), (2, 32, 32, 8, 8)]
+        attention, convs = [(1, 1100, 1100, 2, 8), (1, 64, 77, 2, 8)], [(1, 8, 8, 256, 8), (2, 32, 32, 8, 8)]
     report = {"device": str(jax.devices()[0]), "torch_threads": torch.get_num_threads(),
               "compiler_options": compiler_options(),
               "cpu_attention_block_bytes": layers.CPU_ATTENTION_BLOCK_BYTES,
               "cpu_patch_matmul_pixels": layers.CPU_PATCH_MATMUL_PIXELS,
+              "cpu_patch_matmul_min_channels": layers.CPU_PATCH_MATMUL_MIN_CHANNELS,
               "attention": attention_rows(attention, args.repeats), "conv": conv_rows(convs, args.repeats)}
     if args.unet:
         report["unet"] = unet_row(args.unet, args.repeats)

@@ -105,7 +105,7 @@ def test_kernel_benchmark_reports_every_kernel(tmp):
                              "--repeats", "1"], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     out = parse(result)
     assert [row["loops"] for row in out["attention"]] == [True, False]  # 9.7 MB and 39 kB of logits
-    assert [row["patch_matmul"] for row in out["conv"]] == [True, False]  # 64 and 1024 output pixels an image
+    assert [row["patch_matmul"] for row in out["conv"]] == [True, False]  # 64 pixels x 256 channels; 1024 pixels
     for row, count in [(row, 5) for row in out["attention"]] + [(row, 5) for row in out["conv"]]:
         figures = {k: v for k, v in row.items() if k not in ("shape", "loops", "patch_matmul")}
         assert len(figures) == count and all(map(positive, figures.values())), row

@@ -60,7 +60,8 @@ def test_attention_of_an_image_does_not_depend_on_its_batch(tokens, keys):
 
 
 @pytest.mark.parametrize("size, channels, kernel, stride, padding", [
-    (8, 48, 3, 1, 1),    # 8 x 8 = 64 output pixels an image: one patch matmul on the CPU
+    (8, 256, 3, 1, 1),   # 8 x 8 = 64 output pixels an image, 256 channels: one patch matmul on the CPU
+    (8, 48, 3, 1, 1),    # 64 output pixels, 48 channels: XLA's convolution
     (32, 16, 3, 1, 1),   # 1024 output pixels an image: XLA's convolution
     (9, 24, 3, 2, 1),    # odd side, stride 2
     (10, 24, 3, 2, 0),   # the VAE's downsampling (its (0, 1) pad happens before the conv)
@@ -81,7 +82,8 @@ def test_conv_matches_torch(size, channels, kernel, stride, padding):
 
     out_pixels = ours.shape[1] * ours.shape[2]  # per image: the batch does not change the path
     as_matmul = "convolution(" not in compiled_text(module.apply, params, x)
-    assert as_matmul == (kernel > 1 and out_pixels <= layers.CPU_PATCH_MATMUL_PIXELS)
+    assert as_matmul == (kernel > 1 and out_pixels <= layers.CPU_PATCH_MATMUL_PIXELS
+                         and channels >= layers.CPU_PATCH_MATMUL_MIN_CHANNELS)
 
 
 def test_bfloat16_conv_and_attention_stay_in_bfloat16():
@@ -139,7 +141,7 @@ def test_the_kernels_platform_picks_the_paths():
     assert "while" not in compiled_text(on_gpu, q, k, v) and "while" in compiled_text(dot_product_attention, q, k, v)
     np.testing.assert_allclose(jax.jit(on_gpu)(q, k, v), jax.jit(dot_product_attention)(q, k, v), rtol=RTOL, atol=ATOL)
 
-    x = rng.standard_normal((2, 8, 8, 48), dtype=np.float32)
+    x = rng.standard_normal((2, 8, 8, 256), dtype=np.float32)  # small and wide: a patch matmul on the CPU
     here, there = conv(32), conv(32, kernels=gpu)
     params = here.init(jax.random.key(0), x)
     assert "convolution(" not in compiled_text(here.apply, params, x)

@@ -180,6 +180,7 @@ def test_unet_paths_follow_its_kernels(monkeypatch):
     self-attention in one piece (no CPU loop over heads and query blocks, here made to run by a small block) and
     every 3x3 conv as a convolution, with the same numbers."""
     monkeypatch.setattr(layers, "CPU_ATTENTION_BLOCK_BYTES", 100_000)  # 256 x 256 logits: 262 kB a head
+    monkeypatch.setattr(layers, "CPU_PATCH_MATMUL_MIN_CHANNELS", 0)  # its narrow 4x4 convs as patch matmuls here
     unet = UNet2DConditionModel.from_config(CONFIGS["sd1"]["unet"])
     gpu = unet.clone(kernels=Kernels("gpu", "9.0"))
     rng = np.random.default_rng(3)

@@ -26,10 +26,12 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 # most this many bytes, so that they stay near the caches while exp, the row sums and the product with v read them
 # (docs/performance.md: blocks of queries over every head at once wrote their logits to memory).
 CPU_ATTENTION_BLOCK_BYTES = 8 << 20
-# On the CPU, a convolution with at most this many output pixels per image is faster as one matmul over its 3x3
-# patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280). Per image, not per batch: the two paths sum
-# in different orders, and an image must not change with the batch it is made in.
+# On the CPU, a convolution with at most this many output pixels per image and at least this many input channels is
+# faster as one matmul over its 3x3 patches than through XLA's convolution (SD 1.5's 8x8x2560 -> 1280); narrower
+# ones are not, and their patches double the program's compile time (docs/performance.md). Per image, not per
+# batch: the two paths sum in different orders, and an image must not change with the batch it is made in.
 CPU_PATCH_MATMUL_PIXELS = 64
+CPU_PATCH_MATMUL_MIN_CHANNELS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +244,14 @@ class Conv2d(ReadsParams, nn.Module):
                                        for i in range(k) for j in range(k)], axis=-1)
             return patches @ kernel.reshape(-1, self.features)
 
-        small = h_out * w_out <= CPU_PATCH_MATMUL_PIXELS and k > 1
-        y = (patch_matmul if small and self.kernels.platform == "cpu" else convolve)(x, kernel)
+        as_matmul = self.kernels.platform == "cpu" and patch_matmul_pays(h_out * w_out, x.shape[-1], k)
+        y = (patch_matmul if as_matmul else convolve)(x, kernel)
         return y + bias.astype(self.dtype)
+
+
+def patch_matmul_pays(out_pixels: int, in_channels: int, kernel: int) -> bool:
+    """Whether a CPU convolution runs as one matmul over its patches: small images (per image), wide channels."""
+    return kernel > 1 and out_pixels <= CPU_PATCH_MATMUL_PIXELS and in_channels >= CPU_PATCH_MATMUL_MIN_CHANNELS
 
 
 class Attention(nn.Module):
