@@ -3,6 +3,7 @@ weights/tiny-sd with small random ControlNets made for it: the PNGs equal the li
 bad input in process (it fails before JAX starts)."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -10,6 +11,8 @@ import pytest
 from builders import torch_controlnet
 from PIL import Image
 from test_cli import TINY, assert_help_lists, one_error_line, pixels, run_cli
+
+import jax
 
 from sdflax.cli import main
 
@@ -33,56 +36,76 @@ def folder(tmp_path_factory):
     return tmp
 
 
-def library_images(folder, kind, seeds, scales, nets, controls, pictures=(), strength=None):
-    """What the library makes for the CLI's inputs: control images resized to 32x28 as the CLI does, one key per
-    seed, the empty negative prompt's ids, guidance 7.5, 2 steps."""
-    import jax
-    import jax.numpy as jnp
+def as_the_cli(seed):
+    """The CLI's keys on this session's devices: it fills every device (a row each, seeds seed, seed + 1, ...) and
+    gives each row a raw key (numpy, as `sample_rows` makes them)."""
+    keys = [np.asarray(jax.random.key_data(jax.random.key(seed + i))) for i in range(jax.local_device_count())]
+    return np.stack(keys)
 
+
+def run_cli_here(args, tmp, cwd):
+    """run_cli on this session's devices and with its compile cache: the library calls below, made as the CLI
+    makes them (`generate_sharded` over every device, its keys and settings), then load the programs the CLI
+    compiled instead of compiling them again (a cached program is one of a device count)."""
+    return run_cli(args, tmp, devices=jax.local_device_count(), cwd=cwd,
+                   env={"SDFLAX_CACHE_DIR": os.environ["SDFLAX_CACHE_DIR"]})
+
+
+def library(folder, kind, nets):
+    """(pipeline, params) of tiny-sd with the nets, as the CLI loads them."""
     from sdflax import ControlNetModel
-    from sdflax.pipeline.images import preprocess_images
-    from sdflax.pipeline.images import preprocess_images_and_masks
-    from sdflax.pipeline.images import preprocess_control_images
 
     loaded = [ControlNetModel.from_pretrained(folder / net) for net in nets]
     pipe, params = kind.from_pretrained(TINY, controlnet=[net for net, _ in loaded])
     params["controlnet"] = [p for _, p in loaded]
-    n = len(seeds)
+    return pipe, params
+
+
+def library_images(folder, pipe, params, seed, scales, controls, pictures=(), strength=None):
+    """What the library makes for the CLI's inputs, as the CLI makes them: control images resized to 32x28 as the
+    CLI does, the CLI's keys (`as_the_cli`), the empty negative prompt's ids, guidance 7.5, 2 steps, by
+    `generate_sharded` over every device. The CLI's first images are the first rows."""
+    from sdflax.pipeline.images import preprocess_images
+    from sdflax.pipeline.images import preprocess_images_and_masks
+    from sdflax.pipeline.images import preprocess_control_images
+
+    keys = as_the_cli(seed)
+    n = len(keys)
     control = [np.repeat(preprocess_control_images(Image.open(folder / c).convert("RGB").resize(
         (32, 28), Image.LANCZOS), pipe.vae_scale_factor), n, 0) for c in controls]
     ids, neg = pipe.prepare_inputs(["a house"] * n), pipe.prepare_inputs([""] * n)
-    keys = jnp.stack([jax.random.key(s) for s in seeds])
     if not pictures:
-        return pipe(ids, control, params, keys, 2, guidance_scale=7.5, neg_prompt_ids=neg,
-                    controlnet_conditioning_scale=scales).images
+        return pipe.generate_sharded(ids, control, params, keys, 2, guidance_scale=7.5, neg_prompt_ids=neg,
+                                     controlnet_conditioning_scale=scales, height=28, width=32)
     image = Image.open(folder / pictures[0]).convert("RGB")
     if len(pictures) == 2:
         images = preprocess_images_and_masks([image], [Image.open(folder / pictures[1])], pipe.vae_scale_factor)
     else:
         images = [preprocess_images([image], pipe.vae_scale_factor)]
     images = [np.repeat(x, n, 0) for x in images]
-    return pipe(ids, *images, control, params, keys, strength, 2, guidance_scale=7.5, neg_prompt_ids=neg,
-                controlnet_conditioning_scale=scales).images
+    return pipe.generate_sharded(ids, *images, control, params, keys, strength, 2, guidance_scale=7.5,
+                                 neg_prompt_ids=neg, controlnet_conditioning_scale=scales)
 
 
 def assert_close_to(path, expected):
-    """uint8 PNG pixels against the library's float image (rounding, and pmap vs jit: at most one level)."""
+    """uint8 PNG pixels against the library's float image (rounding: at most one level)."""
     assert np.abs(pixels(path).astype(np.float32) - np.round(expected * 255)).max() <= 1
 
 
 def test_generate_with_two_nets(folder, tmp_path):
     from sdflax import StableDiffusionControlNet
 
-    result = run_cli(["generate", "a house", "--model", TINY, "--steps", "2", "--seed", "7", "--num-images", "2",
-                      "--controlnet", "net1", "--control-image", "edges.png", "--controlnet", "net2",
-                      "--control-image", "depth.png", "--control-scale", "1.0", "--control-scale", "0.5",
-                      "--no-progress", "--out", str(tmp_path / "out")], tmp_path, devices=2, cwd=folder)
+    result = run_cli_here(["generate", "a house", "--model", TINY, "--steps", "2", "--seed", "7", "--num-images",
+                           "2", "--controlnet", "net1", "--control-image", "edges.png", "--controlnet", "net2",
+                           "--control-image", "depth.png", "--control-scale", "1.0", "--control-scale", "0.5",
+                           "--no-progress", "--out", str(tmp_path / "out")], tmp_path, cwd=folder)
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines()[0] == ("sdflax: warning: --control-image edges.png is 34x30: resized to "
                                              "32x28, a multiple of 4 (the VAE scale factor)")
     paths = result.stdout.split()
-    expected = library_images(folder, StableDiffusionControlNet, [7, 8], [1.0, 0.5], ["net1", "net2"],
-                              ["edges.png", "depth.png"])
+    pipe, params = library(folder, StableDiffusionControlNet, ["net1", "net2"])
+    controls = ["edges.png", "depth.png"]
+    expected = library_images(folder, pipe, params, 7, [1.0, 0.5], controls)
     for path, image in zip(paths, expected):
         assert_close_to(path, image)
         text = Image.open(path).text
@@ -91,9 +114,8 @@ def test_generate_with_two_nets(folder, tmp_path):
         assert json.loads(text["control_scale"]) == [1.0, 0.5]
         assert text["parameters"].endswith(', Size: 32x28, Model: ' + TINY + ', ControlNet 0: "Model: net1, '
                                            'Weight: 1.0", ControlNet 1: "Model: net2, Weight: 0.5"')
-    # the nets steer: the same seed with the second net off differs
-    other = library_images(folder, StableDiffusionControlNet, [7], [1.0, 0.0], ["net1", "net2"],
-                           ["edges.png", "depth.png"])
+    # the nets steer: the same seed with the second net off differs (a traced scale: the same program)
+    other = library_images(folder, pipe, params, 7, [1.0, 0.0], controls)
     assert np.abs(other[0] - expected[0]).max() > 0.02
 
 
@@ -106,13 +128,15 @@ def test_img2img_and_inpaint_with_a_net_and_diffusers_default_scales(folder, tmp
     from sdflax import StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint
 
     flags = ["--image", "in.png"] + (["--mask", "mask.png"] if command == "inpaint" else [])
-    result = run_cli([command, "a house", *flags, "--model", TINY, "--steps", "2", "--seed", "3", "--strength",
-                      str(strength), "--controlnet", "net1", "--control-image", "edges.png", "--no-progress",
-                      "--out", str(tmp_path / "out.png")], tmp_path, devices=1, cwd=folder)
+    result = run_cli_here([command, "a house", *flags, "--model", TINY, "--steps", "2", "--seed", "3",
+                           "--strength", str(strength), "--controlnet", "net1", "--control-image", "edges.png",
+                           "--num-images", "1", "--no-progress", "--out", str(tmp_path / "out.png")], tmp_path,
+                          cwd=folder)
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr  # the control image is resized to --image's size, as diffusers does
     kind = {"img2img": StableDiffusionControlNetImg2Img, "inpaint": StableDiffusionControlNetInpaint}[command]
-    [expected] = library_images(folder, kind, [3], [scale], ["net1"], ["edges.png"], pictures, strength)
+    pipe, params = library(folder, kind, ["net1"])
+    expected = library_images(folder, pipe, params, 3, [scale], ["edges.png"], pictures, strength)[0]
     assert_close_to(tmp_path / "out.png", expected)
     assert json.loads(Image.open(tmp_path / "out.png").text["control_scale"]) == [scale]
 
@@ -211,15 +235,14 @@ def xl_folder(tmp_path_factory):
 @pytest.mark.parametrize("command", ["img2img", "inpaint"])
 def test_sdxl_img2img_and_inpaint_with_a_net_equal_the_library_with_its_defaults(xl_folder, tmp_path, command):
     """The strength, guidance and net scale left out: the pipeline class's own defaults, in the CLI as in the
-    library."""
-    import jax
-
+    library (which is given the default scale as the CLI passes scales, one per net: a list of one is another
+    program than a number)."""
     from sdflax import ControlNetModel, StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint
 
     mask = ["--mask", "mask.png"] if command == "inpaint" else []
-    result = run_cli([command, "a house", "--image", "in.png", *mask, "--model", "xl", "--steps", "2", "--seed", "3",
-                      "--controlnet", "net", "--control-image", "edges.png", "--no-progress",
-                      "--out", str(tmp_path / "out.png")], tmp_path, devices=1, cwd=xl_folder)
+    result = run_cli_here([command, "a house", "--image", "in.png", *mask, "--model", "xl", "--steps", "2", "--seed",
+                           "3", "--controlnet", "net", "--control-image", "edges.png", "--num-images", "1",
+                           "--no-progress", "--out", str(tmp_path / "out.png")], tmp_path, cwd=xl_folder)
     assert result.returncode == 0, result.stderr
     kind = {"img2img": StableDiffusionXLControlNetImg2Img, "inpaint": StableDiffusionXLControlNetInpaint}[command]
     net, net_params = ControlNetModel.from_pretrained(xl_folder / "net")
@@ -227,10 +250,13 @@ def test_sdxl_img2img_and_inpaint_with_a_net_equal_the_library_with_its_defaults
     params["controlnet"] = net_params
     pictures = [[Image.open(xl_folder / "in.png")]] + ([[Image.open(xl_folder / "mask.png")]] if mask else [])
     arrays = pipe.prepare_inputs(["a house"], *pictures, [Image.open(xl_folder / "edges.png")])
-    [expected] = pipe(*arrays, params, jax.random.key(3), num_inference_steps=2).images
+    keys = as_the_cli(3)
+    arrays = [jax.tree.map(lambda x: np.repeat(x, len(keys), 0), x) for x in arrays]  # the CLI's rows
+    defaults = kind.defaults
+    expected = pipe.generate_sharded(*arrays, params, keys, num_inference_steps=2,
+                                     controlnet_conditioning_scale=[defaults["controlnet_conditioning_scale"]])[0]
     assert expected.std() > 0.05  # not a blank image: the comparison means something
     assert_close_to(tmp_path / "out.png", expected)
     text = Image.open(tmp_path / "out.png").text
-    defaults = kind.defaults
     assert (text["strength"], text["guidance_scale"], json.loads(text["control_scale"])) == (
         str(defaults["strength"]), str(defaults["guidance_scale"]), [defaults["controlnet_conditioning_scale"]])
