@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
-from test_cli import TINY, assert_help_lists, one_error_line, pixels, run_cli
+from test_cli import TINY, assert_help_lists, one_error_line, pixels
+from test_cli_controlnet import as_the_cli, run_cli_here
 
 import jax
 
@@ -41,10 +42,16 @@ def files(tmp_path_factory):
 
 
 def cli(files, name, *args):
-    """The CLI in `files` on one device; the path of the PNG it wrote."""
-    result = run_cli([*args, "--model", "base", *COMMON, "--out", name], files, devices=1)
+    """The CLI in `files` (`run_cli_here`: the library calls below, made as the CLI makes them, load the programs it
+    compiled); the path of the PNG it wrote."""
+    result = run_cli_here([*args, "--model", "base", *COMMON, "--out", name], files, files)
     assert result.returncode == 0, result.stderr
     return files / name
+
+
+def rows(arrays, keys):
+    """The arrays of one image repeated for each of the CLI's rows (one per device, a key each)."""
+    return [np.repeat(x, len(keys), 0) for x in arrays]
 
 
 def close_to(png, expected):
@@ -61,14 +68,15 @@ def test_refiner_equals_the_library_two_stage_run(files):
               str(STEPS))
     pipe, params = StableDiffusionXL.from_pretrained(files / "base")
     refiner, refiner_params = StableDiffusionXLImg2Img.from_pretrained(files / "refiner")
-    key = jax.random.key(7)
-    latents = pipe(pipe.prepare_inputs([PROMPT], [PROMPT_2]), params, key, STEPS, height=SIZE, width=SIZE,
-                   neg_prompt_ids=pipe.prepare_inputs([NEGATIVE], [NEGATIVE_2]), denoising_end=0.7,
-                   output_type="latent").images
-    expected = refiner(refiner.prepare_inputs([PROMPT]), latents, refiner_params, key, num_inference_steps=STEPS,
-                       neg_prompt_ids=refiner.prepare_inputs([NEGATIVE]), denoising_start=0.7).images[0]
+    keys = as_the_cli(7)
+    ids, neg = rows([pipe.prepare_inputs([PROMPT], [PROMPT_2]), pipe.prepare_inputs([NEGATIVE], [NEGATIVE_2])], keys)
+    latents = pipe.generate_sharded(ids, params, keys, STEPS, height=SIZE, width=SIZE, neg_prompt_ids=neg,
+                                    denoising_end=0.7, output_type="latent")
+    ids, neg = rows([refiner.prepare_inputs([PROMPT]), refiner.prepare_inputs([NEGATIVE])], keys)
+    expected = refiner.generate_sharded(ids, latents, refiner_params, keys, num_inference_steps=STEPS,
+                                        neg_prompt_ids=neg, denoising_start=0.7)[0]
     close_to(png, expected)
-    unrefined = pipe.decode_latents(params, latents)[0]
+    unrefined = jax.jit(pipe.decode_latents)(params, latents[:1])[0]  # one program, not the VAE's ops one by one
     assert np.abs(unrefined - expected).max() > 0.02  # the refiner's steps change the image (5 uint8 levels)
 
     text = Image.open(png).text
@@ -85,11 +93,11 @@ def test_img2img_with_sdxl_and_prompt_2_equal_the_library(files):
     plain = cli(files, "img2img.png", *args)
     second = cli(files, "img2img-2.png", *args, "--prompt-2", PROMPT_2)
     pipe, params = StableDiffusionXLImg2Img.from_pretrained(files / "base")
-    picture = Image.open(files / "in.png")
+    picture, keys = Image.open(files / "in.png"), as_the_cli(7)
     for png, prompts_2 in ((plain, None), (second, [PROMPT_2])):
-        ids, image = pipe.prepare_inputs([PROMPT], [picture], prompts_2)
+        ids, image = rows(pipe.prepare_inputs([PROMPT], [picture], prompts_2), keys)
         # diffusers' SDXL img2img defaults: strength 0.3, guidance 5.0
-        close_to(png, pipe(ids, image, params, jax.random.key(7), 0.3, STEPS).images[0])
+        close_to(png, pipe.generate_sharded(ids, image, params, keys, 0.3, STEPS)[0])
     assert np.abs(pixels(plain).astype(int) - pixels(second)).max() > 5  # --prompt-2 reaches the image
     text = Image.open(second).text
     assert (text["strength"], text["guidance_scale"], text["prompt_2"]) == ("0.3", "5.0", PROMPT_2)
@@ -102,10 +110,11 @@ def test_inpaint_with_sdxl_equals_the_library(files):
     png = cli(files, "inpaint.png", "inpaint", PROMPT, "--image", "in.png", "--mask", "mask.png", "--steps",
               str(STEPS))
     pipe, params = StableDiffusionXLInpaint.from_pretrained(files / "base")
-    ids, image, mask = pipe.prepare_inputs([PROMPT], [Image.open(files / "in.png")],
-                                           [Image.open(files / "mask.png")])
+    keys = as_the_cli(7)
+    ids, image, mask = rows(pipe.prepare_inputs([PROMPT], [Image.open(files / "in.png")],
+                                                [Image.open(files / "mask.png")]), keys)
     # diffusers' SDXL inpaint defaults: strength 0.9999, guidance 7.5
-    close_to(png, pipe(ids, image, mask, params, jax.random.key(7), 0.9999, STEPS).images[0])
+    close_to(png, pipe.generate_sharded(ids, image, mask, params, keys, 0.9999, STEPS)[0])
     text = Image.open(png).text
     assert (text["strength"], text["guidance_scale"]) == ("0.9999", "7.5")
 
