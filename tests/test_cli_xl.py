@@ -26,8 +26,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A small SDXL base and refiner (diffusers folders), an input picture and mask, and the compile cache the
-    CLI runs share."""
+    """A small SDXL base and refiner (diffusers folders), an input picture and mask."""
     from builders import torch_xl_pipeline, torch_xl_refiner
 
     tmp = tmp_path_factory.mktemp("cli-xl")
@@ -55,7 +54,7 @@ def rows(arrays, keys):
 
 
 def close_to(png, expected):
-    """uint8 PNG pixels against the library's float image: rounding, and pmap vs jit (at most one level)."""
+    """uint8 PNG pixels against the library's float image: rounding (at most one level)."""
     assert expected.std() > 0.05  # not a blank image: the comparison means something
     assert np.abs(pixels(png).astype(np.float32) - np.round(expected * 255)).max() <= 1
 
