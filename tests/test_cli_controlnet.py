@@ -236,11 +236,11 @@ def xl_folder(tmp_path_factory):
 def test_sdxl_img2img_and_inpaint_with_a_net_equal_the_library_with_its_defaults(xl_folder, tmp_path, command):
     """The strength, guidance and net scale left out: the pipeline class's own defaults, in the CLI as in the
     library (which is given the default scale as the CLI passes scales, one per net: a list of one is another
-    program than a number)."""
+    program than a number). 3 steps, as tests/test_controlnet_xl_images.py: its sharded programs are these."""
     from sdflax import ControlNetModel, StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint
 
     mask = ["--mask", "mask.png"] if command == "inpaint" else []
-    result = run_cli_here([command, "a house", "--image", "in.png", *mask, "--model", "xl", "--steps", "2", "--seed",
+    result = run_cli_here([command, "a house", "--image", "in.png", *mask, "--model", "xl", "--steps", "3", "--seed",
                            "3", "--controlnet", "net", "--control-image", "edges.png", "--num-images", "1",
                            "--no-progress", "--out", str(tmp_path / "out.png")], tmp_path, cwd=xl_folder)
     assert result.returncode == 0, result.stderr
@@ -253,7 +253,7 @@ def test_sdxl_img2img_and_inpaint_with_a_net_equal_the_library_with_its_defaults
     keys = as_the_cli(3)
     arrays = [jax.tree.map(lambda x: np.repeat(x, len(keys), 0), x) for x in arrays]  # the CLI's rows
     defaults = kind.defaults
-    expected = pipe.generate_sharded(*arrays, params, keys, num_inference_steps=2,
+    expected = pipe.generate_sharded(*arrays, params, keys, num_inference_steps=3,
                                      controlnet_conditioning_scale=[defaults["controlnet_conditioning_scale"]])[0]
     assert expected.std() > 0.05  # not a blank image: the comparison means something
     assert_close_to(tmp_path / "out.png", expected)

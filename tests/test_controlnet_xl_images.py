@@ -22,6 +22,14 @@ BATCH = 8  # one image per device under pmap
 SHAPE = (BATCH, 4, SIZE // 2, SIZE // 2)
 PROMPTS = [f"a watercolor of a lighthouse, {i} boats" for i in range(BATCH)]
 NEGATIVE = ["blurry"] * BATCH
+# The img2img and ordinary-UNet inpaint runs use the strengths, steps, per-net scales and raw keys that
+# tests/test_cli_controlnet.py's SDXL command lines use (the class defaults, on the session's devices): their
+# sharded programs are the command line's, which the session's compile cache then compiles once.
+
+
+def per_image_keys(seed):
+    """One raw key per image (numpy uint32, as the command line makes them): every mode draws the same."""
+    return np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), BATCH)))
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +90,9 @@ def test_img2img_matches_diffusers_in_every_mode(checkpoint, monkeypatch):
     theirs = StableDiffusionXLControlNetImg2ImgPipeline(**components, controlnet=net)
     images, _, controls = pictures()
     ids, image, control = pipe.prepare_inputs(PROMPTS, list(images), controls)
-    keys = jax.random.split(jax.random.key(3), BATCH)  # one key per image: every mode draws the same
+    keys = per_image_keys(3)
     (posterior_eps, noise), _ = random_draws(keys, SHAPE, 2)
-    scale, strength = 0.7, 0.75
+    scale, strength = 0.7, StableDiffusionXLControlNetImg2Img.defaults["strength"]
 
     def diffusers_run(controlnet_conditioning_scale):
         patch_draws(monkeypatch, module, [posterior_eps], noise)
@@ -95,10 +103,11 @@ def test_img2img_matches_diffusers_in_every_mode(checkpoint, monkeypatch):
 
     check_every_mode(pipe, params, (ids, image, control), keys, diffusers_run(scale), diffusers_run(0.0),
                      strength=strength, num_inference_steps=STEPS, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
-                     controlnet_conditioning_scale=scale)
+                     controlnet_conditioning_scale=[scale])
 
 
-@pytest.mark.parametrize("unet_channels, strength", [(9, 1.0), (4, 0.75)])
+@pytest.mark.parametrize("unet_channels, strength", [
+    (9, 1.0), (4, StableDiffusionXLControlNetInpaint.defaults["strength"])])
 def test_inpaint_matches_diffusers_in_every_mode(checkpoint, monkeypatch, tmp_path, unet_channels, strength):
     """An SDXL inpainting UNet (the nets see the 4-channel latents) and an ordinary one (the kept region pasted
     back), at diffusers' default scale."""
@@ -116,7 +125,7 @@ def test_inpaint_matches_diffusers_in_every_mode(checkpoint, monkeypatch, tmp_pa
     assert pipe.inpainting_unet == (unet_channels == 9)
     images, masks, controls = pictures(1)
     ids, image, mask, control = pipe.prepare_inputs(PROMPTS, list(images), list(masks), controls)
-    keys = jax.random.split(jax.random.key(5), BATCH)
+    keys = per_image_keys(5)
     (image_eps, masked_eps, noise), _ = random_draws(keys, SHAPE, 3)
 
     def diffusers_run(**kwargs):
@@ -132,4 +141,4 @@ def test_inpaint_matches_diffusers_in_every_mode(checkpoint, monkeypatch, tmp_pa
 
     check_every_mode(pipe, params, (ids, image, mask, control), keys, diffusers_run(),
                      diffusers_run(controlnet_conditioning_scale=0.0), strength=strength, num_inference_steps=STEPS,
-                     neg_prompt_ids=pipe.prepare_inputs(NEGATIVE))
+                     neg_prompt_ids=pipe.prepare_inputs(NEGATIVE), controlnet_conditioning_scale=[1.0])
