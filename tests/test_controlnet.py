@@ -11,7 +11,7 @@ from builders import CONFIGS, torch_controlnet, torch_pipeline, torch_unet
 
 import jax
 
-from sdflax import ControlNetModel, StableDiffusionControlNet, UNet2DConditionModel, replicate, shard
+from sdflax import ControlNetModel, StableDiffusionControlNet, UNet2DConditionModel, random_draws, replicate, shard
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a house by a lake", "a robot in a field"]
@@ -43,8 +43,12 @@ def control_images(batch=2, seed=0):
     return [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(batch)]
 
 
-def latents(batch=2):
-    return np.random.default_rng(1).standard_normal((batch, 4, 16, 16), dtype=np.float32)
+def keys_and_latents():
+    """One key per image, and the start latents our pipeline draws from them (diffusers is given those): calls
+    with keys and negative ids share one program with the walkthrough's one-device call."""
+    keys = jax.random.split(jax.random.key(1), len(PROMPTS))
+    (latents,), _ = random_draws(keys, (len(PROMPTS), 4, 16, 16), 1)
+    return keys, np.asarray(latents)
 
 
 def diffusers_images(theirs, nets, images, **kwargs):
@@ -58,7 +62,7 @@ def diffusers_images(theirs, nets, images, **kwargs):
     pipeline = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     with torch.no_grad():
         return pipeline(PROMPTS, images, num_inference_steps=STEPS, negative_prompt=NEGATIVE,
-                        latents=torch.from_numpy(latents()), output_type="np", **kwargs).images
+                        latents=torch.from_numpy(keys_and_latents()[1]), output_type="np", **kwargs).images
 
 
 def single(pipe, params, net=0):
@@ -85,8 +89,8 @@ def test_one_net_matches_diffusers(models, one_net, kwargs):
     pipe, params = one_net
     images = control_images()
     expected = diffusers_images(theirs, nets[:1], images, **kwargs)
-    ours = pipe(pipe.prepare_text_inputs(PROMPTS), pipe.prepare_image_inputs(images), params, jax.random.key(0),
-                STEPS, latents=latents(), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE), **kwargs).images
+    ours = pipe(pipe.prepare_text_inputs(PROMPTS), pipe.prepare_image_inputs(images), params, keys_and_latents()[0],
+                STEPS, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE), **kwargs).images
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     # the setting under test changes the oracle's image: against the defaults, and the defaults against no net
     baseline = diffusers_images(theirs, nets[:1], images, **({} if kwargs else {"controlnet_conditioning_scale": 0.0}))
@@ -99,7 +103,7 @@ def test_two_nets_match_diffusers_multicontrolnet(models):
     kwargs = {"controlnet_conditioning_scale": [1.0, 0.5], "control_guidance_start": [0.0, 0.3]}
     expected = diffusers_images(theirs, nets, images, **kwargs)
     ours = pipe(pipe.prepare_text_inputs(PROMPTS), [pipe.prepare_image_inputs(i) for i in images], params,
-                jax.random.key(0), STEPS, latents=latents(), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
+                keys_and_latents()[0], STEPS, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
                 **kwargs).images
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     only_first = diffusers_images(theirs, nets[:1], images[0])
@@ -116,9 +120,13 @@ def test_walkthrough_on_eight_devices_and_traced_scale(one_net):
     p_params = replicate(params)
     out = pipe(shard(ids), shard(image), p_params, rng, STEPS, jit=True).images
     assert out.shape == (devices, 1, 32, 32, 3)
-    for i in (0, 5):
-        alone = pipe(ids[i:i + 1], image[i:i + 1], params, rng[i], STEPS).images
-        np.testing.assert_allclose(out[i], alone, rtol=0, atol=1e-5)
+    # images 0 and 5 on one device, from their keys, with the empty negative prompt (the default) given as ids: the
+    # one-device program of the parity tests above
+    picked = np.array([0, 5])
+    apart = pipe(ids[picked], image[picked], params, rng[picked], STEPS,
+                 neg_prompt_ids=pipe.prepare_inputs([""] * len(picked))).images
+    for i, one in zip(picked, apart):
+        np.testing.assert_allclose(out[i], one[None], rtol=0, atol=1e-5)
     sharded = pipe.generate_sharded(ids, image, params, rng, STEPS)  # jit + NamedSharding: the same images
     np.testing.assert_allclose(sharded, out.reshape(-1, *out.shape[2:]), rtol=0, atol=1e-5)
     compiles = []
@@ -241,7 +249,7 @@ def test_inpaint_controlnet_matches_diffusers(models, monkeypatch, tmp_path, une
     from diffusers import StableDiffusionControlNetInpaintPipeline
     from test_inpaint import inputs
 
-    from sdflax import StableDiffusionControlNetInpaint, random_draws
+    from sdflax import StableDiffusionControlNetInpaint
 
     theirs, nets, _, _ = models
     extra = {"controlnet": nets[0]}
