@@ -25,20 +25,25 @@ def model(x, t):
     return 0.3 * jnp.tanh(x) + 1e-4 * t
 
 
-def sample(scheduler, latents, key):
-    state = scheduler.set_timesteps(4, shape=latents.shape)
-    run = jax.jit(lambda x, k: sampling.denoise(model, scheduler, x * state.init_noise_sigma, 4, k))
-    return np.asarray(run(latents, key))
+def sampler(scheduler):
+    """`sample(latents, key)`: 4 steps of `scheduler`, jitted once (one program per batch shape and kind of key)."""
+
+    @jax.jit
+    def run(latents, key):
+        state = scheduler.set_timesteps(4, shape=latents.shape)
+        return sampling.denoise(model, scheduler, latents * state.init_noise_sigma, 4, key)
+
+    return lambda latents, key: np.asarray(run(latents, key))
 
 
 @pytest.mark.parametrize("kind", sorted(STOCHASTIC))
 def test_image_b_is_the_same_alone_or_in_a_batch(kind):
-    scheduler = SCHEDULERS[kind].from_config({**SD1, **STOCHASTIC[kind]})
-    latents = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32))
+    sample = sampler(SCHEDULERS[kind].from_config({**SD1, **STOCHASTIC[kind]}))
+    latents = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
     keys = jax.random.split(jax.random.key(7), SHAPE[0])
-    batch = sample(scheduler, latents, keys)
+    batch = sample(latents, keys)
     for b in range(SHAPE[0]):
-        alone = sample(scheduler, latents[b:b + 1], keys[b])  # a batch of one with image b's key
+        alone = sample(latents[b:b + 1], keys[b])  # a batch of one with image b's key
         np.testing.assert_array_equal(batch[b:b + 1], alone)
-    same_start = sample(scheduler, jnp.broadcast_to(latents[:1], SHAPE), keys)
+    same_start = sample(np.broadcast_to(latents[:1], SHAPE), keys)
     assert np.abs(same_start[0] - same_start[1]).max() > 1e-3  # the noise is each image's own
