@@ -21,13 +21,18 @@ def sd1(tmp_path_factory):
     return saved(torch_pipeline("sd1", "ddim"), tmp_path_factory.mktemp("sd1"), StableDiffusion)[1:]
 
 
+@pytest.fixture(scope="module")
+def apply(sd1):
+    """The UNet's apply jitted once for the module: the plain call is one program for both branches."""
+    return jax.jit(sd1[0].unet.apply, static_argnames=("method", "branch"))
+
+
 @pytest.mark.parametrize("branch", [1, 5])  # within the last up block; past an upsampler
-def test_shallow_branch_with_its_own_features_equals_the_full_unet(sd1, branch):
-    pipe, params = sd1
+def test_shallow_branch_with_its_own_features_equals_the_full_unet(sd1, apply, branch):
+    _, params = sd1
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
     context = rng.standard_normal((2, 77, 32), dtype=np.float32)
-    apply = jax.jit(pipe.unet.apply, static_argnames=("method", "branch"))
     plain = apply(params["unet"], x, np.array([500, 10]), context)
     out, features = apply(params["unet"], x, np.array([500, 10]), context, method="deep", branch=branch)
     np.testing.assert_array_equal(out, plain)
