@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from sdflax import StableDiffusion, replicate, shard, unshard
 from sdflax.hooks.attention_maps import KEY, cross_attention_maps, save_overlay, word_map
+from sdflax.pipeline.runner import compiler_options
 
 MAP_ATOL = 1e-5  # probabilities, float32
 IMAGE_ATOL = 1e-3
@@ -96,17 +97,19 @@ def test_gradient_of_a_word_map_matches_central_differences(pipes):
     ids = ours.prepare_inputs(PROMPTS[:1])
     position = list(ids[0]).index(ours.tokenizer("horse").input_ids[1])
 
-    @jax.jit
-    def loss(latents):
+    def loss(latents, params):
         _, trajectory = hooked._generate(ids, params, jax.random.key(0), STEPS, latents=latents)
         return trajectory.hooks[KEY][..., :8, :8, position].mean()  # the horse in the top-left quarter
 
+    # one program for the loss and its gradient, the params its arguments (not constants baked into it)
+    loss_and_grad = jax.jit(jax.value_and_grad(loss), compiler_options=compiler_options())
     rng = np.random.default_rng(1)
     latents = jnp.asarray(rng.standard_normal((1, 4, 16, 16), dtype=np.float32))
     direction = jnp.asarray(rng.standard_normal(latents.shape, dtype=np.float32))
-    grad = jax.jit(jax.grad(loss))(latents)
+    _, grad = loss_and_grad(latents, params)
     eps = 1e-2
-    numeric = (loss(latents + eps * direction) - loss(latents - eps * direction)) / (2 * eps)
+    numeric = (loss_and_grad(latents + eps * direction, params)[0]
+               - loss_and_grad(latents - eps * direction, params)[0]) / (2 * eps)
     analytic = jnp.vdot(grad, direction)
     assert abs(float(numeric)) > 1e-6
     np.testing.assert_allclose(float(analytic), float(numeric), rtol=2e-2)
