@@ -19,6 +19,7 @@ ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
 NEGATIVE = ["blurry", "low quality, dark"]
 SIZE = 32  # pixels; latents 16x16 (VAE scale factor 2)
+STEPS = 10  # the parity tests'; the tests below that reuse a parity test's program take them too
 
 
 def inputs(seed=0, batch=2):
@@ -43,13 +44,29 @@ def torch_inpaint_pipeline(unet_channels, scheduler, **scheduler_config):
     return StableDiffusionInpaintPipeline(**components)
 
 
-def run_both(tmp_path, monkeypatch, unet_channels, scheduler, strength, steps, **scheduler_config):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """`checkpoint(unet_channels, scheduler, **scheduler_config)` -> (diffusers pipeline, ours, params), each saved
+    and loaded once per module: the parity tests and the fixtures below share pipelines and so compiled programs."""
+    loaded = {}
+
+    def load(unet_channels, scheduler, **scheduler_config):
+        name = (unet_channels, scheduler, *sorted(scheduler_config.items()))
+        if name not in loaded:
+            folder = tmp_path_factory.mktemp(f"inpaint{unet_channels}")
+            loaded[name] = saved(torch_inpaint_pipeline(unet_channels, scheduler, **scheduler_config), folder,
+                                 StableDiffusionInpaint)
+        return loaded[name]
+
+    return load
+
+
+def run_both(checkpoint, monkeypatch, unet_channels, scheduler, strength, steps, **scheduler_config):
     """The same image, mask, prompts, posterior draws and noise on both sides."""
     import diffusers.models.autoencoders.vae as torch_vae_module
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as torch_inpaint_module
 
-    theirs, pipe, params = saved(torch_inpaint_pipeline(unet_channels, scheduler, **scheduler_config), tmp_path,
-                                 StableDiffusionInpaint)
+    theirs, pipe, params = checkpoint(unet_channels, scheduler, **scheduler_config)
     assert pipe.inpainting_unet == (unet_channels == 9)
 
     pixels, masks = inputs()
@@ -81,30 +98,31 @@ def run_both(tmp_path, monkeypatch, unet_channels, scheduler, strength, steps, *
     (4, "euler", 0.3, {}),
     (4, "dpmpp_2m", 0.75, {"use_karras_sigmas": True}),
 ])
-def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, scheduler, strength, config):
-    ours, expected, mask = run_both(tmp_path, monkeypatch, unet_channels, scheduler, strength, 10, **config)
+def test_inpaint_matches_diffusers(checkpoint, monkeypatch, unet_channels, scheduler, strength, config):
+    ours, expected, mask = run_both(checkpoint, monkeypatch, unet_channels, scheduler, strength, STEPS, **config)
     assert ours.shape == expected.shape == (2, SIZE, SIZE, 3)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     assert np.abs(expected - 0.5).mean() > 0.01
 
 
 @pytest.fixture(scope="module")
-def nine(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("inpaint9")
-    torch_inpaint_pipeline(9, "ddim").save_pretrained(folder)
-    return StableDiffusionInpaint.from_pretrained(folder)
+def nine(checkpoint):
+    """(pipeline, params) with a 9-channel UNet: the parity test's checkpoint that runs at strength 1."""
+    return checkpoint(9, "euler", timestep_spacing="leading")[1:]
 
 
 def test_strength_one_sees_the_image_only_where_it_is_kept(nine):
     """At strength 1 the start is pure noise and the UNet sees the image masked: pixels under the mask do not
     matter (for a 9-channel UNet; an ordinary UNet's pasted latents come from encoding the whole image)."""
     pipe, params = nine
-    pixels, masks = inputs(batch=1)
+    pixels, masks = inputs()
     other = np.where(masks[..., None] >= 0.5, 1 - pixels, pixels)  # differs only in the repainted region
     key = jax.random.key(5)
+    negative = pipe.prepare_inputs(NEGATIVE)
 
-    def run(p):
-        return pipe(*pipe.prepare_inputs(PROMPTS[:1], p, masks[0]), params, key, num_inference_steps=3).images
+    def run(p):  # the static settings of this checkpoint's parity test: its program
+        return pipe(*pipe.prepare_inputs(PROMPTS, list(p), list(masks)), params, key, num_inference_steps=STEPS,
+                    neg_prompt_ids=negative).images
 
     a, b = run(pixels), run(other)
     np.testing.assert_array_equal(a, b)
@@ -202,10 +220,9 @@ def test_post_step_runs_after_every_step_before_callback_and_trajectory():
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("inpaint4")
-    torch_inpaint_pipeline(4, "pndm").save_pretrained(folder)
-    return StableDiffusionInpaint.from_pretrained(folder)
+def four(checkpoint):
+    """(pipeline, params) with an ordinary 4-channel UNet: the parity test's checkpoint that runs PNDM at strength 1."""
+    return checkpoint(4, "pndm")[1:]
 
 
 @pytest.mark.parametrize("which", ["nine", "four"])
@@ -218,20 +235,22 @@ def test_pmap_and_sharded_paths_equal_single_device_calls(which, request):
     prompts = [f"a painting number {i}" for i in range(2 * devices)]
     ids, image, mask = pipe.prepare_inputs(prompts, list(pixels), list(masks))
     steps, strength = 4, 0.75
-    keys = jax.random.split(jax.random.key(0), devices)
-    pmapped = pipe(shard(ids), shard(image), shard(mask), replicate(params), keys, strength, steps, jit=True).images
-    assert pmapped.shape == (devices, 2, SIZE, SIZE, 3)
-    sharded = pipe.generate_sharded(ids, image, mask, params, keys, strength, steps)
+    image_keys = jax.random.split(jax.random.key(1), 2 * devices)  # one key per image
+    # One key per device: two images per device; for the 9-channel UNet one (the second half of the images, with
+    # their keys), so that each device computes a batch of one with its image's key, to compare with below.
+    rows, keys = ((slice(None), jax.random.split(jax.random.key(0), devices)) if which == "four"
+                  else (slice(devices, None), image_keys[devices:]))
+    pmapped = pipe(shard(ids[rows]), shard(image[rows]), shard(mask[rows]), replicate(params), keys, strength, steps,
+                   jit=True).images
+    assert pmapped.shape == (devices, 2 if which == "four" else 1, SIZE, SIZE, 3)
+    sharded = pipe.generate_sharded(ids[rows], image[rows], mask[rows], params, keys, strength, steps)
     np.testing.assert_allclose(sharded, pmapped.reshape(sharded.shape), rtol=0, atol=1e-5)
     assert np.abs(sharded[0] - sharded[1]).max() > 1e-3
     if which == "four":
         return  # the rest does not depend on the kind of UNet
 
-    image_keys = jax.random.split(jax.random.key(1), 2 * devices)  # one key per image
     per_image = pipe.generate_sharded(ids, image, mask, params, image_keys, strength, steps)
-    for b in (0, 2 * devices - 1):
-        alone = pipe(ids[b:b + 1], image[b:b + 1], mask[b:b + 1], params, image_keys[b], strength, steps).images
-        np.testing.assert_allclose(per_image[b], alone[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(per_image[devices:], sharded, rtol=0, atol=1e-5)  # each a batch of one, its key
     # under pmap: (devices, 2) keys, sharded like the images
     pmapped = pipe(shard(ids), shard(image), shard(mask), replicate(params), shard(image_keys), strength, steps,
                    jit=True).images
@@ -239,16 +258,17 @@ def test_pmap_and_sharded_paths_equal_single_device_calls(which, request):
 
 
 def test_traced_values_do_not_recompile(four):
+    """New values of traced inputs reuse the program; giving noise (an input left out before) makes one more. The
+    first call has the static settings of this checkpoint's parity test: its program."""
     pipe, params = four
     pixels, masks = inputs(seed=2)
     ids, image, mask = pipe.prepare_inputs(PROMPTS, list(pixels), list(masks))
-    pipe(ids, image, mask, params, jax.random.key(0), 0.5, 4)
+    pipe(ids, image, mask, params, jax.random.key(0), 1.0, STEPS, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE))
     size = pipe._jitted._cache_size()
     other_ids, other_image, other_mask = pipe.prepare_inputs(PROMPTS[::-1], list(pixels[::-1]), list(masks[::-1]))
-    pipe(other_ids, other_image, other_mask, params, jax.random.key(1), 0.5, 4, guidance_scale=3.0,
+    pipe(other_ids, other_image, other_mask, params, jax.random.key(1), 1.0, STEPS, guidance_scale=3.0,
          neg_prompt_ids=pipe.prepare_inputs(NEGATIVE), noise=np.zeros((2, 4, 16, 16), np.float32))
-    assert pipe._jitted._cache_size() == size + 1  # negative prompts and noise given: a second signature
-    pipe(other_ids, other_image, other_mask, params, jax.random.key(3), 0.5, 4, guidance_scale=9.0,
+    assert pipe._jitted._cache_size() == size + 1  # noise given: a second signature
+    pipe(other_ids, other_image, other_mask, params, jax.random.key(3), 1.0, STEPS, guidance_scale=9.0,
          neg_prompt_ids=pipe.prepare_inputs(PROMPTS), noise=np.ones((2, 4, 16, 16), np.float32))
     assert pipe._jitted._cache_size() == size + 1
-
