@@ -16,16 +16,36 @@ PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a 
 NEGATIVE = ["blurry", "low quality, dark"]
 
 
-def run_both(tmp_path, monkeypatch, scheduler, strength, steps, **scheduler_config):
+STEPS = 10  # the parity tests'; the pmap tests take them too, to reuse a parity test's program
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """`checkpoint(scheduler, **scheduler_config)` -> (diffusers img2img pipeline, ours, params), each saved and
+    loaded once per module: the tests on one checkpoint share its pipeline and so its compiled programs."""
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    loaded = {}
+
+    def load(scheduler, **scheduler_config):
+        name = (scheduler, *sorted(scheduler_config.items()))
+        if name not in loaded:
+            folder = tmp_path_factory.mktemp(scheduler)
+            text2img = torch_pipeline("sd1", scheduler, **scheduler_config)
+            text2img.save_pretrained(folder)
+            loaded[name] = (StableDiffusionImg2ImgPipeline(**text2img.components),
+                            *StableDiffusionImg2Img.from_pretrained(folder))
+        return loaded[name]
+
+    return load
+
+
+def run_both(checkpoint, monkeypatch, scheduler, strength, steps, **scheduler_config):
     """The same image, prompts, posterior draw and added noise on both sides."""
     import diffusers.models.autoencoders.vae as torch_vae_module
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img as torch_img2img_module
-    from diffusers import StableDiffusionImg2ImgPipeline
 
-    text2img = torch_pipeline("sd1", scheduler, **scheduler_config)
-    text2img.save_pretrained(tmp_path)
-    theirs = StableDiffusionImg2ImgPipeline(**text2img.components)
-    pipe, params = StableDiffusionImg2Img.from_pretrained(tmp_path)
+    theirs, pipe, params = checkpoint(scheduler, **scheduler_config)
 
     rng = np.random.default_rng(0)
     pixels = rng.uniform(0, 1, (2, 32, 32, 3)).astype(np.float32)
@@ -53,18 +73,17 @@ def run_both(tmp_path, monkeypatch, scheduler, strength, steps, **scheduler_conf
     ("euler", 0.75, {"timestep_spacing": "leading"}),
     ("dpmpp_2m", 0.3, {"use_karras_sigmas": True}),
 ])
-def test_img2img_matches_diffusers(tmp_path, monkeypatch, scheduler, strength, config):
-    _, _, ours, expected = run_both(tmp_path, monkeypatch, scheduler, strength, 10, **config)
+def test_img2img_matches_diffusers(checkpoint, monkeypatch, scheduler, strength, config):
+    _, _, ours, expected = run_both(checkpoint, monkeypatch, scheduler, strength, STEPS, **config)
     assert ours.shape == expected.shape == (2, 32, 32, 3)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     assert np.abs(expected - 0.5).mean() > 0.01
 
 
 @pytest.fixture(scope="module")
-def img2img(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pipe")
-    torch_pipeline("sd1").save_pretrained(folder)
-    return StableDiffusionImg2Img.from_pretrained(folder)
+def img2img(checkpoint):
+    """(pipeline, params): the parity tests' PNDM checkpoint."""
+    return checkpoint("pndm")[1:]
 
 
 def test_strength_and_inputs_are_checked(img2img):
@@ -87,33 +106,44 @@ def test_strength_and_inputs_are_checked(img2img):
     assert resized.shape == (1, 3, 34, 32)
 
 
-def test_img2img_under_pmap_equals_single_device(img2img):
+@pytest.fixture(scope="module")
+def pmapped(img2img):
+    """A jit=True (pmap) call on two images per device, one key per device, and its inputs. Noise and negative
+    prompts given and the parity test's strength 0.3: a device's program is that parity test's, on two rows."""
     from sdflax import replicate, shard
 
     pipe, params = img2img
     devices = jax.local_device_count()
-    pixels = np.random.default_rng(1).uniform(0, 1, (devices, 32, 32, 3)).astype(np.float32)
-    prompts = [f"a painting number {i}" for i in range(devices)]
-    ids, image = pipe.prepare_inputs(prompts, list(pixels))
+    rng = np.random.default_rng(1)
+    pixels = rng.uniform(0, 1, (2 * devices, 32, 32, 3)).astype(np.float32)
+    ids, image = pipe.prepare_inputs([f"a painting number {i}" for i in range(2 * devices)], list(pixels))
+    inputs = dict(ids=ids, image=image, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE * devices),
+                  noise=rng.standard_normal((2 * devices, 4, 16, 16), dtype=np.float32))
     keys = jax.random.split(jax.random.key(0), devices)
-    images = pipe(shard(ids), shard(image), replicate(params), keys, strength=0.5, num_inference_steps=4,
-                  jit=True).images
-    assert images.shape == (devices, 1, 32, 32, 3)
+    images = pipe(shard(ids), shard(image), replicate(params), keys, 0.3, STEPS, jit=True,
+                  noise=shard(inputs["noise"]), neg_prompt_ids=shard(inputs["neg_prompt_ids"])).images
+    return inputs, keys, images
+
+
+def test_img2img_under_pmap_equals_single_device(img2img, pmapped):
+    pipe, params = img2img
+    inputs, keys, images = pmapped
+    devices = jax.local_device_count()
+    assert images.shape == (devices, 2, 32, 32, 3)
     for i in (0, devices - 1):
-        single = pipe(ids[i:i + 1], image[i:i + 1], params, keys[i], strength=0.5, num_inference_steps=4).images
+        rows = slice(2 * i, 2 * i + 2)
+        single = pipe(inputs["ids"][rows], inputs["image"][rows], params, keys[i], strength=0.3,
+                      num_inference_steps=STEPS, noise=inputs["noise"][rows],
+                      neg_prompt_ids=inputs["neg_prompt_ids"][rows]).images
         np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
 
 
-def test_img2img_sharded_equals_pmap(img2img):
+def test_img2img_sharded_equals_pmap(img2img, pmapped):
     """generate_sharded (jit + NamedSharding) gives the images of jit=True (pmap)."""
-    from sdflax import replicate, shard
-
     pipe, params = img2img
+    inputs, keys, pmapped_images = pmapped
     devices = jax.local_device_count()
-    pixels = np.random.default_rng(3).uniform(0, 1, (devices, 32, 32, 3)).astype(np.float32)
-    ids, image = pipe.prepare_inputs([f"a painting number {i}" for i in range(devices)], list(pixels))
-    keys = jax.random.split(jax.random.key(0), devices)
-    pmapped = pipe(shard(ids), shard(image), replicate(params), keys, 0.5, 4, jit=True).images
-    sharded = pipe.generate_sharded(ids, image, params, keys, 0.5, 4)
-    assert sharded.shape == (devices, 32, 32, 3)
-    np.testing.assert_allclose(sharded, pmapped.reshape(sharded.shape), rtol=0, atol=1e-5)
+    sharded = pipe.generate_sharded(inputs["ids"], inputs["image"], params, keys, 0.3, STEPS, noise=inputs["noise"],
+                                    neg_prompt_ids=inputs["neg_prompt_ids"])
+    assert sharded.shape == (2 * devices, 32, 32, 3)
+    np.testing.assert_allclose(sharded, pmapped_images.reshape(sharded.shape), rtol=0, atol=1e-5)
