@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
-from builders import REPO, torch_pipeline
+from builders import REPO, saved, torch_pipeline
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,9 @@ from sdflax.pipeline.runner import compiler_options
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
 NEGATIVE = ["blurry", "low quality, dark"]
+# the step count of the calls on `sd1` below: a call that differs from one of them only in traced values shares its
+# program
+STEPS = 2
 
 
 def run_both(tmp_path, arch, scheduler, steps, guidance, negative=None, **scheduler_config):
@@ -53,16 +58,27 @@ def test_images_match_diffusers(tmp_path, arch, scheduler, config):
     assert np.abs(expected - 0.5).mean() > 0.01  # not a constant image: the comparison means something
 
 
-def test_empty_negative_prompt_and_other_guidance(tmp_path):
-    _, _, ours, expected = run_both(tmp_path, "sd1", "pndm", 3, 2.0)
-    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+@pytest.fixture(scope="module")
+def sd1_with_theirs(tmp_path_factory):
+    """diffusers' SD 1.x pipeline (PNDM), and sdflax's pipeline and params loaded from its folder."""
+    theirs = torch_pipeline("sd1")
+    return saved(theirs, tmp_path_factory.mktemp("pipe"), StableDiffusion)
 
 
 @pytest.fixture(scope="module")
-def sd1(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pipe")
-    torch_pipeline("sd1").save_pretrained(folder)
-    return StableDiffusion.from_pretrained(folder)
+def sd1(sd1_with_theirs):
+    return sd1_with_theirs[1:]
+
+
+def test_empty_negative_prompt_and_other_guidance(sd1_with_theirs):
+    theirs, pipe, params = sd1_with_theirs
+    latents = np.random.default_rng(0).standard_normal((2, 4, 16, 16), dtype=np.float32)
+    with torch.no_grad():
+        expected = theirs(PROMPTS, guidance_scale=2.0, num_inference_steps=STEPS, latents=torch.from_numpy(latents),
+                          output_type="np").images
+    ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, guidance_scale=2.0,
+                latents=latents).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
 
 
 def test_python_loop_mode_equals_scan(sd1):
@@ -70,13 +86,19 @@ def test_python_loop_mode_equals_scan(sd1):
 
     pipe, params = sd1
     ids = pipe.prepare_inputs(PROMPTS)
-    context = pipe.encode_prompt(params, jnp.concatenate([jnp.broadcast_to(pipe.empty_prompt_ids, ids.shape), ids]))
-    unet = lambda x, t, c: pipe.unet.apply(params["unet"], x, t, c)  # noqa: E731
-    model = sampling.guided_model(unet, context, 7.5)
+    jit = functools.partial(jax.jit, compiler_options=compiler_options())
+    context = jit(pipe.encode_prompt)(params, jnp.concatenate([jnp.broadcast_to(pipe.empty_prompt_ids, ids.shape),
+                                                               ids]))
+    unet = jit(pipe.unet.apply)  # one program for the loop's UNet calls (an eager UNet compiles each operation)
     latents = jax.random.normal(jax.random.key(1), (2, 4, 16, 16))
     key = jax.random.key(2)
-    scanned = sampling.denoise(model, pipe.scheduler, latents, 3, key)
-    looped = sampling.denoise(model, pipe.scheduler, latents, 3, key, use_scan=False)
+
+    def denoise(unet_params, use_scan):
+        model = sampling.guided_model(lambda x, t, c: unet(unet_params, x, t, c), context, 7.5)
+        return sampling.denoise(model, pipe.scheduler, latents, 3, key, use_scan=use_scan)
+
+    scanned = jit(denoise, static_argnums=1)(params["unet"], True)
+    looped = denoise(params["unet"], False)
     # Eager ops and one compiled scan round differently (fusion), and guidance 7.5 amplifies the UNet's rounding
     # 7.5x: equal to the float32 per-module tolerance.
     np.testing.assert_allclose(looped, scanned, rtol=1e-4, atol=1e-5)
