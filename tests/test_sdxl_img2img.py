@@ -232,14 +232,29 @@ def test_base_to_refiner_hand_off_matches_diffusers(base, refiner):
 
 
 # ---- inpainting -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def xl_inpaint(tmp_path_factory):
+    """`xl_inpaint(unet_channels)` -> (diffusers SDXL inpainting pipeline, ours, params), saved and loaded once."""
+    loaded = {}
+
+    def load(unet_channels):
+        if unet_channels not in loaded:
+            folder = tmp_path_factory.mktemp(f"sdxl_inpaint{unet_channels}")
+            loaded[unet_channels] = saved(torch_xl_inpaint_pipeline(unet_channels, "euler"), folder,
+                                          StableDiffusionXLInpaint)
+        return loaded[unet_channels]
+
+    return load
+
+
 @pytest.mark.parametrize("unet_channels, strength, denoising_start", [(9, 1.0, None), (4, 0.75, None),
                                                                       (4, 0.9999, 0.6)])
-def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, strength, denoising_start):
+def test_inpaint_matches_diffusers(xl_inpaint, monkeypatch, unet_channels, strength, denoising_start):
     """9-channel and ordinary UNets; and as a refiner stage (denoising_start: no noise added, the schedule cut,
     the known region pasted back at the cut schedule's levels)."""
     import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as module
 
-    theirs, pipe, params = saved(torch_xl_inpaint_pipeline(unet_channels, "euler"), tmp_path, StableDiffusionXLInpaint)
+    theirs, pipe, params = xl_inpaint(unet_channels)
     assert pipe.inpainting_unet == (unet_channels == 9)
     pixels, masks = pixels_and_masks()
     ids, image, mask = pipe.prepare_inputs(PROMPTS, list(pixels), list(masks))
@@ -260,20 +275,26 @@ def test_inpaint_matches_diffusers(tmp_path, monkeypatch, unet_channels, strengt
 
 # ---- devices --------------------------------------------------------------------------------------------------------
 def test_refiner_pmap_and_sharded_equal_single_device(refiner):
+    """Two images per device, noise given: a device's images are what a one-device call on its rows with its key
+    gives (the static settings of the aesthetic-score parity test: its program), and the sharded path's too."""
     _, _, pipe, params = refiner
     devices = jax.local_device_count()
     assert devices == 8
-    pixels = np.random.default_rng(2).uniform(0, 1, (devices, SIZE, SIZE, 3)).astype(np.float32)
-    ids, image = pipe.prepare_inputs([f"a painting of a {i}" for i in range(devices)], list(pixels))
+    rng = np.random.default_rng(2)
+    pixels = rng.uniform(0, 1, (2 * devices, SIZE, SIZE, 3)).astype(np.float32)
+    noise = rng.standard_normal((2 * devices, *SHAPE[1:]), dtype=np.float32)
+    ids, image = pipe.prepare_inputs([f"a painting of a {i}" for i in range(2 * devices)], list(pixels))
     keys = jax.random.split(jax.random.key(0), devices)
     extra = dict(aesthetic_score=7.0, original_size=(48, 40))
-    images = pipe(shard(ids), shard(image), replicate(params), keys, 0.5, STEPS, jit=True, **extra).images
-    assert images.shape == (devices, 1, SIZE, SIZE, 3)
+    images = pipe(shard(ids), shard(image), replicate(params), keys, 0.5, STEPS, jit=True, noise=shard(noise),
+                  **extra).images
+    assert images.shape == (devices, 2, SIZE, SIZE, 3)
     for i in (0, 5):
-        single = pipe(ids[i:i + 1], image[i:i + 1], params, keys[i], 0.5, STEPS, **extra).images
+        rows = slice(2 * i, 2 * i + 2)
+        single = pipe(ids[rows], image[rows], params, keys[i], 0.5, STEPS, noise=noise[rows], **extra).images
         np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
     assert np.abs(images[0] - images[1]).max() > 1e-3
-    sharded = pipe.generate_sharded(ids, image, params, keys, 0.5, STEPS, **extra)
+    sharded = pipe.generate_sharded(ids, image, params, keys, 0.5, STEPS, noise=noise, **extra)
     np.testing.assert_allclose(sharded, unshard(images), rtol=0, atol=1e-5)
 
 
@@ -318,6 +339,6 @@ def test_bfloat16_encodes_the_image_in_float32(base):
     image = np.zeros((1, 3, SIZE, SIZE), np.float32)
     eps = np.zeros((1, 4, SIZE // 2, SIZE // 2), np.float32)
     assert conv_dtypes(lambda p, x: encode_image(pipe, p, x, eps), params, image) == {jnp.dtype(jnp.float32)}
-    assert encode_image(pipe, params, image, eps).dtype == jnp.float32
+    assert jax.eval_shape(lambda p, x: encode_image(pipe, p, x, eps), params, image).dtype == jnp.float32
     encode = lambda p, x: pipe.vae.apply(p["vae"], x.astype(jnp.bfloat16), method="encode").mean  # noqa: E731
     assert conv_dtypes(encode, params, image) == {jnp.dtype(jnp.bfloat16)}  # (the VAE as loaded)
