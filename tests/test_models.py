@@ -14,9 +14,11 @@ import jax.numpy as jnp
 
 from sdflax import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
 from sdflax.models import Kernels, layers, resolve_kernels
+from sdflax.pipeline.runner import compiler_options
 from sdflax.weights import CheckpointMismatchError
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity, per module
+jit = partial(jax.jit, compiler_options=compiler_options())  # compiled as the pipelines compile them
 FORMATS = {"safetensors": True, "bin": False}
 
 
@@ -47,7 +49,7 @@ def test_unet_matches_diffusers(torch_models, arch, fmt, tmp_path):
     rng = np.random.default_rng(0)
     sample = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
     context = rng.standard_normal((2, 77, cfg["cross_attention_dim"]), dtype=np.float32)
-    apply = jax.jit(unet.apply)
+    apply = jit(unet.apply)
     for timesteps in ([1, 999], [500, 37]):
         t = np.array(timesteps)
         ours = apply(params, sample, t, context)
@@ -64,7 +66,7 @@ def test_unet_matches_diffusers(torch_models, arch, fmt, tmp_path):
         odd = rng.standard_normal((1, 4, 15, 10), dtype=np.float32)
         with torch.no_grad():
             expected = theirs(torch.from_numpy(odd), 600, torch.from_numpy(context[:1])).sample
-        assert_close(unet.apply(params, odd, 600, context[:1]), expected)
+        assert_close(apply(params, odd, 600, context[:1]), expected)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -80,8 +82,8 @@ def test_vae_matches_diffusers(torch_models, fmt, tmp_path):
     with torch.no_grad():
         decoded = theirs.decode(torch.from_numpy(latents)).sample
         posterior = theirs.encode(torch.from_numpy(images)).latent_dist
-    assert_close(jax.jit(partial(vae.apply, method="decode"))(params, latents), decoded)
-    ours = jax.jit(partial(vae.apply, method="encode"))(params, images)
+    assert_close(jit(partial(vae.apply, method="decode"))(params, latents), decoded)
+    ours = jit(partial(vae.apply, method="encode"))(params, images)
     assert_close(ours.mean, posterior.mean)
     assert_close(ours.logvar, posterior.logvar, atol=1e-4)  # logvar = log(std²) amplifies the mean's rounding
     # sample(key) = mean + std * N(0, 1): reproducible, and its spread is the posterior's std
@@ -102,7 +104,7 @@ def test_text_encoder_matches_transformers(torch_models, arch, fmt, tmp_path):
     ids[1, :3] = [49406, 7, 49407]
     with torch.no_grad():
         expected = theirs(torch.from_numpy(ids), output_hidden_states=True)
-    ours = jax.jit(partial(clip.apply, output_hidden_states=True))(params, ids)
+    ours = jit(partial(clip.apply, output_hidden_states=True))(params, ids)
     assert_close(ours.last_hidden_state, expected.last_hidden_state)
     assert_close(ours.pooler_output, expected.pooler_output)
     assert len(ours.hidden_states) == cfg["num_hidden_layers"] + 1
@@ -117,10 +119,11 @@ def test_bfloat16_load_stays_close_to_float32(tmp_path):
     unet16, params16 = UNet2DConditionModel.from_pretrained(folder, dtype=jnp.bfloat16)
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params16))
     rng = np.random.default_rng(2)
-    sample = rng.standard_normal((1, 4, 16, 16), dtype=np.float32)
-    context = rng.standard_normal((1, 77, 32), dtype=np.float32)
-    full = np.asarray(jax.jit(unet32.apply)(params32, sample, 10, context))
-    half = jax.jit(unet16.apply)(params16, sample, 10, context)
+    # the shapes of test_unet_matches_diffusers' scalar-timestep call: the float32 program is the one compiled there
+    sample = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
+    context = rng.standard_normal((2, 77, 32), dtype=np.float32)
+    full = np.asarray(jit(unet32.apply)(params32, sample, jnp.int32(10), context))
+    half = jit(unet16.apply)(params16, sample, jnp.int32(10), context)
     assert half.dtype == jnp.bfloat16
     # bfloat16 keeps 8 mantissa bits: the output may move by a few percent of its scale, not more.
     err = np.abs(np.asarray(half, np.float32) - full).max() / np.abs(full).max()
