@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from builders import REPO, saved, torch_pipeline
+from builders import saved, torch_pipeline
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,8 @@ def test_python_loop_mode_equals_scan(sd1):
     jit = functools.partial(jax.jit, compiler_options=compiler_options())
     context = jit(pipe.encode_prompt)(params, jnp.concatenate([jnp.broadcast_to(pipe.empty_prompt_ids, ids.shape),
                                                                ids]))
-    unet = jit(pipe.unet.apply)  # one program for the loop's UNet calls (an eager UNet compiles each operation)
+    # one program for the loop's UNet calls (an eager UNet compiles each operation); in the scan, part of its program
+    unet = jax.jit(pipe.unet.apply)
     latents = jax.random.normal(jax.random.key(1), (2, 4, 16, 16))
     key = jax.random.key(2)
 
