@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from sdflax import StableDiffusion, replicate, shard, unshard
 
-STEPS = 2  # test_pipeline.py's step count on the same checkpoint: its batch of one is compiled once per suite (compile cache)
+STEPS = 2  # test_pipeline.py's, on the same checkpoint: the batch of one is one program per suite (compile cache)
 PROMPTS = [f"a painting of a {thing}" for thing in
            ("cat", "dog", "ship", "tree", "house", "mountain", "river", "city at night")]
 
