@@ -1,0 +1,741 @@
+"""The accelerator run in one command: sdflax against diffusers (PyTorch) on the device it finds, as one JSON.
+
+On a GPU machine, from the repository root, with the two wheels the device image lacks in `.whl/` (downloaded
+where pip works: `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+--platform manylinux2014_x86_64 -d .whl diffusers==0.39.0 importlib_metadata==10.2.0`):
+
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+        .whl/*.whl . && PYTHONPATH=/tmp/site python3 scripts/accelerator_report.py --out $OUT/report.json
+
+It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
+working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 10 minutes of
+an H100's time: each part (`--part correctness|sd15|sdxl`) fits one command, and `--deadline-s` stops launching
+jobs once that many seconds have passed, so a part never outruns a lease. The report is rewritten after every job:
+a run cut short keeps what it finished.
+
+On the CPU (`--size tiny`, the default there) the same jobs run on small models of the same architectures in under
+a minute; tests/test_accelerator_report.py does that daily, so the GPU path's code runs up to the device calls.
+
+What it measures. Random weights everywhere: the compute of the real checkpoints, no download.
+- `correctness`, for the SD 1.5 and SDXL architectures (one fresh process each): the UNet, the VAE decoder and the
+  text encoder(s) against diffusers/transformers on the same device and inputs. float32 with
+  `jax_default_matmul_precision="highest"` and PyTorch's TF32 off; bfloat16 against diffusers' bfloat16 and both
+  against float32; the relative L2 error ‖ours − theirs‖ / ‖theirs‖ of each, against a stated bound (`ok`), and
+  whether the output is finite and not constant. `attention`: each attention shape of the UNet at bfloat16, which
+  kernel sdflax picks on this device (`Kernels.attention_kernel`) and XLA's and cuDNN's results against float32.
+- `speed`, each job in its own fresh process: sdflax (`auto`: cuDNN attention where it runs, or `xla`) and diffusers
+  (SDPA, float16; `+compile`: its UNet through `torch.compile`) at the issue's settings (SD 1.5 512x512 50 PNDM
+  steps, SDXL 1024x1024 30 Euler steps, the MLPerf setting: SDXL 1024x1024, 20 Euler steps, guidance 8, batch 8).
+  Per batch size: the first call (compiling included), the median of `--repeats` timed calls with their range,
+  seconds per image, images per second, peak device memory, FLOPs per image from XLA's cost analysis (UNet
+  evaluations and the VAE decode; the same count is used for diffusers) and the achieved TFLOP/s. Per process:
+  `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
+  warm one); `import_s`, `build_s`.
+- `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
+- `table`: the speed rows as Markdown, for the README's GPU table.
+
+JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
+"bfloat16": {model: check}, "attention": [layer, ...], "unet_cudnn_vs_xla": check}}, "speed": {"runs": [run, ...]},
+"table": str, "errors": [str, ...]}; a check is {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is
+the job's settings and {"wall_s", "ready_s", "results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_START = time.perf_counter()
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
+PROMPT = "a photo of an astronaut riding a horse on mars"
+SCHEMA = 1
+
+# stable-diffusion-v1-5 and stable-diffusion-xl-base-1.0's config.json files, as published (the keys that matter).
+SCHEDULER = {"beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False,
+             "num_train_timesteps": 1000, "set_alpha_to_one": False, "steps_offset": 1}
+CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+          "hidden_act": "quick_gelu", "projection_dim": 768, "vocab_size": 49408, "max_position_embeddings": 77,
+          "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1, "layer_norm_eps": 1e-5}
+VAE = {"act_fn": "silu", "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+       "in_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 3,
+       "up_block_types": ["UpDecoderBlock2D"] * 4}
+FULL = {
+    "sd15": {
+        "unet": {"attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280], "cross_attention_dim": 768,
+                 "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"], "layers_per_block": 2,
+                 "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "norm_num_groups": 32,
+                 "sample_size": 64},
+        "vae": {**VAE, "sample_size": 512},
+        "text_encoder": CLIP_L,
+        "scheduler": {**SCHEDULER, "_class_name": "PNDMScheduler", "skip_prk_steps": True},
+        "size": 512,
+    },
+    "sdxl": {
+        "unet": {"addition_embed_type": "text_time", "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20],
+                 "block_out_channels": [320, 640, 1280], "cross_attention_dim": 2048,
+                 "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                 "layers_per_block": 2, "norm_num_groups": 32, "projection_class_embeddings_input_dim": 2816,
+                 "sample_size": 128, "transformer_layers_per_block": [1, 2, 10],
+                 "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                 "use_linear_projection": True},
+        "vae": {**VAE, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True},
+        "text_encoder": CLIP_L,
+        "text_encoder_2": {**CLIP_L, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                           "num_attention_heads": 20, "hidden_act": "gelu", "projection_dim": 1280},
+        "scheduler": {**SCHEDULER, "_class_name": "EulerDiscreteScheduler", "timestep_spacing": "leading",
+                      "interpolation_type": "linear"},
+        "size": 1024,
+    },
+}
+# The same block structure with few channels and layers, for the CPU run.
+TINY_CLIP = {**CLIP_L, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "projection_dim": 32}
+TINY_VAE = {**VAE, "block_out_channels": [8, 8, 16, 16], "layers_per_block": 1, "norm_num_groups": 4}
+TINY = {
+    "sd15": {**FULL["sd15"], "unet": {**FULL["sd15"]["unet"], "block_out_channels": [16, 16, 32, 32],
+                                      "cross_attention_dim": 32, "layers_per_block": 1, "norm_num_groups": 8,
+                                      "sample_size": 8},
+             "vae": {**TINY_VAE, "sample_size": 64}, "text_encoder": TINY_CLIP, "size": 64},
+    "sdxl": {**FULL["sdxl"], "unet": {**FULL["sdxl"]["unet"], "block_out_channels": [16, 32, 32],
+                                      "attention_head_dim": [1, 2, 4], "transformer_layers_per_block": [1, 1, 2],
+                                      "cross_attention_dim": 64, "addition_time_embed_dim": 8,
+                                      "projection_class_embeddings_input_dim": 32 + 6 * 8, "norm_num_groups": 8,
+                                      "layers_per_block": 1, "sample_size": 8},
+             "vae": {**TINY_VAE, "sample_size": 64, "scaling_factor": 0.13025, "force_upcast": True},
+             "text_encoder": TINY_CLIP, "text_encoder_2": {**TINY_CLIP, "hidden_act": "gelu"}, "size": 64},
+}
+SIZES = {"full": FULL, "tiny": TINY}
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+# Bounds of the relative L2 error. float32: the modules' test tolerance. bfloat16: ours against float32 may be
+# off by at most twice diffusers' own bfloat16 error against float32, or 1e-2, whichever is larger.
+FLOAT32_BOUND = 1e-4
+BFLOAT16_FLOOR = 1e-2
+
+
+def log(message):
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+# ---- the jobs ---------------------------------------------------------------------------------------------------
+
+def settings(family, size):
+    """The issue's settings for `family`: steps, guidance and the scheduler, (fewer steps for the tiny models)."""
+    steps = {"sd15": 50, "sdxl": 30}[family] if size == "full" else 2
+    return {"family": family, "steps": steps, "guidance": {"sd15": 7.5, "sdxl": 5.0}[family], "scheduler": None}
+
+
+def jobs(part: str, size: str) -> list[dict]:
+    """The jobs of a part, most wanted first (a deadline drops the last)."""
+    full = size == "full"
+    big = [1, 8] if full else [1, 2]
+    sd15, sdxl = settings("sd15", size), settings("sdxl", size)
+    mlperf = {**sdxl, "steps": 20 if full else 2, "guidance": 8.0, "scheduler": "euler", "setting": "mlperf"}
+    speed = lambda framework, s, batches, **extra: {"kind": "speed", "framework": framework, **s,  # noqa: E731
+                                                    "batches": batches, **extra}
+    table = {
+        "correctness": [{"kind": "correctness", "family": "sd15"}, {"kind": "correctness", "family": "sdxl"}],
+        "sd15": [speed("sdflax", sd15, big, attention="auto", cache="cold"),
+                 speed("diffusers", sd15, big),
+                 speed("sdflax", sd15, [1], attention="auto", cache="warm"),
+                 speed("diffusers+compile", sd15, [1]),
+                 speed("sdflax", sd15, [1], attention="xla", cache="none"),
+                 speed("sdflax", sd15, [4], attention="auto", cache="none"),
+                 speed("diffusers", sd15, [4])],
+        "sdxl": [speed("sdflax", sdxl, [1], attention="auto", cache="none"),
+                 speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none"),
+                 speed("diffusers", sdxl, [1]),
+                 speed("diffusers", mlperf, [8] if full else [2])],
+    }
+    if part == "all":  # the most wanted of each part first
+        order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
+                 ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6)]
+        return [table[p][i] for p, i in order]
+    return table[part]
+
+
+# ---- models with random weights ---------------------------------------------------------------------------------
+
+def configs_for(family, size):
+    return copy.deepcopy(SIZES[size][family])
+
+
+def random_params(module, dtype, seed=0):
+    """Random params for `module`, fast for billions of them: slices of one pool of normal draws. Kernels scaled
+    by 1/sqrt(fan_in) (flax's default init), norm scales 1, biases 0, embeddings unscaled. The compute of the real
+    weights, not their values (the speed runs)."""
+    import jax
+    import numpy as np
+
+    pool = np.random.default_rng(seed).standard_normal(1 << 22, np.float32)
+    offset = [0]
+
+    def draw(path, leaf):
+        name, shape = path[-1].key, leaf.shape
+        if name in ("bias", "scale"):
+            return jax.device_put(np.full(shape, float(name == "scale"), dtype))
+        n = math.prod(shape)
+        start = offset[0] % pool.size
+        offset[0] += 7919  # each tensor starts elsewhere in the pool
+        value = np.resize(np.roll(pool, -start), n).reshape(shape)
+        std = 1 / math.sqrt(math.prod(shape[:-1])) if name == "kernel" else 1.0
+        return jax.device_put((value * np.float32(std)).astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(draw, module.param_shapes())
+
+
+def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None):
+    """(pipeline, params) of `family` with random weights."""
+    from sdflax import StableDiffusion, StableDiffusionXL
+    from sdflax.assemble import build_models
+    from sdflax.loading import load_tokenizer
+    from sdflax.models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
+    from sdflax.schedulers import scheduler_from_config
+
+    configs = configs_for(family, size)
+    classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    if family == "sdxl":
+        classes["text_encoder_2"] = CLIPTextModelWithProjection
+    modules = build_models(classes, configs, dtype, attention)
+    params = {name: random_params(module, dtype, seed=i) for i, (name, module) in enumerate(modules.items())}
+    extra = {"tokenizer_2": load_tokenizer(str(TOKENIZER), pad_token="!")} if family == "sdxl" else {}
+    cls = StableDiffusionXL if family == "sdxl" else StableDiffusion
+    pipeline = cls(tokenizer=load_tokenizer(str(TOKENIZER)), dtype=dtype,
+                   scheduler=scheduler_from_config(configs["scheduler"], scheduler), **modules, **extra)
+    return pipeline, params
+
+
+def torch_models(family, size, device, seed=0):
+    """{name: model} of `family` from diffusers / transformers, random weights drawn on `device`, float32, with
+    random norm scales and biases (so that a mix-up of the two shows)."""
+    import diffusers
+    import torch
+    import transformers
+
+    configs = configs_for(family, size)
+    with torch.device(device):
+        torch.manual_seed(seed)
+        models = {"unet": diffusers.UNet2DConditionModel(**configs["unet"]),
+                  "vae": diffusers.AutoencoderKL(**configs["vae"]),
+                  "text_encoder": transformers.CLIPTextModel(transformers.CLIPTextConfig(**configs["text_encoder"]))}
+        if family == "sdxl":
+            models["text_encoder_2"] = transformers.CLIPTextModelWithProjection(
+                transformers.CLIPTextConfig(**configs["text_encoder_2"]))
+        g = torch.Generator(device).manual_seed(seed)
+        with torch.no_grad():
+            for model in models.values():
+                for m in model.modules():
+                    if isinstance(m, (torch.nn.GroupNorm, torch.nn.LayerNorm)) and m.weight is not None:
+                        m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g, device=device))
+                        m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g, device=device))
+    return {name: model.eval() for name, model in models.items()}
+
+
+# ---- correctness ------------------------------------------------------------------------------------------------
+
+def compare(ours, theirs, bound):
+    """The check of one output against its reference."""
+    import numpy as np
+
+    ours, theirs = (np.asarray(x, np.float64) for x in (ours, theirs))
+    finite = bool(np.isfinite(ours).all())
+    rel = float(np.linalg.norm(ours - theirs) / max(np.linalg.norm(theirs), 1e-30)) if finite else None
+    constant = bool(np.ptp(ours) == 0) if finite else None
+    return {"rel_l2": rel, "max_abs": float(np.abs(ours - theirs).max()) if finite else None, "bound": bound,
+            "finite": finite, "constant": constant,
+            "ok": bool(finite and not constant and rel is not None and rel <= bound)}
+
+
+def correctness(job, size):
+    """sdflax's models against diffusers' on this device, float32 and bfloat16."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the device
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from sdflax.assemble import build_models
+    from sdflax.models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
+    from sdflax.weights import convert_state_dict
+
+    family = job["family"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    configs = configs_for(family, size)
+    theirs = torch_models(family, size, device)
+    classes = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+               "text_encoder_2": CLIPTextModelWithProjection}
+    classes = {name: classes[name] for name in theirs}
+    state = {name: {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+             for name, model in theirs.items()}
+
+    # inputs: two rows, as classifier-free guidance runs the UNet; latents at the family's image size
+    rng = np.random.default_rng(0)
+    side = configs["size"] // 8
+    unet_cfg = configs["unet"]
+    inputs = {"sample": rng.standard_normal((2, 4, side, side), np.float32),
+              "timesteps": np.asarray([500.0, 20.0], np.float32),
+              "context": rng.standard_normal((2, 77, unet_cfg["cross_attention_dim"]), np.float32)}
+    if family == "sdxl":
+        inputs["text_embeds"] = rng.standard_normal((2, configs["text_encoder_2"]["projection_dim"]), np.float32)
+        size_px = configs["size"]
+        inputs["time_ids"] = np.tile(np.asarray([size_px, size_px, 0, 0, size_px, size_px], np.float32), (2, 1))
+    latents = rng.standard_normal((1, 4, side, side), np.float32)
+    ids = rng.integers(0, 49407, (2, 77)).astype(np.int32)
+    ids[:, -1] = 49407  # an end token to pool at
+
+    def torch_outputs(dtype):
+        t = lambda x: torch.from_numpy(x).to(device, dtype)  # noqa: E731
+        out = {}
+        with torch.no_grad():
+            models = {name: copy.deepcopy(m).to(dtype) for name, m in theirs.items()}
+            extra = {}
+            if family == "sdxl":
+                extra = {"added_cond_kwargs": {"text_embeds": t(inputs["text_embeds"]),
+                                               "time_ids": t(inputs["time_ids"])}}
+            out["unet"] = models["unet"](t(inputs["sample"]), t(inputs["timesteps"]),
+                                         encoder_hidden_states=t(inputs["context"]), **extra).sample
+            out["vae"] = models["vae"].decode(t(latents)).sample
+            for name in TEXT_ENCODERS:
+                if name in models:
+                    result = models[name](torch.from_numpy(ids).long().to(device), output_hidden_states=True)
+                    out[name] = result.hidden_states[-2]  # what SD 2 / SDXL condition on (SD 1: the last)
+                    out[name + ".last"] = result.last_hidden_state
+            del models
+        return {k: v.float().cpu().numpy() for k, v in out.items()}
+
+    converted = {}  # dtype -> params
+
+    def sdflax_outputs(dtype, attention="auto"):
+        modules = build_models(classes, configs, dtype, attention)
+        if dtype not in converted:
+            converted[dtype] = {name: convert_state_dict(state[name], modules[name].param_shapes(), dtype)
+                                for name in modules}
+        params = converted[dtype]
+        unet, vae = modules["unet"], modules["vae"]
+        extra = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if family == "sdxl" else {}
+        out = {"unet": jax.jit(unet.apply)(params["unet"], inputs["sample"], inputs["timesteps"], inputs["context"],
+                                           **extra),
+               "vae": jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode))(params["vae"], latents)}
+        for name in TEXT_ENCODERS:
+            if name in modules:
+                result = jax.jit(lambda p, x, m=modules[name]: m.apply(p, x, output_hidden_states=True))(
+                    params[name], ids)
+                out[name] = result.hidden_states[-2]
+                out[name + ".last"] = result.last_hidden_state
+        return {k: np.asarray(jnp.asarray(v, jnp.float32)) for k, v in out.items()}
+
+    report = {"device": str(jax.devices()[0].device_kind), "image_size": configs["size"]}
+    log(f"correctness {family}: float32 ...")
+    theirs32 = torch_outputs(torch.float32)
+    with jax.default_matmul_precision("highest"):
+        ours32 = sdflax_outputs(jnp.float32)
+    report["float32"] = {k: compare(ours32[k], theirs32[k], FLOAT32_BOUND) for k in theirs32}
+    log(f"correctness {family}: bfloat16 ...")
+    theirs16 = torch_outputs(torch.bfloat16)
+    try:
+        ours16 = sdflax_outputs(jnp.bfloat16)
+    except Exception as e:  # cuDNN refusing a shape: say so, and check XLA's attention instead
+        report["attention_fallback"] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+        ours16 = sdflax_outputs(jnp.bfloat16, attention="xla")
+    checks = {}
+    for k in theirs16:
+        reference = compare(theirs16[k], theirs32[k], math.inf)["rel_l2"]
+        bound = max(2 * reference, BFLOAT16_FLOOR) if reference is not None else BFLOAT16_FLOOR
+        checks[k] = {**compare(ours16[k], theirs32[k], bound), "diffusers_rel_l2": reference,
+                     "against_diffusers_bfloat16": compare(ours16[k], theirs16[k], math.inf)["rel_l2"]}
+    report["bfloat16"] = checks
+    log(f"correctness {family}: attention kernels ...")
+    report["attention"] = attention_layers(configs, side)
+    xla16 = sdflax_outputs(jnp.bfloat16, attention="xla")
+    report["unet_cudnn_vs_xla"] = compare(ours16["unet"], xla16["unet"], BFLOAT16_FLOOR)
+    report["unet_cudnn_vs_xla"]["against_float32"] = compare(xla16["unet"], theirs32["unet"], math.inf)["rel_l2"]
+    return report
+
+
+def attention_shapes(configs, side):
+    """(kind, query tokens, key tokens, heads, head dim) of each distinct attention of the UNet at `side` latents."""
+    unet = configs["unet"]
+    channels = unet["block_out_channels"]
+    heads = unet["attention_head_dim"]
+    heads = heads if isinstance(heads, list) else [heads] * len(channels)
+    shapes = set()
+    for level, (kind, c) in enumerate(zip(unet["down_block_types"], channels)):
+        if kind.startswith("CrossAttn"):
+            n = heads[level]  # diffusers' old naming: "attention_head_dim" is the head count
+            tokens = (side >> level) ** 2
+            shapes.add(("self", tokens, tokens, n, c // n))
+            shapes.add(("cross", tokens, 77, n, c // n))
+    return sorted(shapes, key=lambda s: (-s[1], s[0]))
+
+
+def attention_layers(configs, side):
+    """Per attention shape at bfloat16: the kernel sdflax picks here, and XLA's and (where it runs) cuDNN's
+    results against a float32 reference at the highest matmul precision."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sdflax.models.layers import dot_product_attention, resolve_kernels
+
+    kernels = resolve_kernels()
+    rows = []
+    for i, (kind, t, s, heads, head_dim) in enumerate(attention_shapes(configs, side)):
+        keys = jax.random.split(jax.random.key(i), 3)
+        q = jax.random.normal(keys[0], (2, t, heads, head_dim), jnp.float32)
+        k, v = (jax.random.normal(key, (2, s, heads, head_dim), jnp.float32) for key in keys[1:])
+        with jax.default_matmul_precision("highest"):
+            reference = np.asarray(jax.jit(lambda q, k, v: dot_product_attention(
+                q, k, v, kernels=dataclasses.replace(kernels, attention="xla")))(q, k, v))
+        row = {"kind": kind, "query_tokens": t, "key_tokens": s, "heads": heads, "head_dim": head_dim,
+               "kernel": kernels.attention_kernel(head_dim, jnp.bfloat16)}
+        for name in ("xla", "cudnn"):
+            if name == "cudnn" and not kernels.cudnn_runs(head_dim, jnp.bfloat16):
+                row[name] = None  # cuDNN does not run here: sdflax takes XLA
+                continue
+            chosen = dataclasses.replace(kernels, attention=name)
+            try:
+                out = jax.jit(lambda q, k, v, c=chosen: dot_product_attention(q, k, v, kernels=c))(
+                    *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+                row[name] = compare(np.asarray(out.astype(jnp.float32)), reference, BFLOAT16_FLOOR)
+            except Exception as e:  # a shape the kernel refuses: the finding itself
+                row[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "ok": False}
+        rows.append(row)
+    return rows
+
+
+# ---- speed ------------------------------------------------------------------------------------------------------
+
+def timed(call, repeats):
+    """(first call's seconds, [timed calls' seconds])."""
+    start = time.perf_counter()
+    call(0)
+    first = time.perf_counter() - start
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        call(i + 1)
+        times.append(time.perf_counter() - start)
+    return first, times
+
+
+def figures(batch, first, times, flops_per_image, peak):
+    median = statistics.median(times)
+    return {"batch": batch, "first_call_s": first, "seconds_per_call": median, "seconds_per_call_min": min(times),
+            "seconds_per_call_max": max(times), "seconds_per_image": median / batch, "images_per_s": batch / median,
+            "flops_per_image": flops_per_image, "peak_memory_bytes": peak,
+            "tflops_per_s": flops_per_image * batch / median / 1e12 if flops_per_image else None}
+
+
+def speed_sdflax(job, size, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    if job["cache"] == "none":
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        jax.config.update("jax_compilation_cache_dir", job["cache_dir"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    from sdflax.cli import CompileClock
+
+    import_s = time.perf_counter() - _START
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    pipeline, params = sdflax_pipeline(job["family"], size, dtype, job["attention"], job["scheduler"])
+    jax.block_until_ready(params)
+    build_s = time.perf_counter() - _START - import_s
+    side = configs_for(job["family"], size)["size"]
+    out = {"import_s": import_s, "build_s": build_s, "dtype": jnp.dtype(dtype).name,
+           "device": jax.devices()[0].device_kind, "height": side, "width": side, "results": []}
+    flops = None
+    for batch in job["batches"]:
+        ids = pipeline.prepare_inputs([PROMPT] * batch)
+
+        def call(seed):
+            images = pipeline(ids, params, jax.random.key(seed), num_inference_steps=job["steps"], height=side,
+                              width=side, guidance_scale=job["guidance"])
+            return images.images
+
+        log(f"sdflax {job['family']} batch {batch} ...")
+        with CompileClock() as clock:
+            try:
+                first, times = timed(call, repeats)
+            except Exception as e:  # cuDNN refusing a shape: say so, and measure XLA's attention instead
+                if pipeline.unet.kernels.attention == "xla":
+                    raise
+                log(f"attention {job['attention']!r} failed ({type(e).__name__}: {e}); XLA's attention instead")
+                out["attention_fallback"] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+                pipeline, params = sdflax_pipeline(job["family"], size, dtype, "xla", job["scheduler"])
+                first, times = timed(call, repeats)
+        if "ready_s" not in out:
+            out["ready_s"] = time.perf_counter() - _START - sum(times)
+            out["cache_hits"] = clock.cache_hits
+        if flops is None:  # per image: the same for every batch
+            flops = sdflax_flops(pipeline, params, batch, side, job["steps"])
+        peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+        out["results"].append({**figures(batch, first, times, flops, peak), "compile_s": clock.seconds})
+    return out
+
+
+def sdflax_flops(pipeline, params, batch, side, steps):
+    """FLOPs per image from XLA's cost analysis of the lowered UNet (with XLA's attention: cuDNN's is a custom call
+    XLA cannot count) times its evaluations, plus the VAE decode. None where the backend counts nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        unet = pipeline.unet.clone(kernels=dataclasses.replace(pipeline.unet.kernels, attention="xla"))
+        vae = pipeline.vae
+        cfg = unet.config
+        sds = jax.ShapeDtypeStruct
+        h = side // pipeline.vae_scale_factor
+        rows = 2 * batch  # classifier-free guidance
+        extra = {}
+        if cfg.addition_embed_type == "text_time":
+            n_ids = (cfg.projection_class_embeddings_input_dim - pipeline.text_encoder_2.config.projection_dim) \
+                // cfg.addition_time_embed_dim
+            extra = {"text_embeds": sds((rows, pipeline.text_encoder_2.config.projection_dim), jnp.float32),
+                     "time_ids": sds((rows, n_ids), jnp.float32)}
+        unet_cost = jax.jit(unet.apply).lower(
+            params["unet"], sds((rows, 4, h, h), jnp.float32), sds((), jnp.float32),
+            sds((rows, 77, cfg.cross_attention_dim), pipeline.dtype), **extra).cost_analysis()
+        vae_cost = jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode)).lower(
+            params["vae"], sds((batch, 4, h, h), jnp.float32)).cost_analysis()
+        evals = int(pipeline.scheduler.set_timesteps(steps, shape=(batch, 4, h, h)).timesteps.shape[0])
+        unet_flops, vae_flops = (float((c[0] if isinstance(c, (list, tuple)) else c)["flops"])
+                                 for c in (unet_cost, vae_cost))
+        return (evals * unet_flops + vae_flops) / batch
+    except Exception as e:  # a backend without a cost analysis
+        log(f"no FLOP count: {type(e).__name__}: {e}")
+        return None
+
+
+def speed_diffusers(job, size, repeats):
+    import diffusers
+    import torch
+    import transformers
+
+    import_s = time.perf_counter() - _START
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.float32)
+    family = job["family"]
+    configs = configs_for(family, size)
+    models = torch_models(family, size, device)
+    models = {name: m.to(dtype) for name, m in models.items()}
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER))
+    scheduler_config = configs["scheduler"]
+    scheduler_class = diffusers.EulerDiscreteScheduler if job["scheduler"] == "euler" else \
+        getattr(diffusers, scheduler_config["_class_name"])
+    scheduler = scheduler_class.from_config(scheduler_config)
+    if family == "sdxl":
+        pipe = diffusers.StableDiffusionXLPipeline(
+            tokenizer_2=transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER), pad_token="!"), tokenizer=tokenizer,
+            scheduler=scheduler, add_watermarker=False, **models)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
+                                                 feature_extractor=None, requires_safety_checker=False, **models)
+    pipe.set_progress_bar_config(disable=True)
+    compiled = job["framework"] == "diffusers+compile"
+    if compiled:  # diffusers' speed guide: channels-last, the UNet compiled whole
+        pipe.unet.to(memory_format=torch.channels_last)
+        pipe.unet = torch.compile(pipe.unet, fullgraph=True, backend="inductor" if cuda else "eager")
+    build_s = time.perf_counter() - _START - import_s
+    side = configs["size"]
+    out = {"import_s": import_s, "build_s": build_s, "dtype": str(dtype).removeprefix("torch."),
+           "device": torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)",
+           "attention": "sdpa", "compile": "torch.compile(unet, fullgraph=True)" if compiled else None,
+           "height": side, "width": side, "results": []}
+    for batch in job["batches"]:
+        def call(seed):
+            pipe([PROMPT] * batch, height=side, width=side, num_inference_steps=job["steps"],
+                 guidance_scale=job["guidance"], generator=torch.Generator(device).manual_seed(seed),
+                 output_type="np")
+            if cuda:
+                torch.cuda.synchronize()
+
+        log(f"diffusers {family} batch {batch} ...")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            first, times = timed(call, repeats)
+        if "ready_s" not in out:
+            out["ready_s"] = time.perf_counter() - _START - sum(times)
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        out["results"].append(figures(batch, first, times, None, peak))  # FLOPs: sdflax's count, filled in later
+    return out
+
+
+# ---- the parent -------------------------------------------------------------------------------------------------
+
+def provenance(args):
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    driver = None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                    timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit, "nvidia_smi": driver,
+            "python": sys.version.split()[0], "size": args.size, "part": args.part, "repeats": args.repeats,
+            "versions": {n: v(n) for n in ("jax", "jaxlib", "flax", "sdflax", "torch", "diffusers", "transformers")}}
+
+
+def run_job(job, args, deadline):
+    """Run one job in a fresh process -> its result (or {"error": ...})."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size", args.size,
+               "--repeats", str(args.repeats)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=max(1.0, deadline - time.perf_counter()))
+    except subprocess.TimeoutExpired:
+        return {"error": "stopped at the deadline", "wall_s": time.perf_counter() - start}
+    wall_s = time.perf_counter() - start
+    if done.returncode:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall_s}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall_s}
+
+
+def add_ratios(runs):
+    """diffusers' FLOP rate from sdflax's count for the same setting, and each row's speed against diffusers'
+    plain (SDPA) row at the same setting and batch."""
+    def key(run, batch):
+        return run["family"], run.get("setting"), run["steps"], batch
+
+    flops, baseline = {}, {}
+    for run in runs:
+        for r in run.get("results", []):
+            if run["framework"] == "sdflax" and r["flops_per_image"]:
+                flops[key(run, r["batch"])] = r["flops_per_image"]
+            if run["framework"] == "diffusers":
+                baseline[key(run, r["batch"])] = r["images_per_s"]
+    for run in runs:
+        for r in run.get("results", []):
+            k = key(run, r["batch"])
+            if r["flops_per_image"] is None and k in flops:
+                r["flops_per_image"] = flops[k]
+                r["tflops_per_s"] = flops[k] * r["images_per_s"] / 1e12
+            r["speedup_vs_diffusers"] = r["images_per_s"] / baseline[k] if k in baseline else None
+
+
+def markdown(report):
+    devices = [run["device"] for run in report["speed"]["runs"] if "device" in run]
+    device = report["provenance"].get("nvidia_smi") or (devices[0] if devices else "?")
+    lines = [f"Device: {device}. `python scripts/accelerator_report.py --part {report['provenance']['part']}`, "
+             f"median of {report['provenance']['repeats']} calls after the first.", "",
+             "| setting | framework | batch | s/image | images/s | vs diffusers | first call s | ready s | "
+             "peak GiB | TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f="{:.3g}": "–" if x is None else f.format(x)  # noqa: E731
+    for run in report["speed"]["runs"]:
+        name = run["framework"] + (f" ({run['attention']}, cache {run['cache']})" if run["framework"] == "sdflax"
+                                   else "")
+        setting = (f"{run['family']}{' MLPerf' if run.get('setting') == 'mlperf' else ''} {run.get('height', '?')}px "
+                   f"{run['steps']} steps")
+        if "error" in run:
+            lines.append(f"| {setting} | {name} | {run['batches']} | error | | | | | | |")
+            continue
+        for r in run["results"]:
+            peak = r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2 ** 30
+            lines.append(f"| {setting} | {name} | {r['batch']} | {fmt(r['seconds_per_image'])} | "
+                         f"{fmt(r['images_per_s'])} | {fmt(r['speedup_vs_diffusers'], '{:.2f}x')} | "
+                         f"{fmt(r['first_call_s'])} | {fmt(run.get('ready_s'))} | {fmt(peak)} | "
+                         f"{fmt(r['tflops_per_s'])} |")
+    return "\n".join(lines)
+
+
+def write(report, path):
+    report["table"] = markdown(report)
+    tmp = Path(str(path) + ".part")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="the JSON report to write (a Markdown table beside it, .md)")
+    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl"), default="all")
+    p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "
+                   "tiny (default on the CPU)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
+    p.add_argument("--deadline-s", type=float, default=570.0,
+                   help="launch no job after this many seconds, and stop a running one there (default: 570)")
+    p.add_argument("--commit", help="the commit measured (default: git's HEAD, where there is a git checkout)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # one job, in its own process
+    args = p.parse_args(argv)
+    if args.worker:
+        job = json.loads(args.worker)
+        worker = {"correctness": correctness, "speed": None}[job["kind"]]
+        if worker is None:
+            worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
+            result = worker(job, args.size, args.repeats)
+        else:
+            result = worker(job, args.size)
+        print(json.dumps(result))
+        return 0
+    if not args.out:
+        p.error("--out FILE.json is required")
+    out = Path(args.out)
+    if out.exists():
+        p.error(f"{out} exists: give a new file (the report never overwrites one)")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.size is None:
+        import jax
+
+        args.size = "tiny" if jax.default_backend() == "cpu" else "full"
+    deadline = _START + args.deadline_s
+    report = {"schema": SCHEMA, "provenance": provenance(args), "correctness": {}, "speed": {"runs": []},
+              "errors": []}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for job in jobs(args.part, args.size):
+            job = {**job, "cache_dir": cache_dir} if job.get("cache") in ("cold", "warm") else job
+            name = " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches") if k in job)
+            if time.perf_counter() > deadline:
+                report["errors"].append(f"{name}: not run, past the deadline")
+                write(report, out)
+                continue
+            log(f"job: {name} ...")
+            result = run_job(job, args, deadline)
+            if "error" in result:
+                report["errors"].append(f"{name}: {result['error']}")
+                log(f"  error: {result['error']}")
+            if job["kind"] == "correctness":
+                report["correctness"][job["family"]] = result
+            else:
+                report["speed"]["runs"].append({**{k: v for k, v in job.items() if k != "cache_dir"}, **result})
+                add_ratios(report["speed"]["runs"])
+            write(report, out)
+    out.with_suffix(".md").write_text(report["table"] + "\n")
+    print(report["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
