@@ -153,6 +153,11 @@ def jobs(part: str, size: str) -> list[dict]:
                  speed("sdflax", sd15, [1], attention="xla", cache="none"),
                  speed("sdflax", sd15, [4], attention="auto", cache="none"),
                  speed("diffusers", sd15, [4])],
+        # the second half of sd15's: a warm cache after a cold one, torch.compile and XLA's attention
+        "compile": [speed("sdflax", sd15, [1], attention="auto", cache="cold"),
+                    speed("sdflax", sd15, [1], attention="auto", cache="warm"),
+                    speed("diffusers+compile", sd15, [1]),
+                    speed("sdflax", sd15, [1], attention="xla", cache="none")],
         "sdxl": [speed("sdflax", sdxl, [1], attention="auto", cache="none"),
                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none"),
                  speed("diffusers", sdxl, [1]),
@@ -680,7 +685,7 @@ def write(report, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the JSON report to write (a Markdown table beside it, .md)")
-    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl"), default="all")
+    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "compile"), default="all")
     p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "
                    "tiny (default on the CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
