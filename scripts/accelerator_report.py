@@ -35,9 +35,10 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
-"bfloat16": {model: check}, "attention": [layer, ...], "unet_cudnn_vs_xla": check}}, "speed": {"runs": [run, ...]},
-"table": str, "errors": [str, ...]}; a check is {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is
-the job's settings and {"wall_s", "ready_s", "results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]}.
+"bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}},
+"speed": {"runs": [run, ...], "flops": [count, ...]}, "table": str, "errors": [str, ...]}; a check is {"rel_l2",
+"max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
+[{"batch", "seconds_per_call", ..., "tflops_per_s"}]}; a count is a setting and {"flops_per_image", ...}.
 """
 
 from __future__ import annotations
@@ -166,8 +167,19 @@ def jobs(part: str, size: str) -> list[dict]:
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
                  ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6)]
-        return [table[p][i] for p, i in order]
-    return table[part]
+        chosen = [table[p][i] for p, i in order]
+    else:
+        chosen = table[part]
+    if full:
+        return chosen
+    # the tiny models: the first job of each code path, which the full run's other jobs repeat with other numbers
+    seen = set()
+    return [job for job in chosen if code_path(job) not in seen and not seen.add(code_path(job))]
+
+
+def code_path(job) -> tuple:
+    """What decides which of this script's code a job runs."""
+    return job["kind"], job.get("framework"), job["family"], job.get("cache")
 
 
 # ---- models with random weights ---------------------------------------------------------------------------------
@@ -193,7 +205,7 @@ def random_params(module, dtype, seed=0):
         n = math.prod(shape)
         start = offset[0] % pool.size
         offset[0] += 7919  # each tensor starts elsewhere in the pool
-        value = np.resize(np.roll(pool, -start), n).reshape(shape)
+        value = np.resize(pool[start:], n).reshape(shape)
         std = 1 / math.sqrt(math.prod(shape[:-1])) if name == "kernel" else 1.0
         return jax.device_put((value * np.float32(std)).astype(dtype))
 
@@ -323,17 +335,19 @@ def correctness(job, size):
 
     converted = {}  # dtype -> params
 
-    def sdflax_outputs(dtype, attention="auto"):
-        modules = build_models(classes, configs, dtype, attention)
-        if dtype not in converted:
-            converted[dtype] = {name: convert_state_dict(state[name], modules[name].param_shapes(), dtype)
-                                for name in modules}
-        params = converted[dtype]
-        unet, vae = modules["unet"], modules["vae"]
+    def sdflax_outputs(dtype, attention="auto", only=None):
+        modules = build_models(classes if only is None else {only: classes[only]}, configs, dtype, attention)
+        params = converted.setdefault(dtype, {})
+        for name in modules:
+            if name not in params:
+                params[name] = convert_state_dict(state[name], modules[name].param_shapes(), dtype)
+        unet = modules["unet"]
         extra = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if family == "sdxl" else {}
         out = {"unet": jax.jit(unet.apply)(params["unet"], inputs["sample"], inputs["timesteps"], inputs["context"],
-                                           **extra),
-               "vae": jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode))(params["vae"], latents)}
+                                           **extra)}
+        if "vae" in modules:
+            vae = modules["vae"]
+            out["vae"] = jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode))(params["vae"], latents)
         for name in TEXT_ENCODERS:
             if name in modules:
                 result = jax.jit(lambda p, x, m=modules[name]: m.apply(p, x, output_hidden_states=True))(
@@ -364,9 +378,12 @@ def correctness(job, size):
     report["bfloat16"] = checks
     log(f"correctness {family}: attention kernels ...")
     report["attention"] = attention_layers(configs, side)
-    xla16 = sdflax_outputs(jnp.bfloat16, attention="xla")
-    report["unet_cudnn_vs_xla"] = compare(ours16["unet"], xla16["unet"], BFLOAT16_FLOOR)
-    report["unet_cudnn_vs_xla"]["against_float32"] = compare(xla16["unet"], theirs32["unet"], math.inf)["rel_l2"]
+    xla16 = sdflax_outputs(jnp.bfloat16, attention="xla", only="unet")
+    # the UNet with the attention `auto` picks here (cuDNN on a GPU) and with XLA's, each against float32
+    bound = checks["unet"]["bound"]
+    report["unet_attention"] = {"auto": compare(ours16["unet"], theirs32["unet"], bound),
+                                "xla": compare(xla16["unet"], theirs32["unet"], bound),
+                                "auto_vs_xla_rel_l2": compare(ours16["unet"], xla16["unet"], math.inf)["rel_l2"]}
     return report
 
 
@@ -383,27 +400,31 @@ def attention_shapes(configs, side):
             tokens = (side >> level) ** 2
             shapes.add(("self", tokens, tokens, n, c // n))
             shapes.add(("cross", tokens, 77, n, c // n))
+    tokens, n = (side >> (len(channels) - 1)) ** 2, heads[-1]  # the mid block, at the lowest resolution
+    shapes |= {("self", tokens, tokens, n, channels[-1] // n), ("cross", tokens, 77, n, channels[-1] // n)}
     return sorted(shapes, key=lambda s: (-s[1], s[0]))
 
 
 def attention_layers(configs, side):
     """Per attention shape at bfloat16: the kernel sdflax picks here, and XLA's and (where it runs) cuDNN's
-    results against a float32 reference at the highest matmul precision."""
+    results against float64 attention on the same (bfloat16-rounded) inputs."""
     import jax
     import jax.numpy as jnp
+    import ml_dtypes
     import numpy as np
 
     from sdflax.models.layers import dot_product_attention, resolve_kernels
 
     kernels = resolve_kernels()
+    rng = np.random.default_rng(0)
     rows = []
-    for i, (kind, t, s, heads, head_dim) in enumerate(attention_shapes(configs, side)):
-        keys = jax.random.split(jax.random.key(i), 3)
-        q = jax.random.normal(keys[0], (2, t, heads, head_dim), jnp.float32)
-        k, v = (jax.random.normal(key, (2, s, heads, head_dim), jnp.float32) for key in keys[1:])
-        with jax.default_matmul_precision("highest"):
-            reference = np.asarray(jax.jit(lambda q, k, v: dot_product_attention(
-                q, k, v, kernels=dataclasses.replace(kernels, attention="xla")))(q, k, v))
+    for kind, t, s, heads, head_dim in attention_shapes(configs, side):
+        q = rng.standard_normal((2, t, heads, head_dim)).astype(ml_dtypes.bfloat16)
+        k, v = (rng.standard_normal((2, s, heads, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+        logits = np.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(head_dim)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        reference = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v64)
         row = {"kind": kind, "query_tokens": t, "key_tokens": s, "heads": heads, "head_dim": head_dim,
                "kernel": kernels.attention_kernel(head_dim, jnp.bfloat16)}
         for name in ("xla", "cudnn"):
@@ -412,8 +433,7 @@ def attention_layers(configs, side):
                 continue
             chosen = dataclasses.replace(kernels, attention=name)
             try:
-                out = jax.jit(lambda q, k, v, c=chosen: dot_product_attention(q, k, v, kernels=c))(
-                    *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+                out = jax.jit(lambda q, k, v, c=chosen: dot_product_attention(q, k, v, kernels=c))(q, k, v)
                 row[name] = compare(np.asarray(out.astype(jnp.float32)), reference, BFLOAT16_FLOOR)
             except Exception as e:  # a shape the kernel refuses: the finding itself
                 row[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "ok": False}
@@ -436,12 +456,11 @@ def timed(call, repeats):
     return first, times
 
 
-def figures(batch, first, times, flops_per_image, peak):
+def figures(batch, first, times, peak):
     median = statistics.median(times)
     return {"batch": batch, "first_call_s": first, "seconds_per_call": median, "seconds_per_call_min": min(times),
             "seconds_per_call_max": max(times), "seconds_per_image": median / batch, "images_per_s": batch / median,
-            "flops_per_image": flops_per_image, "peak_memory_bytes": peak,
-            "tflops_per_s": flops_per_image * batch / median / 1e12 if flops_per_image else None}
+            "peak_memory_bytes": peak}
 
 
 def speed_sdflax(job, size, repeats):
@@ -463,7 +482,6 @@ def speed_sdflax(job, size, repeats):
     side = configs_for(job["family"], size)["size"]
     out = {"import_s": import_s, "build_s": build_s, "dtype": jnp.dtype(dtype).name,
            "device": jax.devices()[0].device_kind, "height": side, "width": side, "results": []}
-    flops = None
     for batch in job["batches"]:
         ids = pipeline.prepare_inputs([PROMPT] * batch)
 
@@ -486,44 +504,52 @@ def speed_sdflax(job, size, repeats):
         if "ready_s" not in out:
             out["ready_s"] = time.perf_counter() - _START - sum(times)
             out["cache_hits"] = clock.cache_hits
-        if flops is None:  # per image: the same for every batch
-            flops = sdflax_flops(pipeline, params, batch, side, job["steps"])
         peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-        out["results"].append({**figures(batch, first, times, flops, peak), "compile_s": clock.seconds})
+        out["results"].append({**figures(batch, first, times, peak), "compile_s": clock.seconds})
     return out
 
 
-def sdflax_flops(pipeline, params, batch, side, steps):
-    """FLOPs per image from XLA's cost analysis of the lowered UNet (with XLA's attention: cuDNN's is a custom call
-    XLA cannot count) times its evaluations, plus the VAE decode. None where the backend counts nothing."""
+def flop_count(job, size):
+    """FLOPs per image of a speed setting from XLA's cost analysis, counted in a CPU-only process from the param
+    shapes (no weights, no device): the UNet lowered once with XLA's attention (cuDNN's is a custom call XLA
+    cannot count) on a guidance batch of two rows, times its evaluations, plus the VAE decode. The text encoders'
+    share is left out (under 0.1%). The count is the model's, whatever device or framework runs it."""
     import jax
     import jax.numpy as jnp
 
-    try:
-        unet = pipeline.unet.clone(kernels=dataclasses.replace(pipeline.unet.kernels, attention="xla"))
-        vae = pipeline.vae
-        cfg = unet.config
-        sds = jax.ShapeDtypeStruct
-        h = side // pipeline.vae_scale_factor
-        rows = 2 * batch  # classifier-free guidance
-        extra = {}
-        if cfg.addition_embed_type == "text_time":
-            n_ids = (cfg.projection_class_embeddings_input_dim - pipeline.text_encoder_2.config.projection_dim) \
-                // cfg.addition_time_embed_dim
-            extra = {"text_embeds": sds((rows, pipeline.text_encoder_2.config.projection_dim), jnp.float32),
-                     "time_ids": sds((rows, n_ids), jnp.float32)}
-        unet_cost = jax.jit(unet.apply).lower(
-            params["unet"], sds((rows, 4, h, h), jnp.float32), sds((), jnp.float32),
-            sds((rows, 77, cfg.cross_attention_dim), pipeline.dtype), **extra).cost_analysis()
-        vae_cost = jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode)).lower(
-            params["vae"], sds((batch, 4, h, h), jnp.float32)).cost_analysis()
-        evals = int(pipeline.scheduler.set_timesteps(steps, shape=(batch, 4, h, h)).timesteps.shape[0])
-        unet_flops, vae_flops = (float((c[0] if isinstance(c, (list, tuple)) else c)["flops"])
-                                 for c in (unet_cost, vae_cost))
-        return (evals * unet_flops + vae_flops) / batch
-    except Exception as e:  # a backend without a cost analysis
-        log(f"no FLOP count: {type(e).__name__}: {e}")
-        return None
+    from sdflax.assemble import build_models
+    from sdflax.models import AutoencoderKL, CLIPTextModelWithProjection, UNet2DConditionModel
+    from sdflax.models.layers import Kernels
+    from sdflax.schedulers import scheduler_from_config
+
+    configs = configs_for(job["family"], size)
+    kernels = Kernels("gpu", None, "xla")  # a GPU's graph, XLA's attention
+    classes = {"unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    if job["family"] == "sdxl":
+        classes["text_encoder_2"] = CLIPTextModelWithProjection
+    modules = build_models(classes, configs, jnp.bfloat16, kernels=kernels)
+    unet, vae = modules["unet"], modules["vae"]
+    sds = jax.ShapeDtypeStruct
+    h = configs["size"] // vae.config.scale_factor
+    extra = {}
+    if unet.config.addition_embed_type == "text_time":
+        pooled = modules["text_encoder_2"].config.projection_dim
+        n_ids = (unet.config.projection_class_embeddings_input_dim - pooled) // unet.config.addition_time_embed_dim
+        extra = {"text_embeds": sds((2, pooled), jnp.float32), "time_ids": sds((2, n_ids), jnp.float32)}
+
+    def flops(lowered):
+        cost = lowered.cost_analysis()
+        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+    unet_flops = flops(jax.jit(unet.apply).lower(
+        unet.param_shapes(), sds((2, 4, h, h), jnp.float32), sds((), jnp.float32),
+        sds((2, 77, unet.config.cross_attention_dim), jnp.bfloat16), **extra))
+    vae_flops = flops(jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode)).lower(
+        vae.param_shapes(), sds((1, 4, h, h), jnp.float32)))
+    scheduler = scheduler_from_config(configs["scheduler"], job["scheduler"])
+    evals = int(scheduler.set_timesteps(job["steps"], shape=(1, 4, h, h)).timesteps.shape[0])
+    return {"flops_per_image": evals * unet_flops + vae_flops, "unet_evals": evals,
+            "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops}
 
 
 def speed_diffusers(job, size, repeats):
@@ -577,7 +603,7 @@ def speed_diffusers(job, size, repeats):
         if "ready_s" not in out:
             out["ready_s"] = time.perf_counter() - _START - sum(times)
         peak = torch.cuda.max_memory_allocated() if cuda else None
-        out["results"].append(figures(batch, first, times, None, peak))  # FLOPs: sdflax's count, filled in later
+        out["results"].append(figures(batch, first, times, peak))
     return out
 
 
@@ -613,6 +639,8 @@ def provenance(args):
 def run_job(job, args, deadline):
     """Run one job in a fresh process -> its result (or {"error": ...})."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    if job["kind"] == "flops":
+        env["JAX_PLATFORMS"] = "cpu"
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size", args.size,
                "--repeats", str(args.repeats)]
     start = time.perf_counter()
@@ -628,26 +656,22 @@ def run_job(job, args, deadline):
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall_s}
 
 
-def add_ratios(runs):
-    """diffusers' FLOP rate from sdflax's count for the same setting, and each row's speed against diffusers'
-    plain (SDPA) row at the same setting and batch."""
-    def key(run, batch):
-        return run["family"], run.get("setting"), run["steps"], batch
+def setting_key(job):
+    return job["family"], job.get("setting"), job["steps"]
 
-    flops, baseline = {}, {}
+
+def add_ratios(runs, counts):
+    """Each row's achieved TFLOP/s from the setting's FLOP count (`counts`), and its speed against diffusers'
+    plain (SDPA) row at the same setting and batch."""
+    baseline = {(setting_key(run), r["batch"]): r["images_per_s"] for run in runs if run["framework"] == "diffusers"
+                for r in run.get("results", [])}
     for run in runs:
+        flops = (counts.get(setting_key(run)) or {}).get("flops_per_image")
         for r in run.get("results", []):
-            if run["framework"] == "sdflax" and r["flops_per_image"]:
-                flops[key(run, r["batch"])] = r["flops_per_image"]
-            if run["framework"] == "diffusers":
-                baseline[key(run, r["batch"])] = r["images_per_s"]
-    for run in runs:
-        for r in run.get("results", []):
-            k = key(run, r["batch"])
-            if r["flops_per_image"] is None and k in flops:
-                r["flops_per_image"] = flops[k]
-                r["tflops_per_s"] = flops[k] * r["images_per_s"] / 1e12
-            r["speedup_vs_diffusers"] = r["images_per_s"] / baseline[k] if k in baseline else None
+            r["flops_per_image"] = flops
+            r["tflops_per_s"] = flops * r["images_per_s"] / 1e12 if flops else None
+            base = baseline.get((setting_key(run), r["batch"]))
+            r["speedup_vs_diffusers"] = r["images_per_s"] / base if base else None
 
 
 def markdown(report):
@@ -696,7 +720,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         job = json.loads(args.worker)
-        worker = {"correctness": correctness, "speed": None}[job["kind"]]
+        worker = {"correctness": correctness, "flops": flop_count, "speed": None}[job["kind"]]
         if worker is None:
             worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
             result = worker(job, args.size, args.repeats)
@@ -716,8 +740,9 @@ def main(argv=None):
 
         args.size = "tiny" if jax.default_backend() == "cpu" else "full"
     deadline = _START + args.deadline_s
-    report = {"schema": SCHEMA, "provenance": provenance(args), "correctness": {}, "speed": {"runs": []},
-              "errors": []}
+    report = {"schema": SCHEMA, "provenance": provenance(args), "correctness": {},
+              "speed": {"runs": [], "flops": []}, "errors": []}
+    counts = {}  # setting -> its FLOP count, counted once
     with tempfile.TemporaryDirectory() as cache_dir:
         for job in jobs(args.part, args.size):
             job = {**job, "cache_dir": cache_dir} if job.get("cache") in ("cold", "warm") else job
@@ -735,7 +760,12 @@ def main(argv=None):
                 report["correctness"][job["family"]] = result
             else:
                 report["speed"]["runs"].append({**{k: v for k, v in job.items() if k != "cache_dir"}, **result})
-                add_ratios(report["speed"]["runs"])
+                if setting_key(job) not in counts and time.perf_counter() < deadline:
+                    flop_job = {"kind": "flops", **{k: job[k] for k in ("family", "setting", "steps", "scheduler")
+                                                    if k in job}}
+                    counts[setting_key(job)] = run_job(flop_job, args, deadline)
+                    report["speed"]["flops"].append({**flop_job, **counts[setting_key(job)]})
+                add_ratios(report["speed"]["runs"], counts)
             write(report, out)
     out.with_suffix(".md").write_text(report["table"] + "\n")
     print(report["table"])

@@ -22,7 +22,8 @@ def without_torch(script, *args):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("script", ["benchmark.py", "benchmark_kernels.py", "make_tiny_checkpoint.py"])
+@pytest.mark.parametrize("script", ["benchmark.py", "benchmark_kernels.py", "make_tiny_checkpoint.py",
+                                    "accelerator_report.py"])
 def test_help_runs_without_torch(script):
     """Friction: `benchmark_kernels.py --help` and `make_tiny_checkpoint.py --help` failed without torch."""
     result = without_torch(script, "--help")

@@ -1,0 +1,141 @@
+"""scripts/accelerator_report.py on the CPU: the whole run on tiny models of the same architectures, so that the
+code a GPU machine runs is run daily up to the device calls. Every section must hold numbers; no timing
+thresholds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "accelerator_report.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import accelerator_report as script  # noqa: E402
+
+TIMES = ("first_call_s", "seconds_per_call", "seconds_per_call_min", "seconds_per_call_max", "seconds_per_image",
+         "images_per_s", "flops_per_image", "tflops_per_s")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("accelerator")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(folder / "report.json"), "--repeats", "1",
+                           "--commit", "abc123"], env=env, cwd=folder, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((folder / "report.json").read_text()), folder, done.stdout
+
+
+def test_the_report_has_every_section_and_no_errors(report):
+    r, folder, stdout = report
+    assert r["schema"] == script.SCHEMA == 1 and r["errors"] == []
+    p = r["provenance"]
+    assert p["size"] == "tiny" and p["part"] == "all" and p["commit"] == "abc123"  # tiny: chosen on the CPU
+    assert all(p["versions"][name] for name in ("jax", "jaxlib", "flax", "torch", "diffusers", "transformers"))
+    assert (folder / "report.md").read_text().strip() == r["table"] == stdout.strip()
+    assert not list(folder.glob("*.part"))
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_correctness_compares_every_model_in_both_dtypes(report, family):
+    c = report[0]["correctness"][family]
+    models = {"unet", "vae", "text_encoder", "text_encoder.last"}
+    if family == "sdxl":
+        models |= {"text_encoder_2", "text_encoder_2.last"}
+    for dtype, bound in (("float32", script.FLOAT32_BOUND), ("bfloat16", None)):
+        assert set(c[dtype]) == models
+        for name, check in c[dtype].items():
+            assert check["ok"] and check["finite"] and not check["constant"], (dtype, name, check)
+            assert 0 < check["rel_l2"] <= check["bound"] and check["max_abs"] > 0, (dtype, name, check)
+            if bound is not None:
+                assert check["bound"] == bound
+            else:  # bfloat16 is measured against diffusers' own bfloat16 error, which must be there
+                assert check["bound"] == max(2 * check["diffusers_rel_l2"], script.BFLOAT16_FLOOR)
+                assert 0 < check["against_diffusers_bfloat16"] < 0.1
+    # on the CPU both attention settings are XLA's: the same program
+    assert c["unet_attention"]["auto"]["ok"] and c["unet_attention"]["xla"]["ok"]
+    assert c["unet_attention"]["auto_vs_xla_rel_l2"] == 0
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_attention_rows_name_the_kernel_and_its_error(report, family):
+    rows = report[0]["correctness"][family]["attention"]
+    configs = script.TINY[family]
+    assert [(row["kind"], row["query_tokens"], row["key_tokens"], row["heads"], row["head_dim"]) for row in rows] \
+        == script.attention_shapes(configs, configs["size"] // 8)
+    for row in rows:
+        assert row["kernel"] == "xla" and row["cudnn"] is None  # no cuDNN on the CPU
+        assert row["xla"]["ok"] and 0 <= row["xla"]["rel_l2"] < script.BFLOAT16_FLOOR  # 0: one key, v itself
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_attention_shapes_are_diffusers_heads(family):
+    """The report's attention shapes read diffusers' configs as diffusers does ("attention_head_dim" is the head
+    count): the same (heads, head dim) pairs as the attention modules of diffusers' UNet."""
+    import diffusers
+
+    configs = script.TINY[family]
+    unet = diffusers.UNet2DConditionModel(**configs["unet"])
+    theirs = {(m.heads, m.inner_dim // m.heads) for name, m in unet.named_modules()
+              if type(m).__name__ == "Attention"}
+    ours = {(heads, head_dim) for _, _, _, heads, head_dim in script.attention_shapes(configs, 8)}
+    assert ours == theirs
+    full = {s[-1] for s in script.attention_shapes(script.FULL[family], script.FULL[family]["size"] // 8)}
+    assert full == {"sd15": {40, 80, 160}, "sdxl": {64}}[family]
+
+
+def test_speed_runs_have_numbers_and_ratios(report):
+    r = report[0]
+    runs = r["speed"]["runs"]
+    assert [script.code_path(run) for run in runs] == [script.code_path(job) for job in script.jobs("all", "tiny")
+                                                       if job["kind"] == "speed"]
+    for run in runs:
+        assert run["import_s"] > 0 and run["build_s"] > 0 and run["ready_s"] > run["import_s"] and run["wall_s"] > 0
+        assert [x["batch"] for x in run["results"]] == run["batches"]
+        for x in run["results"]:
+            assert all(x[k] > 0 for k in TIMES), (run["framework"], x)
+            assert x["seconds_per_call_min"] <= x["seconds_per_call"] <= x["seconds_per_call_max"]
+            np.testing.assert_allclose(x["tflops_per_s"], x["flops_per_image"] * x["images_per_s"] / 1e12)
+            assert x["peak_memory_bytes"] is None  # the CPU reports none
+            plain = [b for b in runs if b["framework"] == "diffusers" and script.setting_key(b) ==
+                     script.setting_key(run) and x["batch"] in b["batches"]]
+            assert (x["speedup_vs_diffusers"] is not None) == bool(plain)
+            if run["framework"] == "diffusers":
+                assert x["speedup_vs_diffusers"] == 1
+    cache = {run["cache"]: run["cache_hits"] for run in runs if run["framework"] == "sdflax"}
+    assert cache["cold"] == 0 and cache["warm"] > 0 and cache["none"] == 0
+    assert len(r["table"].splitlines()) == 4 + sum(len(run["results"]) for run in runs)
+
+
+def test_flop_counts_add_up(report):
+    counts = report[0]["speed"]["flops"]
+    assert {(c["family"], c["steps"]) for c in counts} == {("sd15", 2), ("sdxl", 2)}
+    for c in counts:
+        assert c["unet_evals"] >= c["steps"] and c["unet_eval_flops"] > 0 and c["vae_decode_flops"] > 0
+        assert c["flops_per_image"] == c["unet_evals"] * c["unet_eval_flops"] + c["vae_decode_flops"]
+
+
+def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
+    full = script.jobs("all", "full")
+    assert {script.code_path(j) for j in full} == {script.code_path(j) for j in script.jobs("all", "tiny")}
+    parts = [job for part in ("correctness", "sd15", "sdxl", "compile") for job in script.jobs(part, "full")]
+    assert all(job in parts for job in full)
+    # the issue's settings
+    settings = {(j["family"], j.get("setting"), j["steps"], j["guidance"], tuple(j.get("batches", ()))) for j in full
+                if j["kind"] == "speed"}
+    assert {("sd15", None, 50, 7.5, (1, 8)), ("sdxl", None, 30, 5.0, (1,)), ("sdxl", "mlperf", 20, 8.0, (8,))} \
+        <= settings
+
+
+def test_an_existing_report_is_never_overwritten(tmp_path):
+    out = tmp_path / "report.json"
+    out.write_text("mine")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "exists: give a new file" in done.stderr
+    assert out.read_text() == "mine"
