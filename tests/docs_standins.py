@@ -24,13 +24,9 @@ from builders import REPO, SD1, SDXL
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-# SD 1.5's family at its smallest: two UNet blocks (cross-attention in the outer one, down and up, and in the middle
-# block: what ControlNet, FreeU, PAG, DeepCache and the attention hooks address) of one layer each, 32 px images (a
-# VAE of scale factor 2). Each program the pages compile is mostly this UNet's.
-SD15 = {**SD1, "unet": {**SD1["unet"], "layers_per_block": 1, "block_out_channels": (32, 64),
-                        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
-                        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")},
-        "vae": {**SD1["vae"], "layers_per_block": 1}}
+# SD 1.5's family as the builders' (two UNet blocks, cross-attention in the outer one, down and up, and in the middle
+# block: what ControlNet, FreeU, PAG, DeepCache and the attention hooks address; one layer each).
+SD15 = SD1
 
 
 @functools.cache

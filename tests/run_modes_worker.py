@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 
 from sdflax import (StableDiffusion, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL,
                     enable_compile_cache, replicate, shard)

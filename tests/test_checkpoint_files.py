@@ -19,7 +19,6 @@ from sdflax.checkpoint_files import (
     UnsafeCheckpointError,
     read_checkpoint,
     read_flax_msgpack,
-    read_safetensors,
     read_torch_bin,
 )
 

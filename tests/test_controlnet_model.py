@@ -175,7 +175,7 @@ def test_condition_image_is_checked():
     params = controlnet.param_shapes()
     x = inputs(SD1["unet"], 4)
     run = lambda **kwargs: jax.eval_shape(controlnet.apply, params, **{**x, **kwargs})  # noqa: E731
-    assert run()[1].shape == (2, 64, 4, 3)
+    assert run()[1].shape == (2, 64, 8, 5)
     with pytest.raises(ValueError, match=r"controlnet_cond \(2, 3, 32, 20\) encodes to 8x5, the latents are 16x10: "
                                          "the condition image is 4 times the latents' size"):
         run(controlnet_cond=np.zeros((2, 3, 32, 20), np.float32))

@@ -19,7 +19,6 @@ first line.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re

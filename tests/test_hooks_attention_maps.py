@@ -20,7 +20,7 @@ MAP_ATOL = 1e-5  # probabilities, float32
 IMAGE_ATOL = 1e-3
 STEPS = 2
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
-LAYER = "down_blocks.1.attentions.0.transformer_blocks.0.attn2"
+LAYER = "mid_block.attentions.0.transformer_blocks.0.attn2"
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,9 @@ def test_gradient_of_a_word_map_matches_central_differences(pipes):
     loss_and_grad = jax.jit(jax.value_and_grad(loss), compiler_options=compiler_options())
     rng = np.random.default_rng(1)
     latents = jnp.asarray(rng.standard_normal((1, 4, 16, 16), dtype=np.float32))
-    direction = jnp.asarray(rng.standard_normal(latents.shape, dtype=np.float32))
     _, grad = loss_and_grad(latents, params)
+    # along the gradient: the largest change of a loss this flat, so that float32 rounding stays far below it
+    direction = grad / jnp.linalg.norm(grad)
     eps = 1e-2
     numeric = (loss_and_grad(latents + eps * direction, params)[0]
                - loss_and_grad(latents - eps * direction, params)[0]) / (2 * eps)

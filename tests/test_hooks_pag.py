@@ -16,7 +16,7 @@ from sdflax.hooks.pag import perturbed_attention_guidance
 ATOL = 1e-3  # images in [0, 1], float32
 STEPS = 3
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
-LAYERS = {"sd1": ["mid", "down_blocks.1"], "sdxl": ["mid", "up_blocks.0.attentions.1"]}
+LAYERS = {"sd1": ["mid", "down_blocks.0"], "sdxl": ["mid", "up_blocks.0.attentions.1"]}
 
 
 @pytest.fixture(scope="module", params=["sd1", "sdxl"])

@@ -13,7 +13,7 @@ from builders import SDXL, saved, torch_text_encoder_2, torch_unet, torch_xl_pip
 import jax
 import jax.numpy as jnp
 
-from sdflax import CLIPTextModel, CLIPTextModelWithProjection, StableDiffusion, StableDiffusionXL, UNet2DConditionModel
+from sdflax import CLIPTextModel, CLIPTextModelWithProjection, StableDiffusionXL, UNet2DConditionModel
 from sdflax import replicate, shard, unshard
 from sdflax.models import AutoencoderKL
 from sdflax.weights import CheckpointMismatchError
