@@ -275,15 +275,30 @@ def test_a_file_that_is_not_this_commands_image_is_never_overwritten(tmp):
 
 # ---- prompt files and bad input (in process: they fail before JAX starts) -----------------------------------
 
-def test_a_manifest_that_is_not_sdflaxs_is_never_written_to(tmp_path, capsys):
+RECORD = '{"line": 1, "file": "000001-a-fox.png"}'
+
+
+@pytest.mark.parametrize("text, line", [("my notes\nmore notes\n", 1),
+                                        ("my notes", 1),  # no newline at the end: not a record cut short
+                                        (f"{RECORD}\nmy notes", 2),
+                                        (f"{RECORD}\n{{\"notes\": 1", 2)])
+def test_a_manifest_that_is_not_sdflaxs_is_never_written_to(tmp_path, capsys, text, line):
     (tmp_path / "prompts.txt").write_text("a fox\n")
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "manifest.jsonl").write_text("my notes\nmore notes\n")
+    (tmp_path / "out" / "manifest.jsonl").write_text(text)
     assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
     assert capsys.readouterr().err == (f"sdflax: error: {tmp_path / 'out' / 'manifest.jsonl'} is not a manifest of "
-                                       "sdflax batch (line 1): sdflax never overwrites a file; move it, or choose "
-                                       "another --out\n")
-    assert (tmp_path / "out" / "manifest.jsonl").read_text() == "my notes\nmore notes\n"
+                                       f"sdflax batch (line {line}): sdflax never overwrites a file; move it, or "
+                                       "choose another --out\n")
+    assert (tmp_path / "out" / "manifest.jsonl").read_text() == text
+
+
+def test_only_a_record_of_ours_cut_short_counts_as_a_kill(tmp_path):
+    from sdflax.cli.manifest import read_manifests
+
+    for cut in ('{"li', '{"line": 2, "file": "000002-a-f'):
+        (tmp_path / "manifest.jsonl").write_text(f"{RECORD}\n{cut}")
+        assert read_manifests(tmp_path) == [json.loads(RECORD)]
 
 
 def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_path):
@@ -293,6 +308,28 @@ def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_
     assert read_prompts(str(path), args) == [Line(1, "a red fox, watercolor", "", None, None, 50, None, None),
                                              Line(3, "{not json}", "", None, None, 50, None, None)]
     assert read_prompts(str(path), args)[0].name == "000001-a-red-fox-watercolor.png"
+
+
+def test_lines_end_at_newlines_only(tmp_path):
+    """Form feeds, U+2028 and U+0085 inside a line made three images of two lines and shifted later seeds."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("a fox\u2028in snow\r\na cat\x0cby\u0085night\n", encoding="utf-8")
+    assert [(line.number, line.prompt) for line in read_prompts(str(path), main_args())] == [
+        (1, "a fox\u2028in snow"), (2, "a cat\x0cby\u0085night")]
+
+
+def test_prompt_files_and_lines_are_bounded(tmp_path, monkeypatch):
+    from sdflax.cli import batch
+    from sdflax.cli.request import UserError
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("a fox\n" + "x" * (batch.MAX_LINE_CHARS + 1) + "\n")
+    with pytest.raises(UserError, match=rf"prompts.txt line 2: {batch.MAX_LINE_CHARS + 1} characters, over "
+                                        rf"{batch.MAX_LINE_CHARS}: a prompt is 77 tokens"):
+        read_prompts(str(path), main_args())
+    monkeypatch.setattr(batch, "MAX_PROMPTS_BYTES", 2**20)
+    with pytest.raises(UserError, match="PROMPTS /dev/zero is over 1 MiB: split it into several files"):
+        read_prompts("/dev/zero", main_args())  # grew until killed
 
 
 def main_args():

@@ -28,6 +28,10 @@ from .workers import Producer, Signals, Writer, run_until_done_or_signal
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
 # A line's own values are checked with the command line's parsers, so that both refuse the same values.
 CHECKS = {"seed": seed, "guidance": finite, "steps": positive_int, "width": positive_int, "height": positive_int}
+# Bounds on what a prompt file can make the reader hold: a prompt is 77 tokens, so a longer line is a mistake (a
+# 16 MB line took 32 s and 2.4 GB to tokenize), and /dev/zero must not grow until killed.
+MAX_PROMPTS_BYTES = 64 * 2**20
+MAX_LINE_CHARS = 16384
 
 
 def add_command(commands):
@@ -81,14 +85,22 @@ def read_prompts(path, defaults) -> list[Line]:
     `defaults`: the command's negative_prompt, guidance, steps, height and width."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_PROMPTS_BYTES + 1)  # characters: at least as many bytes
     except (OSError, UnicodeDecodeError) as e:
         reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror or e
         raise UserError(f"PROMPTS {path}: cannot read it ({reason}): give a text file, one prompt a line, or "
                         ".jsonl") from e
+    if len(text) > MAX_PROMPTS_BYTES:
+        raise UserError(f"PROMPTS {path} is over {MAX_PROMPTS_BYTES // 2**20} MiB: split it into several files")
     jsonl = path.lower().endswith(".jsonl")
     lines = []
-    for number, raw in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" (or "\r\n") alone: str.splitlines also splits at form feeds and U+2028, U+0085, which
+    # would shift every later line's number and seed.
+    for number, raw in enumerate(text.split("\n"), 1):
+        raw = raw.removesuffix("\r")
+        if len(raw) > MAX_LINE_CHARS:
+            raise UserError(f"PROMPTS {path} line {number}: {len(raw)} characters, over {MAX_LINE_CHARS}: a prompt is "
+                            "77 tokens, the rest is cut off; is this a prompt file?")
         if not raw.strip():
             continue
         values = json_line(path, number, raw) if jsonl else {"prompt": raw.strip()}

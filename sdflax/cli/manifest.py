@@ -29,8 +29,8 @@ def read_manifests(folder) -> list[dict]:
             try:
                 record = json.loads(text) if text.strip() else None
             except json.JSONDecodeError:
-                if i == len(texts) - 1:
-                    continue  # cut short by a kill
+                if i == len(texts) - 1 and (text.startswith(RECORD_START) or RECORD_START.startswith(text)):
+                    continue  # a record of ours cut short by a kill (Manifest drops it); anything else is not ours
                 record = "not JSON"
             if record is not None and not (isinstance(record, dict) and isinstance(record.get("line"), int)):
                 raise UserError(f"{os.path.join(folder, name)} is not a manifest of sdflax batch (line {i + 1}): "
@@ -38,6 +38,10 @@ def read_manifests(folder) -> list[dict]:
             if record is not None:
                 records.append(record)
     return records
+
+
+# How every record's line begins (`record`'s first key, as json.dumps writes it): what a cut-off record looks like.
+RECORD_START = '{"line": '
 
 
 def record(line, base, settings, process, made) -> dict:
