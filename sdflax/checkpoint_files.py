@@ -231,6 +231,12 @@ def _rebuild_tensor(storage, storage_offset, size, stride):
                 f"tensor (offset {storage_offset}, size {size}, stride {stride}) runs past the end "
                 f"of its storage of {storage.size} elements"
             )
+        # A view that repeats elements (stride 0, overlapping rows) would be copied out below: a few bytes of
+        # file could claim gigabytes. Checkpoints hold none; refuse before allocating.
+        count = math.prod(size)
+        if count > storage.size:
+            raise ValueError(f"tensor of size {size} (stride {stride}) claims {count} elements from a storage of "
+                             f"{storage.size}: views that repeat elements are not read")
     base = storage[storage_offset:]
     itemsize = storage.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(

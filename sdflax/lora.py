@@ -83,6 +83,9 @@ SDXL_NAMES = ("lora_te1_", "lora_te2_", "text_encoder_2.")
 SD_NAMES = ("lora_te_",)
 
 
+MODULE_NAME = re.compile(r"[A-Za-z0-9_.]{1,256}")
+
+
 class LoraMismatchError(ValueError):
     """The LoRA file names modules the model does not have, or its shapes do not fit them."""
 
@@ -145,6 +148,12 @@ def _peft_alphas(path) -> dict:
                 pattern = meta.get(f"{component}.alpha_pattern") or {}
                 if not isinstance(pattern, dict):
                     raise TypeError(f"{component}.alpha_pattern must be an object")
+                # PEFT reads the keys as regular expressions; diffusers writes module names. A file's regex is
+                # not run here: it can be malformed or backtrack for minutes.
+                for key in pattern:
+                    if not MODULE_NAME.fullmatch(str(key)):
+                        raise TypeError(f"{component}.alpha_pattern key {str(key)[:60]!r} is not a module name "
+                                        "(letters, digits, '_' and '.')")
                 out[component] = (float(meta[f"{component}.lora_alpha"]),
                                   {str(k): float(v) for k, v in pattern.items()},
                                   bool(meta.get(f"{component}.use_rslora", False)))

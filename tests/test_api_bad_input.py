@@ -131,6 +131,18 @@ def test_lora_metadata_that_is_not_a_lora_config(tiny, tmp_path):
                 "lora_adapter_metadata is not a diffusers LoRA config")
 
 
+@pytest.mark.parametrize("key", ["(", "(.*.*.*.*)*z", "proj_in|to_q", "x" * 300])
+def test_lora_alpha_pattern_keys_are_module_names_never_run_as_regexes(tiny, tmp_path, key):
+    """A file's pattern is not handed to the regex engine: "(" was a re.error traceback, "(.*.*.*.*)*z" ran past
+    300 s."""
+    pipe, params, _ = tiny
+    raw = json.dumps({"unet.lora_alpha": 4, "unet.alpha_pattern": {"down_blocks.0.attentions.0.proj_in": 2,
+                                                                   key: 8}})
+    path = lora_file(tmp_path / "meta.safetensors", params, metadata={"lora_adapter_metadata": raw})
+    refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"LoRA file {path}: its lora_adapter_metadata "
+            f"is not a diffusers LoRA config (unet.alpha_pattern key {key[:60]!r} is not a module name")
+
+
 def test_safetensors_metadata_must_map_strings_to_strings(tiny, tmp_path):
     pipe, params, _ = tiny
     header = json.dumps({"__metadata__": [1, 2]}).encode()

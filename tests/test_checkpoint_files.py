@@ -3,6 +3,7 @@
 import builtins
 import io
 import json
+import math
 import os
 import pickle
 import struct
@@ -208,6 +209,17 @@ def test_tensor_running_past_its_storage_is_refused(tmp_path):
     _torch_like_zip(bad, bad_pkl, storages={"0": data})
     with pytest.raises(ValueError, match="past the end"):
         read_torch_bin(bad)
+
+
+@pytest.mark.parametrize("size, stride", [((20000, 20000), (0, 0)), ((131072, 131072), (0, 0)), ((5, 6), (1, 1))])
+def test_views_that_repeat_elements_are_refused_before_allocating(tmp_path, size, stride):
+    """A 1.7 KB file claimed 1.6 GB (stride 0), or a 64 GiB allocation; overlapping rows likewise."""
+    path = tmp_path / "model.bin"
+    torch.save({"x": torch.zeros(10).as_strided(size, stride)}, path)
+    assert path.stat().st_size < 4096
+    with pytest.raises(ValueError, match=rf"claims {math.prod(size)} elements from a storage of 10: views that "
+                                         "repeat elements are not read"):
+        read_torch_bin(path)
 
 
 def test_big_endian_is_refused(tmp_path):
