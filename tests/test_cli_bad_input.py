@@ -44,6 +44,39 @@ def test_out_never_overwrites_a_file(tmp_path, capsys):
     assert grid.read_bytes() == b"grid"
 
 
+def test_num_images_is_bounded_before_loading(capsys):
+    """--num-images 100000000 loaded the model, then died with a MemoryError while tokenizing."""
+    assert generate("--num-images", 100000000) == 2
+    assert "argument --num-images: must be at most 1024, got 100000000 (one call makes them all: `sdflax batch` " \
+           "makes any number, a batch at a time)" in one_error_line(capsys)
+
+
+def test_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
+    """generate wrote straight to the final name: a full disk left a 0-byte NAME.png that the next run refused."""
+    import errno
+
+    from sdflax.cli.output import write_png
+
+    image = Image.new("RGB", (8, 8))
+
+    def full_disk(self, f, *args, **kwargs):
+        f.write(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_png(tmp_path / "fox.png", image, None)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "taken.png").write_bytes(b"mine")
+    with pytest.raises(FileExistsError) as info:
+        write_png(tmp_path / "taken.png", image, None)
+    assert info.value.filename == tmp_path / "taken.png" and (tmp_path / "taken.png").read_bytes() == b"mine"
+    write_png(tmp_path / "fox.png", image, None)
+    assert Image.open(tmp_path / "fox.png").size == (8, 8) and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["fox.png", "taken.png"]
+
+
 def test_out_that_is_a_folder_named_png_or_a_file(tmp_path, capsys):
     (tmp_path / "x.png").mkdir()
     assert generate("--out", tmp_path / "x.png") == 2

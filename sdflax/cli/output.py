@@ -3,6 +3,7 @@ setting, and A1111's `parameters` line, which other image tools read."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -172,8 +173,16 @@ def save(request, target, images, seeds, settings):
 
 
 def write_png(path, image, info):
-    with open(path, "xb") as f:  # "x": fails rather than replace a file that appeared while sampling
-        image.save(f, format="PNG", pnginfo=info)
+    """The PNG whole or not at all, as `batch` writes its own: under a temporary name, then linked into place. A
+    full disk leaves no partial file under the name (which the next run would refuse as taken), and a file that
+    appeared while sampling is never replaced."""
+    from .manifest import link_png
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        link_png(folder, name, image, info, os.getpid())
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path) from None
     print(path)
 
 

@@ -26,6 +26,19 @@ def positive_int(text):
     return value
 
 
+# One generate call makes every image in one program: a count past this would only run out of memory after the
+# model loaded. `sdflax batch` makes any number, a batch at a time.
+MAX_NUM_IMAGES = 1024
+
+
+def num_images(text):
+    value = positive_int(text)
+    if value > MAX_NUM_IMAGES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_NUM_IMAGES}, got {value} (one call makes them all: "
+                                         "`sdflax batch` makes any number, a batch at a time)")
+    return value
+
+
 def seed(text):
     try:
         value = int(text)
@@ -168,7 +181,7 @@ def add_options(command, image=False, exclude=()):
             "factor (default: the model's own, 512 for SD 1.x)")
         add("--width", type=positive_int, metavar="W", help="image width in pixels (default: the model's own)")
     add("--seed", type=seed, help="seed of the first image (default: random, printed and saved)")
-    add("--num-images", type=positive_int, metavar="N",
+    add("--num-images", type=num_images, metavar="N",
         help="images to keep (default: one per device; computed in multiples of the device count)")
     add("--dtype", choices=("bfloat16", "float32"),
         help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
