@@ -22,6 +22,7 @@ table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -31,6 +32,7 @@ import numpy as np
 from flax import traverse_util
 
 from .checkpoint_files import read_checkpoint, safetensors_metadata
+from .utils import is_float32
 from .ldm_names import map_key, unet_table
 from .weights import short_list
 
@@ -154,8 +156,10 @@ def _peft_alphas(path) -> dict:
                     if not MODULE_NAME.fullmatch(str(key)):
                         raise TypeError(f"{component}.alpha_pattern key {str(key)[:60]!r} is not a module name "
                                         "(letters, digits, '_' and '.')")
-                out[component] = (float(meta[f"{component}.lora_alpha"]),
-                                  {str(k): float(v) for k, v in pattern.items()},
+                alphas = [float(meta[f"{component}.lora_alpha"]), *(float(v) for v in pattern.values())]
+                if not all(math.isfinite(a) for a in alphas):
+                    raise ValueError(f"{component}: lora_alpha and alpha_pattern values must be finite numbers")
+                out[component] = (alphas[0], {str(k): float(v) for k, v in pattern.items()},
                                   bool(meta.get(f"{component}.use_rslora", False)))
     except (ValueError, TypeError, RecursionError) as e:
         raise LoraMismatchError(f"LoRA file {os.fspath(path)}: its lora_adapter_metadata is not a diffusers LoRA "
@@ -180,8 +184,10 @@ def _kernel_index(params) -> tuple[dict, dict]:
 
 def _expected_kernel(down, up, kernel_ndim):
     """The Flax kernel shape that up @ down gives: (in, out) or HWIO, or None if the two do not chain."""
+    if up.ndim not in (2, 4) or down.ndim not in (2, 4):
+        return None
     rank = down.shape[0]
-    if up.ndim not in (2, 4) or down.ndim not in (2, 4) or up.shape[1] != rank or up.shape[2:] not in ((), (1, 1)):
+    if up.shape[1] != rank or up.shape[2:] not in ((), (1, 1)):
         return None
     out, inp, window = up.shape[0], down.shape[1], tuple(down.shape[2:]) or (1, 1)
     if kernel_ndim == 2:
@@ -212,7 +218,7 @@ def read_lora(path, params, unet_config=None) -> dict:
 
     indexes = {c: _kernel_index(params[c]) for c in COMPONENTS if c in params}
     lora = {}
-    unknown, mismatched, incomplete = [], [], []
+    unknown, mismatched, incomplete, not_finite = [], [], [], []
     for (component, module), parts in sorted(groups.items()):
         torch_name = parts.pop("name")
         keys = [k for k, _ in parts.values()]
@@ -233,6 +239,9 @@ def read_lora(path, params, unet_config=None) -> dict:
         rank = down.shape[0]
         if rank == 0:
             mismatched.append(f"{parts['down'][0]}: rank 0 (down {down.shape}), an empty LoRA")
+            continue
+        if not (np.isfinite(down).all() and np.isfinite(up).all()):  # merged, they would make a black image
+            not_finite.append(parts["down"][0] if not np.isfinite(down).all() else parts["up"][0])
             continue
         if "alpha" in parts:
             stored = np.asarray(parts["alpha"][1], np.float32)
@@ -257,6 +266,8 @@ def read_lora(path, params, unet_config=None) -> dict:
         problems.append("shape mismatch: " + "; ".join(mismatched[:8]))
     if incomplete:
         problems.append(f"down/up pairs with a half missing: {short_list(incomplete)}")
+    if not_finite:
+        problems.append(f"values that are not finite (NaN or inf): {short_list(not_finite)}")
     if not_lora:
         problems.append(f"not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): {short_list(not_lora)}")
     if problems:
@@ -338,4 +349,8 @@ def _add(kernel, delta, alpha_over_rank, scale):
 
 def load_lora(params, path, scale=1.0, unet_config=None):
     """Read a LoRA file and merge it into `params` (the pipeline's params dict) at `scale`."""
+    if isinstance(scale, (int, float)) and not is_float32(scale):
+        raise ValueError(f"LoRA scale must be a finite float32 number (1 is the LoRA's full strength, 0 leaves the "
+                         f"model as it is), got {scale}")
     return merge_lora(params, read_lora(path, params, unet_config), scale)
+

@@ -1,6 +1,15 @@
-"""Small image helpers."""
+"""Small helpers: an image grid, and the number check every entry point shares."""
 
 from __future__ import annotations
+
+import math
+
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+
+
+def is_float32(value: float) -> bool:
+    """Finite, and finite once cast to float32, the type the programs compute in (1e39 is not)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def make_image_grid(images, rows: int, cols: int):

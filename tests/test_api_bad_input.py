@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file as read_safetensors_file, save_file
 from test_cli import TINY
 
 import sdflax
@@ -129,6 +129,31 @@ def test_lora_metadata_that_is_not_a_lora_config(tiny, tmp_path):
         path = lora_file(tmp_path / "meta.safetensors", params, metadata={"lora_adapter_metadata": raw})
         refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"LoRA file {path}: its "
                 "lora_adapter_metadata is not a diffusers LoRA config")
+
+
+def test_lora_values_that_would_merge_into_a_black_image(tiny, tmp_path):
+    """NaN weights, a metadata alpha of 1e999 or NaN, a scale that is inf in float32: exit 0 and a black image
+    before; a 0-d lora_down was an IndexError."""
+    pipe, params, _ = tiny
+    path = lora_file(tmp_path / "nan.safetensors", params)
+    tensors = {k: v.copy() for k, v in read_safetensors_file(path).items()}
+    tensors[f"{LAYER}.lora_up.weight"][0, 0] = np.nan
+    save_file(tensors, path)
+    refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"LoRA file {path} does not fit this pipeline: "
+            f"values that are not finite (NaN or inf): {LAYER}.lora_up.weight")
+    for alpha in ("1e999", "NaN"):
+        raw = f'{{"unet.lora_alpha": {alpha}}}'
+        path = lora_file(tmp_path / "alpha.safetensors", params, metadata={"lora_adapter_metadata": raw})
+        refused(LoraMismatchError, lambda: pipe.load_lora(params, path), "its lora_adapter_metadata is not a "
+                "diffusers LoRA config (unet: lora_alpha and alpha_pattern values must be finite numbers)")
+    path = lora_file(tmp_path / "ok.safetensors", params)
+    for scale in (1e39, float("nan")):
+        refused(ValueError, lambda: pipe.load_lora(params, path, scale), "LoRA scale must be a finite float32 "
+                f"number (1 is the LoRA's full strength, 0 leaves the model as it is), got {scale}")
+    tensors = {k: v.copy() for k, v in read_safetensors_file(path).items()}
+    tensors[f"{LAYER}.lora_down.weight"] = np.array(1.0, np.float32)
+    save_file(tensors, path)
+    refused(LoraMismatchError, lambda: pipe.load_lora(params, path), f"{LAYER}.lora_down.weight: down () and up")
 
 
 @pytest.mark.parametrize("key", ["(", "(.*.*.*.*)*z", "proj_in|to_q", "x" * 300])

@@ -124,10 +124,11 @@ def no_bomb_warning():
     assert not [w for w in caught if "DecompressionBomb" in w.category.__name__], caught
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e39"])  # 1e39: finite, but inf in float32
 def test_guidance_must_be_finite(value, tmp_path, capsys):
     assert generate(f"--guidance={value}", "--out", tmp_path / "out") == 2  # = lets argparse read -inf
-    assert f"argument --guidance: must be a finite number, got '{value}'" in one_error_line(capsys)
+    assert (f"argument --guidance: must be a finite number (as float32, the type the programs compute in), got "
+            f"'{value}'") in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("steps, expected", [

@@ -117,7 +117,10 @@ def test_lora_scale_parsing():
 @pytest.mark.parametrize("args, expected", [
     (["--lora", "missing.safetensors"], "--lora missing.safetensors: no such file"),
     (["--lora", "a.safetensors:strong"], "--lora a.safetensors:strong: the scale 'strong' is not a number"),
-    (["--lora", "a.safetensors:nan"], "argument --lora: a.safetensors:nan: the scale must be a finite number"),
+    (["--lora", "a.safetensors:nan"], "argument --lora: a.safetensors:nan: the scale must be a finite float32 "
+     "number"),
+    (["--lora", "a.safetensors:1e39"], "argument --lora: a.safetensors:1e39: the scale must be a finite float32"),
+    (["--lora", "a.safetensors:1:2"], "--lora a.safetensors:1: no such file"),  # not "the scale '1' is not a number"
     (["--embedding", "missing.pt"], "--embedding missing.pt: no such file"),
     (["--embedding", "charturner.pt", "--embedding", "sub/charturner.pt"],
      "both give the token 'charturner' (the file name): rename one"),

@@ -4,9 +4,9 @@ img2img and inpaint (batch adds its command with `add_options`)."""
 from __future__ import annotations
 
 import argparse
-import math
 
 from .. import cache
+from ..utils import is_float32
 from .output import sdflax_version
 from .request import DEFAULT_MODEL
 
@@ -67,7 +67,9 @@ strength = number(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}: 1 repai
                   "the image")
 fraction = number(lambda v: 0 < v < 1, "must be in (0, 1), got {text}: the fraction of the schedule the base runs "
                   "before the refiner takes over (e.g. 0.8)")
-finite = number(math.isfinite, "must be a finite number, got {text!r}")  # NaN or inf guidance: a black image
+# NaN or inf guidance, or 1e39 (inf in float32, the programs' type): a black image
+finite = number(is_float32, "must be a finite number (as float32, the type the programs compute in), got "
+                "{text!r}")
 
 
 def lora_argument(text):
@@ -80,8 +82,8 @@ def lora_argument(text):
         scale = None
     if scale is None:
         return text, 1.0
-    if not math.isfinite(scale):
-        raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite number (1 is the LoRA's full "
+    if not is_float32(scale):
+        raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite float32 number (1 is the LoRA's full "
                                          "strength, 0 leaves the model as it is)")
     return path, scale
 

@@ -4,12 +4,12 @@ resized to the output size."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 
 import numpy as np
 
+from ..utils import is_float32
 from .request import MAX_PICTURE_SIDE, UserError
 
 
@@ -55,6 +55,9 @@ def read_controls(request) -> Controls | None:
     nets, images, scales = request.controlnet, request.control_image, request.control_scale
     if not nets and not images and not scales:
         return None
+    if scales and not nets:
+        raise UserError("--control-scale without --controlnet: it says how strongly the nets steer; add "
+                        "--controlnet and --control-image, or leave it out")
     if len(images) != len(nets):
         raise UserError(f"{len(nets)} --controlnet and {len(images)} --control-image: give one --control-image per "
                         "--controlnet, in the same order")
@@ -62,8 +65,8 @@ def read_controls(request) -> Controls | None:
         raise UserError(f"{len(scales)} --control-scale for {len(nets)} --controlnet: give one for all nets or one "
                         "per net")
     for scale in scales:
-        if not math.isfinite(scale):
-            raise UserError(f"--control-scale {scale}: give a finite number (1 steers fully, 0 not at all)")
+        if not is_float32(scale):
+            raise UserError(f"--control-scale {scale}: give a finite float32 number (1 steers fully, 0 not at all)")
     return Controls(tuple(read_picture("--control-image", path).convert("RGB") for path in images), tuple(scales))
 
 

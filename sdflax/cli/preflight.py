@@ -228,13 +228,21 @@ def check_controlnets(request, unet):
                             "trained for this base model")
 
 
+def is_number(text) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_lora_and_embedding_files(request):
     """Each --lora and --embedding file is there, and no two embeddings claim one token (their file names); whether
     they fit the model is known once it is loaded."""
     for path, _ in request.lora:
         if not os.path.isfile(os.path.expanduser(path)):
             head, _, tail = path.rpartition(":")
-            if head and os.path.isfile(os.path.expanduser(head)):
+            if head and os.path.isfile(os.path.expanduser(head)) and not is_number(tail):
                 raise UserError(f"--lora {path}: the scale {tail!r} is not a number: write PATH:SCALE with a number, "
                                 f"e.g. {head}:0.7")
             raise UserError(f"--lora {path}: no such file: give the path of a LoRA .safetensors file, with :SCALE "
