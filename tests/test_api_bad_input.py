@@ -188,3 +188,18 @@ def test_rank_zero_and_non_finite_alpha_are_refused(tiny, tmp_path):
     delta = merged["unet"]["down_blocks_0_attentions_0"]["proj_in"]["kernel"] - \
         params["unet"]["down_blocks_0_attentions_0"]["proj_in"]["kernel"]
     np.testing.assert_allclose(np.asarray(delta).reshape(-1)[:4], 2 * 0.5, rtol=1e-6)  # up @ down = rank, x alpha/rank
+
+
+# --- hooks ---------------------------------------------------------------------------------------------------------
+
+def test_hook_settings_that_would_do_nothing_or_garbage(tiny):
+    """freeu(nan) made NaN images; a PAG pattern "(" was a re.error; deep_cache(branch=99) ran as if absent."""
+    from sdflax.hooks import deep_cache, freeu, perturbed_attention_guidance
+
+    refused(ValueError, lambda: freeu(float("nan"), 0.2, 1.1, 1.2), "freeu: s1 must be a finite number, got nan")
+    refused(ValueError, lambda: perturbed_attention_guidance(3.0, "("), "pag_applied_layers: '(' is not a regular "
+            "expression (missing ), unterminated subpattern at position 0); give layer names such as 'mid'")
+    pipe, params, ids = tiny
+    skips = len(pipe.unet.config.up_block_types) * (pipe.unet.config.layers_per_block + 1)
+    refused(ValueError, lambda: pipe.with_hooks(deep_cache(branch=99))(ids, params, jax.random.key(0), 2),
+            f"branch 99: this UNet's skip connections are 0 to {skips - 1} (DeepCache's branch names one)")

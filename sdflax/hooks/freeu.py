@@ -5,6 +5,7 @@ b2=1.4; SDXL's 0.6, 0.4, 1.1, 1.2)."""
 from __future__ import annotations
 
 import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,7 +30,11 @@ class FreeU(Hook):
 
 def freeu(s1, s2, b1, b2) -> FreeU:
     """The FreeU hook; its four factors are traced."""
-    return FreeU(*(jnp.asarray(v, jnp.float32) for v in (s1, s2, b1, b2)))
+    factors = [jnp.asarray(v, jnp.float32) for v in (s1, s2, b1, b2)]
+    for name, value in zip(("s1", "s2", "b1", "b2"), factors):
+        if not isinstance(value, jax.core.Tracer) and not np.isfinite(value).all():  # NaN images otherwise
+            raise ValueError(f"freeu: {name} must be a finite number, got {value}")
+    return FreeU(*factors)
 
 
 def fourier_filter(x, threshold, scale):

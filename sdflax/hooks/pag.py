@@ -57,4 +57,10 @@ class PerturbedAttentionGuidance(Hook):
 def perturbed_attention_guidance(pag_scale=3.0, pag_applied_layers=("mid",)) -> PerturbedAttentionGuidance:
     """The PAG hook: `pag_scale` traced, `pag_applied_layers` (a pattern or a list of them) static."""
     layers = (pag_applied_layers,) if isinstance(pag_applied_layers, str) else tuple(pag_applied_layers)
+    for layer in layers:
+        try:
+            re.compile(layer)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"pag_applied_layers: {layer!r:.60} is not a regular expression ({e}); give layer "
+                             "names such as 'mid' or 'down_blocks.1'") from None
     return PerturbedAttentionGuidance(jnp.asarray(pag_scale, jnp.float32), layers)

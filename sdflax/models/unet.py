@@ -317,6 +317,9 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         up_depths = cfg.per_block(cfg.transformer_layers_per_block)[::-1]
         # the up layers in order, k = 0, 1, ...: layer k takes skip n - 1 - k; DeepCache's features enter at `entry`
         n = len(cfg.up_block_types) * (cfg.layers_per_block + 1)
+        if branch is not None and not 0 <= branch < n:
+            raise ValueError(f"branch {branch}: this UNet's skip connections are 0 to {n - 1} (DeepCache's branch "
+                             "names one)")
         entry = None if branch is None else n - 1 - branch
         k = 0
         for i, (kind, out) in enumerate(zip(cfg.up_block_types, channels[::-1])):
