@@ -77,6 +77,15 @@ def test_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
         ["fox.png", "taken.png"]
 
 
+def test_float_pictures_are_read_from_0_to_1(tmp_path):
+    """An all-1.0 float TIFF mask acted as black, as a control image almost black (read as 0..255 values)."""
+    path = tmp_path / "mask.tif"
+    Image.fromarray(np.array([[1.0, 0.5], [0.0, 2.0]], np.float32)).save(path)
+    assert Image.open(path).mode == "F"
+    picture = _read_picture("--mask", path)
+    assert picture.mode == "L" and np.asarray(picture).tolist() == [[255, 128], [0, 255]]
+
+
 def test_out_that_is_a_folder_named_png_or_a_file(tmp_path, capsys):
     (tmp_path / "x.png").mkdir()
     assert generate("--out", tmp_path / "x.png") == 2

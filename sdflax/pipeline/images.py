@@ -15,9 +15,14 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 def eight_bit(image):
-    """A 16-bit greyscale PIL image as 8-bit "L" (value / 257, rounded); any other image as it is."""
+    """A 16-bit greyscale PIL image as 8-bit "L" (value / 257, rounded), a float one (mode "F", as float TIFFs
+    are read: values in [0, 1]) as "L" (value * 255, clipped; Pillow's own convert would read them as 0..255, an
+    all-white mask as black); any other image as it is."""
     from PIL import Image
 
+    if image.mode == "F":
+        values = np.nan_to_num(np.asarray(image, np.float64), nan=0.0)
+        return Image.fromarray((np.clip(values, 0, 1) * 255).round().astype(np.uint8))
     if image.mode not in SIXTEEN_BIT_MODES:
         return image
     array = np.clip(np.asarray(image, np.float64) / 257.0, 0, 255).round().astype(np.uint8)
