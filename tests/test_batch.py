@@ -275,13 +275,18 @@ def test_a_file_that_is_not_this_commands_image_is_never_overwritten(tmp):
 
 # ---- prompt files and bad input (in process: they fail before JAX starts) -----------------------------------
 
-RECORD = '{"line": 1, "file": "000001-a-fox.png"}'
+RECORD = '{"line": 1, "file": "000001-a-fox.png", "seed": 3, "settings": {}, "process": 0, "batch_seed": 3}'
 
 
 @pytest.mark.parametrize("text, line", [("my notes\nmore notes\n", 1),
                                         ("my notes", 1),  # no newline at the end: not a record cut short
                                         (f"{RECORD}\nmy notes", 2),
-                                        (f"{RECORD}\n{{\"notes\": 1", 2)])
+                                        (f"{RECORD}\n{{\"notes\": 1", 2),
+                                        # records of the wrong types were tracebacks
+                                        (RECORD.replace('"settings": {}', '"settings": null'), 1),
+                                        (RECORD.replace('"batch_seed": 3', '"batch_seed": "abc"'), 1),
+                                        (RECORD.replace('"seed": 3', '"seed": ' + "9" * 5000), 1),
+                                        ("[" * 100000 + "\n", 1)])
 def test_a_manifest_that_is_not_sdflaxs_is_never_written_to(tmp_path, capsys, text, line):
     (tmp_path / "prompts.txt").write_text("a fox\n")
     (tmp_path / "out").mkdir()
@@ -291,6 +296,15 @@ def test_a_manifest_that_is_not_sdflaxs_is_never_written_to(tmp_path, capsys, te
                                        f"sdflax batch (line {line}): sdflax never overwrites a file; move it, or "
                                        "choose another --out\n")
     assert (tmp_path / "out" / "manifest.jsonl").read_text() == text
+
+
+def test_a_manifest_that_is_a_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    (tmp_path / "out" / "manifest.jsonl").mkdir(parents=True)
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), "--model", TINY]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: {tmp_path / 'out' / 'manifest.jsonl'} is not a manifest of "
+                                       "sdflax batch (not a file): sdflax never overwrites a file; move it, or choose "
+                                       "another --out\n")
 
 
 def test_only_a_record_of_ours_cut_short_counts_as_a_kill(tmp_path):
@@ -343,6 +357,9 @@ def main_args():
     (None, "PROMPTS {p}: cannot read it (No such file or directory): give a text file, one prompt a line, or .jsonl"),
     (['{"prompt": "a fox"}', '{"prompt": "a cat",}'], "PROMPTS {p} line 2: not JSON (* at column *): write one "
      'object a line, e.g. {{"prompt": "a red fox", "seed": 3}}'),  # (the JSON reason is Python's)
+    (['{"prompt": "a fox", "seed": ' + "9" * 5000 + "}"], "PROMPTS {p} line 1: not JSON sdflax reads (a number "
+     "of thousands of digits, or nesting thousands deep): write one flat object a line, e.g. *"),
+    (["[" * 10000], "PROMPTS {p} line 1: not JSON sdflax reads (*"),
     (['{"prompt": "a fox", "cfg": 3}'], "PROMPTS {p} line 1: unknown key 'cfg': a line may set prompt, "
      "negative_prompt, seed, guidance, steps, width, height"),
     (["", '{"prompt": "a fox", "seed": -1}'], "PROMPTS {p} line 2: seed must be between 0 and 4294967295, got -1"),
@@ -377,6 +394,8 @@ def test_a_size_a_line_asks_for_is_checked_against_the_model_and_names_the_line(
 
 @pytest.mark.parametrize("flags, message", [
     (["--coordinator", "127.0.0.1:1"], "give --coordinator HOST:PORT, --num-processes N and --process-id I together"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],  # a traceback from jax before
+     "argument --coordinator: expected HOST:PORT, e.g. 10.0.0.1:1234, got 'localhost'"),
     (["--grid"], "unrecognized arguments: --grid"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, flags, message):

@@ -48,7 +48,7 @@ def add_command(commands):
     b.add_argument("--out", required=True, metavar="DIR", help="the folder for the PNGs and the manifest")
     b.add_argument("--batch-per-device", type=positive_int, default=1, metavar="N",
                    help="images each device makes at once (default: 1)")
-    b.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, to join several processes "
+    b.add_argument("--coordinator", type=host_and_port, metavar="HOST:PORT", help="process 0's address, to join several processes "
                    "(default: as jax.distributed detects a TPU slice, SLURM or Kubernetes job; else one process)")
     b.add_argument("--num-processes", type=positive_int, metavar="N", help="with --coordinator; 1 alone: this "
                    "process only, even inside a cluster job")
@@ -78,6 +78,14 @@ class Line:
     def request(self, base: Request, seed: int) -> Request:
         return dataclasses.replace(base, prompt=self.prompt, negative_prompt=self.negative_prompt, seed=seed,
                                    guidance=self.guidance, steps=self.steps, height=self.height, width=self.width)
+
+
+def host_and_port(text):
+    """HOST:PORT (an IPv6 host in brackets), as jax.distributed takes the coordinator's address."""
+    host, colon, port = text.rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, e.g. 10.0.0.1:1234, got {text!r}")
+    return text
 
 
 def read_prompts(path, defaults) -> list[Line]:
@@ -121,6 +129,9 @@ def json_line(path, number, raw) -> dict:
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno}): write one object a line, e.g. "
                         '{"prompt": "a red fox", "seed": 3}') from None
+    except (ValueError, RecursionError):  # Python's JSON reader: a number over 4300 digits, nesting past its stack
+        raise UserError(f"{where}: not JSON sdflax reads (a number of thousands of digits, or nesting thousands "
+                        'deep): write one flat object a line, e.g. {"prompt": "a red fox", "seed": 3}') from None
     if not isinstance(values, dict):
         raise UserError(f'{where}: a JSON {type(values).__name__}, not an object: write {{"prompt": ...}}')
     unknown = [key for key in values if key not in KEYS]

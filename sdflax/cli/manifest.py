@@ -23,8 +23,16 @@ def read_manifests(folder) -> list[dict]:
     for name in sorted(os.listdir(folder)):
         if not MANIFEST.fullmatch(name):
             continue
-        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-            texts = f.read().split("\n")
+        path = os.path.join(folder, name)
+        not_ours = f"{path} is not a manifest of sdflax batch"
+        advice = "sdflax never overwrites a file; move it, or choose another --out"
+        if not os.path.isfile(path):
+            raise UserError(f"{not_ours} (not a file): {advice}")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts = f.read().split("\n")
+        except OSError as e:
+            raise UserError(f"{path}: cannot read it ({e.strerror or e}): {advice}") from e
         for i, text in enumerate(texts):
             try:
                 record = json.loads(text) if text.strip() else None
@@ -32,12 +40,21 @@ def read_manifests(folder) -> list[dict]:
                 if i == len(texts) - 1 and (text.startswith(RECORD_START) or RECORD_START.startswith(text)):
                     continue  # a record of ours cut short by a kill (Manifest drops it); anything else is not ours
                 record = "not JSON"
-            if record is not None and not (isinstance(record, dict) and isinstance(record.get("line"), int)):
-                raise UserError(f"{os.path.join(folder, name)} is not a manifest of sdflax batch (line {i + 1}): "
-                                "sdflax never overwrites a file; move it, or choose another --out")
+            except (ValueError, RecursionError):  # a number of thousands of digits, nesting thousands deep
+                record = "not JSON"
+            if record is not None and not is_record(record):
+                raise UserError(f"{not_ours} (line {i + 1}): {advice}")
             if record is not None:
                 records.append(record)
     return records
+
+
+def is_record(value) -> bool:
+    """A record as `record` writes it, as far as a rerun reads it: the fields and their types."""
+    whole = lambda x: type(x) is int  # noqa: E731 (not bool)
+    return (isinstance(value, dict) and whole(value.get("line")) and isinstance(value.get("file"), str)
+            and whole(value.get("seed")) and isinstance(value.get("settings"), dict)
+            and whole(value.get("batch_seed", 0)))
 
 
 # How every record's line begins (`record`'s first key, as json.dumps writes it): what a cut-off record looks like.
