@@ -203,3 +203,43 @@ def test_hook_settings_that_would_do_nothing_or_garbage(tiny):
     skips = len(pipe.unet.config.up_block_types) * (pipe.unet.config.layers_per_block + 1)
     refused(ValueError, lambda: pipe.with_hooks(deep_cache(branch=99))(ids, params, jax.random.key(0), 2),
             f"branch 99: this UNet's skip connections are 0 to {skips - 1} (DeepCache's branch names one)")
+
+
+# --- arguments of the wrong kind, which failed deep inside ------------------------------------------------------
+
+@pytest.mark.parametrize("call, error, expected", [
+    (lambda p, params, ids: p(ids.tolist(), params, jax.random.key(0), 2), TypeError,
+     "prompt_ids must be an array (numpy or jax), got a list: make it with pipeline.prepare_inputs(prompts)"),
+    (lambda p, params, ids: p(ids, params, jax.random.key(0), 2, latents=np.zeros((1, 4, 8, 8)).tolist()),
+     TypeError, "latents must be an array (numpy or jax), got a list"),
+    (lambda p, params, ids: p(ids, params, jax.random.key(0), 2, guidance_scale="7.5"), TypeError,
+     "guidance_scale must be a number, got '7.5' (str)"),
+    (lambda p, params, ids: p(ids, params, jax.random.key(0), 2, guidance_scale=None), TypeError,
+     "guidance_scale must be a number, got None (NoneType)"),
+    (lambda p, params, ids: p(ids[:0], params, jax.random.key(0), 2), ValueError,
+     "prompt_ids of shape (0, 77) holds no prompt: give at least one"),
+    (lambda p, params, ids: p.prepare_inputs(None), TypeError, "prompts must be a string or a list of strings, got "
+     "None"),
+    (lambda p, params, ids: p(None, params, jax.random.key(0), 2, prompt_embeds=np.zeros((1, 77, 7), np.float32)),
+     ValueError, "prompt_embeds has shape (1, 77, 7); the UNet takes text states 32 wide"),
+    (lambda p, params, ids: p(ids, {**params, "unet": {k: v for k, v in params["unet"].items() if k != "conv_in"}},
+                              jax.random.key(0), 2), ValueError,
+     'params lack a parameter a model reads (Could not find parameter named "kernel" in scope "/conv_in".): pass '
+     "the params from StableDiffusion.from_pretrained"),
+])
+def test_arguments_of_the_wrong_kind_are_named(tiny, call, error, expected):
+    refused(error, lambda: call(*tiny), expected)
+
+
+def test_img2img_strength_must_be_a_number(tiny):
+    pipe, params = sdflax.StableDiffusionImg2Img.from_pretrained(TINY)
+    ids, images = pipe.prepare_inputs(["a fox"], np.zeros((1, 32, 32, 3), np.uint8))
+    refused(TypeError, lambda: pipe(ids, images, params, jax.random.key(0), "0.5"),
+            "strength must be a number, got '0.5' (str)")
+
+
+def test_generate_sharded_with_one_key_for_a_batch(tiny):
+    pipe, params, _ = tiny
+    ids = pipe.prepare_inputs(["a fox"] * jax.local_device_count())
+    refused(ValueError, lambda: pipe.generate_sharded(ids, params, jax.random.key(0), 2),
+            "prng_seed is one key, but generate_sharded takes one per device or per image: jax.random.split(key, ")

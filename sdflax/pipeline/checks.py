@@ -8,11 +8,13 @@ that need concrete values).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import numbers
 from collections.abc import Mapping
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,7 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     """(Inputs, Settings) from a call's arguments (`renamed`: argument names that differ from the Inputs field
     they fill), checked."""
     spec = c.spec
+    check_kinds(args)
     steps = args["num_inference_steps"]
     spec.scheduler.check_steps(steps)
     for name in ("height", "width"):
@@ -59,6 +62,28 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
                            "classifier_free_guidance": args.get("guidance") is not None
                            or guided(args["guidance_scale"])})
     return inputs, settings
+
+
+# Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
+# one number.
+ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
+          "neg_pooled_prompt_embeds", "latents", "noise")
+NUMBERS = ("guidance_scale", "guidance_rescale", "strength", "aesthetic_score", "negative_aesthetic_score")
+
+
+def check_kinds(args):
+    """Each argument of the kind it must be, before anything reads it (a list or a string failed deep inside)."""
+    for name in ARRAYS:
+        value = args.get(name)
+        if value is not None and not hasattr(value, "shape"):
+            raise TypeError(f"{name} must be an array (numpy or jax), got a {type(value).__name__}"
+                            + (": make it with pipeline.prepare_inputs(prompts)" if name.endswith("_ids") else ""))
+    for name in NUMBERS:
+        value = args.get(name)
+        if value is None and name != "guidance_scale":  # None: the default (guidance_scale has no None)
+            continue
+        if isinstance(value, bool) or not (hasattr(value, "shape") or isinstance(value, numbers.Real)):
+            raise TypeError(f"{name} must be a number, got {value!r:.40} ({type(value).__name__})")
 
 
 def picture_inputs(spec) -> list[str]:
@@ -109,6 +134,15 @@ def check_shapes(c, inputs, leading_dims):
         if a is not None and b is not None and a.shape != b.shape:
             raise ValueError(f"{name} {a.shape} and {twin} {b.shape} differ: give one negative prompt per prompt")
     batch = ids.shape[:leading_dims]
+    if 0 in batch:
+        raise ValueError(f"{'prompt_ids' if inputs.prompt_ids is not None else 'prompt_embeds'} of shape "
+                         f"{ids.shape} holds no prompt: give at least one")
+    width = c.unet.config.cross_attention_dim
+    for name in ("prompt_embeds", "neg_prompt_embeds"):
+        value = getattr(inputs, name)
+        if value is not None and value.shape[-1] != width:
+            raise ValueError(f"{name} has shape {value.shape}; the UNet takes text states {width} wide: make them "
+                             "with this pipeline's text encoder(s) (pipeline.encode_prompt)")
     start = c.spec.start
     make = "pipeline.prepare_inputs(prompts, " + ", ".join(f"{name}s" for name, _ in start.images) + ")"
     size = None
@@ -167,6 +201,17 @@ def check_params(c, params, mode: str | None):
     if kernel.ndim == 5 and kernel.shape[0] != jax.local_device_count():
         raise ValueError(f"params are replicated for {kernel.shape[0]} devices, but there are "
                          f"{jax.local_device_count()}: sdflax.replicate(params) on this machine")
+
+
+@contextlib.contextmanager
+def params_named_in_errors(pipeline: str):
+    """A params tree that lacks a layer fails when the models are traced, in Flax's words: say it is `params`."""
+    try:
+        yield
+    except flax.errors.ScopeParamNotFoundError as e:
+        detail = str(e).split(" (https://")[0]
+        raise ValueError(f"params lack a parameter a model reads ({detail}): pass the params from "
+                         f"{pipeline}.from_pretrained") from None
 
 
 def check_devices(inputs):

@@ -197,6 +197,9 @@ class Pipeline:
     def _prepare(self, prompts, prompts_2, pictures: dict):
         """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
         padded and truncated as diffusers does; with pictures, `(ids, *arrays)` in the order `__call__` takes them."""
+        if not (isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and all(
+                isinstance(p, str) for p in prompts)):
+            raise TypeError(f"prompts must be a string or a list of strings, got {prompts!r:.60}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         prompts_2 = None if not prompts_2 else [prompts_2] if isinstance(prompts_2, str) else list(prompts_2)
         ids = self.text.prepare_ids(self, prompts, prompts_2)
@@ -225,7 +228,8 @@ class Pipeline:
         params, inputs, settings = self._checked(args, kwargs, self.signature, f"jit={jit}", 2 if jit else 1)
         if jit:
             checks.check_devices(inputs)
-        out = (self._runner.pmap if jit else self._runner.jit)(self.spec, params, inputs, settings)
+        with checks.params_named_in_errors(type(self).__name__):
+            out = (self._runner.pmap if jit else self._runner.jit)(self.spec, params, inputs, settings)
         return StableDiffusionOutput(np.asarray(out.images), jax.tree.map(np.asarray, out.trajectory))
 
     def _generate(self, *args, **kwargs):
@@ -240,7 +244,8 @@ class Pipeline:
         device mesh (default: the local devices), plain params; one key per device or per image. (B, H, W, 3)
         numpy images, or (images, trajectory); on a mesh of several processes, this process's rows."""
         params, inputs, settings = self._checked(args, kwargs, self.signature_without_jit(), "generate_sharded", 1)
-        out = self._runner.run_sharded(self.spec, params, inputs, settings, mesh)
+        with checks.params_named_in_errors(type(self).__name__):
+            out = self._runner.run_sharded(self.spec, params, inputs, settings, mesh)
         images = _own_rows(out.images, 0)
         if out.trajectory is None:  # no return_trajectory, no hook that emits
             return images

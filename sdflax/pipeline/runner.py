@@ -79,6 +79,10 @@ class Runner:
         mesh = mesh or device_mesh()
         keys = inputs.prng_seed
         batch = inputs.prompts().shape[0]
+        if keys.ndim == 0:  # one key: it cannot be split into the devices' own here without choosing how
+            raise ValueError(f"prng_seed is one key, but generate_sharded takes one per device or per image: "
+                             f"jax.random.split(key, {mesh.size}) (devices) or jax.random.split(key, {batch}) "
+                             "(images)")
         if keys.shape[0] not in (mesh.size, batch):
             raise ValueError(f"prng_seed holds {keys.shape[0]} keys for {mesh.size} devices and {batch} images: use "
                              "jax.random.split(key, number_of_devices), or one key per image")
