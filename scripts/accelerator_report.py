@@ -1,20 +1,22 @@
 """The accelerator run in one command: sdflax against diffusers (PyTorch) on the device it finds, as one JSON.
 
-On a GPU machine, from the repository root, with the two wheels the device image lacks in `.whl/` (downloaded
-where pip works: `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
---platform manylinux2014_x86_64 -d .whl diffusers==0.39.0 importlib_metadata==10.2.0`):
+On a GPU machine without internet access, from the repository root, with the two wheels such machines' images
+lack in `.whl/` (downloaded where pip works: `pip download --no-deps --only-binary=:all: --python-version 3.12
+--implementation cp --platform manylinux2014_x86_64 -d .whl diffusers==0.39.0 importlib_metadata==10.2.0`):
 
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
-        .whl/*.whl . && PYTHONPATH=/tmp/site python3 scripts/accelerator_report.py --out $OUT/report.json
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/sdflax .
+    PYTHONPATH=/tmp/site:/tmp/sdflax python3 scripts/accelerator_report.py --out report.json --deadline-s 525
 
 It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
-working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 10 minutes of
-an H100's time: each part (`--part correctness|sd15|sdxl`) fits one command, and `--deadline-s` stops launching
-jobs once that many seconds have passed, so a part never outruns a lease. The report is rewritten after every job:
-a run cut short keeps what it finished.
+working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 15 minutes of
+an H200's time; each part (`--part correctness|sd15|sdxl|compile`) fits a 10-minute command, and `--deadline-s`
+stops launching jobs once that many seconds have passed (and stops a running one there), so a run never outlasts
+its time limit. The report is rewritten after every job: a run cut short keeps what it finished.
 
-On the CPU (`--size tiny`, the default there) the same jobs run on small models of the same architectures in under
-a minute; tests/test_accelerator_report.py does that daily, so the GPU path's code runs up to the device calls.
+On the CPU (`--size tiny`, the default there) the same code runs on small models of the same architectures, one
+job per code path, in about two minutes on two cores; tests/test_accelerator_report.py does that daily, so the GPU
+path's code runs up to the device calls.
 
 What it measures. Random weights everywhere: the compute of the real checkpoints, no download.
 - `correctness`, for the SD 1.5 and SDXL architectures (one fresh process each): the UNet, the VAE decoder and the
