@@ -190,6 +190,16 @@ def test_killed_runs_go_on_where_they_stopped_without_redoing_an_image(tmp, full
     again = run(tmp, command(tmp, out))  # all done: nothing to load
     assert again.returncode == 0 and "all 12 images are in" in again.stderr and len(manifest(out)) == 12
 
+    # a listed PNG moved away is made again (the rerun said "all 12 images are in" before), and only it
+    moved = pngs(out)[4]
+    os.rename(out / moved, tmp / moved)
+    remade = run(tmp, command(tmp, out))
+    assert remade.returncode == 0, remade.stderr
+    assert pngs(out) == pngs(full) and [r["file"] for r in manifest(out)[12:]] == [moved]
+    np.testing.assert_array_equal(pixels(out / moved), pixels(full / moved))
+    assert {name: os.stat(out / name).st_mtime_ns for name in before if name != moved} == \
+        {name: t for name, t in before.items() if name != moved}
+
 
 def test_sigint_while_loading_exits_130_having_written_nothing(tmp):
     out = tmp / "interrupted"

@@ -236,7 +236,7 @@ def resume(args, folder, lines, checkpoints, records, process, processes):
              for line in lines}
     keys = {line.number: image_key(line, seeds[line.number], checkpoints[line.program], args.model)
             for line in lines}
-    done = files.check_records(records, lines, keys, args.out)
+    done = files.check_records(records, lines, keys, args.out, folder)
     manifest = files.Manifest(os.path.join(folder, "manifest.jsonl" if processes == 1 else
                                            f"manifest.{process}.jsonl"))
     files.remove_own_temporaries(folder, process)

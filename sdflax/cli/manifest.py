@@ -127,8 +127,9 @@ def image_key(settings) -> dict:
     return {name: str(settings[name]) for name in SAME}
 
 
-def check_records(records, lines, keys, out) -> set:
-    """The lines the manifests list; a record of another line or other settings is another command's: refused."""
+def check_records(records, lines, keys, out, folder) -> set:
+    """The lines the manifests list whose PNG is still in `folder` (one moved away is made again); a record of
+    another line or other settings is another command's: refused."""
     numbers = {line.number for line in lines}
     done = set()
     for r in records:
@@ -141,7 +142,8 @@ def check_records(records, lines, keys, out) -> set:
             name = next(name for name in SAME if made[name] != keys[number][name])
             raise UserError(f"--out {out} holds {r.get('file')} of line {number} made with {name} "
                             f"{made[name]}, not {keys[number][name]}: use another --out for other settings")
-        done.add(number)
+        if os.path.lexists(os.path.join(folder, os.path.basename(r["file"]))):
+            done.add(number)
     return done
 
 
