@@ -32,8 +32,8 @@ import numpy as np
 from flax import traverse_util
 
 from .checkpoint_files import read_checkpoint, safetensors_metadata
-from .utils import is_float32
 from .ldm_names import map_key, unet_table
+from .utils import is_float32
 from .weights import short_list
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
@@ -240,8 +240,9 @@ def read_lora(path, params, unet_config=None) -> dict:
         if rank == 0:
             mismatched.append(f"{parts['down'][0]}: rank 0 (down {down.shape}), an empty LoRA")
             continue
-        if not (np.isfinite(down).all() and np.isfinite(up).all()):  # merged, they would make a black image
-            not_finite.append(parts["down"][0] if not np.isfinite(down).all() else parts["up"][0])
+        bad = next((parts[role][0] for role in ("down", "up") if not np.isfinite(parts[role][1]).all()), None)
+        if bad is not None:  # merged, they would make a black image
+            not_finite.append(bad)
             continue
         if "alpha" in parts:
             stored = np.asarray(parts["alpha"][1], np.float32)
@@ -353,4 +354,3 @@ def load_lora(params, path, scale=1.0, unet_config=None):
         raise ValueError(f"LoRA scale must be a finite float32 number (1 is the LoRA's full strength, 0 leaves the "
                          f"model as it is), got {scale}")
     return merge_lora(params, read_lora(path, params, unet_config), scale)
-

@@ -48,8 +48,9 @@ def add_command(commands):
     b.add_argument("--out", required=True, metavar="DIR", help="the folder for the PNGs and the manifest")
     b.add_argument("--batch-per-device", type=positive_int, default=1, metavar="N",
                    help="images each device makes at once (default: 1)")
-    b.add_argument("--coordinator", type=host_and_port, metavar="HOST:PORT", help="process 0's address, to join several processes "
-                   "(default: as jax.distributed detects a TPU slice, SLURM or Kubernetes job; else one process)")
+    b.add_argument("--coordinator", type=host_and_port, metavar="HOST:PORT", help="process 0's address, to join "
+                   "several processes (default: as jax.distributed detects a TPU slice, SLURM or Kubernetes job; "
+                   "else one process)")
     b.add_argument("--num-processes", type=positive_int, metavar="N", help="with --coordinator; 1 alone: this "
                    "process only, even inside a cluster job")
     b.add_argument("--process-id", type=int, metavar="I", help="with --coordinator: this process, 0 .. N-1")

@@ -76,16 +76,21 @@ def lora_argument(text):
     """PATH[:SCALE] -> (PATH, SCALE): the scale is read only where the part after the last ':' is a number, so
     C:\\loras\\x.safetensors and names with colons are paths."""
     path, colon, tail = text.rpartition(":")
-    try:
-        scale = float(tail) if colon and path else None
-    except ValueError:
-        scale = None
+    scale = float(tail) if colon and path and is_number(tail) else None
     if scale is None:
         return text, 1.0
     if not is_float32(scale):
         raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite float32 number (1 is the LoRA's full "
                                          "strength, 0 leaves the model as it is)")
     return path, scale
+
+
+def is_number(text) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def scheduler_argument(text):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
 
@@ -226,14 +227,6 @@ def check_controlnets(request, unet):
             raise UserError(f"{flag} was made for another model family than {request.model} (text "
                             f"width {config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet "
                             "trained for this base model")
-
-
-def is_number(text) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def check_lora_and_embedding_files(request):
