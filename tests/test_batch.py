@@ -283,6 +283,56 @@ def test_a_file_that_is_not_this_commands_image_is_never_overwritten(tmp):
     assert (out / "000003-a-green-tree.png").read_text() == "mine" and pngs(out) == ["000003-a-green-tree.png"]
 
 
+@pytest.mark.parametrize("flags, setting, theirs, ours", [
+    (["--scheduler", "euler"], "sampler", "PLMS", "Euler"),  # tiny-sd's PNDM is A1111's PLMS
+    (["--dtype", "bfloat16"], "dtype", "float32", "bfloat16"),
+    (["--lora", "x.safetensors:0.5"], "lora", "none", '["x.safetensors"]'),
+    (["--embedding", "x.pt"], "embedding", "none", '["x.pt"]'),
+    (["--steps", "3"], "steps", "2", "3")])
+def test_a_rerun_with_other_settings_is_refused_naming_the_setting(tmp, full, tmp_path, monkeypatch, capsys, flags,
+                                                                   setting, theirs, ours):
+    """A rerun went on in the folder with another --scheduler, --dtype, --lora or --embedding, mixing images of two
+    settings; the same scheduler under another name (A1111's) is this command's: nothing to make."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(full, out)
+    monkeypatch.chdir(tmp_path)
+    for name in ("x.safetensors", "x.pt"):  # checked to be there; never read: the settings differ first
+        (tmp_path / name).write_text("")
+    args = command(tmp, out, *flags, "--num-processes", "1")[3:]  # the full run's, then the flags that change it
+    assert main(args) == 2
+    first = manifest(out)[0]
+    assert capsys.readouterr().err == (f"sdflax: error: --out {out} holds {first['file']} of line {first['line']} made "
+                                       f"with {setting} {theirs}, not {ours}: use another --out for other settings\n")
+    assert main(command(tmp, out, "--scheduler", "PLMS", "--num-processes", "1")[3:]) == 0, capsys.readouterr().err
+    assert "all 12 images are in" in capsys.readouterr().err and len(manifest(out)) == 12
+
+
+def test_pngs_of_a_batch_with_a_lora_say_so_and_a_rerun_with_another_scale_is_refused(tmp, full):
+    """PNGs of `batch --lora` carried no `lora` text chunks and no <lora:...> in `parameters` (generate's do)."""
+    from test_cli_lora import torch_tiny
+    from test_lora import kohya_file
+
+    kohya_file(tmp / "fox.safetensors", torch_tiny(), seed=1)
+    (tmp / "fox.txt").write_text("a red fox\n")
+    out = tmp / "lora"
+    args = [sys.executable, "-m", "sdflax", "batch", "fox.txt", "--out", str(out), *SIZE, "--seed", "7",
+            "--batch-per-device", "2", "--lora", "fox.safetensors:0.7"]
+    done = run(tmp, args)
+    assert done.returncode == 0, done.stderr
+    with Image.open(out / "000001-a-red-fox.png") as image:
+        text = dict(image.text)
+    assert (text["lora"], text["lora_scale"]) == ('["fox.safetensors"]', "[0.7]")
+    assert text["parameters"].startswith("a red fox <lora:fox:0.7>\nSteps: 2,")
+    # line 1 of the full run: the same prompt, seed and guidance without the LoRA
+    assert np.abs(pixels(out / "000001-a-red-fox.png").astype(int) - pixels(full / "000001-a-red-fox.png")).max() > 3
+    again = run(tmp, args[:-1] + ["fox.safetensors:0.5"])
+    assert again.returncode == 2
+    assert again.stderr.splitlines() == [f"sdflax: error: --out {out} holds 000001-a-red-fox.png of line 1 made with "
+                                         "lora_scale [0.7], not [0.5]: use another --out for other settings"]
+
+
 # ---- prompt files and bad input (in process: they fail before JAX starts) -----------------------------------
 
 RECORD = '{"line": 1, "file": "000001-a-fox.png", "seed": 3, "settings": {}, "process": 0, "batch_seed": 3}'
@@ -323,6 +373,72 @@ def test_only_a_record_of_ours_cut_short_counts_as_a_kill(tmp_path):
     for cut in ('{"li', '{"line": 2, "file": "000002-a-f'):
         (tmp_path / "manifest.jsonl").write_text(f"{RECORD}\n{cut}")
         assert read_manifests(tmp_path) == [json.loads(RECORD)]
+
+
+def test_two_runs_on_one_out_do_not_race_the_second_is_refused_naming_the_first(tmp_path, capsys):
+    """Two runs on one --out raced: one died with FileNotFoundError, the manifest listed images twice."""
+    import fcntl
+
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    (tmp_path / "out").mkdir()
+    lock = tmp_path / "out" / ".sdflax-batch.0.lock"
+    lock.write_text("process 4242 on otherhost")
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run in progress holds it
+        assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), *SIZE,
+                     "--num-processes", "1"]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: --out {tmp_path / 'out'} is in use by another sdflax batch "
+                                       "(process 4242 on otherhost): wait for it to finish, or choose another --out\n")
+    assert sorted(os.listdir(tmp_path / "out")) == [".sdflax-batch.0.lock"]
+
+
+def test_a_manifest_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
+    """A manifest of another user's (or a read-only folder) was a PermissionError traceback."""
+    import sdflax.cli.manifest
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if str(path).endswith("manifest.jsonl") and flags & os.O_APPEND:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(sdflax.cli.manifest.os, "open", refusing_open)
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), *SIZE,
+                 "--num-processes", "1"]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: {tmp_path / 'out' / 'manifest.jsonl'}: cannot write to it "
+                                       "(Permission denied): choose another --out\n")
+
+
+@pytest.mark.parametrize("failing", ["png", "manifest"])
+def test_a_full_disk_stops_the_run_in_one_line_keeping_what_was_written(tmp_path, monkeypatch, failing):
+    """A full disk mid-run was an OSError traceback from the writer thread."""
+    import errno
+    import threading
+
+    import sdflax.cli.workers
+    from sdflax.cli.manifest import Manifest
+    from sdflax.cli.request import UserError
+    from sdflax.cli.workers import Writer
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if failing == "png":
+        monkeypatch.setattr(sdflax.cli.workers, "link_png", full)
+    else:
+        monkeypatch.setattr(Manifest, "append", lambda self, record: full())
+    settings = {"prompt": "a fox", "negative_prompt": "", "steps": 2, "sampler": "Euler", "scheduler": "euler",
+                "guidance_scale": 7.5, "width": 8, "height": 8, "model": "m", "seed": 1}
+    writer = Writer(str(tmp_path), Manifest(str(tmp_path / "manifest.jsonl")), 0, 3, lambda message: None,
+                    lambda line: settings, 1, lambda images: [Image.new("RGB", (8, 8))] * len(images),
+                    threading.Event())
+    lines = [Line(n, "a fox", "", None, None, 2, 8, 8) for n in (1, 2)]
+    with pytest.raises(UserError) as info:
+        writer.write(lines, [None, None])
+    assert str(info.value) == (f"cannot write 000001-a-fox.png in {tmp_path} (No space left on device) after 0 of 3 "
+                               "images: make room and run the same command again to make the rest")
 
 
 def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_path):

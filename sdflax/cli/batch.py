@@ -12,6 +12,7 @@ mesh; each writes its own devices' images and its own manifest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 from . import manifest as files
 from .output import image_settings, output_target, slug
 from .parse import add_options, finite, positive_int, seed
-from .preflight import check_attention, check_checkpoint
+from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files
 from .request import Request, UserError
 from .run import compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows, use_compile_cache
 from .workers import Producer, Signals, Writer, run_until_done_or_signal
@@ -161,17 +162,21 @@ def json_line(path, number, raw) -> dict:
 # ---- the command --------------------------------------------------------------------------------------------
 
 def run(args) -> int:
-    with Signals() as signals:
-        return run_lines(args, signals)
+    with Signals() as signals, contextlib.ExitStack() as held:
+        return run_lines(args, signals, held)
 
 
-def run_lines(args, signals) -> int:
+def run_lines(args, signals, held) -> int:
+    """The command; `held` keeps the folder's lock until the run ends."""
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
     lines = read_prompts(args.prompts, args)  # every mistake before JAX starts
     folder = output_folder(args.out)
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
-    records = files.read_manifests(folder)
+    files.read_manifests(folder)  # a manifest that is not ours: refused before JAX starts
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)
+    held.enter_context(files.folder_lock(folder, args.out, process))
+    records = files.read_manifests(folder)  # again, now that no other run writes to them
+    check_lora_and_embedding_files(base)
     checkpoints = check_lines(base, lines, args.prompts)
 
     import jax
@@ -184,7 +189,15 @@ def run_lines(args, signals) -> int:
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     check_attention(base, backend, dtype)
 
-    first_seed, seeds, manifest, todo = resume(args, folder, lines, checkpoints, records, process, processes)
+    def checkpoint_of(line):
+        return dataclasses.replace(checkpoints[line.program], guidance=guidance(line, checkpoints))
+
+    def settings_of(line, seed):
+        """What the line's PNG records (and its manifest record): what a rerun checks to be this command's."""
+        checkpoint = checkpoint_of(line)
+        return {**image_settings(line.request(base, seed), checkpoint.scheduler, checkpoint, dtype), "seed": seed}
+
+    first_seed, seeds, manifest, todo = resume(args, folder, lines, settings_of, records, process, processes)
     if not todo:
         print(f"batch: all {len(lines)} images are in {args.out} already", file=sys.stderr)
         return 0
@@ -201,13 +214,6 @@ def run_lines(args, signals) -> int:
     status(f"batch: {len(todo)} of {len(lines)} images to make ({len(lines) - len(todo)} done before), "
            f"{batch} at a time on {where}; this process writes {total}")
 
-    def checkpoint_of(line):
-        return dataclasses.replace(checkpoints[line.program], guidance=guidance(line, checkpoints))
-
-    def settings(line):
-        return {**image_settings(line.request(base, seeds[line.number]), pipeline.scheduler, checkpoint_of(line),
-                                 dtype), "seed": seeds[line.number]}
-
     compiled = set()
 
     def make(key, lines):
@@ -223,20 +229,19 @@ def run_lines(args, signals) -> int:
         return out_of_memory_is_one_line(call, None, f"{batch} images of {checkpoint.width}x{checkpoint.height} on "
                                          f"{where}", "use a smaller --batch-per-device or --dtype bfloat16")
 
-    writer = Writer(folder, manifest, process, total, status, settings, first_seed, pipeline.numpy_to_pil,
-                    signals.stop)
+    writer = Writer(folder, manifest, process, total, status, lambda line: settings_of(line, seeds[line.number]),
+                    first_seed, pipeline.numpy_to_pil, signals.stop)
     return run_until_done_or_signal(Producer(make, plan, mine, writer), writer, signals, args.out, processes)
 
 
-def resume(args, folder, lines, checkpoints, records, process, processes):
+def resume(args, folder, lines, settings_of, records, process, processes):
     """(the command's seed S, each line's seed, this process's manifest, the lines still to make): what the
     manifests list is done, once checked to be this command's images, and a PNG a kill left unlisted is
     adopted."""
     first_seed = base_seed(args, records, processes)
     seeds = {line.number: (line.seed if line.seed is not None else (first_seed + line.number - 1) % 2**32)
              for line in lines}
-    keys = {line.number: image_key(line, seeds[line.number], checkpoints[line.program], args.model)
-            for line in lines}
+    keys = {line.number: files.image_key(settings_of(line, seeds[line.number])) for line in lines}
     done = files.check_records(records, lines, keys, args.out, folder)
     manifest = files.Manifest(os.path.join(folder, "manifest.jsonl" if processes == 1 else
                                            f"manifest.{process}.jsonl"))
@@ -245,8 +250,8 @@ def resume(args, folder, lines, checkpoints, records, process, processes):
                and files.is_orphan(folder, line, keys, args.out)]
     done, adopt = files.agree(lines, done, orphans, args.prompts, process, processes)
     for line in lines:
-        if line.number in adopt:  # its settings as the PNG's text chunks hold them
-            manifest.append(files.record(line, first_seed, keys[line.number], process,
+        if line.number in adopt:  # its text chunks hold these settings (is_orphan checked the key ones)
+            manifest.append(files.record(line, first_seed, settings_of(line, seeds[line.number]), process,
                                          os.path.getmtime(os.path.join(folder, line.name))))
     return first_seed, seeds, manifest, [line for line in lines if line.number not in done]
 
@@ -280,14 +285,6 @@ def check_lines(base, lines, prompts) -> dict:
     return checkpoints
 
 
-def image_key(line, seed, checkpoint, model) -> dict:
-    """The settings that identify the image of a line, as the PNG's text chunks hold them."""
-    return files.image_key({"prompt": line.prompt, "negative_prompt": line.negative_prompt, "seed": seed,
-                            "steps": line.steps, "guidance_scale": line.guidance if line.guidance is not None
-                            else checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
-                            "model": model})
-
-
 def join_processes(args) -> tuple[int, int]:
     """(this process, the process count): --coordinator, or whatever cluster jax.distributed detects, or one."""
     import jax
@@ -307,6 +304,9 @@ def join_processes(args) -> tuple[int, int]:
             jax.distributed.initialize()
         except ValueError:  # no cluster detected: this process alone
             pass
+        except RuntimeError as e:  # JAX already started in this process (main() called from Python)
+            raise UserError("JAX has started in this process, so it cannot join other processes: run sdflax batch "
+                            "in a process of its own, or pass --num-processes 1") from e
     return jax.process_index(), jax.process_count()
 
 

@@ -4,16 +4,20 @@ agreed on by every process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
 import time
 import zlib
 
 from .request import UserError
 
 # The settings that make an image: a manifest record or a PNG made with others is not this command's image.
-SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model")
+# "sampler" is the scheduler as it ran (A1111's name, else sdflax's), whatever name --scheduler gave it.
+SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model", "revision",
+        "config", "sampler", "dtype", "lora", "lora_scale", "embedding")
 MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
 
 
@@ -71,7 +75,10 @@ class Manifest:
     """This process's manifest: one JSON line per image, appended in one write and fsynced."""
 
     def __init__(self, path):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:  # another user's, or a read-only folder
+            raise UserError(f"{path}: cannot write to it ({e.strerror or e}): choose another --out") from e
         size = os.fstat(self.fd).st_size
         if size and os.pread(self.fd, 1, size - 1) != b"\n":  # a line cut short by a kill: not a record
             with open(path, "rb") as f:
@@ -81,6 +88,36 @@ class Manifest:
     def append(self, record):
         os.write(self.fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
         os.fsync(self.fd)
+
+
+@contextlib.contextmanager
+def folder_lock(folder, out, process):
+    """This process's lock on the folder while the run lasts (the kernel lets go when the process ends, however it
+    ends): two runs on one --out would make the same images and race for their names. The lock file says who
+    holds it."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): unlocked
+        yield
+        return
+    path = os.path.join(folder, f".sdflax-batch.{process}.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write in it ({e.strerror or e}): choose another --out") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise UserError(f"--out {out} is in use by another sdflax batch ({holder}): wait for it to finish, or "
+                        "choose another --out") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # lets go
 
 
 def temporary(folder, name, process):
@@ -123,8 +160,13 @@ def link_png(folder, name, image, info, process):
 
 
 def image_key(settings) -> dict:
-    """The settings that identify a line's image (SAME), as the PNG's text chunks hold them."""
-    return {name: str(settings[name]) for name in SAME}
+    """The settings that identify a line's image (SAME), as the PNG's text chunks hold them (`png_info`); None for
+    one it has not."""
+    return {name: as_text(settings.get(name)) for name in SAME}
+
+
+def as_text(value):
+    return None if value is None else json.dumps(value) if isinstance(value, list) else str(value)
 
 
 def check_records(records, lines, keys, out, folder) -> set:
@@ -137,11 +179,12 @@ def check_records(records, lines, keys, out, folder) -> set:
         if number not in numbers:
             raise UserError(f"--out {out} holds {r.get('file')}, made for line {number}, which PROMPTS does not "
                             "have: use another --out for other prompts")
-        made = {name: str(r.get("settings", {}).get(name)) for name in SAME}
+        made = image_key(r["settings"])
         if made != keys[number]:
             name = next(name for name in SAME if made[name] != keys[number][name])
-            raise UserError(f"--out {out} holds {r.get('file')} of line {number} made with {name} "
-                            f"{made[name]}, not {keys[number][name]}: use another --out for other settings")
+            raise UserError(f"--out {out} holds {r['file']} of line {number} made with {name} "
+                            f"{made[name] or 'none'}, not {keys[number][name] or 'none'}: use another --out for "
+                            "other settings")
         if os.path.lexists(os.path.join(folder, os.path.basename(r["file"]))):
             done.add(number)
     return done

@@ -10,6 +10,7 @@ import os
 import re
 import tempfile
 
+from .manifest import as_text, link_png
 from .request import UserError
 
 
@@ -133,7 +134,7 @@ def png_info(settings):
 
     info = PngInfo()
     for key, value in settings.items():  # iTXt (UTF-8) where Latin-1 cannot hold the text
-        info.add_text(key, json.dumps(value) if isinstance(value, list) else str(value))
+        info.add_text(key, as_text(value))
     s = settings
     # A1111 writes a LoRA into the prompt as <lora:NAME:WEIGHT>, NAME the file name without its extension
     loras = "".join(f" <lora:{os.path.splitext(os.path.basename(path))[0]}:{scale}>"
@@ -176,8 +177,6 @@ def write_png(path, image, info):
     """The PNG whole or not at all, as `batch` writes its own: under a temporary name, then linked into place. A
     full disk leaves no partial file under the name (which the next run would refuse as taken), and a file that
     appeared while sampling is never replaced."""
-    from .manifest import link_png
-
     folder, name = os.path.split(os.path.abspath(path))
     try:
         link_png(folder, name, image, info, os.getpid())

@@ -29,6 +29,7 @@ class Checkpoint:
     strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
     high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
     control_scales: tuple = ()  # one per --controlnet
+    scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
 
 
 def read_configs(folder):
@@ -89,7 +90,7 @@ def check_checkpoint(request, pictures, controls=None):
                         f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
     if request.command != "inpaint" and unet_channels == 2 * latent + 1:
         raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
-    check_controlnets(request, unet)
+    check_controlnets(request, unet, vae.scale_factor)
     factor = vae.scale_factor
     height, width, pictures, controls = fit_pictures(request, unet.sample_size * factor, factor, pictures, controls)
     guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
@@ -103,7 +104,7 @@ def check_checkpoint(request, pictures, controls=None):
             (default,) * len(request.controlnet)
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
     checkpoint = Checkpoint(folder, local, commit, xl, cls, guidance, height, width, single_file, strength,
-                            high_noise_frac, scales)
+                            high_noise_frac, scales, scheduler)
     return checkpoint, pictures, controls
 
 
@@ -202,13 +203,14 @@ def controlnet_configs(request) -> tuple:
     return tuple(next(configs) if is_file and given else None for is_file in files)
 
 
-def check_controlnets(request, unet):
+def check_controlnets(request, unet, vae_scale_factor):
     """Each --controlnet exists and, where its config.json can be read (a folder's, a hub id's or an original-layout
-    file's --controlnet-config: kilobytes), was made for the checkpoint's model family. An original-layout file
-    without one is checked when it loads."""
+    file's --controlnet-config: kilobytes), was made for the checkpoint's model family and latent size. An
+    original-layout file without one is checked when it loads."""
     from ..hub import ModelNotFoundError, resolve_folder
     from ..models.config import read_config_file
     from ..models.controlnet import ControlNetConfig
+    from ..pipeline.checks import condition_scale_mismatch
 
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
@@ -227,6 +229,8 @@ def check_controlnets(request, unet):
             raise UserError(f"{flag} was made for another model family than {request.model} (text "
                             f"width {config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet "
                             "trained for this base model")
+        if config.condition_scale != vae_scale_factor:
+            raise UserError(f"{flag}: {condition_scale_mismatch(config, vae_scale_factor)}")
 
 
 def check_lora_and_embedding_files(request):

@@ -50,10 +50,14 @@ class Writer:
             settings = self.settings(line)
             try:
                 link_png(self.folder, line.name, image, png_info(settings), self.process)
+                self.manifest.append(record(line, self.base, settings, self.process, time.time()))
             except FileExistsError as e:
                 raise UserError(f"{line.name} exists now in {self.folder}: sdflax never overwrites a file; move "
                                 "it and run the command again") from e
-            self.manifest.append(record(line, self.base, settings, self.process, time.time()))
+            except OSError as e:  # a full disk: what was written is whole, and the next run goes on from there
+                raise UserError(f"cannot write {line.name} in {self.folder} ({e.strerror or e}) after "
+                                f"{self.written} of {self.total} images: make room and run the same command again "
+                                "to make the rest") from e
             self.written += 1
         self.progress()
 
