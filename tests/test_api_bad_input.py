@@ -205,6 +205,24 @@ def test_hook_settings_that_would_do_nothing_or_garbage(tiny):
             f"branch 99: this UNet's skip connections are 0 to {skips - 1} (DeepCache's branch names one)")
 
 
+def test_hook_layer_names_the_unet_lacks_are_refused(tiny):
+    """PAG on ["nope"] equalled no hook; cross_attention_maps(layers=["nope"]) returned no maps: names are checked
+    against the layers the UNet calls the hook at, once it is traced."""
+    from sdflax.hooks import cross_attention_maps, perturbed_attention_guidance
+
+    pipe, params, ids = tiny
+    run = lambda hook: pipe.with_hooks(hook)(ids, params, jax.random.key(0), 2)  # noqa: E731
+    refused(ValueError, lambda: run(perturbed_attention_guidance(3.0, ["mid", "nope"])), "pag_applied_layers: "
+            "'nope' matches no self-attention layer of this UNet: give a part of their names, e.g. 'mid' or one of "
+            "down_blocks.0.attentions.0, down_blocks.1.attentions.0, mid_block.attentions.0, up_blocks.1.attentions.0, "
+            "up_blocks.1.attentions.1, up_blocks.2.attentions.0, up_blocks.2.attentions.1")
+    refused(ValueError, lambda: run(cross_attention_maps(layers=["mid_block.attentions.0.transformer_blocks.0.attn1"])),
+            "cross_attention_maps: layers 'mid_block.attentions.0.transformer_blocks.0.attn1' is not a "
+            "cross-attention layer of this UNet: give their full names: down_blocks.0.attentions.0.transformer_blocks"
+            ".0.attn2, down_blocks.1.attentions.0.transformer_blocks.0.attn2, mid_block.attentions.0.transformer_"
+            "blocks.0.attn2, ... (7 in all)")
+
+
 # --- arguments of the wrong kind, which failed deep inside ------------------------------------------------------
 
 @pytest.mark.parametrize("call, error, expected", [

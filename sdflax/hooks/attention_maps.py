@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import attention_probs
-from .core import Hook, current_scope
+from .core import Hook, current_scope, layer_list
 
 KEY = "cross_attention_maps"
 
@@ -28,6 +28,13 @@ class CrossAttentionMaps(Hook):
             if self.per_layer:
                 scope.emit(site.name, maps)
         return attend(q, k, v)
+
+    def check_layers(self, sites):
+        cross = {name for name in sites if name.endswith("attn2")}
+        for layer in self.layers or ():
+            if layer not in cross:
+                raise ValueError(f"cross_attention_maps: layers {layer!r:.80} is not a cross-attention layer of this "
+                                 f"UNet: give their full names: {layer_list(cross, 3)}")
 
 
 def cross_attention_maps(layers=None, per_layer=False) -> CrossAttentionMaps:

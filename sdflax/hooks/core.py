@@ -97,16 +97,23 @@ class Hook:
         override it leaves the pipeline's guidance in place."""
         return None
 
+    def check_layers(self, sites):
+        """Raise a ValueError naming the setting if a layer the hook names is not among `sites`, the names of the
+        layers the UNet called it at (known once the UNet is traced): an unknown name would do nothing."""
+
     carries = False  # whether it reads and writes memory across evaluations
 
 
-def intercept(hooks, step, chunks):
-    """A context in which the UNet's attention and up layers call `hooks` (the first listed outermost)."""
+def intercept(hooks, step, chunks, sites=None):
+    """A context in which the UNet's attention and up layers call `hooks` (the first listed outermost); each
+    attention layer's name is added to the set `sites`."""
 
     def interceptor(next_fun, args, kwargs, context):
         module, method = context.module, context.method_name
         if method == "attend" and isinstance(module, Attention):
             site = Site(checkpoint_name(module.path), step, chunks, module=module)
+            if sites is not None:
+                sites.add(site.name)
             call = next_fun
             for hook in reversed(hooks):
                 call = _bind(hook.attend, site, call)
@@ -120,6 +127,14 @@ def intercept(hooks, step, chunks):
         return next_fun(*args, **kwargs)
 
     return nn.intercept_methods(interceptor)
+
+
+def layer_list(names, limit=None) -> str:
+    """The layer names (the first `limit` of them), to say what a hook could have named."""
+    names = sorted(names)
+    if limit is None or len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", ... ({len(names)} in all)"
 
 
 def _bind(method, site, inner):

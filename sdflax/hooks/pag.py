@@ -5,7 +5,8 @@ attends only to itself, so the layer outputs its values), and the prediction mov
     ε̂ = ε(∅) + s (ε(c) − ε(∅)) + s_pag (ε(c) − ε_perturbed(c))      (without CFG: ε(c) + s_pag (ε(c) − ε_ptb(c)))
 
 `layers` are diffusers' `pag_applied_layers`: regular expressions searched in the self-attentions' checkpoint
-names ("mid", "down.block_2" does not match anything; "down_blocks.1", "up_blocks.0.attentions.1").
+names ("mid", "down_blocks.1", "up_blocks.0.attentions.1"); one that matches none ("down.block_2") is refused
+once the UNet is traced.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import flax
 import jax.numpy as jnp
 
 from .. import sampling
-from .core import Hook
+from .core import Hook, layer_list
 
 
 @flax.struct.dataclass
@@ -25,11 +26,15 @@ class PerturbedAttentionGuidance(Hook):
     layers: tuple = flax.struct.field(pytree_node=False, default=("mid",))
 
     def applies(self, name) -> bool:
-        """diffusers' match: the pattern found in the name, but "blocks.1" is not "blocks.10"."""
-        def fake_integral(layer):
-            a, b = layer.split(".")[-1], name.split(".")[-1]
-            return a.isnumeric() and b.isnumeric() and a == b
-        return any(re.search(layer, name) and not fake_integral(layer) for layer in self.layers)
+        return any(matches(layer, name) for layer in self.layers)
+
+    def check_layers(self, sites):
+        own = {name for name in sites if name.endswith("attn1")}
+        for layer in self.layers:
+            if not any(matches(layer, name) for name in own):
+                blocks = {name.split(".transformer_blocks")[0] for name in own}
+                raise ValueError(f"pag_applied_layers: {layer!r:.60} matches no self-attention layer of this UNet: "
+                                 f"give a part of their names, e.g. 'mid' or one of {layer_list(blocks)}")
 
     def condition(self, cond, settings):  # [uncond; cond] -> [uncond; cond; cond], or [cond] -> [cond; cond]
         def extend(x):
@@ -52,6 +57,13 @@ class PerturbedAttentionGuidance(Hook):
         guided = (settings.guidance or sampling.classifier_free_guidance)(rest[0], cond, scale)
         guided = guided + self.scale * (cond - perturbed)
         return sampling.rescale(guided, cond, jnp.asarray(inputs.guidance_rescale, jnp.float32))
+
+
+def matches(layer, name) -> bool:
+    """diffusers' match: the pattern found in the name, but "blocks.1" is not "blocks.10"."""
+    a, b = layer.split(".")[-1], name.split(".")[-1]
+    fake_integral = a.isnumeric() and b.isnumeric() and a == b
+    return bool(re.search(layer, name)) and not fake_integral
 
 
 def perturbed_attention_guidance(pag_scale=3.0, pag_applied_layers=("mid",)) -> PerturbedAttentionGuidance:

@@ -40,11 +40,12 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
         cond = hook.condition(cond, settings)
     start = spec.start.begin(params, inputs, settings, spec.scheduler)
     chunks = cond.context.shape[0] // start.latents.shape[0]  # the UNet's batch: chunks of B rows
+    sites = set()  # the attention layers the hooks saw, as the scan's body is traced
 
     def unet_fn(x, t, context, step, **residuals):
         if not hooks:
             return spec.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
-        with intercept(hooks, step, chunks):  # the UNet's layers only, not a ControlNet's
+        with intercept(hooks, step, chunks, sites):  # the UNet's layers only, not a ControlNet's
             return spec.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
 
     if start.wrap_unet is not None:
@@ -67,6 +68,8 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
                            state=start.state, post_step=start.post_step, model_takes_step=True,
                            num_evals=start.num_evals, memory=any(hook.carries for hook in hooks))
+    for hook in hooks:
+        hook.check_layers(sites)
     latents, trajectory = out if isinstance(out, tuple) else (out, None)
     if settings.output_type == "latent":
         return Output(latents, trajectory)
