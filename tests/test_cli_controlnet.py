@@ -155,6 +155,10 @@ def test_img2img_and_inpaint_with_a_net_and_diffusers_default_scales(folder, tmp
     (["--controlnet", "nowhere/none", "--control-image", "edges.png"], "--controlnet nowhere/none:"),
     (["--controlnet", "wide", "--control-image", "edges.png"],
      "--controlnet wide was made for another model family than"),
+    (["--controlnet", "coarse", "--control-image", "edges.png"],  # was a ValueError at compile, once loaded
+     "--controlnet coarse: a ControlNet whose condition encoder makes 1/8 of the picture's size (4 "
+     "conditioning_embedding_out_channels), but the VAE's latents are 1/4 of it: use a ControlNet trained for this "
+     "base model"),
     (["--controlnet", "net1", "--control-image", "edges.png", "--controlnet-config", "net2"],
      "--controlnet-config applies to original-layout --controlnet files (.safetensors, .pth), but no --controlnet "
      "is one: drop --controlnet-config"),
@@ -167,6 +171,11 @@ def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, ca
         shutil.copytree(folder / "net1", folder / "wide")
         config = json.loads((folder / "wide" / "config.json").read_text())
         (folder / "wide" / "config.json").write_text(json.dumps({**config, "cross_attention_dim": 768}))
+    if not (folder / "coarse").exists():  # a net whose condition encoder has one level more than the VAE
+        shutil.copytree(folder / "net1", folder / "coarse")
+        config = json.loads((folder / "coarse" / "config.json").read_text())
+        (folder / "coarse" / "config.json").write_text(json.dumps({**config, "conditioning_embedding_out_channels":
+                                                                   [8, 8, 8, 8]}))
     assert main(["generate", "a house", "--model", TINY, *args, "--out", str(tmp_path / "out")]) == 2
     assert expected in one_error_line(capsys)
 

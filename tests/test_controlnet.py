@@ -158,6 +158,14 @@ def test_bad_inputs_say_what_to_change(models, one_net, tmp_path):
                                       controlnet=other)
     with pytest.raises(ValueError, match="a ControlNet of another model family"):
         mixed(ids, image, {**params, "controlnet": other_params}, key, STEPS)
+    # a condition encoder of one more level than the VAE's: a ValueError at compile, once loaded
+    levels = int(np.log2(pipe.vae_scale_factor)) + 2
+    coarse = ControlNetModel.from_unet(pipe.unet, conditioning_embedding_out_channels=(8,) * levels)
+    with pytest.raises(ValueError, match=rf"a ControlNet whose condition encoder makes 1/{2 ** (levels - 1)} of the "
+                       rf"picture's size \({levels} conditioning_embedding_out_channels\), but the VAE's latents are "
+                       rf"1/{pipe.vae_scale_factor} of it: use a ControlNet trained for this base model"):
+        StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
+                                  controlnet=coarse)(ids, image, params, key, STEPS)
     with pytest.raises(ValueError, match="needs controlnet="):
         StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
 

@@ -274,11 +274,11 @@ def check_control_images(c, inputs, leading_dims, batch):
             raise ValueError(f"{name} is {image.shape[-1]}x{image.shape[-2]}, the first {size[1]}x{size[0]}: "
                              "give control images of one size")
         size = image.shape[-2:]
-    check_controlnets(nets, c.unet)
+    check_controlnets(nets, c.unet, c.vae_scale_factor)
 
 
-def check_controlnets(nets, unet):
-    """ControlNets of the UNet's family."""
+def check_controlnets(nets, unet, vae_scale_factor):
+    """ControlNets of the UNet's family, whose condition encoders bring a picture to the VAE's latent size."""
     for net in nets:
         if net.config.addition_embed_type != unet.config.addition_embed_type or (
                 net.config.cross_attention_dim != unet.config.cross_attention_dim):
@@ -286,6 +286,14 @@ def check_controlnets(nets, unet):
                              f"dim {net.config.cross_attention_dim} vs {unet.config.cross_attention_dim}, "
                              f"addition_embed_type {net.config.addition_embed_type!r} vs "
                              f"{unet.config.addition_embed_type!r}): use a ControlNet trained for this base model")
+        if net.config.condition_scale != vae_scale_factor:
+            raise ValueError(condition_scale_mismatch(net.config, vae_scale_factor))
+
+
+def condition_scale_mismatch(config, vae_scale_factor) -> str:
+    return (f"a ControlNet whose condition encoder makes 1/{config.condition_scale} of the picture's size ("
+            f"{len(config.conditioning_embedding_out_channels)} conditioning_embedding_out_channels), but the VAE's "
+            f"latents are 1/{vae_scale_factor} of it: use a ControlNet trained for this base model")
 
 
 @functools.cache
