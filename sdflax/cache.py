@@ -11,7 +11,8 @@ off). JAX has one such cache per process, so programs of your own that take over
 there too.
 
 A shapes file is keyed by the model's class and fields (its config), the source of `sdflax.models` and the JAX and
-Flax versions, so a change to any of them traces the model again; an unreadable file is traced over.
+Flax versions, so a change to any of them traces the model again; an unreadable or edited file (it carries its
+own checksum) is traced over.
 """
 
 from __future__ import annotations
@@ -63,22 +64,31 @@ def param_shapes(module, trace=None):
         return trace()
     path = Path(folder, "param-shapes", f"{_key(module)}.json")
     try:
-        flat = json.loads(path.read_text())
+        entry = json.loads(path.read_text())
+        flat = entry["shapes"]
+        if entry["digest"] != _digest(flat):
+            raise ValueError("edited")  # a valid checkpoint would "not match the model config"
         return traverse_util.unflatten_dict({tuple(name.split("/")): jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
                                              for name, (shape, dtype) in flat.items()})
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass  # not there yet, or not a shapes file: trace
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        pass  # not there yet, not a shapes file, or edited: trace
     shapes = trace()
     flat = {"/".join(name): [list(leaf.shape), str(leaf.dtype)]
             for name, leaf in traverse_util.flatten_dict(shapes).items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump(flat, f)
+            json.dump({"digest": _digest(flat), "shapes": flat}, f)
         os.replace(f.name, path)  # whole or not at all, whatever other processes read meanwhile
     except OSError:
         pass  # a read-only or full disk costs a trace next time, nothing more
     return shapes
+
+
+def _digest(flat) -> str:
+    """The shapes' own checksum, kept beside them: a file edited by hand (or damaged into other valid JSON) is
+    traced over instead of making a valid checkpoint look wrong."""
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
 
 
 def _key(module) -> str:

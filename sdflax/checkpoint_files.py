@@ -171,38 +171,17 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------------------------------------
 # PyTorch zip files (torch.save since 1.6)
 
-_TORCH_STORAGE_DTYPES = {
-    "DoubleStorage": np.dtype(np.float64),
-    "FloatStorage": np.dtype(np.float32),
-    "HalfStorage": np.dtype(np.float16),
-    "BFloat16Storage": np.dtype(ml_dtypes.bfloat16),
-    "LongStorage": np.dtype(np.int64),
-    "IntStorage": np.dtype(np.int32),
-    "ShortStorage": np.dtype(np.int16),
-    "CharStorage": np.dtype(np.int8),
-    "ByteStorage": np.dtype(np.uint8),
-    "BoolStorage": np.dtype(np.bool_),
-}
-
+_NUMPY_DTYPES = {name: np.dtype(t) for name, t in (
+    ("float64", np.float64), ("float32", np.float32), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16),
+    ("int64", np.int64), ("int32", np.int32), ("int16", np.int16), ("int8", np.int8), ("uint8", np.uint8),
+    ("bool", np.bool_))}
+_TORCH_STORAGE_DTYPES = {f"{storage}Storage": _NUMPY_DTYPES[name] for storage, name in (
+    ("Double", "float64"), ("Float", "float32"), ("Half", "float16"), ("BFloat16", "bfloat16"), ("Long", "int64"),
+    ("Int", "int32"), ("Short", "int16"), ("Char", "int8"), ("Byte", "uint8"), ("Bool", "bool"))}
 # torch.float32-style globals: newer writers may put a dtype where a storage type used to be.
-_TORCH_DTYPES = {
-    "float64": np.dtype(np.float64),
-    "double": np.dtype(np.float64),
-    "float32": np.dtype(np.float32),
-    "float": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "half": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int64": np.dtype(np.int64),
-    "long": np.dtype(np.int64),
-    "int32": np.dtype(np.int32),
-    "int": np.dtype(np.int32),
-    "int16": np.dtype(np.int16),
-    "short": np.dtype(np.int16),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "bool": np.dtype(np.bool_),
-}
+_TORCH_DTYPES = {**_NUMPY_DTYPES, **{alias: _NUMPY_DTYPES[name] for alias, name in (
+    ("double", "float64"), ("float", "float32"), ("half", "float16"), ("long", "int64"), ("int", "int32"),
+    ("short", "int16"))}}
 
 
 class _TorchDtype(NamedTuple):
@@ -215,7 +194,7 @@ class _TorchDtype(NamedTuple):
     dtype: np.dtype
 
 
-def _rebuild_tensor(storage, storage_offset, size, stride):
+def _rebuild_tensor(storage, storage_offset, size, stride, *, count_copy=None):
     if not isinstance(storage, np.ndarray) or storage.ndim != 1:
         raise ValueError(f"tensor refers to {type(storage).__name__}, not to a storage")
     size = tuple(int(s) for s in size)
@@ -245,13 +224,16 @@ def _rebuild_tensor(storage, storage_offset, size, stride):
     if view.flags.c_contiguous:
         return view
     # Transposed tensors saved as-is are the one case that needs a copy; read-only like the views.
+    if count_copy is not None:
+        count_copy(view.nbytes)
     copy = np.ascontiguousarray(view)
     copy.flags.writeable = False
     return copy
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    return _rebuild_tensor(storage, storage_offset, size, stride)
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None,
+                       *, count_copy=None):
+    return _rebuild_tensor(storage, storage_offset, size, stride, count_copy=count_copy)
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
@@ -261,6 +243,8 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
 def _rebuild_parameter_with_state(data, requires_grad=False, backward_hooks=None, state=None):
     return data
 
+
+MAX_VIEW_COPY_SLACK = 16 << 20  # bytes of copied views allowed beyond twice the storages (`count_copy`)
 
 _ALLOWED_GLOBALS = {
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
@@ -288,6 +272,17 @@ class TensorOnlyUnpickler(pickle.Unpickler):
         self.checkpoint_name = checkpoint_name
         self.read_storage = read_storage
         self.member_size = member_size
+        self.storage_bytes = {}  # key -> bytes of each storage read
+        self.copied_bytes = 0
+
+    def count_copy(self, nbytes):
+        """Views that must be copied (transposed tensors) may copy each storage's bytes about twice in all: many
+        views of one storage, a few bytes of pickle each, could otherwise claim gigabytes."""
+        self.copied_bytes += nbytes
+        stored = sum(self.storage_bytes.values())
+        if self.copied_bytes > 2 * stored + MAX_VIEW_COPY_SLACK:
+            raise ValueError(f"its non-contiguous tensors copy {self.copied_bytes} bytes out of storages of "
+                             f"{stored}: views that repeat a storage are not read")
 
     def load(self):
         # Malformed pickles surface as any of these from deep inside; the caller gets one line naming the file.
@@ -309,6 +304,8 @@ class TensorOnlyUnpickler(pickle.Unpickler):
             ) from None
         # A fresh wrapper per load: the pickle's BUILD opcode could otherwise set attributes
         # (e.g. __defaults__) on this module's functions and change later loads.
+        if found in (_rebuild_tensor, _rebuild_tensor_v2):
+            return functools.partial(found, count_copy=self.count_copy)
         return found if isinstance(found, _TorchDtype) else functools.partial(found)
 
     def persistent_load(self, pid):
@@ -333,7 +330,9 @@ class TensorOnlyUnpickler(pickle.Unpickler):
                     f"({numel * storage_type.dtype.itemsize} bytes) but the stored member holds {size} bytes"
                 )
         try:
-            return self.read_storage(str(key), storage_type.dtype)
+            storage = self.read_storage(str(key), storage_type.dtype)
+            self.storage_bytes[str(key)] = storage.nbytes
+            return storage
         except KeyError:
             raise CheckpointFileError(f"{where}: the file has no data/{str(key):.100} member (truncated?)") from None
 
@@ -379,6 +378,18 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
     is returned; values that are not tensors (step counts, strings, nested dicts) are dropped.
     """
     name = os.fspath(path)
+    obj = read_torch_object(name)
+    if not isinstance(obj, dict):
+        raise CheckpointFileError(f"{name!r} holds a {type(obj).__name__}, not a dict of tensors")
+    if isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    return {str(k): v for k, v in obj.items() if isinstance(v, np.ndarray)}
+
+
+def read_torch_object(path):
+    """The whole pickled object of a PyTorch zip file (nested dicts, strings, numbers; tensors as in
+    `read_torch_bin`), read by the tensor-only unpickler: what A1111's embeddings nest their vectors in."""
+    name = os.fspath(path)
     try:
         is_zip = zipfile.is_zipfile(name)
     except (OSError, zipfile.BadZipFile) as e:  # a damaged zip64 end record: a seek before the file, "multi-disk"
@@ -390,7 +401,7 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
             "'model.safetensors'))"
         )
     try:
-        obj = _read_torch_zip(name)
+        return _read_torch_zip(name)
     except CheckpointFileError:
         raise
     # What damaged zip entries and pickle streams raise: encrypted or unknown-compression flags (RuntimeError,
@@ -400,11 +411,7 @@ def read_torch_bin(path) -> dict[str, np.ndarray]:
     except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, struct.error, RuntimeError, NotImplementedError,
             pickle.UnpicklingError, IndexError, KeyError, TypeError, OverflowError, OSError) as e:
         raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
-    if not isinstance(obj, dict):
-        raise CheckpointFileError(f"{name!r} holds a {type(obj).__name__}, not a dict of tensors")
-    if isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
-    return {str(k): v for k, v in obj.items() if isinstance(v, np.ndarray)}
+    return obj
 
 
 def _read_torch_zip(name: str):

@@ -161,7 +161,7 @@ def _peft_alphas(path) -> dict:
                     raise ValueError(f"{component}: lora_alpha and alpha_pattern values must be finite numbers")
                 out[component] = (alphas[0], {str(k): float(v) for k, v in pattern.items()},
                                   bool(meta.get(f"{component}.use_rslora", False)))
-    except (ValueError, TypeError, RecursionError) as e:
+    except (ValueError, TypeError, RecursionError, OverflowError) as e:  # OverflowError: float() of a huge int
         raise LoraMismatchError(f"LoRA file {os.fspath(path)}: its lora_adapter_metadata is not a diffusers LoRA "
                                 f"config ({' '.join(str(e).split())[:200]})") from None
     return out

@@ -16,13 +16,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import zipfile
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint_files import MAX_PICKLE_BYTES, TensorOnlyUnpickler, check_member, read_safetensors
+from .checkpoint_files import read_safetensors, read_torch_object
 
 __all__ = ["expand_prompts", "load_textual_inversion", "read_embedding", "read_sdxl_embedding"]
 
@@ -30,43 +29,8 @@ __all__ = ["expand_prompts", "load_textual_inversion", "read_embedding", "read_s
 SDXL_KEYS = {"clip_l": ("tokenizer", "text_encoder"), "clip_g": ("tokenizer_2", "text_encoder_2")}
 
 
-def _read_torch_object(path):
-    """The whole pickled object of a torch zip file (nested dicts, strings), read by the tensor-only unpickler.
-
-    `checkpoint_files.read_torch_bin` keeps only top-level tensors; A1111 nests its vectors in a dict.
-    """
-    name = os.fspath(path)
-    if not zipfile.is_zipfile(name):
-        raise ValueError(f"{name!r} is not a zip-format PyTorch file; the legacy (pre-1.6) torch format is not "
-                         "supported: re-save it with a recent torch, or as .safetensors")
-    with zipfile.ZipFile(name) as archive:
-        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pickles) != 1:
-            raise ValueError(f"{name!r} is a zip file but not a PyTorch checkpoint (no <archive>/data.pkl)")
-        prefix = pickles[0][: -len("data.pkl")]
-        members = {info.filename: info for info in archive.infolist()}
-        storages = {}
-
-        def member_size(key):  # checked against the pickle's claim before anything is read
-            info = members.get(f"{prefix}data/{key}")
-            return None if info is None else info.file_size
-
-        def read_storage(key, dtype):  # embeddings are small: plain reads, no memory map
-            if key not in storages:
-                info = members[f"{prefix}data/{key}"]
-                check_member(name, info)  # no zip bombs
-                storages[key] = np.frombuffer(archive.read(info), np.uint8)
-            raw = storages[key]
-            return raw[: raw.size - raw.size % dtype.itemsize].view(dtype)
-
-        check_member(name, members[pickles[0]], limit=MAX_PICKLE_BYTES)
-        with archive.open(pickles[0]) as f:
-            return TensorOnlyUnpickler(f, checkpoint_name=name, read_storage=read_storage,
-                                       member_size=member_size).load()
-
-
 def _read_content(name):
-    return dict(read_safetensors(name)) if Path(name).suffix.lower() == ".safetensors" else _read_torch_object(name)
+    return dict(read_safetensors(name)) if Path(name).suffix.lower() == ".safetensors" else read_torch_object(name)
 
 
 def read_embedding(path, token=None) -> tuple[str, np.ndarray]:

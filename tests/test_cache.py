@@ -64,6 +64,19 @@ def test_a_damaged_file_is_traced_over(folder):
         assert cache.param_shapes(unet, never) == traced(unet)  # rewritten whole
 
 
+def test_an_edited_file_is_traced_over(folder):
+    """An edited shapes file made a valid checkpoint "not match the model config": its checksum fails."""
+    unet = models()[0]
+    cache.param_shapes(unet)
+    (entry,) = (folder / "param-shapes").iterdir()
+    edited = json.loads(entry.read_text())
+    kernel = edited["shapes"]["conv_in/kernel"][0]
+    kernel[0] += 1
+    entry.write_text(json.dumps(edited))
+    assert cache.param_shapes(unet) == traced(unet)
+    assert json.loads(entry.read_text())["shapes"]["conv_in/kernel"][0][0] == kernel[0] - 1  # rewritten
+
+
 def test_off_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, "off")
     assert cache.cache_dir() is None

@@ -188,3 +188,143 @@ def test_a_pickle_that_would_run_code_is_refused_in_any_mutation(tmp_path):
         read_torch_bin(tmp_path / "evil.bin")
     assert not (tmp_path / "pwned").exists()
     assert zipfile.is_zipfile(tmp_path / "evil.bin")
+
+
+# ---- embeddings, pickled views, LoRA metadata, prompt files, manifests ------------------------------------------
+
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory):
+    """An A1111 textual-inversion .pt: the vectors nested in a dict with strings and numbers."""
+    buffer = io.BytesIO()
+    torch.save({"string_to_param": {"*": torch.arange(8.0).reshape(2, 4)}, "name": "fox", "step": 3}, buffer)
+    return buffer.getvalue()
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_embedding_files(embedding, tmp_path, data):
+    """Zip damage in an embedding .pt was a BadZipFile or RuntimeError traceback."""
+    from sdflax.textual_inversion import read_embedding
+
+    path = tmp_path / "fox.pt"
+    path.write_bytes(mutate(embedding, data.draw))
+    result = bounded(lambda p: {"vectors": read_embedding(p)[1]}, path, errors=(ValueError,))
+    if path.read_bytes() == embedding:  # a flip may write the byte that was there
+        np.testing.assert_array_equal(result["vectors"], np.arange(8.0).reshape(2, 4))
+
+
+@FUZZ
+@given(size=st.lists(st.integers(0, 40000), max_size=3), stride=st.lists(st.integers(0, 7), max_size=3),
+       offset=st.integers(0, 8), copies=st.integers(1, 300))
+def test_pickled_views_of_any_layout(tmp_path, size, stride, offset, copies):
+    """Views of one small storage with any size, stride and offset, repeated: read as torch made them, or refused
+    (a view that repeats elements, or copies that repeat a storage: 1.7 KB of file claimed 1.6 GB)."""
+    stride = (stride + [1] * len(size))[:len(size)]
+    storage = torch.arange(64, dtype=torch.float32)
+    try:
+        view = storage.as_strided(size, stride, offset)
+    except RuntimeError:  # torch refuses a view past its storage: nothing to save
+        return
+    tensors = {f"t{i}": view for i in range(copies)}
+    torch.save(tensors, tmp_path / "views.bin")
+    result = bounded(read_torch_bin, tmp_path / "views.bin")
+    if result is not None:
+        for value in result.values():
+            np.testing.assert_array_equal(value, view.numpy())
+
+
+def test_copies_of_one_storage_are_bounded(tmp_path):
+    """Forty transposed views of one 1 MB storage: each a copy, 40 MB from a 1 MB file; refused past twice the
+    storages (and a slack), before the memory is taken."""
+    storage = torch.arange(2**18, dtype=torch.float32).reshape(512, 512)
+    torch.save({"a": storage.T, "b": storage.T}, tmp_path / "two.bin")  # twice: a real file may do that
+    np.testing.assert_array_equal(read_torch_bin(tmp_path / "two.bin")["b"], storage.T.numpy())
+    torch.save({f"t{i}": storage.T for i in range(40)}, tmp_path / "forty.bin")
+    assert os.path.getsize(tmp_path / "forty.bin") < 2**21
+    tracemalloc.start()
+    with pytest.raises(CheckpointFileError, match="non-contiguous tensors copy .* views that repeat a storage"):
+        read_torch_bin(tmp_path / "forty.bin")
+    assert tracemalloc.get_traced_memory()[1] < 24 << 20
+    tracemalloc.stop()
+
+
+@FUZZ
+@given(meta=st.dictionaries(st.sampled_from(["unet.lora_alpha", "unet.alpha_pattern", "unet.use_rslora",
+                                             "text_encoder.lora_alpha", "text_encoder.alpha_pattern", "other"]),
+                            JSON | st.dictionaries(st.text(max_size=12), JSON, max_size=3), max_size=4)
+       | JSON, raw=st.booleans())
+def test_lora_metadata_with_any_json(tmp_path, meta, raw):
+    """diffusers' lora_adapter_metadata of any JSON (or any text): alphas that are finite numbers, or a
+    LoraMismatchError in one line (a pattern "(" was a re.error, a huge int an OverflowError)."""
+    from sdflax.lora import LoraMismatchError, _peft_alphas
+
+    text = json.dumps(meta) if not raw else json.dumps(meta)[::-1]
+    save_file({"x": np.zeros(1, np.float32)}, tmp_path / "lora.safetensors", metadata={"lora_adapter_metadata": text})
+    try:
+        alphas = _peft_alphas(tmp_path / "lora.safetensors")
+    except LoraMismatchError as e:
+        assert "\n" not in str(e), str(e)
+        return
+    for alpha, pattern, _ in alphas.values():
+        assert np.isfinite([alpha, *pattern.values()]).all()
+
+
+LINE = st.fixed_dictionaries({}, optional={"prompt": JSON | st.text(max_size=20), "seed": JSON, "guidance": JSON,
+                                           "steps": JSON, "width": JSON, "height": JSON, "negative_prompt": JSON,
+                                           "other": JSON})
+
+
+@FUZZ
+@given(text=st.text(max_size=200) | st.lists(LINE | JSON, max_size=5).map(lambda lines: "\n".join(
+    json.dumps(line) for line in lines)), jsonl=st.booleans())
+def test_prompt_files_of_any_text(tmp_path, text, jsonl):
+    """A prompt file of any text (form feeds, U+2028, CRLF, NUL) or JSON lines of any values: one Line per line
+    that holds a prompt, numbered by "\\n" alone, or a UserError in one line."""
+    from types import SimpleNamespace
+
+    from sdflax.cli.batch import read_prompts
+    from sdflax.cli.request import UserError
+
+    path = tmp_path / ("prompts.jsonl" if jsonl else "prompts.txt")
+    path.write_text(text, encoding="utf-8", newline="")
+    defaults = SimpleNamespace(negative_prompt="", guidance=None, steps=2, height=None, width=None)
+    try:
+        lines = read_prompts(str(path), defaults)
+    except UserError as e:
+        assert "\n" not in str(e), str(e)
+        return
+    raw = text.split("\n")
+    assert [line.number for line in lines] == [n for n, r in enumerate(raw, 1) if r.removesuffix("\r").strip()]
+    for line in lines:
+        assert isinstance(line.prompt, str) and line.prompt.strip() and type(line.steps) is int and line.steps > 0
+        assert line.seed is None or (type(line.seed) is int and 0 <= line.seed < 2**32)
+
+
+RECORD = st.fixed_dictionaries({"line": st.integers(-2, 4) | JSON, "file": st.text(max_size=12) | JSON,
+                                "seed": st.integers(0, 9) | JSON, "settings": st.dictionaries(
+                                    st.sampled_from(["prompt", "seed", "steps", "sampler", "lora"]), JSON) | JSON},
+                               optional={"batch_seed": JSON, "process": JSON})
+
+
+@FUZZ
+@given(records=st.lists(RECORD | JSON, max_size=4), tail=st.text(max_size=30))
+def test_manifests_of_any_records(tmp_path, records, tail):
+    """A manifest of records of any types and any last line: read and checked against the prompts, or refused
+    as not sdflax's in one line; never a traceback, never written to."""
+    from types import SimpleNamespace
+
+    from sdflax.cli.batch import read_prompts
+    from sdflax.cli.manifest import check_records, image_key, read_manifests
+    from sdflax.cli.request import UserError
+
+    text = "".join(json.dumps(r) + "\n" for r in records) + tail
+    (tmp_path / "manifest.jsonl").write_text(text, encoding="utf-8", newline="")
+    (tmp_path / "prompts.txt").write_text("a fox\na cat\n")
+    lines = read_prompts(str(tmp_path / "prompts.txt"), SimpleNamespace(negative_prompt="", guidance=None, steps=2,
+                                                                       height=None, width=None))
+    keys = {line.number: image_key({"prompt": line.prompt, "seed": line.number}) for line in lines}
+    try:
+        check_records(read_manifests(str(tmp_path)), lines, keys, "out", str(tmp_path))
+    except UserError as e:
+        assert "\n" not in str(e), str(e)
+    assert (tmp_path / "manifest.jsonl").read_bytes() == text.encode()
