@@ -151,3 +151,24 @@ def test_new_parts_and_params_the_given_ones_unchanged(folders, tmp_path):
     assert pipe.tokenizer is tokenizer and pipe.text_encoder is text_encoder
     assert params["text_encoder"] is table and table["embeddings_token_embedding"]["embedding"].shape[0] == VOCAB
     assert new_params["unet"] is params["unet"] and new_params["vae"] is params["vae"]
+
+
+def test_zip_damage_in_an_a1111_embedding_is_one_line(tmp_path):
+    """A damaged .pt was a BadZipFile or RuntimeError traceback (from the embedding's own zip reader, now the
+    checkpoints' one)."""
+    from sdflax.checkpoint_files import CheckpointFileError
+    from sdflax.textual_inversion import read_embedding
+
+    write(tmp_path / "good.pt", "a1111.pt", torch.arange(6.0).reshape(2, 3), "fox")
+    data = (tmp_path / "good.pt").read_bytes()
+    np.testing.assert_array_equal(read_embedding(tmp_path / "good.pt")[1], np.arange(6.0).reshape(2, 3))
+    central = data.index(b"PK\x01\x02")  # data.pkl's central directory entry: set its "encrypted" flag
+    encrypted = bytearray(data)
+    encrypted[central + 8] |= 1
+    damaged = {"truncated.pt": data[: len(data) // 2], "encrypted.pt": bytes(encrypted),
+               "cut-directory.pt": data[:central] + data[central + 20:]}
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointFileError) as info:
+            read_embedding(tmp_path / name)
+        assert "\n" not in str(info.value) and name in str(info.value), str(info.value)
