@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..schedulers import common
 from .controlnet import as_nets
 from .starts import schedule_window
 from .types import Inputs, Settings
@@ -32,15 +33,20 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     they fill), checked."""
     spec = c.spec
     check_kinds(args)
+    scheduler = spec.scheduler
+    if args.get("timesteps") is not None or args.get("sigmas") is not None:  # their steps, as diffusers
+        scheduler = scheduler.with_schedule(args.get("timesteps"), args.get("sigmas"))
+        args = {**args, "num_inference_steps": common.custom_steps(scheduler.config),
+                "timesteps": scheduler.config.custom_timesteps, "sigmas": scheduler.config.custom_sigmas}
     steps = args["num_inference_steps"]
-    spec.scheduler.check_steps(steps)
+    scheduler.check_steps(steps)
     for name in ("height", "width"):
         check_size(name, args.get(name))
     if args.get("output_type", "np") not in ("np", "latent"):
         raise ValueError(f"output_type={args['output_type']!r}: 'np' (images in [0, 1]) or 'latent' (the latents, "
                          "undecoded, e.g. for a refiner)")
     window = {name: args[name] for name in ("strength", "denoising_start", "denoising_end") if name in args}
-    schedule_window(spec.scheduler, Settings(steps, **window))  # checked before anything is traced
+    schedule_window(scheduler, Settings(steps, **window))  # checked before anything is traced
     args = {renamed.get(name, name): value for name, value in args.items()}
     values = {name: args[name] for name in INPUTS if args.get(name) is not None}
     for name in picture_inputs(spec):

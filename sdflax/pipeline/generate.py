@@ -8,6 +8,8 @@ programs, and `generate` (`sdflax.generate`) is its jit program.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -32,6 +34,7 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
 
     Differentiable end to end (each sampler step is rematerialised).
     """
+    spec = dataclasses.replace(spec, scheduler=settings.scheduler(spec.scheduler))  # a custom schedule's
     cond = spec.text.encode(params, inputs, settings)
     if not settings.classifier_free_guidance:
         cond = cond.conditional()

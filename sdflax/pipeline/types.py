@@ -97,6 +97,14 @@ class Settings:
     # False: no classifier-free guidance, the UNet runs on the conditional batch only (half the work), as diffusers
     # does for guidance_scale <= 1 (turbo and LCM models); the pipelines turn it off for such a scale
     classifier_free_guidance: bool = True
+    # A schedule in place of the scheduler's spacing (diffusers' `timesteps=` / `sigmas=`; `with_schedule`): tuples
+    # of floats; num_inference_steps is their step count
+    timesteps: tuple | None = None
+    sigmas: tuple | None = None
+
+    def scheduler(self, scheduler):
+        """`scheduler` running these settings' schedule."""
+        return scheduler.with_schedule(self.timesteps, self.sigmas) if self.timesteps or self.sigmas else scheduler
 
 
 class Cond(NamedTuple):

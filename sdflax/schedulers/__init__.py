@@ -26,6 +26,7 @@ from .lms import LMSConfig, LMSScheduler, LMSState
 from .pndm import PNDMConfig, PNDMScheduler, PNDMState
 from . import names
 from .protocol import Scheduler, SchedulerState
+from .sigma_schedules import AYS_SCHEDULES
 from .tcd import TCDConfig, TCDScheduler, TCDState
 from .unipc import UniPCConfig, UniPCScheduler, UniPCState
 
@@ -105,6 +106,7 @@ def a1111_name(scheduler) -> str | None:
 
 
 __all__ = [
+    "AYS_SCHEDULES",
     "DDIMConfig",
     "DDIMScheduler",
     "DDIMState",

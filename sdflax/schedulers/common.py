@@ -39,6 +39,10 @@ class ScheduleConfig:
     set_alpha_to_one: bool = False
     prediction_type: str = "epsilon"
     timestep_spacing: str = "leading"
+    # A schedule given in place of the spacing (`SchedulerBase.with_schedule`, as diffusers' set_timesteps(
+    # timesteps=...) and (sigmas=...)); never read from a config file. Static: a new one is a new program.
+    custom_timesteps: tuple[float, ...] | None = None  # descending training timesteps, one per step
+    custom_sigmas: tuple[float, ...] | None = None  # descending σ, one per step and where the last step lands
 
     # Subclasses narrow these.
     allowed_prediction_types = PREDICTION_TYPES
@@ -62,7 +66,7 @@ class ScheduleConfig:
                 raise ConfigError(f"{where}{field}={config[field]!r:.100} is not implemented in sdflax's "
                                   f"{cls.__name__}; allowed: {allowed}")
         betas = config.get("trained_betas")
-        config = {k: v for k, v in config.items() if k != "trained_betas"}
+        config = {k: v for k, v in config.items() if k not in ("trained_betas", "custom_timesteps", "custom_sigmas")}
         if betas is not None:
             try:
                 values = np.asarray(betas, np.float64).ravel()
@@ -151,6 +155,11 @@ def check_steps(config: ScheduleConfig, num_inference_steps) -> None:
     T, n = config.num_train_timesteps, num_inference_steps
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise TypeError(f"num_inference_steps must be an int, got {n!r}")
+    custom = custom_steps(config)
+    if custom is not None:
+        if n != custom:
+            raise ValueError(f"num_inference_steps={n}, but the custom schedule has {custom} steps")
+        return
     if not 1 <= n <= T:
         raise ValueError(f"num_inference_steps must be in [1, {T}] (num_train_timesteps), got {n}")
     if config.timestep_spacing == "leading" and (first := (n - 1) * (T // n) + config.steps_offset) >= T:
@@ -169,6 +178,9 @@ def spaced_timesteps(config: ScheduleConfig, num_inference_steps: int, fractiona
     `linspace` and `leading` and drops the smallest (`extra_point`). `trailing` is the same for all.
     """
     check_steps(config, num_inference_steps)
+    if config.custom_timesteps is not None:  # as given (diffusers casts them to the spacing's dtype)
+        timesteps = np.asarray(config.custom_timesteps, np.float64)
+        return timesteps if fractional else timesteps.astype(np.int64)
     T, n = config.num_train_timesteps, num_inference_steps
     points = n + 1 if extra_point else n
     if config.timestep_spacing == "trailing":
@@ -293,6 +305,10 @@ def discrete_sigma_schedule(config, num_inference_steps: int, karras: bool = Fal
     σ between the spaced end points (or `sigma_min` / `sigma_max`) and the timesteps follow them.
     σ_n, after the last step, is 0 (`final_sigma="zero"`) or σ_0 ("sigma_min").
     """
+    if config.custom_sigmas is not None:  # σ as given, the last one included; the timesteps follow them
+        check_steps(config, num_inference_steps)
+        sigmas = np.asarray(config.custom_sigmas, np.float32)
+        return sigma_to_t(sigmas[:-1], np.log(train_sigmas(config, zero_snr))).astype(np.float32), sigmas
     timesteps = spaced_timesteps(config, num_inference_steps, fractional=True).astype(np.float32)
     sigmas = train_sigmas(config, zero_snr)
     spaced = np.interp(timesteps, np.arange(len(sigmas)), sigmas)
@@ -339,9 +355,37 @@ def init_noise_sigma(config, sigma_first) -> float:
     return float(sigma_first)
 
 
+def custom_steps(config) -> int | None:
+    """The step count of a custom schedule, None for a spaced one."""
+    if config.custom_timesteps is not None:
+        return len(config.custom_timesteps)
+    return None if config.custom_sigmas is None else len(config.custom_sigmas) - 1
+
+
+def checked_schedule(kind: str, values, num_train_timesteps: int) -> tuple[float, ...]:
+    """Custom timesteps or σ as a tuple of floats, refused unless they can be a schedule: a flat list of finite
+    numbers, strictly descending, timesteps within the training range, σ non-negative and at least two (the last
+    is where the final step lands, 0 for a clean image)."""
+    try:
+        array = np.asarray(values, np.float64)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.ndim != 1 or not np.isfinite(array).all():
+        raise ValueError(f"{kind} must be a list of finite numbers, got {values!r:.80}")
+    lowest, least = (0, 1) if kind == "timesteps" else (0, 2)
+    if len(array) < least or (np.diff(array) >= 0).any() or array.min() < lowest or (
+            kind == "timesteps" and array.max() > num_train_timesteps - 1):
+        what = (f"training timesteps in [0, {num_train_timesteps - 1}], one per step" if kind == "timesteps" else
+                "σ >= 0, one per step and one more where the last step lands (0: a clean image)")
+        raise ValueError(f"{kind}={list(values)!r:.120} must be strictly descending {what}")
+    return tuple(float(v) for v in array)
+
+
 class SchedulerBase:
     """What every built-in scheduler shares (see `protocol.Scheduler`): `from_config`, which parses the dict with
-    the class of the scheduler's `config` field, and `check_steps`."""
+    the class of the scheduler's `config` field, `check_steps` and `with_schedule`."""
+
+    custom_schedules = ()  # what `with_schedule` takes: those of "timesteps", "sigmas" its diffusers class takes
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]):
@@ -351,6 +395,27 @@ class SchedulerBase:
     def check_steps(self, num_inference_steps: int) -> None:
         """Raise now, before anything is compiled, if `set_timesteps(num_inference_steps)` would."""
         check_steps(self.config, num_inference_steps)
+
+    def with_schedule(self, timesteps=None, sigmas=None):
+        """This scheduler running the given training timesteps (descending, one per step) or σ (descending, one
+        more: the last is where the final step lands) in place of its spacing, as diffusers' `set_timesteps(
+        timesteps=...)` / `(sigmas=...)`; `set_timesteps` then takes their step count. Align Your Steps:
+        `schedulers.AYS_SCHEDULES`."""
+        if timesteps is not None and sigmas is not None:
+            raise ValueError("give timesteps or sigmas, not both")
+        kind, values = ("timesteps", timesteps) if timesteps is not None else ("sigmas", sigmas)
+        if values is None:
+            return self
+        name = type(self).__name__
+        if kind not in self.custom_schedules:
+            raise ValueError(f"{name} takes no custom {kind}, as its diffusers class: use a scheduler that does "
+                             "(euler takes timesteps and sigmas, dpmpp_2m timesteps)")
+        if kind == "timesteps" and (schedule := sigma_schedule(self.config)) != "spaced":
+            raise ValueError(f"timesteps with {name}'s {schedule} σ schedule: the σ schedule places the timesteps "
+                             "(diffusers refuses it too): drop one of them")
+        values = checked_schedule(kind, values, self.config.num_train_timesteps)
+        custom = {"custom_timesteps": None, "custom_sigmas": None, f"custom_{kind}": values}
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **custom))
 
 
 class SigmaSampler(SchedulerBase):

@@ -62,6 +62,7 @@ class DPMSolverState:
 @dataclasses.dataclass(frozen=True)
 class DPMSolverScheduler(common.VPSolver):
     config: DPMSolverConfig
+    custom_schedules = ("timesteps",)
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> DPMSolverState:

@@ -41,6 +41,7 @@ class EulerState:
 @dataclasses.dataclass(frozen=True)
 class EulerScheduler(common.SigmaSampler):
     config: EulerConfig
+    custom_schedules = ("timesteps", "sigmas")
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> EulerState:

@@ -9,6 +9,18 @@ import math
 import numpy as np
 
 
+# Align Your Steps (Sabour et al. 2024): ten steps optimised per model family, as diffusers' `AysSchedules` (the
+# same keys). Timesteps for `with_schedule(timesteps=...)` / a pipeline's `timesteps=` with DPM++ 2M or Euler; σ
+# (ending at 0) for Euler's `sigmas=`.
+AYS_SCHEDULES = {
+    "StableDiffusionTimesteps": (999, 850, 736, 645, 545, 455, 343, 233, 124, 24),
+    "StableDiffusionSigmas": (14.615, 6.475, 3.861, 2.697, 1.886, 1.396, 0.963, 0.652, 0.399, 0.152, 0.0),
+    "StableDiffusionXLTimesteps": (999, 845, 730, 587, 443, 310, 193, 116, 53, 13),
+    "StableDiffusionXLSigmas": (14.615, 6.315, 3.771, 2.181, 1.342, 0.862, 0.555, 0.380, 0.234, 0.113, 0.0),
+    "StableDiffusionVideoSigmas": (700.00, 54.5, 15.886, 7.977, 4.248, 1.789, 0.981, 0.403, 0.173, 0.034, 0.0),
+}
+
+
 def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
     """σ_i = (σ_max^{1/ρ} + i/(n-1) (σ_min^{1/ρ} - σ_max^{1/ρ}))^ρ, Karras et al. 2022 eq. 5, descending."""
     sigma_min, sigma_max = float(sigma_min), float(sigma_max)  # float64 math, as diffusers' `.item()` end points
