@@ -39,6 +39,7 @@ def diffusers_images(theirs, latents, **kwargs):
     ("DPMSolverMultistepScheduler", {"timesteps": AYS_SCHEDULES["StableDiffusionTimesteps"]}),
     ("EulerDiscreteScheduler", {"sigmas": AYS_SCHEDULES["StableDiffusionSigmas"]}),
     ("EulerDiscreteScheduler", {"timesteps": [999, 980, 960, 940, 500, 10]}),
+    ("HeunDiscreteScheduler", {"timesteps": [999, 980, 960, 500, 10]}),  # two evaluations a step
 ])
 def test_images_equal_diffusers_given_the_same_schedule(both, scheduler, schedule):
     import diffusers

@@ -91,6 +91,7 @@ class HeunState:
 @dataclasses.dataclass(frozen=True)
 class HeunScheduler(TwoStageSampler):
     config: HeunConfig
+    custom_schedules = ("timesteps",)
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> HeunState:
