@@ -89,3 +89,34 @@ def test_ays_schedules_are_diffusers(both):
     from diffusers.schedulers import AysSchedules
 
     assert {name: list(values) for name, values in AYS_SCHEDULES.items()} == AysSchedules
+
+
+@pytest.mark.parametrize("name, ends", [("Euler KL Optimal", "spaced"), ("DPM++ 2M KL Optimal", "training"),
+                                        ("Heun KL Optimal", "spaced")])
+def test_kl_optimal_sigma_are_even_in_atan_sigma(name, ends):
+    """A1111's and ComfyUI's "KL Optimal" (Sabour et al. 2024): σ_i = tan((1 - i/(n-1)) atan σ_max + i/(n-1)
+    atan σ_min), float64, written here from the formula. diffusers has no such schedule: the end points are the
+    ones each scheduler's Karras σ span (Euler's and Heun's the spaced schedule's, DPM-Solver's the training range),
+    and the timesteps follow the σ."""
+    import math
+
+    from sdflax.schedulers import common, scheduler_from_config
+
+    config = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
+              "timestep_spacing": "leading"}
+    n = 9
+    ours = scheduler_from_config(config, name)
+    assert ours.config.use_kl_optimal_sigmas and common.sigma_schedule(ours.config) == "kl_optimal"
+    state = ours.set_timesteps(n, shape=(1, 4, 8, 8))
+    plain = scheduler_from_config(config, name.replace(" KL Optimal", "")).set_timesteps(n, shape=(1, 4, 8, 8))
+    train = common.train_sigmas(ours.config)
+    def levels(state):  # the n σ steps start from, descending (Heun repeats each; the final 0 left out)
+        distinct = np.unique(np.asarray(state.sigmas, np.float64))[::-1]
+        return distinct[distinct > 0]
+
+    spaced = levels(plain)
+    hi, lo = (spaced[0], spaced[-1]) if ends == "spaced" else (float(train[-1]), float(train[0]))
+    ramp = np.arange(n) / (n - 1)
+    expected = np.array([math.tan((1 - r) * math.atan(hi) + r * math.atan(lo)) for r in ramp])
+    np.testing.assert_allclose(levels(state), expected, rtol=1e-6)
+    assert np.abs(levels(state) - spaced).max() > 0.1  # not the spaced schedule

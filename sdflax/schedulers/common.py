@@ -20,10 +20,12 @@ BETA_SCHEDULES = ("linear", "scaled_linear")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 # How the σ samplers place their n noise levels (`sigma_schedule`): at the spaced timesteps ("spaced"), or between
-# σ_max and σ_min by Karras et al.'s ρ = 7 ramp, evenly in log σ, or at Beta(0.6, 0.6) quantiles; diffusers'
-# use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas, at most one of which may be set.
+# σ_max and σ_min by Karras et al.'s ρ = 7 ramp, evenly in log σ, at Beta(0.6, 0.6) quantiles, or evenly in atan σ;
+# diffusers' use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas and sdflax's use_kl_optimal_sigmas, at
+# most one of which may be set.
 SIGMA_SCHEDULES = ("spaced", *sigma_schedules.SCHEDULES)
-SIGMA_FLAGS = {"use_karras_sigmas": "karras", "use_exponential_sigmas": "exponential", "use_beta_sigmas": "beta"}
+SIGMA_FLAGS = {"use_karras_sigmas": "karras", "use_exponential_sigmas": "exponential", "use_beta_sigmas": "beta",
+               "use_kl_optimal_sigmas": "kl_optimal"}
 
 
 @dataclasses.dataclass(frozen=True)

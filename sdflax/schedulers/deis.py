@@ -27,9 +27,10 @@ class DEISConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
     solver_order: int = 2
     lower_order_final: bool = True
-    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
+    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
 
     choices = {"solver_order": (1, 2, 3)}
     unsupported = {

@@ -28,9 +28,10 @@ HISTORY = 2  # x̂_0 of the 2 previous evaluations
 @dataclasses.dataclass(frozen=True)
 class DPMPP3MSDEConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
+    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
     sigma_min: float | None = None  # their end points; default: the spaced schedule's
     sigma_max: float | None = None
     final_sigmas_type: str = "zero"

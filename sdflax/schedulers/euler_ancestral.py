@@ -21,6 +21,7 @@ class EulerAncestralConfig(common.ScheduleConfig):
     use_karras_sigmas: bool = False
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
+    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
     allowed_prediction_types = ("epsilon", "v_prediction")
 
 

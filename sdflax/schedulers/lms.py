@@ -18,9 +18,10 @@ ORDER = 4  # diffusers' default `order` of LMSDiscreteScheduler.step
 @dataclasses.dataclass(frozen=True)
 class LMSConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these three (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
+    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
 
 
 @flax.struct.dataclass

@@ -32,7 +32,8 @@ SAMPLERS = {
     "TCD": ("tcd", {}),
 }
 ALIASES = {"DPM++ 2M SDE (Heun)": "DPM++ 2M SDE Heun"}  # other spellings read as a sampler's name
-SIGMA_SCHEDULES = {"Karras": "use_karras_sigmas", "Exponential": "use_exponential_sigmas", "Beta": "use_beta_sigmas"}
+SIGMA_SCHEDULES = {"Karras": "use_karras_sigmas", "Exponential": "use_exponential_sigmas", "Beta": "use_beta_sigmas",
+                   "KL Optimal": "use_kl_optimal_sigmas"}
 SGM_UNIFORM = "SGM Uniform"
 UNIFORM = "Uniform"  # A1111's schedule type for none; A1111 1.9+ reads a missing one as the sampler's "Automatic"
 

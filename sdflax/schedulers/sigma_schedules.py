@@ -1,6 +1,6 @@
 """Where the σ samplers may place their n noise levels between σ_max and σ_min, besides at the spaced timesteps
-(diffusers' use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas): each a function
-(sigma_min, sigma_max, n) -> σ float64, descending."""
+(diffusers' use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas, and sdflax's use_kl_optimal_sigmas): each
+a function (sigma_min, sigma_max, n) -> σ float64, descending."""
 
 from __future__ import annotations
 
@@ -40,6 +40,14 @@ def beta_sigmas(sigma_min: float, sigma_max: float, n: int, alpha: float = 0.6, 
     arXiv:2407.12173); with α = β = 0.6 the steps crowd at both ends of the schedule. Descending."""
     sigma_min, sigma_max = float(sigma_min), float(sigma_max)
     return sigma_min + beta_ppf(1 - np.linspace(0, 1, n), alpha, beta) * (sigma_max - sigma_min)
+
+
+def kl_optimal_sigmas(sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
+    """σ_i = tan((1 - i/(n-1)) atan σ_max + i/(n-1) atan σ_min): even steps in atan σ, the schedule that is
+    KL-optimal for a Gaussian data distribution (Sabour et al. 2024, "Align Your Steps", appendix), A1111's and
+    ComfyUI's "KL Optimal". Descending."""
+    ramp = np.linspace(0, 1, n)
+    return np.tan((1 - ramp) * math.atan(float(sigma_max)) + ramp * math.atan(float(sigma_min)))
 
 
 def betainc(x, a: float, b: float) -> np.ndarray:
@@ -99,7 +107,8 @@ def beta_ppf(p, a: float, b: float) -> np.ndarray:
     return np.where(inside, x, np.where(p >= 1, 1.0, 0.0))
 
 
-SCHEDULES = {"karras": karras_sigmas, "exponential": exponential_sigmas, "beta": beta_sigmas}
+SCHEDULES = {"karras": karras_sigmas, "exponential": exponential_sigmas, "beta": beta_sigmas,
+             "kl_optimal": kl_optimal_sigmas}
 
 
 def schedule_sigmas(schedule: str, sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
