@@ -120,3 +120,43 @@ def test_kl_optimal_sigma_are_even_in_atan_sigma(name, ends):
     expected = np.array([math.tan((1 - r) * math.atan(hi) + r * math.atan(lo)) for r in ramp])
     np.testing.assert_allclose(levels(state), expected, rtol=1e-6)
     assert np.abs(levels(state) - spaced).max() > 0.1  # not the spaced schedule
+
+
+def test_align_your_steps_by_name_at_ten_steps_runs_diffusers_ays_sigmas(both):
+    """A1111's "Euler Align Your Steps" at 10 steps: the images of diffusers' Euler given
+    sigmas=AysSchedules["StableDiffusionSigmas"]; the pipeline picks its family's levels."""
+    import diffusers
+
+    theirs, ours, params, latents = both
+    theirs.scheduler = diffusers.EulerDiscreteScheduler.from_config(theirs.scheduler.config)
+    ours.scheduler = "euler a align your steps"  # case and spacing ignored
+    assert ours.scheduler.config.align_your_steps == "sd1"
+    ours.scheduler = "Euler Align Your Steps"
+    assert ours.scheduler.config.align_your_steps == "sd1"
+    expected = diffusers_images(theirs, latents, sigmas=AYS_SCHEDULES["StableDiffusionSigmas"])
+    got = ours(ours.prepare_inputs(PROMPTS), params, jax.random.key(0), 10, latents=latents).images
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("family, n", [("sd1", 20), ("sd1", 4), ("sdxl", 10), ("sdxl", 7)])
+def test_align_your_steps_for_any_step_count_is_log_linear_in_the_levels(family, n):
+    """ComfyUI's AlignYourStepsScheduler (which A1111 follows), written here from its code in float64: the eleven
+    levels (diffusers' ten-step σ and 0.029 where they end), interpolated in log σ at n + 1 evenly spaced
+    positions, the last set to 0; at 10 steps diffusers' list itself."""
+    from sdflax.schedulers import common, scheduler_from_config
+
+    key = {"sd1": "StableDiffusionSigmas", "sdxl": "StableDiffusionXLSigmas"}[family]
+    levels = np.array([*AYS_SCHEDULES[key][:-1], 0.029])
+    expected = np.exp(np.interp(np.linspace(0, 1, n + 1), np.linspace(0, 1, 11), np.log(levels[::-1])))[::-1]
+    expected[-1] = 0
+    if n == 10:
+        np.testing.assert_allclose(expected, AYS_SCHEDULES[key], rtol=1e-12)
+    config = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1}
+    scheduler = common.for_family(scheduler_from_config(config, "DPM++ 2M Align Your Steps"), family)
+    assert scheduler.config.align_your_steps == family
+    state = scheduler.set_timesteps(n, shape=(1, 4, 8, 8))
+    np.testing.assert_allclose(np.asarray(state.sigmas), expected, rtol=1e-6)
+    # the timesteps follow the σ (truncated, as DPM-Solver's other σ schedules)
+    train = common.train_sigmas(scheduler.config)
+    np.testing.assert_array_equal(np.asarray(state.timesteps),
+                                  common.sigma_to_t(expected[:-1], np.log(train)).astype(np.int64))

@@ -47,6 +47,7 @@ def check_checkpoint(request, pictures, controls=None):
     from ..loading import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
     from ..pipeline import pipeline_class
+    from ..schedulers.common import for_family
     from ..pipeline.starts import start_step
 
     single_file = os.path.isfile(os.path.expanduser(request.model))
@@ -66,7 +67,7 @@ def check_checkpoint(request, pictures, controls=None):
             index = read_config_file(os.path.join(folder, "model_index.json"))
             xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
         vae, unet = read_configs(folder)
-        scheduler = load_scheduler(folder, request.scheduler)
+        scheduler = for_family(load_scheduler(folder, request.scheduler), "sdxl" if xl else "sd1")
         scheduler.check_steps(request.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
@@ -117,6 +118,7 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     from ..pipeline import StableDiffusionXLImg2Img
     from ..pipeline.starts import schedule_window
     from ..pipeline.types import Settings
+    from ..schedulers.common import for_family
 
     name = f"--refiner {request.refiner}"
     if not xl:
@@ -137,7 +139,7 @@ def check_refiner(request, xl, scheduler, vae) -> float:
                             "id of one, e.g. stabilityai/stable-diffusion-xl-refiner-1.0")
         check_pipeline_folder(folder, name, tuple(family.models), family.tokenizers)  # null parts need no files
         refiner_vae, unet = read_configs(folder)
-        refiner_scheduler = load_scheduler(folder, request.scheduler)
+        refiner_scheduler = for_family(load_scheduler(folder, request.scheduler), "sdxl")
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
     if kind is None or unet.addition_embed_type != "text_time":

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..models.config import read_config_file
 from ..schedulers import Scheduler, scheduler_from_config
+from ..schedulers.common import for_family
 from . import checks
 from .generate import generate, generate_fn
 from .images import numpy_to_pil, preprocess_pictures
@@ -61,7 +62,7 @@ class Pipeline:
             raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
                              "ControlNetModel.from_pretrained")
         self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
-        self._scheduler, self._force_zeros = checked_scheduler(scheduler), bool(force_zeros_for_empty_prompt)
+        self._scheduler, self._force_zeros = self._own(scheduler), bool(force_zeros_for_empty_prompt)
         self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
         self.text.check_components(self)
         self.vae_scale_factor = vae.config.scale_factor
@@ -165,7 +166,11 @@ class Pipeline:
         built from the current scheduler's config."""
         if isinstance(scheduler, str):
             scheduler = scheduler_by_name(scheduler, self.scheduler_base_config or config_dict(self._scheduler))
-        self._scheduler, self._spec = checked_scheduler(scheduler), None  # a new spec: old programs stay cached
+        self._scheduler, self._spec = self._own(scheduler), None  # a new spec: old programs stay cached
+
+    def _own(self, scheduler):
+        """A scheduler checked, its "auto" Align Your Steps levels this family's."""
+        return for_family(checked_scheduler(scheduler), self.text.ays_family)
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:

@@ -41,6 +41,7 @@ class SDText:
 
     models = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
     tokenizers = ("tokenizer",)
+    ays_family = "sd1"  # whose Align Your Steps levels an "auto" schedule takes
     optional = ()  # components that may be null in model_index.json
     index_options = ()  # model_index.json entries the pipeline takes
 
@@ -113,6 +114,7 @@ class SDXLText:
     models = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
               "unet": UNet2DConditionModel, "vae": AutoencoderKL}
     tokenizers = ("tokenizer", "tokenizer_2")
+    ays_family = "sdxl"
     optional = ("text_encoder", "tokenizer")  # null in a refiner's model_index.json
     index_options = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
 

@@ -25,7 +25,9 @@ PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 # most one of which may be set.
 SIGMA_SCHEDULES = ("spaced", *sigma_schedules.SCHEDULES)
 SIGMA_FLAGS = {"use_karras_sigmas": "karras", "use_exponential_sigmas": "exponential", "use_beta_sigmas": "beta",
-               "use_kl_optimal_sigmas": "kl_optimal"}
+               "use_kl_optimal_sigmas": "kl_optimal", "align_your_steps": "ays"}
+# align_your_steps: None, or whose levels ("sd1", "sdxl"; "auto": the pipeline's family, SD 1.x's outside one)
+AYS_FAMILIES = (None, "auto", *sigma_schedules.AYS_LEVELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,8 @@ class ScheduleConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"{field}={value!r} is not supported by {type(self).__name__}; allowed: {allowed}")
+        if getattr(self, "align_your_steps", None) not in AYS_FAMILIES:
+            raise ValueError(f"align_your_steps={self.align_your_steps!r}; allowed: {AYS_FAMILIES}")
         if len(flags := [f for f in SIGMA_FLAGS if getattr(self, f, False)]) > 1:
             raise ValueError(f"{' and '.join(flags)} are both set: choose one σ schedule ({type(self).__name__})")
 
@@ -285,7 +289,18 @@ def sigma_schedule(config, karras: bool = False) -> str:
     use_beta_sigmas (absent fields are off); `karras=True` is the older spelling of "karras"."""
     if karras:
         return "karras"
+    family = getattr(config, "align_your_steps", None)
+    if family:
+        return f"ays_{'sd1' if family == 'auto' else family}"
     return next((kind for flag, kind in SIGMA_FLAGS.items() if getattr(config, flag, False)), "spaced")
+
+
+def for_family(scheduler, family: str):
+    """`scheduler` with an "auto" Align Your Steps schedule set to a model family's levels ("sd1", "sdxl"): what
+    a pipeline does with the scheduler it is given."""
+    if getattr(scheduler.config, "align_your_steps", None) != "auto":
+        return scheduler
+    return dataclasses.replace(scheduler, config=dataclasses.replace(scheduler.config, align_your_steps=family))
 
 
 def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:

@@ -23,10 +23,11 @@ class DPMSolverConfig(common.ScheduleConfig):
     solver_type: str = "midpoint"
     lower_order_final: bool = True
     euler_at_final: bool = False
-    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
     use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
+    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
 

@@ -28,10 +28,11 @@ HISTORY = 2  # x̂_0 of the 2 previous evaluations
 @dataclasses.dataclass(frozen=True)
 class DPMPP3MSDEConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
     use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
+    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     sigma_min: float | None = None  # their end points; default: the spaced schedule's
     sigma_max: float | None = None
     final_sigmas_type: str = "zero"

@@ -23,10 +23,11 @@ class DPMSolverSDEConfig(common.ScheduleConfig):
     beta_start: float = 0.00085  # diffusers' DPMSolverSDEScheduler defaults
     beta_end: float = 0.012
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
     use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
+    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     # The exponential and beta σ's end points where a config carries them (heun.HeunConfig says why); this class's
     # Karras σ always span the spaced schedule's.
     sigma_min: float | None = None

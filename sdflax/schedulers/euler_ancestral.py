@@ -22,6 +22,7 @@ class EulerAncestralConfig(common.ScheduleConfig):
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
     use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
+    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     allowed_prediction_types = ("epsilon", "v_prediction")
 
 

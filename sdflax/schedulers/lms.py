@@ -18,10 +18,11 @@ ORDER = 4  # diffusers' default `order` of LMSDiscreteScheduler.step
 @dataclasses.dataclass(frozen=True)
 class LMSConfig(common.ScheduleConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
     use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
+    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
 
 
 @flax.struct.dataclass

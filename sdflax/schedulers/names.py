@@ -33,7 +33,8 @@ SAMPLERS = {
 }
 ALIASES = {"DPM++ 2M SDE (Heun)": "DPM++ 2M SDE Heun"}  # other spellings read as a sampler's name
 SIGMA_SCHEDULES = {"Karras": "use_karras_sigmas", "Exponential": "use_exponential_sigmas", "Beta": "use_beta_sigmas",
-                   "KL Optimal": "use_kl_optimal_sigmas"}
+                   "KL Optimal": "use_kl_optimal_sigmas", "Align Your Steps": "align_your_steps"}
+ON, OFF = {"align_your_steps": "auto"}, {"align_your_steps": None}  # where a σ schedule's field is not a flag
 SGM_UNIFORM = "SGM Uniform"
 UNIFORM = "Uniform"  # A1111's schedule type for none; A1111 1.9+ reads a missing one as the sampler's "Automatic"
 
@@ -66,7 +67,7 @@ def resolve(name: str, schedulers: dict) -> tuple[str, dict] | None:
     sampler, suffix = parts
     kind, values = SAMPLERS[sampler]
     fields = _fields(schedulers[kind])
-    values = {**values, **{flag: False for flag in SIGMA_SCHEDULES.values() if flag in fields}}
+    values = {**values, **{flag: OFF.get(flag, False) for flag in SIGMA_SCHEDULES.values() if flag in fields}}
     if suffix == SGM_UNIFORM:
         values["timestep_spacing"] = "trailing"
     elif suffix in SIGMA_SCHEDULES:
@@ -75,7 +76,7 @@ def resolve(name: str, schedulers: dict) -> tuple[str, dict] | None:
             having = sorted(n for n, (k, _) in SAMPLERS.items() if flag in _fields(schedulers[k]))
             raise ValueError(f"scheduler {name!r}: {sampler} has no {suffix} σ schedule; samplers with one: "
                              f"{', '.join(having)}")
-        values[flag] = True
+        values[flag] = ON.get(flag, True)
     return kind, values
 
 

@@ -4,6 +4,7 @@ a function (sigma_min, sigma_max, n) -> σ float64, descending."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,6 +20,24 @@ AYS_SCHEDULES = {
     "StableDiffusionXLSigmas": (14.615, 6.315, 3.771, 2.181, 1.342, 0.862, 0.555, 0.380, 0.234, 0.113, 0.0),
     "StableDiffusionVideoSigmas": (700.00, 54.5, 15.886, 7.977, 4.248, 1.789, 0.981, 0.403, 0.173, 0.034, 0.0),
 }
+
+
+# Align Your Steps as a σ schedule for any step count: these eleven noise levels (diffusers' ten-step σ above, and
+# the smallest, 0.029, where they end), interpolated in log σ to n + 1 points when n is not 10, the last replaced by
+# the scheduler's final σ (0): ComfyUI's `AlignYourStepsScheduler`, which A1111's "Align Your Steps" follows.
+AYS_LEVELS = {
+    "sd1": (14.615, 6.475, 3.861, 2.697, 1.886, 1.396, 0.963, 0.652, 0.399, 0.152, 0.029),
+    "sdxl": (14.615, 6.315, 3.771, 2.181, 1.342, 0.862, 0.555, 0.380, 0.234, 0.113, 0.029),
+}
+
+
+def ays_sigmas(family: str, n: int) -> np.ndarray:
+    """The n σ a sampler starts its steps from (the final one is the scheduler's), float64, descending."""
+    levels = np.asarray(AYS_LEVELS[family], np.float64)
+    if len(levels) != n + 1:  # log-linear in the level's position, as ComfyUI's `loglinear_interp`
+        ys = np.interp(np.linspace(0, 1, n + 1), np.linspace(0, 1, len(levels)), np.log(levels[::-1]))
+        levels = np.exp(ys)[::-1]
+    return levels[:-1]
 
 
 def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
@@ -108,7 +127,9 @@ def beta_ppf(p, a: float, b: float) -> np.ndarray:
 
 
 SCHEDULES = {"karras": karras_sigmas, "exponential": exponential_sigmas, "beta": beta_sigmas,
-             "kl_optimal": kl_optimal_sigmas}
+             "kl_optimal": kl_optimal_sigmas,  # AYS: its levels, whatever the end points
+             **{f"ays_{family}": functools.partial(lambda family, lo, hi, n: ays_sigmas(family, n), family)
+                for family in AYS_LEVELS}}
 
 
 def schedule_sigmas(schedule: str, sigma_min: float, sigma_max: float, n: int) -> np.ndarray:

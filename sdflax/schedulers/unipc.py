@@ -29,10 +29,11 @@ class UniPCConfig(common.ScheduleConfig):
     solver_order: int = 2
     solver_type: str = "bh2"
     lower_order_final: bool = True
-    use_karras_sigmas: bool = False  # at most one of these four (common.SIGMA_SCHEDULES)
+    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
     use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
+    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     sigma_min: float | None = None  # their end points; default: the training schedule's
     sigma_max: float | None = None
     final_sigmas_type: str = "zero"
