@@ -70,18 +70,20 @@ def thresholded_guidance(mimic_scale: float = 7.0, percentile: float = 0.995):
     return guidance
 
 
-def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guidance):
+def guided_model(unet_fn, context, guidance_scale, guidance=classifier_free_guidance, with_unconditional=False):
     """One UNet call on the doubled batch [unconditional; conditional], combined by `guidance`.
 
     `unet_fn(x, t, context) -> prediction`; `context` is (2B, T, D), unconditional rows first. Called as
     `model(x, t, i)` (see `denoise(..., model_takes_step=True)`) it calls `unet_fn(x, t, context, i)`, so that
-    UNet wrappers can depend on the evaluation index (ControlNet's guidance window).
+    UNet wrappers can depend on the evaluation index (ControlNet's guidance window). `with_unconditional`:
+    `(prediction, unconditional prediction)`, for a scheduler that takes both (CFG++).
     """
 
     def model(x, t, *step):
         out = unet_fn(jnp.concatenate([x, x]), t, context, *step).astype(jnp.float32)
         uncond, cond = jnp.split(out, 2)
-        return guidance(uncond, cond, guidance_scale)
+        guided = guidance(uncond, cond, guidance_scale)
+        return (guided, uncond) if with_unconditional else guided
 
     return model
 
@@ -202,7 +204,8 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
             memory=False):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
-    `model(x, t) -> prediction` in the scheduler's `prediction_type`. `use_scan=False` runs the same steps
+    `model(x, t) -> prediction` in the scheduler's `prediction_type`, or `(prediction, unconditional prediction)`
+    for a scheduler that takes the second as `step(..., unconditional=)` (CFG++). `use_scan=False` runs the same steps
     as a Python loop, for debugging (print, breakpoints); it gives the same result.
     `callback(step, num_steps, latents)` runs on the host after every model evaluation (progress bars,
     previews), through `jax.debug.callback`, so the loop stays one compiled scan.
@@ -239,8 +242,11 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     def step(carry, i):
         x, state, memory = carry
         prediction, hooks = evaluate(x, state, i, memory)
+        extra = {}
+        if isinstance(prediction, tuple):  # (guided, unconditional), for CFG++
+            prediction, extra["unconditional"] = prediction
         pred_x0 = scheduler.predict_x0(state, prediction, i, x) if return_trajectory else None
-        x, state = scheduler.step(state, prediction, i, x, key=step_key(key, i))
+        x, state = scheduler.step(state, prediction, i, x, key=step_key(key, i), **extra)
         if post_step is not None:
             x = post_step(x, i, state)
         if callback is not None:

@@ -64,9 +64,10 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     inputs = spec.text.fill_inputs(inputs, height, width)
     settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
                            "height": height, "width": width,
-                           # a guidance function of the user's combines both halves at any scale
+                           # a guidance function of the user's combines both halves at any scale, and a CFG++
+                           # scheduler re-noises with the unconditional half at any scale
                            "classifier_free_guidance": args.get("guidance") is not None
-                           or guided(args["guidance_scale"])})
+                           or guided(args["guidance_scale"]) or getattr(scheduler, "takes_unconditional", False)})
     return inputs, settings
 
 

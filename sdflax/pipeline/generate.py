@@ -58,13 +58,18 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     for hook in hooks:
         unet_fn = hook.wrap_unet(unet_fn)
     combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
+    takes_unconditional = getattr(spec.scheduler, "takes_unconditional", False)
+    if combines and takes_unconditional:
+        raise ValueError(f"{type(spec.scheduler).__name__} (CFG++) re-noises with classifier-free guidance's "
+                         f"unconditional prediction, which {type(combines[0]).__name__} replaces: use another "
+                         "scheduler with it")
     if combines:
         model = sampling.chunked_model(unet_fn, cond.context, chunks,
                                        lambda *out: combines[0].combine(out, inputs, settings))
     elif settings.classifier_free_guidance:
         guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
         model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
-                                      guidance)
+                                      guidance, with_unconditional=takes_unconditional)
     else:
         model = sampling.conditional_model(unet_fn, cond.context)
     out = sampling.denoise(model, spec.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,

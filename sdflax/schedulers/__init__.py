@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from .cfg_pp import EulerAncestralCFGPPScheduler, EulerCFGPPScheduler
 from .ddim import DDIMConfig, DDIMScheduler, DDIMState
 from .ddpm import DDPMConfig, DDPMScheduler, DDPMState
 from .deis import DEISConfig, DEISScheduler, DEISState
@@ -49,6 +50,8 @@ SCHEDULERS = {
     "dpmpp_3m_sde": DPMPP3MSDEScheduler,
     "unipc": UniPCScheduler,
     "deis": DEISScheduler,
+    "euler_cfg_pp": EulerCFGPPScheduler,
+    "euler_ancestral_cfg_pp": EulerAncestralCFGPPScheduler,
 }
 
 # diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
@@ -107,6 +110,8 @@ def a1111_name(scheduler) -> str | None:
 
 __all__ = [
     "AYS_SCHEDULES",
+    "EulerAncestralCFGPPScheduler",
+    "EulerCFGPPScheduler",
     "DDIMConfig",
     "DDIMScheduler",
     "DDIMState",

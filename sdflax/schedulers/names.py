@@ -13,6 +13,8 @@ import typing
 SAMPLERS = {
     "Euler": ("euler", {}),
     "Euler a": ("euler_ancestral", {}),
+    "Euler CFG++": ("euler_cfg_pp", {}),  # Forge's names (CFG++, Chung et al. 2024)
+    "Euler a CFG++": ("euler_ancestral_cfg_pp", {}),
     "LMS": ("lms", {}),
     "Heun": ("heun", {}),
     "DPM2": ("dpm2", {}),
