@@ -30,8 +30,9 @@ def eps(x, sigma, row):
 
 def reference(kind, sigmas, x, noises, cfg_pp=True):
     """The paper's Algorithm (ε-prediction, σ parametrisation x = x₀ + σ ε), float64: x̂₀ from the guided ε, the
-    re-noising along the unconditional ε (`cfg_pp=False`: the guided one, the base sampler); Euler a splits σ_{i+1}
-    into σ_down and fresh noise σ_up."""
+    re-noising along the unconditional ε (`cfg_pp=False`: the guided one, the base sampler); Euler a splits
+    σ_{i+1} into σ_down and fresh noise σ_up."""
+    previous = None  # DPM++ 2M: the last step's x̂₀ it re-noises from (U_{i-1}; D_{i-1} without CFG++)
     for i in range(len(sigmas) - 1):
         s, s_next = sigmas[i], sigmas[i + 1]
         e_u, e_c = eps(x, s, 0), eps(x, s, 1)
@@ -39,9 +40,16 @@ def reference(kind, sigmas, x, noises, cfg_pp=True):
         x0, renoise = x - s * guided, e_u if cfg_pp else guided
         if kind == "euler_cfg_pp":
             x = x0 + s_next * renoise
-        else:
+        elif kind == "euler_ancestral_cfg_pp":
             up = math.sqrt(s_next**2 * (s**2 - s_next**2) / s**2)
             x = x0 + math.sqrt(s_next**2 - up**2) * renoise + up * noises[i]
+        else:  # ComfyUI's sample_dpmpp_2m_cfg_pp, t = -log σ
+            x0_renoise = x - s * renoise
+            step = x0 + s_next / s * (x - x0_renoise)
+            if previous is not None and s_next > 0:
+                h, h_last = math.log(s / s_next), math.log(sigmas[i - 1] / s)
+                step -= math.expm1(-h) / (2 * h_last / h) * (x0 - previous)
+            x, previous = step, x0_renoise
     return x
 
 
@@ -50,6 +58,7 @@ def ours(kind, n, x, noises):
     pipelines' guided model does for it."""
     scheduler = SCHEDULERS[kind].from_config(SD1)
     state = scheduler.set_timesteps(n, shape=SHAPE)
+    vp = kind == "dpmpp_2m_cfg_pp"  # x = α x_σ, α = 1/√(σ² + 1): the model's input unscaled, x_T ~ N(0, I)
 
     noise_u, noise_c = (jnp.asarray(np.random.default_rng(row).standard_normal(SHAPE), jnp.float32) for row in (0, 1))
 
@@ -64,27 +73,31 @@ def ours(kind, n, x, noises):
                 st, out, i, x, variance_noise=jnp.asarray(noises)[i], unconditional=unconditional)})(scheduler.config)
     out = sampling.denoise(model, scheduler, jnp.asarray(x, jnp.float32) * state.init_noise_sigma, n,
                            jax.random.key(0), model_takes_step=True)
-    return np.asarray(out, np.float64), np.asarray(state.sigmas, np.float64), state.init_noise_sigma
+    sigmas = np.asarray(state.sigmas, np.float64)
+    # where the reference starts, in σ's parametrisation: x_σ = x / α_0 for the VP sampler
+    start = x * math.sqrt(sigmas[0] ** 2 + 1) if vp else x * state.init_noise_sigma
+    return np.asarray(out, np.float64), sigmas, start
 
 
-@pytest.mark.parametrize("kind", ["euler_cfg_pp", "euler_ancestral_cfg_pp"])
+@pytest.mark.parametrize("kind", ["euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp"])
 def test_cfg_pp_equals_the_papers_algorithm_in_float64(kind):
     n = 8
     x_t = np.random.default_rng(2).standard_normal(SHAPE)
     noises = np.random.default_rng(3).standard_normal((n, *SHAPE))
-    got, sigmas, init = ours(kind, n, x_t, noises)
-    expected = reference(kind, sigmas, x_t * init, noises)
+    got, sigmas, start = ours(kind, n, x_t, noises)
+    expected = reference(kind, sigmas, start, noises)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
     # the unconditional re-noising is what makes it CFG++: the base sampler with the same guidance lands elsewhere
-    assert np.abs(reference(kind, sigmas, x_t * init, noises, cfg_pp=False) - expected).max() > 1e-2
+    assert np.abs(reference(kind, sigmas, start, noises, cfg_pp=False) - expected).max() > 1e-2
     assert type(scheduler_from_config(SD1, kind.removesuffix("_cfg_pp"))) is not SCHEDULERS[kind]
-    assert a1111_name(SCHEDULERS[kind].from_config(SD1)) == {"euler_cfg_pp": "Euler CFG++",
-                                                              "euler_ancestral_cfg_pp": "Euler a CFG++"}[kind]
+    names = {"euler_cfg_pp": "Euler CFG++", "euler_ancestral_cfg_pp": "Euler a CFG++",
+             "dpmpp_2m_cfg_pp": "DPM++ 2M CFG++"}
+    assert a1111_name(SCHEDULERS[kind].from_config(SD1)) == names[kind]
 
 
 def test_one_euler_cfg_pp_step_by_hand():
-    """σ_0 = 2, σ_1 = 1, x = 3, ε(guided) = 1, ε(uncond) = 0.5: x̂₀ = 3 - 2 · 1 = 1, x_1 = 1 + 1 · 0.5 = 1.5 (plain
-    Euler: x̂₀ + σ_1 ε(guided) = 2)."""
+    """σ_0 = 2, σ_1 = 1, x = 3, ε(guided) = 1, ε(uncond) = 0.5: x̂₀ = 3 - 2 · 1 = 1, x_1 = 1 + 1 · 0.5 = 1.5
+    (plain Euler: x̂₀ + σ_1 ε(guided) = 2)."""
     scheduler = SCHEDULERS["euler_cfg_pp"].from_config(SD1)
     state = scheduler.set_timesteps(2).replace(sigmas=jnp.asarray([2.0, 1.0, 0.0]))
     x = jnp.full((1,), 3.0)

@@ -243,7 +243,8 @@ def test_scheduler_from_config_and_hashing():
     assert isinstance(scheduler_from_config(SD14, kind="ddim"), DDIMScheduler)
     assert set(SCHEDULERS) == {"pndm", "ddim", "euler", "euler_ancestral", "dpmpp_2m", "lms", "heun", "dpm2",
                                "dpm2_ancestral", "dpmpp_2s_ancestral", "dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde",
-                               "unipc", "deis", "ddpm", "lcm", "tcd", "euler_cfg_pp", "euler_ancestral_cfg_pp"}
+                               "unipc", "deis", "ddpm", "lcm", "tcd", "euler_cfg_pp", "euler_ancestral_cfg_pp",
+                               "dpmpp_2m_cfg_pp"}
     with pytest.raises(ValueError, match="pndm"):
         scheduler_from_config(SD14, kind="warp")
     with pytest.raises(ValueError, match="known"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .cfg_pp import EulerAncestralCFGPPScheduler, EulerCFGPPScheduler
+from .cfg_pp import DPMPP2MCFGPPScheduler, EulerAncestralCFGPPScheduler, EulerCFGPPScheduler
 from .ddim import DDIMConfig, DDIMScheduler, DDIMState
 from .ddpm import DDPMConfig, DDPMScheduler, DDPMState
 from .deis import DEISConfig, DEISScheduler, DEISState
@@ -52,6 +52,7 @@ SCHEDULERS = {
     "deis": DEISScheduler,
     "euler_cfg_pp": EulerCFGPPScheduler,
     "euler_ancestral_cfg_pp": EulerAncestralCFGPPScheduler,
+    "dpmpp_2m_cfg_pp": DPMPP2MCFGPPScheduler,
 }
 
 # diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
@@ -110,6 +111,7 @@ def a1111_name(scheduler) -> str | None:
 
 __all__ = [
     "AYS_SCHEDULES",
+    "DPMPP2MCFGPPScheduler",
     "EulerAncestralCFGPPScheduler",
     "EulerCFGPPScheduler",
     "DDIMConfig",

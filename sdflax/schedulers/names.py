@@ -15,6 +15,7 @@ SAMPLERS = {
     "Euler a": ("euler_ancestral", {}),
     "Euler CFG++": ("euler_cfg_pp", {}),  # Forge's names (CFG++, Chung et al. 2024)
     "Euler a CFG++": ("euler_ancestral_cfg_pp", {}),
+    "DPM++ 2M CFG++": ("dpmpp_2m_cfg_pp", {}),
     "LMS": ("lms", {}),
     "Heun": ("heun", {}),
     "DPM2": ("dpm2", {}),
