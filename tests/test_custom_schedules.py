@@ -10,6 +10,7 @@ import torch
 from builders import torch_pipeline
 
 import jax
+import jax.numpy as jnp
 
 from sdflax import StableDiffusion
 from sdflax.schedulers import AYS_SCHEDULES
@@ -160,3 +161,44 @@ def test_align_your_steps_for_any_step_count_is_log_linear_in_the_levels(family,
     train = common.train_sigmas(scheduler.config)
     np.testing.assert_array_equal(np.asarray(state.timesteps),
                                   common.sigma_to_t(expected[:-1], np.log(train)).astype(np.int64))
+
+
+def test_ddpm_custom_timesteps_equal_diffusers_step_by_step(monkeypatch):
+    """diffusers' DDPMScheduler.set_timesteps(timesteps=...) steps from each listed timestep to the next (the last to
+    ᾱ = 1); sdflax's DDPM the same, fed the same noise, and the list moves diffusers' samples from its spacing."""
+    import diffusers
+    from diffusers.schedulers import scheduling_ddpm
+
+    from sdflax.schedulers import DDPMScheduler
+
+    config = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "clip_sample": False}
+    timesteps, shape = [999, 850, 600, 310, 90], (1, 4, 8, 8)
+    rng = np.random.default_rng(0)
+    x_t = rng.standard_normal(shape).astype(np.float32)
+    noises = rng.standard_normal((len(timesteps), *shape)).astype(np.float32)
+
+    def model(x, t):  # a stand-in UNet on numpy, torch and jax arrays alike
+        return 0.9 * x + 0.02 * (t / 1000)
+
+    def diffusers_samples(**schedule):
+        scheduler = diffusers.DDPMScheduler.from_config(config)
+        scheduler.set_timesteps(**schedule)
+        drawn = iter(torch.from_numpy(z) for z in noises)
+        monkeypatch.setattr(scheduling_ddpm, "randn_tensor", lambda *args, **kwargs: next(drawn))
+        x, out = torch.from_numpy(x_t), []
+        for t in scheduler.timesteps:
+            x = scheduler.step(model(x, float(t)), t, x).prev_sample
+            out.append(x.numpy())
+        return np.stack(out)
+
+    scheduler = DDPMScheduler.from_config(config).with_schedule(timesteps=timesteps)
+    state = scheduler.set_timesteps(len(timesteps))
+    assert np.asarray(state.timesteps).tolist() == timesteps
+    x, ours = jnp.asarray(x_t), []
+    for i in range(len(timesteps)):
+        x, state = scheduler.step(state, model(x, float(state.timesteps[i])), i, x,
+                                  variance_noise=jnp.asarray(noises[i]))
+        ours.append(np.asarray(x))
+    expected = diffusers_samples(timesteps=timesteps)
+    np.testing.assert_allclose(np.stack(ours), expected, rtol=0, atol=1e-5)
+    assert np.abs(diffusers_samples(num_inference_steps=len(timesteps)) - expected).max() > 1e-2

@@ -42,6 +42,7 @@ class DDPMState:
 @dataclasses.dataclass(frozen=True)
 class DDPMScheduler(common.SchedulerBase):
     config: DDPMConfig
+    custom_schedules = ("timesteps",)  # each step goes to the next listed timestep, as diffusers' custom_timesteps
 
     def set_timesteps(self, num_inference_steps: int, shape: tuple[int, ...] | None = None, start: int = 0
                       ) -> DDPMState:
