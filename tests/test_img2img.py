@@ -40,8 +40,9 @@ def checkpoint(tmp_path_factory):
     return load
 
 
-def run_both(checkpoint, monkeypatch, scheduler, strength, steps, **scheduler_config):
-    """The same image, prompts, posterior draw and added noise on both sides."""
+def run_both(checkpoint, monkeypatch, scheduler, strength, steps, schedule=None, **scheduler_config):
+    """The same image, prompts, posterior draw and added noise on both sides; `schedule`: `timesteps=` or `sigmas=`
+    for both calls instead of `steps`."""
     import diffusers.models.autoencoders.vae as torch_vae_module
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img as torch_img2img_module
 
@@ -58,10 +59,11 @@ def run_both(checkpoint, monkeypatch, scheduler, strength, steps, **scheduler_co
     monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: draws["posterior"])
     monkeypatch.setattr(torch_img2img_module, "randn_tensor", lambda *a, **k: draws["noise"])
     with torch.no_grad():
-        expected = theirs(PROMPTS, image=torch.from_numpy(image), strength=strength, num_inference_steps=steps,
-                          guidance_scale=7.5, negative_prompt=NEGATIVE, output_type="np").images
-    ours = pipe(ids, image, params, key, strength=strength, num_inference_steps=steps, noise=noise,
-                neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
+        expected = theirs(PROMPTS, image=torch.from_numpy(image), strength=strength, guidance_scale=7.5,
+                          negative_prompt=NEGATIVE, output_type="np", **(schedule or {"num_inference_steps": steps})
+                          ).images
+    ours = pipe(ids, image, params, key, strength=strength, noise=noise, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
+                **(schedule or {"num_inference_steps": steps})).images
     return pipe, params, ours, expected
 
 
@@ -78,6 +80,19 @@ def test_img2img_matches_diffusers(checkpoint, monkeypatch, scheduler, strength,
     assert ours.shape == expected.shape == (2, 32, 32, 3)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     assert np.abs(expected - 0.5).mean() > 0.01
+
+
+def test_a_custom_schedule_is_cut_by_strength_as_diffusers_cuts_it(checkpoint, monkeypatch):
+    """`timesteps=` with img2img: strength skips the first steps of the given list (diffusers' `get_timesteps` on
+    its length)."""
+    from sdflax.schedulers import AYS_SCHEDULES
+
+    schedule = {"timesteps": list(AYS_SCHEDULES["StableDiffusionTimesteps"])}
+    _, _, ours, expected = run_both(checkpoint, monkeypatch, "euler", 0.6, None, schedule,
+                                    timestep_spacing="leading")
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    _, _, _, spaced = run_both(checkpoint, monkeypatch, "euler", 0.6, 10, timestep_spacing="leading")
+    assert np.abs(spaced - expected).max() > 1e-2  # the list, not the spacing, made the image
 
 
 @pytest.fixture(scope="module")
