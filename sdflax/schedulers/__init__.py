@@ -2,8 +2,10 @@
 Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022); DDPM (Ho et al. 2020), LCM (Luo et al.
 2023) and TCD (Zheng et al. 2024); UniPC (Zhao et al. 2023), DEIS (Zhang & Chen 2023), DPM-Solver++ 2M SDE and
 3M SDE (Lu et al. 2022; Crowson's k-diffusion); the two-evaluation Heun (Karras et al. 2022), DPM2 and DPM2
-ancestral (k-diffusion), DPM++ 2S ancestral and DPM++ SDE (Lu et al. 2022). Each follows `Scheduler`
-(protocol.py); `scheduler.check_steps(n)` raises early for a step count `set_timesteps(n)` would refuse."""
+ancestral (k-diffusion), DPM++ 2S ancestral and DPM++ SDE (Lu et al. 2022); CFG++ (Chung et al. 2024) for Euler,
+Euler a and DPM++ 2M. Each follows `Scheduler` (protocol.py); `scheduler.check_steps(n)` raises early for a step
+count `set_timesteps(n)` would refuse, and `scheduler.with_schedule(timesteps=, sigmas=)` runs a given schedule
+(`AYS_SCHEDULES`: Align Your Steps')."""
 
 from __future__ import annotations
 
