@@ -172,11 +172,11 @@ def run_lines(args, signals, held) -> int:
     lines = read_prompts(args.prompts, args)  # every mistake before JAX starts
     folder = output_folder(args.out)
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
+    check_lora_and_embedding_files(base)
     files.read_manifests(folder)  # a manifest that is not ours: refused before JAX starts
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)
     held.enter_context(files.folder_lock(folder, args.out, process))
     records = files.read_manifests(folder)  # again, now that no other run writes to them
-    check_lora_and_embedding_files(base)
     checkpoints = check_lines(base, lines, args.prompts)
 
     import jax

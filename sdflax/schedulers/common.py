@@ -389,8 +389,8 @@ def checked_schedule(kind: str, values, num_train_timesteps: int) -> tuple[float
         array = None
     if array is None or array.ndim != 1 or not np.isfinite(array).all():
         raise ValueError(f"{kind} must be a list of finite numbers, got {values!r:.80}")
-    lowest, least = (0, 1) if kind == "timesteps" else (0, 2)
-    if len(array) < least or (np.diff(array) >= 0).any() or array.min() < lowest or (
+    least = 1 if kind == "timesteps" else 2
+    if len(array) < least or (np.diff(array) >= 0).any() or array.min() < 0 or (
             kind == "timesteps" and array.max() > num_train_timesteps - 1):
         what = (f"training timesteps in [0, {num_train_timesteps - 1}], one per step" if kind == "timesteps" else
                 "σ >= 0, one per step and one more where the last step lands (0: a clean image)")

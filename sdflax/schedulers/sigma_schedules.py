@@ -25,10 +25,8 @@ AYS_SCHEDULES = {
 # Align Your Steps as a σ schedule for any step count: these eleven noise levels (diffusers' ten-step σ above, and
 # the smallest, 0.029, where they end), interpolated in log σ to n + 1 points when n is not 10, the last replaced by
 # the scheduler's final σ (0): ComfyUI's `AlignYourStepsScheduler`, which A1111's "Align Your Steps" follows.
-AYS_LEVELS = {
-    "sd1": (14.615, 6.475, 3.861, 2.697, 1.886, 1.396, 0.963, 0.652, 0.399, 0.152, 0.029),
-    "sdxl": (14.615, 6.315, 3.771, 2.181, 1.342, 0.862, 0.555, 0.380, 0.234, 0.113, 0.029),
-}
+AYS_LEVELS = {family: (*AYS_SCHEDULES[key][:-1], 0.029)
+              for family, key in (("sd1", "StableDiffusionSigmas"), ("sdxl", "StableDiffusionXLSigmas"))}
 
 
 def ays_sigmas(family: str, n: int) -> np.ndarray:
