@@ -124,6 +124,13 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 # Bounds of the relative L2 error. float32: the modules' test tolerance. bfloat16: ours against float32 may be
 # off by at most twice diffusers' own bfloat16 error against float32, or 1e-2, whichever is larger.
 FLOAT32_BOUND = 1e-4
+# XLA GPU flag sets measured against XLA's defaults (part "flags"), to choose which the runner should set.
+XLA_FLAG_SETS = {
+    "latency_hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "no_command_buffer": "--xla_gpu_enable_command_buffer=",
+    "command_buffer_while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                            "CONDITIONAL",
+}
 BFLOAT16_FLOOR = 1e-2
 
 
@@ -139,8 +146,9 @@ def settings(family, size):
     return {"family": family, "steps": steps, "guidance": {"sd15": 7.5, "sdxl": 5.0}[family], "scheduler": None}
 
 
-def jobs(part: str, size: str) -> list[dict]:
-    """The jobs of a part, most wanted first (a deadline drops the last)."""
+def jobs(part: str, size: str, family: str | None = None) -> list[dict]:
+    """The jobs of a part (of one family's models where `family` is given), most wanted first (a deadline drops
+    the last)."""
     full = size == "full"
     big = [1, 8] if full else [1, 2]
     sd15, sdxl = settings("sd15", size), settings("sdxl", size)
@@ -161,6 +169,12 @@ def jobs(part: str, size: str) -> list[dict]:
                     speed("sdflax", sd15, [1], attention="auto", cache="warm"),
                     speed("diffusers+compile", sd15, [1]),
                     speed("sdflax", sd15, [1], attention="xla", cache="none")],
+        # XLA's defaults against each flag set, where launches weigh most (SD 1.5, batch 1) and at MLPerf's
+        "flags": [speed("sdflax", sd15, [1], attention="auto", cache="none"),
+                  *(speed("sdflax", sd15, [1], attention="auto", cache="none", xla_flags=name)
+                    for name in XLA_FLAG_SETS),
+                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none",
+                        xla_flags="latency_hiding")],
         "sdxl": [speed("sdflax", sdxl, [1], attention="auto", cache="none"),
                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none"),
                  speed("diffusers", sdxl, [1]),
@@ -172,6 +186,7 @@ def jobs(part: str, size: str) -> list[dict]:
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]
+    chosen = [job for job in chosen if family in (None, job["family"])]
     if full:
         return chosen
     # the tiny models: the first job of each code path, which the full run's other jobs repeat with other numbers
@@ -643,6 +658,8 @@ def run_job(job, args, deadline):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     if job["kind"] == "flops":
         env["JAX_PLATFORMS"] = "cpu"
+    if job.get("xla_flags"):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[job['xla_flags']]}".strip()
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size", args.size,
                "--repeats", str(args.repeats)]
     start = time.perf_counter()
@@ -686,7 +703,7 @@ def markdown(report):
     fmt = lambda x, f="{:.3g}": "–" if x is None else f.format(x)  # noqa: E731
     for run in report["speed"]["runs"]:
         name = run["framework"] + (f" ({run['attention']}, cache {run['cache']})" if run["framework"] == "sdflax"
-                                   else "")
+                                   else "") + (f" {run['xla_flags']}" if run.get("xla_flags") else "")
         setting = (f"{run['family']}{' MLPerf' if run.get('setting') == 'mlperf' else ''} {run.get('height', '?')}px "
                    f"{run['steps']} steps")
         if "error" in run:
@@ -711,7 +728,8 @@ def write(report, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the JSON report to write (a Markdown table beside it, .md)")
-    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "compile"), default="all")
+    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "compile", "flags"), default="all")
+    p.add_argument("--family", choices=("sd15", "sdxl"), help="only the jobs of this family's models")
     p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "
                    "tiny (default on the CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
@@ -746,9 +764,10 @@ def main(argv=None):
               "speed": {"runs": [], "flops": []}, "errors": []}
     counts = {}  # setting -> its FLOP count, counted once
     with tempfile.TemporaryDirectory() as cache_dir:
-        for job in jobs(args.part, args.size):
+        for job in jobs(args.part, args.size, args.family):
             job = {**job, "cache_dir": cache_dir} if job.get("cache") in ("cold", "warm") else job
-            name = " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches") if k in job)
+            name = " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches", "xla_flags")
+                            if k in job)
             if time.perf_counter() > deadline:
                 report["errors"].append(f"{name}: not run, past the deadline")
                 write(report, out)
