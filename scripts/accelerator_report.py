@@ -10,9 +10,10 @@ lack in `.whl/` (downloaded where pip works: `pip download --no-deps --only-bina
 
 It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
 working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 15 minutes of
-an H200's time; each part (`--part correctness|sd15|sdxl|compile`) fits a 10-minute command, and `--deadline-s`
-stops launching jobs once that many seconds have passed (and stops a running one there), so a run never outlasts
-its time limit. The report is rewritten after every job: a run cut short keeps what it finished.
+an H200's time; each part (`--part correctness|sd15|sdxl|compile|flags`) fits a 10-minute command, `--family
+sd15|sdxl` keeps one family's jobs of a part, and `--deadline-s` stops launching jobs once that many seconds have
+passed (and stops a running one there), so a run never outlasts its time limit. The report is rewritten after
+every job: a run cut short keeps what it finished.
 
 On the CPU (`--size tiny`, the default there) the same code runs on small models of the same architectures, one
 job per code path, in about two minutes on two cores; tests/test_accelerator_report.py does that daily, so the GPU
@@ -32,7 +33,8 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   seconds per image, images per second, peak device memory, FLOPs per image from XLA's cost analysis (UNet
   evaluations and the VAE decode; the same count is used for diffusers) and the achieved TFLOP/s. Per process:
   `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
-  warm one); `import_s`, `build_s`.
+  warm one); `import_s`, `build_s`. `--part flags` times SD 1.5 at batch 1 (and the MLPerf setting) under each of
+  `XLA_FLAG_SETS` against XLA's defaults, the measurement behind sdflax setting no XLA flags.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 

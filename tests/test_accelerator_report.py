@@ -138,3 +138,17 @@ def test_an_existing_report_is_never_overwritten(tmp_path):
                           timeout=120)
     assert done.returncode == 2 and "exists: give a new file" in done.stderr
     assert out.read_text() == "mine"
+
+
+def test_the_flags_part_times_each_flag_set_against_xlas_defaults(monkeypatch):
+    jobs = script.jobs("flags", "full")
+    assert [j.get("xla_flags") for j in jobs if j["family"] == "sd15"] == [None, *script.XLA_FLAG_SETS]
+    assert all(j["family"] == "sdxl" for j in script.jobs("flags", "full", "sdxl"))
+    # a job's flags are added to the user's XLA_FLAGS in its process's environment, never replacing them
+    seen = {}
+    monkeypatch.setenv("XLA_FLAGS", "--mine")
+    monkeypatch.setattr(script.subprocess, "run", lambda command, env, **kw: seen.update(env) or
+                        subprocess.CompletedProcess(command, 0, stdout='{"results": []}\n', stderr=""))
+    args = script.argparse.Namespace(size="full", repeats=1)
+    script.run_job({**jobs[1], "kind": "speed"}, args, deadline=float("inf"))
+    assert seen["XLA_FLAGS"] == "--mine " + script.XLA_FLAG_SETS[jobs[1]["xla_flags"]]
