@@ -124,9 +124,10 @@ _local = threading.local()
 class Scope:
     """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
 
-    def __init__(self, step, memory, latent_size, num_evals, sealed=None):
+    def __init__(self, step, memory, latent_size, num_evals, sealed=None, num_steps=None):
         self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
         self.num_evals = num_evals  # evaluations in the scan
+        self.num_steps = num_steps  # the call's steps as diffusers counts a guidance interval's (sdflax.guiders)
         self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
         self._emitted, self._sums = {}, {}
         self.sealed = sealed  # why values cannot leave from here (inside a lax.cond), or None
@@ -134,7 +135,7 @@ class Scope:
     def sealed_copy(self, reason) -> "Scope":
         """A scope of the same evaluation out of which nothing may be emitted or carried (e.g. inside a lax.cond,
         whose branches' values cannot leave it)."""
-        return Scope(self.step, None, self.latent_size, self.num_evals, sealed=reason)
+        return Scope(self.step, None, self.latent_size, self.num_evals, sealed=reason, num_steps=self.num_steps)
 
     def _check(self):
         if self.sealed:
@@ -170,10 +171,10 @@ class Scope:
 
 
 @contextlib.contextmanager
-def scope(step, memory=None, latent_size=(), num_evals=None, within=None):
+def scope(step, memory=None, latent_size=(), num_evals=None, within=None, num_steps=None):
     """Open the scope of a model evaluation (or, `within` a Scope, its copy `within.sealed_copy(reason)`)."""
     stack = _local.__dict__.setdefault("scopes", [])
-    stack.append(within or Scope(step, memory, latent_size, num_evals))
+    stack.append(within or Scope(step, memory, latent_size, num_evals, num_steps=num_steps))
     try:
         yield stack[-1]
     finally:
@@ -201,7 +202,7 @@ class Trajectory(NamedTuple):
 
 def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, callback=None,
             return_trajectory=False, state=None, post_step=None, model_takes_step=False, num_evals=None,
-            memory=False):
+            memory=False, num_steps=None):
     """Run the sampler from `latents` (already scaled by the scheduler's init_noise_sigma) to x₀'s latents.
 
     `model(x, t) -> prediction` in the scheduler's `prediction_type`, or `(prediction, unconditional prediction)`
@@ -214,7 +215,9 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
     `post_step(x, i, state) -> x` changes x after every step, before the callback and trajectory see it
     (inpainting with an ordinary UNet pastes the known region back). With `model_takes_step=True` the model is
     called as `model(x, t, i)`, i the index of the evaluation. `num_evals` stops after that many evaluations of
-    `state`'s schedule (SDXL's `denoising_end`: the schedule is cut, not respaced).
+    `state`'s schedule (SDXL's `denoising_end`: the schedule is cut, not respaced). `num_steps`: the steps a guider's
+    interval is a fraction of, as diffusers counts them (img2img's are those left after `strength`; a Heun step's
+    two evaluations are two steps); by default `num_inference_steps`.
 
     Every model evaluation runs in a `Scope`: what hooks emit comes back stacked in
     `Trajectory.hooks` (a Trajectory is then returned with latents and pred_x0 None unless `return_trajectory`),
@@ -231,7 +234,8 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
 
     def evaluate(x, state, i, memory):
         model_input = scheduler.scale_model_input(state, x, i)
-        with scope(i, memory, x.shape[-2:], num_evals) as opened:
+        with scope(i, memory, x.shape[-2:], num_evals,
+                   num_steps=num_inference_steps if num_steps is None else num_steps) as opened:
             prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
         return prediction, opened
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..guiders import Guider
 from ..schedulers import common
 from .controlnet import as_nets
 from .starts import schedule_window
@@ -62,12 +63,18 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         check_values(c, inputs, leading_dims)
     height, width = sizes(c, *image_size(c, inputs, leading_dims, args.get("height"), args.get("width")))
     inputs = spec.text.fill_inputs(inputs, height, width)
+    guiders = [hook for hook in hooks if isinstance(hook, Guider)]
+    if guiders and args.get("guidance") is not None:
+        raise ValueError(f"guidance= and the pipeline's guider ({type(guiders[0]).__name__}) both combine the "
+                         "predictions: give one")
     settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
                            "height": height, "width": width,
-                           # a guidance function of the user's combines both halves at any scale, and a CFG++
-                           # scheduler re-noises with the unconditional half at any scale
-                           "classifier_free_guidance": args.get("guidance") is not None
-                           or guided(args["guidance_scale"]) or getattr(scheduler, "takes_unconditional", False)})
+                           # a guider decides with its own traced scale; a guidance function of the user's
+                           # combines both halves at any scale, and a CFG++ scheduler re-noises with the
+                           # unconditional half at any scale
+                           "classifier_free_guidance": guiders[0].enabled if guiders else
+                           args.get("guidance") is not None or guided(args["guidance_scale"])
+                           or getattr(scheduler, "takes_unconditional", False)})
     return inputs, settings
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..guiders import Guider
 from ..models.config import read_config_file
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
@@ -143,6 +144,18 @@ class Pipeline:
         programs; hooks that differ only in their numbers share a program. What they emit: `trajectory.hooks`."""
         view = copy.copy(self)
         view.hooks = tuple(hooks)
+        return view
+
+    def with_guider(self, guider):
+        """This pipeline with `guider` (`sdflax.guiders`, diffusers' classes) combining the UNet's predictions in
+        every call, in place of the call's `guidance_scale` and `guidance_rescale`; sharing its compiled programs,
+        so a guider that differs only in its numbers (scales, momentum) never recompiles. Hooks stay."""
+        if not isinstance(guider, Guider):
+            raise TypeError(f"with_guider takes a guider from sdflax.guiders (e.g. ClassifierFreeGuidance(7.5)), "
+                            f"not {type(guider).__name__}")
+        view = copy.copy(self)
+        view.hooks = (jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), guider),
+                      *(hook for hook in self.hooks if not isinstance(hook, Guider)))
         return view
 
     # ---- what generate runs -------------------------------------------------------------------------------

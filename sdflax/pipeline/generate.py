@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from .. import sampling
 from ..hooks.core import Hook, intercept
 from .runner import Runner
+from .starts import schedule_window
 from .types import Inputs, Output, Settings, Spec
 
 
@@ -58,6 +59,9 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     for hook in hooks:
         unet_fn = hook.wrap_unet(unet_fn)
     combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
+    if len(combines) > 1:
+        raise ValueError(f"{type(combines[0]).__name__} and {type(combines[1]).__name__} both combine the UNet's "
+                         "predictions: give one (PerturbedAttentionGuidance is a guider too)")
     takes_unconditional = getattr(spec.scheduler, "takes_unconditional", False)
     if combines and takes_unconditional:
         raise ValueError(f"{type(spec.scheduler).__name__} (CFG++) re-noises with classifier-free guidance's "
@@ -75,7 +79,8 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     out = sampling.denoise(model, spec.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
                            state=start.state, post_step=start.post_step, model_takes_step=True,
-                           num_evals=start.num_evals, memory=any(hook.carries for hook in hooks))
+                           num_evals=start.num_evals, memory=any(hook.carries for hook in hooks),
+                           num_steps=settings.num_inference_steps - schedule_window(spec.scheduler, settings)[0])
     for hook in hooks:
         hook.check_layers(sites)
     latents, trajectory = out if isinstance(out, tuple) else (out, None)

@@ -1,0 +1,10 @@
+"""diffusers' guiders (`diffusers.guiders`), with the same class names and constructor arguments, as pure pieces
+of the one scan: `pipeline.with_guider(ClassifierFreeGuidance(guidance_scale=5.0, start=0.1))`."""
+
+from .apg import AdaptiveProjectedGuidance, AdaptiveProjectedMixGuidance
+from .base import Guider
+from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, MagnitudeAwareGuidance,
+                  TangentialClassifierFreeGuidance)
+
+__all__ = ["AdaptiveProjectedGuidance", "AdaptiveProjectedMixGuidance", "ClassifierFreeGuidance",
+           "ClassifierFreeZeroStarGuidance", "Guider", "MagnitudeAwareGuidance", "TangentialClassifierFreeGuidance"]

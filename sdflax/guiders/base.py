@@ -1,0 +1,83 @@
+"""What every guider shares: the guidance interval, the predictions it needs, and how it sits in the one scan.
+
+A guider is a hook (`sdflax.hooks`) whose `combine` turns the UNet's chunks into the prediction the scheduler
+steps with: its numbers (scales, momentum, eta) are pytree leaves, traced, so a new value never recompiles; its
+other fields (`start`, `stop`, `enabled`, norm dims, layers) are static. `Pipeline.with_guider(g)` puts it in every
+call. The predictions come in diffusers' names: `pred_cond`, `pred_uncond`, and one more for the guiders that
+perturb the UNet (`pred_cond_skip`, `pred_cond_seg`).
+
+diffusers decides per step whether guidance runs: `int(start * n) <= step < int(stop * n)`, `step` counting the
+model evaluations from 0 and `n` the call's steps (img2img: those left after `strength`); outside the interval, or
+at a scale that changes nothing, the prediction is `pred_cond`. sdflax computes every chunk at every step (one
+program) and selects, which gives diffusers' numbers.
+"""
+
+from __future__ import annotations
+
+import flax
+import jax.numpy as jnp
+
+from .. import sampling
+from ..hooks.core import Hook
+
+__all__ = ["Guider", "cfg", "norm", "norm_axes", "off_at", "rescale", "static"]
+
+
+def static(default):
+    """A guider field that fixes the program: changing it compiles another."""
+    return flax.struct.field(pytree_node=False, default=default)
+
+
+class Guider(Hook):
+    """The base of sdflax.guiders. Subclasses are `flax.struct.dataclass`es with diffusers' constructor arguments
+    and define `guide(pred_cond, pred_uncond, *extra, step, num_steps) -> prediction`."""
+
+    extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
+
+    def __post_init__(self):
+        start, stop = self.start, self.stop
+        if not 0.0 <= start < 1.0:
+            raise ValueError(f"{type(self).__name__}: start={start} must be in [0, 1): the fraction of the steps "
+                             "after which guidance begins")
+        if not start <= stop <= 1.0:
+            raise ValueError(f"{type(self).__name__}: stop={stop} must be in [start, 1] = [{start}, 1]: the fraction "
+                             "of the steps after which guidance ends")
+
+    def in_interval(self, step, num_steps):
+        """Whether guidance runs at evaluation `step` (traced) of `num_steps` (diffusers' `is_within_range`)."""
+        return (int(self.start * num_steps) <= step) & (step < int(self.stop * num_steps))
+
+    def combine(self, outputs, inputs, settings):
+        scope = sampling.current_scope()
+        if not self.enabled:  # the UNet ran on the conditional rows alone
+            return outputs[0]
+        uncond, cond, *extra = outputs
+        return self.guide(cond, uncond, *extra, step=scope.step, num_steps=scope.num_steps)
+
+
+def off_at(scale, use_original_formulation):
+    """diffusers' `is_close`: the scale at which guidance changes nothing (0 in the original formulation, else 1).
+    `math.isclose`'s relative 1e-9 is equality in float32."""
+    return jnp.asarray(scale, jnp.float32) == (0.0 if use_original_formulation else 1.0)
+
+
+def cfg(pred_cond, pred_uncond, scale, use_original_formulation):
+    """ε̂ = ε(∅) + s (ε(c) − ε(∅)), or in the original formulation ε(c) + s (ε(c) − ε(∅)) (Ho & Salimans 2022)."""
+    return (pred_cond if use_original_formulation else pred_uncond) + scale * (pred_cond - pred_uncond)
+
+
+def rescale(pred, pred_cond, guidance_rescale):
+    """diffusers' `rescale_noise_cfg`, applied only where `guidance_rescale > 0` as diffusers does."""
+    return jnp.where(jnp.asarray(guidance_rescale) > 0, sampling.rescale(pred, pred_cond, guidance_rescale), pred)
+
+
+def norm_axes(norm_dim, ndim):
+    """diffusers' `norm_dim`: None -> every axis but the batch's; an int or a tuple of ints as given."""
+    if norm_dim is None:
+        return tuple(range(1, ndim))
+    return (norm_dim,) if isinstance(norm_dim, int) else tuple(norm_dim)
+
+
+def norm(x, axes):
+    """The L2 norm of x over `axes` (any number of them), kept as size-1 axes."""
+    return jnp.sqrt(jnp.square(x).sum(axes, keepdims=True))

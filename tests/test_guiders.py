@@ -1,0 +1,126 @@
+"""sdflax.guiders against diffusers.guiders: each guider's images equal diffusers' own UNet, scheduler and VAE
+stepping with that guider's `forward(pred_cond, pred_uncond)` (after `set_state`) at every model evaluation, for SD
+and SDXL; each setting moves diffusers' image; new numbers never recompile."""
+
+from __future__ import annotations
+
+import contextlib
+
+import diffusers.guiders as theirs_guiders
+import jax
+import numpy as np
+import pytest
+import torch
+from builders import torch_pipeline, torch_xl_pipeline
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+from sdflax import StableDiffusion, StableDiffusionXL, guiders
+
+ATOL = 1e-3  # images in [0, 1], float32
+MOVES = 1e-2  # what each setting must change diffusers' image by, so that the comparison proves something
+STEPS = 8  # APG's momentum over eight steps
+PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
+
+
+@contextlib.contextmanager
+def guided_by(pipe, guider, num_steps):
+    """diffusers' pipeline with its UNet's [uncond; cond] output replaced, at every evaluation, by the guider's
+    prediction (twice, so that the pipeline's own CFG at scale 2 gives it back unchanged): the loop of diffusers'
+    modular pipelines (`set_state(step, num_inference_steps, timestep)`, `prepare_inputs`, `forward`) inside
+    diffusers' own denoising loop."""
+    unet, step = pipe.unet, [0]
+    forward = unet.forward
+
+    def guided(sample, timestep, *args, return_dict=True, **kwargs):
+        uncond, cond = forward(sample, timestep, *args, return_dict=False, **kwargs)[0].chunk(2)
+        guider.set_state(step=step[0], num_inference_steps=num_steps, timestep=timestep)
+        guider.prepare_inputs({})  # where diffusers' APG makes a new momentum buffer at step 0
+        step[0] += 1
+        pred = guider.forward(cond, uncond).pred
+        out = torch.cat([pred, pred])
+        return UNet2DConditionOutput(sample=out) if return_dict else (out,)
+
+    unet.forward = guided
+    try:
+        yield
+    finally:
+        del unet.forward
+
+
+@pytest.fixture(scope="module", params=["sd1", "sdxl"])
+def pipes(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    theirs = torch_pipeline("sd1", "euler") if request.param == "sd1" else torch_xl_pipeline()
+    theirs.save_pretrained(folder)
+    ours, params = (StableDiffusion if request.param == "sd1" else StableDiffusionXL).from_pretrained(folder)
+    size = ours.unet.config.sample_size
+    latents = np.random.default_rng(0).standard_normal((2, 4, size, size), dtype=np.float32)
+    return request.param, theirs, ours, params, latents
+
+
+def diffusers_images(theirs, latents, guider=None, guidance_scale=7.5):
+    call = dict(num_inference_steps=STEPS, latents=torch.from_numpy(latents), output_type="np")
+    with torch.no_grad():
+        if guider is None:
+            return theirs(PROMPTS, guidance_scale=guidance_scale, **call).images
+        with guided_by(theirs, guider, STEPS):
+            return theirs(PROMPTS, guidance_scale=2.0, **call).images
+
+
+def sdflax_images(pipes, guider):
+    _, _, ours, params, latents = pipes
+    return ours.with_guider(guider)(ours.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS,
+                                    latents=latents).images
+
+
+def test_the_oracle_is_diffusers_pipeline_with_classifier_free_guidance(pipes):
+    _, theirs, _, _, latents = pipes
+    plain = diffusers_images(theirs, latents, guidance_scale=7.5)
+    np.testing.assert_allclose(
+        diffusers_images(theirs, latents, theirs_guiders.ClassifierFreeGuidance(guidance_scale=7.5)), plain,
+        rtol=0, atol=1e-5)
+    np.testing.assert_allclose(sdflax_images(pipes, guiders.ClassifierFreeGuidance(guidance_scale=7.5)), plain,
+                               rtol=0, atol=ATOL)
+
+
+# (guider, the settings of the case, the settings it is compared with): the case must move diffusers' image
+CASES = {
+    "ClassifierFreeGuidance": [({"guidance_scale": 7.5, "guidance_rescale": 0.7}, {"guidance_scale": 7.5}),
+                               ({"guidance_scale": 7.5, "start": 0.25, "stop": 0.75}, {"guidance_scale": 7.5}),
+                               ({"guidance_scale": 3.0, "use_original_formulation": True}, {"guidance_scale": 3.0})],
+    "ClassifierFreeZeroStarGuidance": [({"guidance_scale": 7.5, "zero_init_steps": 2}, {"guidance_scale": 7.5,
+                                                                                        "zero_init_steps": 0})],
+    "TangentialClassifierFreeGuidance": [({"guidance_scale": 7.5}, "cfg")],
+    "MagnitudeAwareGuidance": [({"guidance_scale": 10.0, "alpha": 300.0}, {"guidance_scale": 10.0, "alpha": 0.0})],
+    "AdaptiveProjectedGuidance": [({"guidance_scale": 10.0, "adaptive_projected_guidance_momentum": -0.5},
+                                   {"guidance_scale": 10.0}),
+                                  ({"guidance_scale": 10.0, "eta": 0.0}, {"guidance_scale": 10.0}),
+                                  ({"guidance_scale": 10.0, "adaptive_projected_guidance_rescale": 1.0},
+                                   {"guidance_scale": 10.0, "adaptive_projected_guidance_rescale": 0.0}),
+                                  ({"guidance_scale": 10.0, "eta": 0.0,
+                                    "adaptive_projected_guidance_norm_dim": (-2, -1)},
+                                   {"guidance_scale": 10.0, "eta": 0.0})],
+    "AdaptiveProjectedMixGuidance": [({"adaptive_projected_guidance_scale": 40.0,
+                                       "adaptive_projected_guidance_start_step": 2},
+                                      {"adaptive_projected_guidance_scale": 40.0,
+                                       "adaptive_projected_guidance_start_step": STEPS})],
+}
+# every case with SD 1.x, the first of each guider with SDXL (a guider sees only the predictions)
+IDS = [(arch, name, i) for name, cases in CASES.items() for i in range(len(cases)) for arch in ("sd1", "sdxl")
+       if arch == "sd1" or i == 0]
+
+
+@pytest.mark.parametrize("pipes, name, case", IDS, ids=[f"{a}-{name}-{i}" for a, name, i in IDS], indirect=["pipes"])
+def test_guider_images_match_diffusers(pipes, name, case, monkeypatch):
+    _, theirs, _, _, latents = pipes
+    if name == "MagnitudeAwareGuidance":  # diffusers' torch.norm(x, dim=[1, 2, 3]) raises on 4-D latents in torch 2.x
+        vector_norm = torch.linalg.vector_norm
+        monkeypatch.setattr(torch, "norm", lambda x, dim, keepdim: vector_norm(x, dim=dim, keepdim=keepdim))
+    kwargs, baseline = CASES[name][case]
+    expected = diffusers_images(theirs, latents, getattr(theirs_guiders, name)(**kwargs))
+    if baseline == "cfg":
+        moved_from = diffusers_images(theirs, latents, guidance_scale=kwargs["guidance_scale"])
+    else:
+        moved_from = diffusers_images(theirs, latents, getattr(theirs_guiders, name)(**baseline))
+    assert np.abs(expected - moved_from).max() > MOVES
+    np.testing.assert_allclose(sdflax_images(pipes, getattr(guiders, name)(**kwargs)), expected, rtol=0, atol=ATOL)
