@@ -8,13 +8,14 @@ import contextlib
 
 import diffusers.guiders as theirs_guiders
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from builders import torch_pipeline, torch_xl_pipeline
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from sdflax import StableDiffusion, StableDiffusionXL, guiders
+from sdflax import StableDiffusion, StableDiffusionXL, guiders, replicate, shard
 
 ATOL = 1e-3  # images in [0, 1], float32
 MOVES = 1e-2  # what each setting must change diffusers' image by, so that the comparison proves something
@@ -124,3 +125,96 @@ def test_guider_images_match_diffusers(pipes, name, case, monkeypatch):
         moved_from = diffusers_images(theirs, latents, getattr(theirs_guiders, name)(**baseline))
     assert np.abs(expected - moved_from).max() > MOVES
     np.testing.assert_allclose(sdflax_images(pipes, getattr(guiders, name)(**kwargs)), expected, rtol=0, atol=ATOL)
+
+
+def test_the_interval_counts_evaluations_with_a_two_evaluation_sampler(tmp_path):
+    """Heun evaluates the UNet twice a step (2n − 1 times): diffusers' modular loop calls `set_state(i, n)` at
+    each evaluation i, so `start`/`stop` are fractions of n that the evaluations' index is compared with."""
+    theirs = torch_pipeline("sd1", "HeunDiscreteScheduler")
+    theirs.save_pretrained(tmp_path)
+    ours, params = StableDiffusion.from_pretrained(tmp_path)
+    size = ours.unet.config.sample_size
+    latents = np.random.default_rng(0).standard_normal((2, 4, size, size), dtype=np.float32)
+    steps = 4
+    kwargs = {"guidance_scale": 7.5, "start": 0.25, "stop": 0.75}
+    call = dict(num_inference_steps=steps, latents=torch.from_numpy(latents), output_type="np")
+    with torch.no_grad(), guided_by(theirs, theirs_guiders.ClassifierFreeGuidance(**kwargs), steps):
+        expected = theirs(PROMPTS, guidance_scale=2.0, **call).images
+    with torch.no_grad():
+        plain = theirs(PROMPTS, guidance_scale=7.5, **call).images
+    assert np.abs(expected - plain).max() > MOVES
+    images = ours.with_guider(guiders.ClassifierFreeGuidance(**kwargs))(
+        ours.prepare_inputs(PROMPTS), params, jax.random.key(0), steps, latents=latents).images
+    np.testing.assert_allclose(images, expected, rtol=0, atol=ATOL)
+
+
+def compiles_during(fn):
+    """(fn's result, the number of XLA compiles it caused)."""
+    events = []
+
+    def listener(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        return fn(), len(events)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("pipes", ["sd1"], indirect=True)
+def test_modes_agree_and_new_numbers_never_recompile(pipes):
+    """APG with momentum (state in the scan's carry) and an interval: jit=False, pmap over the devices and
+    generate_sharded give the same images; new numbers (scale, momentum, eta) compile nothing in any mode."""
+    _, _, ours, params, _ = pipes
+    devices = jax.local_device_count()
+    prompts = [f"a painting of a {thing}" for thing in ("cat", "dog", "ship", "tree", "house", "hill", "river",
+                                                         "city")][:devices]
+    ids = ours.prepare_inputs(prompts)
+    size = ours.unet.config.sample_size
+    latents = np.random.default_rng(1).standard_normal((devices, 4, size, size), dtype=np.float32)
+    keys = jax.random.split(jax.random.key(0), devices)
+
+    def apg(scale, momentum, eta):
+        return guiders.AdaptiveProjectedGuidance(guidance_scale=scale, adaptive_projected_guidance_momentum=momentum,
+                                                 eta=eta, start=0.1, stop=0.9)
+
+    def run(mode, guider):
+        pipe = ours.with_guider(guider)
+        if mode == "call":
+            return pipe(ids, params, keys, STEPS, latents=latents).images
+        if mode == "pmap":
+            out = pipe(shard(ids), replicate(params), shard(keys), STEPS, latents=shard(latents), jit=True).images
+            return np.asarray(out).reshape(-1, *out.shape[2:])
+        return np.asarray(pipe.generate_sharded(ids, params, keys, STEPS, latents=latents))
+
+    for mode in ("call", "pmap", "sharded"):
+        first = run(mode, apg(10.0, -0.5, 0.5))
+        if mode == "call":
+            reference = first
+        np.testing.assert_allclose(first, reference, rtol=0, atol=1e-5)
+        other, compiles = compiles_during(lambda: run(mode, apg(6.0, -0.25, 0.0)))
+        assert compiles == 0, mode
+        assert np.abs(other - first).max() > MOVES
+
+
+@pytest.mark.parametrize("pipes", ["sd1"], indirect=True)
+def test_the_gradient_through_a_guider_matches_central_differences(pipes):
+    _, _, ours, params, latents = pipes
+    ids = ours.prepare_inputs(PROMPTS)
+    weights = jax.random.normal(jax.random.key(5), latents.shape)
+
+    def loss(scale):  # a weighted sum of the final latents (smooth: images are clipped), of APG's traced scale
+        guider = guiders.AdaptiveProjectedGuidance(guidance_scale=scale, adaptive_projected_guidance_momentum=-0.5)
+        _, trajectory = ours.with_guider(guider)._generate(ids, params, jax.random.key(0), 3, latents=latents,
+                                                           return_trajectory=True)
+        final = trajectory.latents[-1]
+        return jnp.sum(weights * final) / final.size
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    scale, h = 5.0, 0.1  # central differences: error O(h²) plus float32 rounding / h
+    _, grad = value_and_grad(scale)
+    numeric = (value_and_grad(scale + h)[0] - value_and_grad(scale - h)[0]) / (2 * h)
+    assert abs(float(numeric)) > 1e-5
+    np.testing.assert_allclose(float(grad), float(numeric), rtol=1e-3)
