@@ -4,14 +4,17 @@ control image per device; the bad inputs."""
 
 from __future__ import annotations
 
+import diffusers.guiders
 import numpy as np
 import pytest
 import torch
 from builders import CONFIGS, torch_controlnet, torch_pipeline, torch_unet
+from test_guiders import guided_by
 
 import jax
 
-from sdflax import ControlNetModel, StableDiffusionControlNet, UNet2DConditionModel, random_draws, replicate, shard
+from sdflax import (ControlNetModel, StableDiffusionControlNet, UNet2DConditionModel, guiders, random_draws, replicate,
+                    shard)
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a house by a lake", "a robot in a field"]
@@ -95,6 +98,20 @@ def test_one_net_matches_diffusers(models, one_net, kwargs):
     # the setting under test changes the oracle's image: against the defaults, and the defaults against no net
     baseline = diffusers_images(theirs, nets[:1], images, **({} if kwargs else {"controlnet_conditioning_scale": 0.0}))
     assert np.abs(expected - baseline).max() > 1e-2
+
+
+def test_a_guider_matches_diffusers(models, one_net):
+    theirs, nets, _, _ = models
+    pipe, params = one_net
+    images = control_images()
+    kwargs = {"guidance_scale": 10.0, "eta": 0.0, "adaptive_projected_guidance_momentum": -0.5}
+    with guided_by(theirs, diffusers.guiders.AdaptiveProjectedGuidance(**kwargs), STEPS):
+        expected = diffusers_images(theirs, nets[:1], images, guidance_scale=2.0)
+    ours = pipe.with_guider(guiders.AdaptiveProjectedGuidance(**kwargs))(
+        pipe.prepare_text_inputs(PROMPTS), pipe.prepare_image_inputs(images), params, keys_and_latents()[0], STEPS,
+        neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    assert np.abs(diffusers_images(theirs, nets[:1], images, guidance_scale=10.0) - expected).max() > 1e-2
 
 
 def test_two_nets_match_diffusers_multicontrolnet(models):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import diffusers.guiders
 import numpy as np
 import pytest
 import torch
 from builders import torch_pipeline
+from test_guiders import guided_by
 
 import jax
 
-from sdflax import StableDiffusionImg2Img
+from sdflax import StableDiffusionImg2Img, guiders
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
@@ -40,9 +44,10 @@ def checkpoint(tmp_path_factory):
     return load
 
 
-def run_both(checkpoint, monkeypatch, scheduler, strength, steps, schedule=None, **scheduler_config):
+def run_both(checkpoint, monkeypatch, scheduler, strength, steps, schedule=None, guider=None, **scheduler_config):
     """The same image, prompts, posterior draw and added noise on both sides; `schedule`: `timesteps=` or `sigmas=`
-    for both calls instead of `steps`."""
+    for both calls instead of `steps`; `guider`: a guider's class name and arguments, diffusers' stepping
+    diffusers' loop (test_guiders.guided_by) and sdflax's."""
     import diffusers.models.autoencoders.vae as torch_vae_module
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img as torch_img2img_module
 
@@ -58,10 +63,16 @@ def run_both(checkpoint, monkeypatch, scheduler, strength, steps, schedule=None,
     draws = {"posterior": torch.from_numpy(posterior), "noise": torch.from_numpy(noise)}
     monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: draws["posterior"])
     monkeypatch.setattr(torch_img2img_module, "randn_tensor", lambda *a, **k: draws["noise"])
-    with torch.no_grad():
-        expected = theirs(PROMPTS, image=torch.from_numpy(image), strength=strength, guidance_scale=7.5,
-                          negative_prompt=NEGATIVE, output_type="np", **(schedule or {"num_inference_steps": steps})
-                          ).images
+    guided = contextlib.nullcontext()
+    if guider is not None:  # diffusers counts the steps left after strength
+        name, kwargs = guider
+        steps_left = min(int(steps * strength), steps)  # diffusers' get_timesteps
+        guided = guided_by(theirs, getattr(diffusers.guiders, name)(**kwargs), steps_left)
+        pipe = pipe.with_guider(getattr(guiders, name)(**kwargs))
+    with torch.no_grad(), guided:
+        expected = theirs(PROMPTS, image=torch.from_numpy(image), strength=strength,
+                          guidance_scale=7.5 if guider is None else 2.0, negative_prompt=NEGATIVE, output_type="np",
+                          **(schedule or {"num_inference_steps": steps})).images
     ours = pipe(ids, image, params, key, strength=strength, noise=noise, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
                 **(schedule or {"num_inference_steps": steps})).images
     return pipe, params, ours, expected
@@ -93,6 +104,17 @@ def test_a_custom_schedule_is_cut_by_strength_as_diffusers_cuts_it(checkpoint, m
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     _, _, _, spaced = run_both(checkpoint, monkeypatch, "euler", 0.6, 10, timestep_spacing="leading")
     assert np.abs(spaced - expected).max() > 1e-2  # the list, not the spacing, made the image
+
+
+def test_a_guider_counts_the_steps_left_after_strength(checkpoint, monkeypatch):
+    """With strength 0.6 of 10 steps diffusers' loop runs 6, and the guidance interval is a fraction of those."""
+    guider = ("AdaptiveProjectedGuidance", {"guidance_scale": 10.0, "eta": 0.0, "start": 0.2, "stop": 0.7,
+                                            "adaptive_projected_guidance_momentum": -0.5})
+    _, _, ours, expected = run_both(checkpoint, monkeypatch, "ddim", 0.6, STEPS, guider=guider)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    _, _, _, whole = run_both(checkpoint, monkeypatch, "ddim", 0.6, STEPS, guider=(guider[0], {
+        **guider[1], "start": 0.0, "stop": 1.0}))
+    assert np.abs(whole - expected).max() > 1e-2  # the interval made the image
 
 
 @pytest.fixture(scope="module")

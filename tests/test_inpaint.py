@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import diffusers.guiders
 import numpy as np
 import pytest
 import torch
 from builders import SD1, saved, torch_pipeline, torch_unet
+from test_guiders import guided_by
 
 import jax
 import jax.numpy as jnp
 
-from sdflax import StableDiffusionInpaint, replicate, sampling, shard
+from sdflax import StableDiffusionInpaint, guiders, replicate, sampling, shard
 from sdflax import random_draws
 from sdflax.schedulers import DDIMScheduler
 
@@ -61,8 +65,9 @@ def checkpoint(tmp_path_factory):
     return load
 
 
-def run_both(checkpoint, monkeypatch, unet_channels, scheduler, strength, steps, **scheduler_config):
-    """The same image, mask, prompts, posterior draws and noise on both sides."""
+def run_both(checkpoint, monkeypatch, unet_channels, scheduler, strength, steps, guider=None, **scheduler_config):
+    """The same image, mask, prompts, posterior draws and noise on both sides; `guider`: a guider's class name and
+    arguments, diffusers' stepping diffusers' loop (test_guiders.guided_by) and sdflax's."""
     import diffusers.models.autoencoders.vae as torch_vae_module
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as torch_inpaint_module
 
@@ -79,10 +84,16 @@ def run_both(checkpoint, monkeypatch, unet_channels, scheduler, strength, steps,
     posterior = [torch.from_numpy(np.array(eps)) for eps in posterior]
     monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: posterior.pop(0))
     monkeypatch.setattr(torch_inpaint_module, "randn_tensor", lambda *a, **k: torch.from_numpy(np.array(noise)))
-    with torch.no_grad():
+    guided = contextlib.nullcontext()
+    if guider is not None:  # diffusers counts the steps left after strength
+        name, kwargs = guider
+        steps_left = min(int(steps * strength), steps)  # diffusers' get_timesteps
+        guided = guided_by(theirs, getattr(diffusers.guiders, name)(**kwargs), steps_left)
+        pipe = pipe.with_guider(getattr(guiders, name)(**kwargs))
+    with torch.no_grad(), guided:
         expected = theirs(PROMPTS, image=torch.from_numpy(image), mask_image=torch.from_numpy(masks[:, None]),
-                          strength=strength, num_inference_steps=steps, guidance_scale=7.5, height=SIZE, width=SIZE,
-                          negative_prompt=NEGATIVE, output_type="np").images
+                          strength=strength, num_inference_steps=steps, guidance_scale=7.5 if guider is None else 2.0,
+                          height=SIZE, width=SIZE, negative_prompt=NEGATIVE, output_type="np").images
     assert not posterior, "diffusers drew fewer posterior samples than expected"
     ours = pipe(ids, image, mask, params, key, strength=strength, num_inference_steps=steps,
                 neg_prompt_ids=pipe.prepare_inputs(NEGATIVE)).images
@@ -103,6 +114,14 @@ def test_inpaint_matches_diffusers(checkpoint, monkeypatch, unet_channels, sched
     assert ours.shape == expected.shape == (2, SIZE, SIZE, 3)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     assert np.abs(expected - 0.5).mean() > 0.01
+
+
+def test_a_guider_matches_diffusers(checkpoint, monkeypatch):
+    guider = ("ClassifierFreeZeroStarGuidance", {"guidance_scale": 7.5, "zero_init_steps": 1, "stop": 0.5})
+    ours, expected, _ = run_both(checkpoint, monkeypatch, 9, "pndm", 0.75, STEPS, guider=guider)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    plain, _, _ = run_both(checkpoint, monkeypatch, 9, "pndm", 0.75, STEPS)
+    assert np.abs(plain - expected).max() > 1e-2  # the guider made the image
 
 
 @pytest.fixture(scope="module")
