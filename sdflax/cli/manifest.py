@@ -166,7 +166,7 @@ def image_key(settings) -> dict:
 
 
 def as_text(value):
-    return None if value is None else json.dumps(value) if isinstance(value, list) else str(value)
+    return None if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def check_records(records, lines, keys, out, folder) -> set:

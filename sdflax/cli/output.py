@@ -3,6 +3,7 @@ setting, and A1111's `parameters` line, which other image tools read."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -120,6 +121,10 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
         settings.update(lora=[path for path, _ in request.lora], lora_scale=[scale for _, scale in request.lora])
     if request.embedding:
         settings["embedding"] = list(request.embedding)
+    if checkpoint.guider is not None:  # its every argument, the defaults written out (JSON in the PNG)
+        settings.update(guider=type(checkpoint.guider).__name__, guider_args={
+            f.name: getattr(checkpoint.guider, f.name) for f in dataclasses.fields(checkpoint.guider)
+            if f.name != "guidance_scale"})
     if request.controlnet:  # lists, one entry per net in their order (JSON in the PNG)
         settings.update(controlnet=list(request.controlnet), control_image=list(request.control_image),
                         control_scale=list(checkpoint.control_scales))

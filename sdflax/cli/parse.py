@@ -104,6 +104,36 @@ def scheduler_argument(text):
     return text
 
 
+def guider_name(text):
+    """A guider's short name ("apg") or diffusers' class name."""
+    from ..guiders.names import guider_class
+
+    try:
+        guider_class(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def guider_argument(text):
+    """KEY=VALUE -> (KEY, VALUE): a number, true/false, none, or numbers separated by commas (a tuple)."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. momentum=-0.5), got {text!r:.60}")
+    words = {"true": True, "false": False, "none": None}
+    if value.strip().lower() in words:
+        return key.strip(), words[value.strip().lower()]
+    parts = value.split(",")
+    if not all(is_number(part) for part in parts):
+        raise argparse.ArgumentTypeError(f"{key.strip()}={value!r:.60}: expected a number, true, false, none or "
+                                         "numbers separated by commas")
+    numbers = tuple(int(p) if p.strip().lstrip("+-").isdigit() else float(p) for p in parts)
+    if not all(is_float32(n) for n in numbers):
+        raise argparse.ArgumentTypeError(f"{key.strip()}={value!r:.60}: must be finite as float32, the type the "
+                                         "programs compute in")
+    return key.strip(), numbers[0] if len(numbers) == 1 else numbers
+
+
 def build_parser(*more) -> argparse.ArgumentParser:
     """generate, img2img and inpaint; `more`: `add_command(subparsers)` functions of other commands (batch's)."""
     parser = Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
@@ -178,6 +208,12 @@ def add_options(command, image=False, exclude=()):
     add("--guidance", type=finite, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
              "inpaint)")
+    add("--guider", type=guider_name, metavar="NAME",
+        help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag (or "
+             "diffusers' class names); its guidance scale is --guidance's")
+    add("--guider-arg", action="append", default=[], type=guider_argument, metavar="KEY=VALUE",
+        help="an argument of --guider by diffusers' name or its last words (momentum=-0.5 for "
+             "adaptive_projected_guidance_momentum, start=0.2, eta=0); repeat for several")
     if image:
         add("--height", type=positive_int, metavar="H", help="resize the picture to H pixels high, a multiple of the "
             "VAE scale factor (default: its height, rounded down to a multiple)")

@@ -30,6 +30,7 @@ class Checkpoint:
     high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
     control_scales: tuple = ()  # one per --controlnet
     scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
+    guider: object = dataclasses.field(default=None, compare=False)  # --guider's, its scale the guidance
 
 
 def read_configs(folder):
@@ -105,8 +106,25 @@ def check_checkpoint(request, pictures, controls=None):
             (default,) * len(request.controlnet)
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
     checkpoint = Checkpoint(folder, local, commit, xl, cls, guidance, height, width, single_file, strength,
-                            high_noise_frac, scales, scheduler)
+                            high_noise_frac, scales, scheduler, make_guider(request, guidance))
     return checkpoint, pictures, controls
+
+
+def make_guider(request, guidance):
+    """--guider with its --guider-arg values, its guidance scale --guidance's (or the pipeline's default)."""
+    from ..guiders import guider_from_name
+
+    if request.guider is None:
+        if request.guider_arg:
+            raise UserError("--guider-arg applies with --guider: add --guider NAME, or drop it")
+        return None
+    arguments = dict(request.guider_arg)
+    if "guidance_scale" in arguments:
+        raise UserError("--guider-arg guidance_scale=...: give the scale as --guidance")
+    try:
+        return guider_from_name(request.guider, guidance_scale=guidance, **arguments)
+    except ValueError as e:
+        raise UserError(f"--guider {request.guider}: {e}") from None
 
 
 def check_refiner(request, xl, scheduler, vae) -> float:

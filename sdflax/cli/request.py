@@ -58,6 +58,8 @@ class Request:
     scheduler: str | None = None
     steps: int = 50
     guidance: float | None = None
+    guider: str | None = None  # sdflax.guiders' name, with `guider_arg` ((key, value), ...) its arguments
+    guider_arg: tuple = ()
     height: int | None = None
     width: int | None = None
     seed: int | None = None
@@ -74,7 +76,7 @@ class Request:
         """From an argparse Namespace: the fields it has (a command may lack some options), then `changes`."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values = {**values, **changes}
-        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "embedding"):
+        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "embedding", "guider_arg"):
             values[name] = tuple(values.get(name, ()))
         values["lora"] = tuple(tuple(pair) for pair in values.get("lora", ()))
         return cls(**values)

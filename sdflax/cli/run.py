@@ -222,6 +222,8 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     (pipeline, params) the base runs to --high-noise-frac and the refiner from there."""
     import jax
 
+    if checkpoint.guider is not None:
+        pipeline = pipeline.with_guider(checkpoint.guider)
     n = len(rows)
     ids = prompt_ids(pipeline, [r.prompt for r in rows], [r.prompt_2 for r in rows])
     # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
@@ -278,6 +280,8 @@ def refined(base, refiner, mesh, checkpoint, rows, keys):
     from ..parallel import replicate_on
 
     pipe, params = refiner
+    if checkpoint.guider is not None:
+        pipe = pipe.with_guider(checkpoint.guider)
     ids = pipe.prepare_inputs([r.prompt for r in rows])
     # No negative prompt: the refiner's own default (the empty prompt's embedding: it does not force zeros)
     negative = any(r.negative_prompt for r in rows)

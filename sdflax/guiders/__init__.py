@@ -5,6 +5,8 @@ from .apg import AdaptiveProjectedGuidance, AdaptiveProjectedMixGuidance
 from .base import Guider
 from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, MagnitudeAwareGuidance,
                   TangentialClassifierFreeGuidance)
+from .names import GUIDERS, guider_from_name
 
 __all__ = ["AdaptiveProjectedGuidance", "AdaptiveProjectedMixGuidance", "ClassifierFreeGuidance",
-           "ClassifierFreeZeroStarGuidance", "Guider", "MagnitudeAwareGuidance", "TangentialClassifierFreeGuidance"]
+           "ClassifierFreeZeroStarGuidance", "GUIDERS", "Guider", "MagnitudeAwareGuidance",
+           "TangentialClassifierFreeGuidance", "guider_from_name"]

@@ -1,0 +1,68 @@
+"""`--guider NAME --guider-arg KEY=VALUE`: the image the library makes with that guider, recorded in the PNG; bad
+guider input is one line and status 2, before anything loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_cli import TINY, assert_help_lists, one_error_line
+from test_cli_controlnet import as_the_cli, assert_close_to, run_cli_here
+
+from sdflax.cli import main
+
+
+def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
+    from sdflax import StableDiffusion
+    from sdflax.guiders import AdaptiveProjectedGuidance
+
+    result = run_cli_here(["generate", "a house", "--model", TINY, "--steps", "2", "--seed", "7", "--height", "32",
+                           "--width", "32", "--guidance", "10", "--guider", "apg", "--guider-arg", "momentum=-0.5",
+                           "--guider-arg", "eta=0", "--guider-arg", "norm_dim=-2,-1", "--no-progress", "--out",
+                           str(tmp_path / "out")], tmp_path, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    path = result.stdout.split()[0]
+    pipe, params = StableDiffusion.from_pretrained(TINY)
+    keys = as_the_cli(7)
+    ids, neg = pipe.prepare_inputs(["a house"] * len(keys)), pipe.prepare_inputs([""] * len(keys))
+    guider = AdaptiveProjectedGuidance(guidance_scale=10.0, adaptive_projected_guidance_momentum=-0.5, eta=0.0,
+                                       adaptive_projected_guidance_norm_dim=(-2, -1))
+    expected = pipe.with_guider(guider).generate_sharded(ids, params, keys, 2, neg_prompt_ids=neg, height=32,
+                                                         width=32)
+    assert_close_to(path, expected[0])
+    plain = pipe.generate_sharded(ids, params, keys, 2, guidance_scale=10.0, neg_prompt_ids=neg, height=32, width=32)
+    assert np.abs(plain[0] - expected[0]).max() > 0.02  # the guider made the image
+    text = Image.open(path).text
+    assert text["guider"] == "AdaptiveProjectedGuidance" and text["guidance_scale"] == "10.0"
+    assert json.loads(text["guider_args"]) == {
+        "adaptive_projected_guidance_momentum": -0.5, "adaptive_projected_guidance_rescale": 15.0,
+        "adaptive_projected_guidance_norm_dim": [-2, -1], "eta": 0, "guidance_rescale": 0.0,
+        "use_original_formulation": False, "start": 0.0, "stop": 1.0, "enabled": True}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--guider", "nope"], "argument --guider: unknown guider 'nope': one of cfg, apg"),
+    (["--guider", "apg", "--guider-arg", "momentum"], "argument --guider-arg: expected KEY=VALUE (e.g. "
+     "momentum=-0.5), got 'momentum'"),
+    (["--guider", "apg", "--guider-arg", "eta=x"], "argument --guider-arg: eta='x': expected a number, true, false"),
+    (["--guider", "apg", "--guider-arg", "eta=1e39"], "eta='1e39': must be finite as float32"),
+    (["--guider", "apg", "--guider-arg", "rescale=1"], "--guider apg: AdaptiveProjectedGuidance: 'rescale' matches "
+     "several of its arguments: adaptive_projected_guidance_rescale, guidance_rescale"),
+    (["--guider", "cfg", "--guider-arg", "momentum=1"], "--guider cfg: ClassifierFreeGuidance: 'momentum' is not "
+     "one of its arguments"),
+    (["--guider", "cfg", "--guider-arg", "start=1.5"], "--guider cfg: ClassifierFreeGuidance: start=1.5 must be in "
+     "[0, 1)"),
+    (["--guider", "cfg", "--guider-arg", "guidance_scale=3"], "--guider-arg guidance_scale=...: give the scale as "
+     "--guidance"),
+    (["--guider-arg", "eta=0"], "--guider-arg applies with --guider: add --guider NAME, or drop it"),
+])
+def test_bad_guider_input_is_one_line_and_status_2(args, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["generate", "a house", "--model", TINY, *args, "--out", str(tmp_path / "out")]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_help_lists_the_guider_options(capsys):
+    assert_help_lists(capsys, "--guider NAME", "--guider-arg KEY=VALUE")
