@@ -218,3 +218,32 @@ def test_the_gradient_through_a_guider_matches_central_differences(pipes):
     numeric = (value_and_grad(scale + h)[0] - value_and_grad(scale - h)[0]) / (2 * h)
     assert abs(float(numeric)) > 1e-5
     np.testing.assert_allclose(float(grad), float(numeric), rtol=1e-3)
+
+
+@pytest.mark.parametrize("pipes", ["sd1"], indirect=True)
+def test_guiders_compose_with_hooks_and_refuse_a_second_combiner(pipes):
+    from sdflax.hooks import freeu
+    from sdflax.hooks.pag import perturbed_attention_guidance
+
+    _, theirs, ours, params, latents = pipes
+    kwargs = {"guidance_scale": 10.0, "adaptive_projected_guidance_momentum": -0.5, "eta": 0.0}
+    guider = guiders.AdaptiveProjectedGuidance(**kwargs)
+    hooked = ours.with_guider(guider).with_hooks(freeu(0.9, 0.2, 1.2, 1.4))
+    assert [type(h).__name__ for h in hooked.hooks] == ["AdaptiveProjectedGuidance", "FreeU"]
+    assert hooked.with_guider(None).hooks == hooked.hooks[1:]
+    theirs.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+    try:
+        expected = diffusers_images(theirs, latents, theirs_guiders.AdaptiveProjectedGuidance(**kwargs))
+    finally:
+        theirs.disable_freeu()
+    assert np.abs(expected - diffusers_images(theirs, latents, theirs_guiders.AdaptiveProjectedGuidance(
+        **kwargs))).max() > MOVES
+    images = hooked(ours.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, latents=latents).images
+    np.testing.assert_allclose(images, expected, rtol=0, atol=ATOL)
+    guider = guiders.ClassifierFreeGuidance(guidance_scale=7.5)
+    with pytest.raises(ValueError, match="ClassifierFreeGuidance and PerturbedAttentionGuidance both combine the "
+                                         "UNet's predictions: give one"):
+        ours.with_guider(guider).with_hooks(perturbed_attention_guidance(3.0))(
+            ours.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, latents=latents)
+    with pytest.raises(TypeError, match="with_guider takes a guider from sdflax.guiders"):
+        ours.with_guider(guiders.ClassifierFreeGuidance)

@@ -140,22 +140,24 @@ class Pipeline:
         return pipeline
 
     def with_hooks(self, *hooks):
-        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost), sharing its compiled
-        programs; hooks that differ only in their numbers share a program. What they emit: `trajectory.hooks`."""
+        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost) in place of its hooks
+        (its guider stays), sharing its compiled programs; hooks that differ only in their numbers share a program.
+        What they emit: `trajectory.hooks`."""
         view = copy.copy(self)
-        view.hooks = tuple(hooks)
+        view.hooks = (*(hook for hook in self.hooks if isinstance(hook, Guider)), *hooks)
         return view
 
     def with_guider(self, guider):
         """This pipeline with `guider` (`sdflax.guiders`, diffusers' classes) combining the UNet's predictions in
-        every call, in place of the call's `guidance_scale` and `guidance_rescale`; sharing its compiled programs,
-        so a guider that differs only in its numbers (scales, momentum) never recompiles. Hooks stay."""
-        if not isinstance(guider, Guider):
+        every call, in place of the call's `guidance_scale` and `guidance_rescale` (None: none, the pipeline's own
+        guidance); sharing its compiled programs, so a guider that differs only in its numbers (scales, momentum)
+        never recompiles. Hooks stay."""
+        if guider is not None and not isinstance(guider, Guider):
             raise TypeError(f"with_guider takes a guider from sdflax.guiders (e.g. ClassifierFreeGuidance(7.5)), "
                             f"not {type(guider).__name__}")
         view = copy.copy(self)
-        view.hooks = (jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), guider),
-                      *(hook for hook in self.hooks if not isinstance(hook, Guider)))
+        guiders = () if guider is None else (jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), guider),)
+        view.hooks = (*guiders, *(hook for hook in self.hooks if not isinstance(hook, Guider)))
         return view
 
     # ---- what generate runs -------------------------------------------------------------------------------
