@@ -426,7 +426,7 @@ class SchedulerBase:
         name = type(self).__name__
         if kind not in self.custom_schedules:
             raise ValueError(f"{name} takes no custom {kind}, as its diffusers class: use a scheduler that does "
-                             "(euler takes timesteps and sigmas, dpmpp_2m, heun and ddpm timesteps)")
+                             "(euler takes timesteps and sigmas; dpmpp_2m, heun, ddpm, lcm and tcd timesteps)")
         if kind == "timesteps" and (schedule := sigma_schedule(self.config)) != "spaced":
             raise ValueError(f"timesteps with {name}'s {schedule} σ schedule: the σ schedule places the timesteps "
                              "(diffusers refuses it too): drop one of them")

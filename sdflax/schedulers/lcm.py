@@ -41,10 +41,15 @@ class ConsistencyScheduleConfig(common.ScheduleConfig):
 
 
 def check_steps(config: ConsistencyScheduleConfig, num_inference_steps) -> None:
-    """Raise unless 1 <= n <= original_inference_steps: the n steps are a subset of the distillation grid."""
+    """Raise unless 1 <= n <= original_inference_steps: the n steps are a subset of the distillation grid (or n
+    is the custom schedule's length: diffusers takes timesteps off the grid, and more of them, with a warning)."""
     n, T, steps = num_inference_steps, config.num_train_timesteps, config.original_inference_steps
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise TypeError(f"num_inference_steps must be an int, got {n!r}")
+    if (custom := common.custom_steps(config)) is not None:
+        if n != custom:
+            raise ValueError(f"num_inference_steps={n}, but the custom schedule has {custom} steps")
+        return
     if not 1 <= n <= T:
         raise ValueError(f"num_inference_steps must be in [1, {T}] (num_train_timesteps), got {n}")
     if n > steps:
@@ -56,6 +61,8 @@ def consistency_timesteps(config: ConsistencyScheduleConfig, num_inference_steps
     """The n timesteps, descending, int64: from the distillation grid t_j = j ⌊T/N⌋ - 1, j = 1..N (N =
     original_inference_steps), every (N/n)-th counted from the top, ⌊k N/n⌋ for k = 0..n-1 (diffusers' indices)."""
     check_steps(config, num_inference_steps)
+    if config.custom_timesteps is not None:  # as given (diffusers' `set_timesteps(timesteps=...)`)
+        return np.asarray(config.custom_timesteps, np.int64)
     T, N = config.num_train_timesteps, config.original_inference_steps
     grid = (np.arange(1, N + 1, dtype=np.int64) * (T // N) - 1)[::-1]
     indices = np.floor(np.linspace(0, N, num=num_inference_steps, endpoint=False)).astype(np.int64)
@@ -69,6 +76,8 @@ def alphas(config: ConsistencyScheduleConfig) -> np.ndarray:
 
 class ConsistencySampler(common.SchedulerBase):
     """What LCM and TCD share beyond the schedule: the step count check, identity input scaling, and noising."""
+
+    custom_schedules = ("timesteps",)  # each step goes to the next listed timestep, as diffusers' custom_timesteps
 
     def check_steps(self, num_inference_steps: int) -> None:
         check_steps(self.config, num_inference_steps)
