@@ -57,6 +57,10 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
     (["--guider", "cfg", "--guider-arg", "guidance_scale=3"], "--guider-arg guidance_scale=...: give the scale as "
      "--guidance"),
     (["--guider-arg", "eta=0"], "--guider-arg applies with --guider: add --guider NAME, or drop it"),
+    (["--guider", "fdg", "--guidance", "7"], "--guider fdg has a guidance scale per frequency level: give them as "
+     "--guider-arg guidance_scales=10,5 instead of --guidance"),
+    (["--guider", "fdg", "--guider-arg", "guidance_scales=10,5", "--guider-arg", "guidance_rescale=0,0,0"],
+     "--guider fdg: FrequencyDecoupledGuidance"),
 ])
 def test_bad_guider_input_is_one_line_and_status_2(args, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

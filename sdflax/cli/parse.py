@@ -209,8 +209,8 @@ def add_options(command, image=False, exclude=()):
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
              "inpaint)")
     add("--guider", type=guider_name, metavar="NAME",
-        help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag (or "
-             "diffusers' class names); its guidance scale is --guidance's")
+        help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag, fdg "
+             "(or diffusers' class names); its guidance scale is --guidance's")
     add("--guider-arg", action="append", default=[], type=guider_argument, metavar="KEY=VALUE",
         help="an argument of --guider by diffusers' name or its last words (momentum=-0.5 for "
              "adaptive_projected_guidance_momentum, start=0.2, eta=0); repeat for several")

@@ -113,6 +113,7 @@ def check_checkpoint(request, pictures, controls=None):
 def make_guider(request, guidance):
     """--guider with its --guider-arg values, its guidance scale --guidance's (or the pipeline's default)."""
     from ..guiders import guider_from_name
+    from ..guiders.names import guider_class
 
     if request.guider is None:
         if request.guider_arg:
@@ -121,8 +122,13 @@ def make_guider(request, guidance):
     arguments = dict(request.guider_arg)
     if "guidance_scale" in arguments:
         raise UserError("--guider-arg guidance_scale=...: give the scale as --guidance")
+    if any(f.name == "guidance_scale" for f in dataclasses.fields(guider_class(request.guider))):
+        arguments["guidance_scale"] = guidance
+    elif request.guidance is not None:  # FDG: a scale per frequency level
+        raise UserError(f"--guider {request.guider} has a guidance scale per frequency level: give them as "
+                        "--guider-arg guidance_scales=10,5 instead of --guidance")
     try:
-        return guider_from_name(request.guider, guidance_scale=guidance, **arguments)
+        return guider_from_name(request.guider, **arguments)
     except ValueError as e:
         raise UserError(f"--guider {request.guider}: {e}") from None
 

@@ -5,8 +5,9 @@ from .apg import AdaptiveProjectedGuidance, AdaptiveProjectedMixGuidance
 from .base import Guider
 from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, MagnitudeAwareGuidance,
                   TangentialClassifierFreeGuidance)
+from .fdg import FrequencyDecoupledGuidance
 from .names import GUIDERS, guider_from_name
 
 __all__ = ["AdaptiveProjectedGuidance", "AdaptiveProjectedMixGuidance", "ClassifierFreeGuidance",
-           "ClassifierFreeZeroStarGuidance", "GUIDERS", "Guider", "MagnitudeAwareGuidance",
+           "ClassifierFreeZeroStarGuidance", "FrequencyDecoupledGuidance", "GUIDERS", "Guider", "MagnitudeAwareGuidance",
            "TangentialClassifierFreeGuidance", "guider_from_name"]

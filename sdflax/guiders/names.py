@@ -8,6 +8,7 @@ import dataclasses
 from .apg import AdaptiveProjectedGuidance, AdaptiveProjectedMixGuidance
 from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, MagnitudeAwareGuidance,
                   TangentialClassifierFreeGuidance)
+from .fdg import FrequencyDecoupledGuidance
 
 GUIDERS = {
     "cfg": ClassifierFreeGuidance,
@@ -16,6 +17,7 @@ GUIDERS = {
     "cfg_zero_star": ClassifierFreeZeroStarGuidance,
     "tcfg": TangentialClassifierFreeGuidance,
     "mag": MagnitudeAwareGuidance,
+    "fdg": FrequencyDecoupledGuidance,
 }
 
 
