@@ -15,6 +15,12 @@ sd15|sdxl` keeps one family's jobs of a part, and `--deadline-s` stops launching
 passed (and stops a running one there), so a run never outlasts its time limit. The report is rewritten after
 every job: a run cut short keeps what it finished.
 
+On a TPU VM (`pip install "jax[tpu]" flax tokenizers huggingface_hub ml_dtypes pillow tqdm diffusers==0.39.0
+transformers torch --extra-index-url https://download.pytorch.org/whl/cpu`, then the command above without
+PYTHONPATH's /tmp/site): sdflax runs in bfloat16 with the Pallas flash attention kernel where its 128-token
+blocks fit (`Kernels.pallas_runs`), correctness compares it with PyTorch on the host's CPU, and the diffusers speed
+jobs are skipped (PyTorch has no TPU without torch_xla), so the speed rows are sdflax's alone.
+
 On the CPU (`--size tiny`, the default there) the same code runs on small models of the same architectures, one
 job per code path, in about two minutes on two cores; tests/test_accelerator_report.py does that daily, so the GPU
 path's code runs up to the device calls.
@@ -25,7 +31,8 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   `jax_default_matmul_precision="highest"` and PyTorch's TF32 off; bfloat16 against diffusers' bfloat16 and both
   against float32; the relative L2 error ‖ours − theirs‖ / ‖theirs‖ of each, against a stated bound (`ok`), and
   whether the output is finite and not constant. `attention`: each attention shape of the UNet at bfloat16, which
-  kernel sdflax picks on this device (`Kernels.attention_kernel`) and XLA's and cuDNN's results against float32.
+  kernel sdflax picks on this device (`Kernels.attention_kernel`) and XLA's, cuDNN's (NVIDIA) and Pallas's (TPU)
+  results against float64.
 - `speed`, each job in its own fresh process: sdflax (`auto`: cuDNN attention where it runs, or `xla`) and diffusers
   (SDPA, float16; `+compile`: its UNet through `torch.compile`) at the issue's settings (SD 1.5 512x512 50 PNDM
   steps, SDXL 1024x1024 30 Euler steps, the MLPerf setting: SDXL 1024x1024, 20 Euler steps, guidance 8, batch 8).
@@ -445,10 +452,12 @@ def attention_layers(configs, side):
         weights = np.exp(logits - logits.max(-1, keepdims=True))
         reference = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v64)
         row = {"kind": kind, "query_tokens": t, "key_tokens": s, "heads": heads, "head_dim": head_dim,
-               "kernel": kernels.attention_kernel(head_dim, jnp.bfloat16)}
-        for name in ("xla", "cudnn"):
-            if name == "cudnn" and not kernels.cudnn_runs(head_dim, jnp.bfloat16):
-                row[name] = None  # cuDNN does not run here: sdflax takes XLA
+               "kernel": kernels.attention_kernel(head_dim, jnp.bfloat16, t, s)}
+        runs = {"xla": True, "cudnn": kernels.cudnn_runs(head_dim, jnp.bfloat16),
+                "pallas": kernels.pallas_runs(t, s, jnp.bfloat16)}
+        for name, here in runs.items():
+            if not here:
+                row[name] = None  # the kernel does not run here (another device, or shapes): sdflax takes XLA
                 continue
             chosen = dataclasses.replace(kernels, attention=name)
             try:
@@ -628,6 +637,16 @@ def speed_diffusers(job, size, repeats):
 
 # ---- the parent -------------------------------------------------------------------------------------------------
 
+def device_platform() -> str:
+    """JAX's platform here ("cpu", "gpu", "tpu"), asked in a process of its own: a TPU belongs to one process at a
+    time, and each job's process needs it."""
+    done = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode:
+        raise SystemExit(f"JAX does not start here: {done.stderr.strip().splitlines()[-1:]}")
+    return done.stdout.strip()
+
+
 def provenance(args):
     from importlib.metadata import PackageNotFoundError, version
 
@@ -757,12 +776,11 @@ def main(argv=None):
         p.error(f"{out} exists: give a new file (the report never overwrites one)")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    platform = device_platform()
     if args.size is None:
-        import jax
-
-        args.size = "tiny" if jax.default_backend() == "cpu" else "full"
+        args.size = "tiny" if platform == "cpu" else "full"
     deadline = _START + args.deadline_s
-    report = {"schema": SCHEMA, "provenance": provenance(args), "correctness": {},
+    report = {"schema": SCHEMA, "provenance": {**provenance(args), "platform": platform}, "correctness": {},
               "speed": {"runs": [], "flops": []}, "errors": []}
     counts = {}  # setting -> its FLOP count, counted once
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -772,6 +790,11 @@ def main(argv=None):
                             if k in job)
             if time.perf_counter() > deadline:
                 report["errors"].append(f"{name}: not run, past the deadline")
+                write(report, out)
+                continue
+            if platform == "tpu" and job.get("framework", "").startswith("diffusers"):
+                report["errors"].append(f"{name}: not run on a TPU (PyTorch has none here; its correctness "
+                                        "reference runs on the host's CPU)")
                 write(report, out)
                 continue
             log(f"job: {name} ...")

@@ -111,7 +111,7 @@ def test_auto_attention_picks_cudnn_only_where_it_runs():
 
 def test_attention_implementation_is_checked():
     q = jnp.ones((1, 4, 2, 8))
-    with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn', 'pallas'\), got 'flash'"):
         dot_product_attention(q, q, q, kernels=layers.resolve_kernels("flash"))
     with pytest.raises(ValueError, match="cuDNN flash attention does not run on .* with float32 and head dim 8"):
         dot_product_attention(q, q, q, kernels=layers.resolve_kernels("cudnn"))
@@ -127,7 +127,7 @@ def test_kernels_are_resolved_once_into_one_hashable_value():
     assert dataclasses.replace(hopper, attention="xla").attention_kernel(80, jnp.bfloat16) == "xla"
     with pytest.raises(ValueError, match="attention='cudnn': cuDNN flash attention does not run on gpu with float32"):
         dataclasses.replace(hopper, attention="cudnn").attention_kernel(80, jnp.float32)
-    with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'cudnn', 'pallas'\), got 'flash'"):
         layers.Kernels("cpu", attention="flash")
 
 
@@ -196,3 +196,62 @@ def test_compiler_options_leave_what_xla_flags_set_to_the_user(xla_flags, expect
                           "print(json.dumps(compiler_options()))"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == expected
+
+
+def test_on_a_tpu_the_pallas_kernel_takes_the_layers_its_blocks_fit():
+    """TPU: Pallas flash attention where the query and key token counts are multiples of its 128-token blocks (SD's
+    self-attention at 4096, 1024 and 256 tokens), XLA for the 77-token cross-attention, the 64-token mid block and
+    the causal text encoder; a forced 'pallas' off a TPU, or in float16, is an error."""
+    tpu = layers.Kernels("tpu")
+    kernel = tpu.attention_kernel
+    assert [kernel(d, jnp.bfloat16, t, t) for d, t in ((40, 4096), (80, 1024), (160, 256))] == ["pallas"] * 3
+    assert kernel(40, jnp.bfloat16, 4096, 77) == "xla" and kernel(160, jnp.bfloat16, 64, 64) == "xla"
+    assert kernel(64, jnp.bfloat16) == "xla"  # no token counts: the causal text encoder
+    assert kernel(40, jnp.float32, 4096, 4096) == "pallas" and kernel(40, jnp.float16, 4096, 4096) == "xla"
+    assert dataclasses.replace(tpu, attention="xla").attention_kernel(40, jnp.bfloat16, 4096, 4096) == "xla"
+    forced = dataclasses.replace(tpu, attention="pallas")
+    assert forced.attention_kernel(40, jnp.bfloat16, 4096, 77) == "xla"  # forced: where its blocks fit
+    with pytest.raises(ValueError, match="attention='pallas': the Pallas flash attention kernel does not run on tpu "
+                                         "with float16"):
+        forced.attention_kernel(40, jnp.float16, 4096, 4096)
+    with pytest.raises(ValueError, match="does not run on gpu with bfloat16; it needs a TPU"):
+        layers.Kernels("gpu", "9.0", "pallas").attention_kernel(40, jnp.bfloat16, 4096, 4096)
+    assert layers.Kernels("gpu", "9.0").attention_kernel(40, jnp.bfloat16, 4096, 4096) == "cudnn"
+
+
+def test_the_pallas_path_pads_the_head_dim_and_equals_attention(monkeypatch):
+    """The Pallas path's own arithmetic (layout, the head dim zero-padded to 128 lanes, the scale of the true head
+    dim), with a plain attention in place of the TPU kernel, which runs only on a TPU."""
+    calls = []
+
+    def reference_kernel(q, k, v, sm_scale):  # (B, heads, T, d), as the Pallas kernel takes them
+        calls.append((q.shape, sm_scale))
+        weights = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) * sm_scale, axis=-1)
+        return jnp.einsum("bhqk,bhkd->bhqd", weights, v)
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 3, 40), dtype=np.float32)) for _ in range(3))
+    out = layers.pallas_attention(q, k, v, kernel=reference_kernel)
+    expected = dot_product_attention(q, k, v, kernels=layers.Kernels("gpu"))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert calls == [((2, 3, 256, 128), 1 / np.sqrt(40))]
+    pallas_attention = layers.pallas_attention
+    monkeypatch.setattr(layers, "pallas_attention", lambda q, k, v: pallas_attention(q, k, v, reference_kernel))
+    np.testing.assert_allclose(dot_product_attention(q, k, v, kernels=layers.Kernels("tpu")), expected, rtol=1e-5,
+                               atol=1e-6)
+    assert len(calls) == 2  # dot_product_attention took the Pallas path on a TPU's Kernels
+
+
+def test_the_pallas_kernel_lowers_for_a_tpu_here():
+    """The real kernel, lowered for a TPU on this machine (XLA's cross-platform lowering): SD 1.5's first
+    self-attention (4096 tokens, head dim 40, padded to 128) becomes the TPU kernel's custom call; its
+    cross-attention stays XLA's."""
+    tpu = layers.Kernels("tpu")
+
+    def lowered(t, s):
+        q, kv = jax.ShapeDtypeStruct((2, t, 8, 40), jnp.bfloat16), jax.ShapeDtypeStruct((2, s, 8, 40), jnp.bfloat16)
+        f = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, kernels=tpu))
+        return f.trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+
+    assert "tpu_custom_call" in lowered(4096, 4096)
+    assert "tpu_custom_call" not in lowered(4096, 77)

@@ -229,8 +229,8 @@ def add_options(command, image=False, exclude=()):
     add("--dtype", choices=("bfloat16", "float32"),
         help="weights and activations (default: bfloat16 on an accelerator, float32 on the CPU)")
     add("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
-        help="UNet attention: cuDNN flash attention where it runs (NVIDIA GPU, bfloat16), else XLA (auto, the "
-             "default), or either forced")
+        help="UNet attention: cuDNN flash attention where it runs (NVIDIA GPU, bfloat16), Pallas flash attention "
+             "where it runs (TPU, layers of multiples of 128 tokens), else XLA (auto, the default), or one forced")
     add("--controlnet", action="append", default=[], metavar="ID_OR_PATH",
         help="a ControlNet to steer by --control-image: hub id, diffusers folder, or an original-layout "
              ".safetensors/.pth file (SD 1.x/2.x); repeat for several nets")

@@ -288,3 +288,5 @@ def check_attention(request, backend, dtype):
     if request.attention == "cudnn" and attention_for(64, dtype) != "cudnn":
         raise UserError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 (here: {backend}, {dtype}): "
                         "use --attention auto")
+    if request.attention == "pallas" and backend != "tpu":
+        raise UserError(f"--attention pallas needs a TPU (here: {backend}): use --attention auto")

@@ -19,9 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 # How attention is computed. "xla": sdflax's einsum-softmax-einsum (fastest on the CPU); "cudnn": cuDNN's fused
-# flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "auto": cuDNN where it runs
-# for the call's head dimension and dtype (`Kernels.cudnn_runs`), XLA elsewhere.
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+# flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "pallas": JAX's Pallas flash
+# attention kernel for TPUs; "auto": cuDNN or Pallas where they run for the call's shapes and dtype
+# (`Kernels.cudnn_runs`, `Kernels.pallas_runs`), XLA elsewhere.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+# The Pallas TPU kernel's blocks: query and key lengths must be multiples of it, and head dims are zero-padded to it.
+PALLAS_BLOCK = 128
 # On the CPU, attention runs one (image, head) pair at a time, in blocks of queries whose float32 logits take at
 # most this many bytes, so that they stay near the caches while exp, the row sums and the product with v read them
 # (docs/performance.md: blocks of queries over every head at once wrote their logits to memory).
@@ -64,14 +67,29 @@ class Kernels:
         major = int(self.compute_capability.split(".")[0])
         return head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128)
 
-    def attention_kernel(self, head_dim: int, dtype) -> str:
-        """"cudnn" or "xla" for one attention call; a forced "cudnn" where it cannot run is an error."""
-        runs = self.cudnn_runs(head_dim, dtype)
-        if self.attention == "cudnn" and not runs:
+    def pallas_runs(self, query_tokens: int | None, key_tokens: int | None, dtype) -> bool:
+        """Whether JAX's Pallas flash attention kernel runs on a TPU: bfloat16 or float32, query and key lengths
+        multiples of its 128-token blocks (SD's self-attention at 4096, 1024 and 256 tokens; not the 77-token
+        cross-attention, nor 64 tokens, where XLA's fused attention is as good). Any head dim: it is zero-padded."""
+        return (self.platform == "tpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
+                and query_tokens is not None and key_tokens is not None
+                and query_tokens % PALLAS_BLOCK == 0 and key_tokens % PALLAS_BLOCK == 0)
+
+    def attention_kernel(self, head_dim: int, dtype, query_tokens: int | None = None,
+                         key_tokens: int | None = None) -> str:
+        """"cudnn", "pallas" or "xla" for one attention call; a forced kernel where it cannot run is an error."""
+        cudnn, pallas = self.cudnn_runs(head_dim, dtype), self.pallas_runs(query_tokens, key_tokens, dtype)
+        if self.attention == "cudnn" and not cudnn:
             raise ValueError(f"attention='cudnn': cuDNN flash attention does not run on {self.platform} with "
                              f"{jnp.dtype(dtype)} and head dim {head_dim}; it needs an NVIDIA GPU, bfloat16 or float16 "
                              "and a head dim that is a multiple of 8, at most 128 (256 from Hopper on): use 'auto'")
-        return "cudnn" if runs and self.attention != "xla" else "xla"
+        if self.attention == "pallas" and not self.pallas_runs(PALLAS_BLOCK, PALLAS_BLOCK, dtype):
+            raise ValueError(f"attention='pallas': the Pallas flash attention kernel does not run on {self.platform} "
+                             f"with {jnp.dtype(dtype)}; it needs a TPU and bfloat16 or float32 (and takes the layers "
+                             f"whose token counts are multiples of {PALLAS_BLOCK}, XLA the others): use 'auto'")
+        if self.attention in ("auto", "cudnn") and cudnn:
+            return "cudnn"
+        return "pallas" if self.attention in ("auto", "pallas") and pallas else "xla"
 
 
 def resolve_kernels(attention: str = "auto", device=None) -> Kernels:
@@ -92,8 +110,11 @@ def dot_product_attention(q, k, v, *, causal=False, upcast=True, kernels: Kernel
     `kernels` defaults to `resolve_kernels()` for calls outside the models, which always pass theirs."""
     kernels = kernels or resolve_kernels()
     dtype = v.dtype
-    if kernels.attention_kernel(q.shape[-1], q.dtype) == "cudnn":  # its softmax accumulates in float32 always
+    kernel = kernels.attention_kernel(q.shape[-1], q.dtype, *((None, None) if causal else (q.shape[1], k.shape[1])))
+    if kernel == "cudnn":  # its softmax accumulates in float32 always
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(dtype)
+    if kernel == "pallas":
+        return pallas_attention(q, k, v)
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)  # on q, not on the (T, S) logits: T·S/d fewer products
@@ -109,6 +130,18 @@ def _attention(q, k, v, *, causal, dtype):
         logits = jnp.where(jnp.tril(jnp.ones((t_q, t_k), bool)), logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def pallas_attention(q, k, v, kernel=None):
+    """Non-causal attention through JAX's Pallas flash attention kernel for TPUs (`kernel(q, k, v, sm_scale=)` on
+    (B, heads, T, d) arrays; its softmax in float32). The head dim is zero-padded to the kernel's 128 lanes: zero
+    columns of q and k add nothing to q kᵀ, and those of v give output columns that are dropped."""
+    if kernel is None:
+        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention as kernel
+    d = q.shape[-1]
+    pad = ((0, 0), (0, 0), (0, 0), (0, -d % PALLAS_BLOCK))
+    q, k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (q, k, v))
+    return kernel(q, k, v, sm_scale=1 / math.sqrt(d)).transpose(0, 2, 1, 3)[..., :d].astype(v.dtype)
 
 
 def _cpu_attention(q, k, v, dtype):
