@@ -163,62 +163,27 @@ def test_align_your_steps_for_any_step_count_is_log_linear_in_the_levels(family,
                                   common.sigma_to_t(expected[:-1], np.log(train)).astype(np.int64))
 
 
-def test_ddpm_custom_timesteps_equal_diffusers_step_by_step(monkeypatch):
-    """diffusers' DDPMScheduler.set_timesteps(timesteps=...) steps from each listed timestep to the next (the last to
-    ᾱ = 1); sdflax's DDPM the same, fed the same noise, and the list moves diffusers' samples from its spacing."""
+@pytest.mark.parametrize("name, config, timesteps", [
+    ("DDPMScheduler", {"clip_sample": False}, [999, 850, 600, 310, 90]),
+    ("LCMScheduler", {}, [999, 759, 510, 259]),  # 510 is off LCM's grid of 50 (j·20 − 1): diffusers warns, runs it
+    ("TCDScheduler", {"eta": 0.3}, [999, 759, 510, 259]),
+])
+def test_timesteps_equal_diffusers_step_by_step(monkeypatch, name, config, timesteps):
+    """diffusers' DDPM, LCM and TCD `set_timesteps(timesteps=...)` step from each listed timestep to the next (the
+    last to ᾱ = 1 or x̂₀); sdflax's the same, fed the same noise, and the list moves diffusers' samples from its
+    spacing."""
     import diffusers
-    from diffusers.schedulers import scheduling_ddpm
-
-    from sdflax.schedulers import DDPMScheduler
-
-    config = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "clip_sample": False}
-    timesteps, shape = [999, 850, 600, 310, 90], (1, 4, 8, 8)
-    rng = np.random.default_rng(0)
-    x_t = rng.standard_normal(shape).astype(np.float32)
-    noises = rng.standard_normal((len(timesteps), *shape)).astype(np.float32)
-
-    def model(x, t):  # a stand-in UNet on numpy, torch and jax arrays alike
-        return 0.9 * x + 0.02 * (t / 1000)
-
-    def diffusers_samples(**schedule):
-        scheduler = diffusers.DDPMScheduler.from_config(config)
-        scheduler.set_timesteps(**schedule)
-        drawn = iter(torch.from_numpy(z) for z in noises)
-        monkeypatch.setattr(scheduling_ddpm, "randn_tensor", lambda *args, **kwargs: next(drawn))
-        x, out = torch.from_numpy(x_t), []
-        for t in scheduler.timesteps:
-            x = scheduler.step(model(x, float(t)), t, x).prev_sample
-            out.append(x.numpy())
-        return np.stack(out)
-
-    scheduler = DDPMScheduler.from_config(config).with_schedule(timesteps=timesteps)
-    state = scheduler.set_timesteps(len(timesteps))
-    assert np.asarray(state.timesteps).tolist() == timesteps
-    x, ours = jnp.asarray(x_t), []
-    for i in range(len(timesteps)):
-        x, state = scheduler.step(state, model(x, float(state.timesteps[i])), i, x,
-                                  variance_noise=jnp.asarray(noises[i]))
-        ours.append(np.asarray(x))
-    expected = diffusers_samples(timesteps=timesteps)
-    np.testing.assert_allclose(np.stack(ours), expected, rtol=0, atol=1e-5)
-    assert np.abs(diffusers_samples(num_inference_steps=len(timesteps)) - expected).max() > 1e-2
-
-
-@pytest.mark.parametrize("name, config", [("LCMScheduler", {}), ("TCDScheduler", {"eta": 0.3})])
-def test_lcm_and_tcd_custom_timesteps_equal_diffusers_step_by_step(monkeypatch, name, config):
-    """diffusers' LCMScheduler / TCDScheduler `set_timesteps(timesteps=...)`: each step to the next listed timestep
-    (on the distillation grid or off it: diffusers warns and runs it), the re-noising fed the same noise."""
-    import diffusers
-    from diffusers.schedulers import scheduling_lcm, scheduling_tcd
+    from diffusers.schedulers import scheduling_ddpm, scheduling_lcm, scheduling_tcd
 
     from sdflax import schedulers
 
     schedule = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", **config}
-    timesteps, shape = [999, 759, 510, 259], (1, 4, 8, 8)  # 510 is off LCM's grid of 50 (j·20 − 1)
+    shape = (1, 4, 8, 8)
     rng = np.random.default_rng(0)
     x_t = rng.standard_normal(shape).astype(np.float32)
     noises = rng.standard_normal((len(timesteps), *shape)).astype(np.float32)
-    module = {"LCMScheduler": scheduling_lcm, "TCDScheduler": scheduling_tcd}[name]
+    module = {"DDPMScheduler": scheduling_ddpm, "LCMScheduler": scheduling_lcm, "TCDScheduler": scheduling_tcd}[name]
+    extra = {"eta": config["eta"]} if "eta" in config else {}  # TCD's eta goes to diffusers' step
 
     def model(x, t):  # a stand-in UNet on numpy, torch and jax arrays alike
         return 0.9 * x + 0.02 * (t / 1000)
@@ -230,7 +195,6 @@ def test_lcm_and_tcd_custom_timesteps_equal_diffusers_step_by_step(monkeypatch, 
         monkeypatch.setattr(module, "randn_tensor", lambda *args, **kwargs: next(drawn))
         x, out = torch.from_numpy(x_t), []
         for t in scheduler.timesteps:
-            extra = {"eta": config["eta"]} if "eta" in config else {}
             x = scheduler.step(model(x, float(t)), t, x, **extra).prev_sample
             out.append(x.numpy())
         return np.stack(out)

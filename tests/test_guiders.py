@@ -14,6 +14,7 @@ import pytest
 import torch
 from builders import torch_pipeline, torch_xl_pipeline
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+from run_modes_worker import compiles_during
 
 from sdflax import StableDiffusion, StableDiffusionXL, guiders, replicate, shard
 
@@ -46,6 +47,18 @@ def guided_by(pipe, guider, num_steps):
         yield
     finally:
         del unet.forward
+
+
+def both_guided(theirs, ours, guider, steps, strength=1.0):
+    """(diffusers' pipeline guided by `guider` (a class name and its arguments) for the steps `strength` leaves, as
+    diffusers' get_timesteps counts them, or no context without one; the guidance scale to call it with; sdflax's
+    pipeline with the guider), for the img2img and inpainting parity tests."""
+    if guider is None:
+        return contextlib.nullcontext(), 7.5, ours
+    name, kwargs = guider
+    steps_left = min(int(steps * strength), steps)
+    return (guided_by(theirs, getattr(theirs_guiders, name)(**kwargs), steps_left), 2.0,
+            ours.with_guider(getattr(guiders, name)(**kwargs)))
 
 
 @pytest.fixture(scope="module", params=["sd1", "sdxl"])
@@ -146,21 +159,6 @@ def test_the_interval_counts_evaluations_with_a_two_evaluation_sampler(tmp_path)
     images = ours.with_guider(guiders.ClassifierFreeGuidance(**kwargs))(
         ours.prepare_inputs(PROMPTS), params, jax.random.key(0), steps, latents=latents).images
     np.testing.assert_allclose(images, expected, rtol=0, atol=ATOL)
-
-
-def compiles_during(fn):
-    """(fn's result, the number of XLA compiles it caused)."""
-    events = []
-
-    def listener(name, *_, **__):
-        if name == "/jax/core/compile/backend_compile_duration":
-            events.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        return fn(), len(events)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.mark.parametrize("pipes", ["sd1"], indirect=True)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
-import diffusers.guiders
 import numpy as np
 import pytest
 import torch
 from builders import torch_pipeline
-from test_guiders import guided_by
+from test_guiders import both_guided
 
 import jax
 
-from sdflax import StableDiffusionImg2Img, guiders
+from sdflax import StableDiffusionImg2Img
 
 ATOL = 1e-3  # images in [0, 1], float32
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a watercolor of a lighthouse"]
@@ -63,15 +60,10 @@ def run_both(checkpoint, monkeypatch, scheduler, strength, steps, schedule=None,
     draws = {"posterior": torch.from_numpy(posterior), "noise": torch.from_numpy(noise)}
     monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: draws["posterior"])
     monkeypatch.setattr(torch_img2img_module, "randn_tensor", lambda *a, **k: draws["noise"])
-    guided = contextlib.nullcontext()
-    if guider is not None:  # diffusers counts the steps left after strength
-        name, kwargs = guider
-        steps_left = min(int(steps * strength), steps)  # diffusers' get_timesteps
-        guided = guided_by(theirs, getattr(diffusers.guiders, name)(**kwargs), steps_left)
-        pipe = pipe.with_guider(getattr(guiders, name)(**kwargs))
+    guided, their_scale, pipe = both_guided(theirs, pipe, guider, steps, strength)
     with torch.no_grad(), guided:
         expected = theirs(PROMPTS, image=torch.from_numpy(image), strength=strength,
-                          guidance_scale=7.5 if guider is None else 2.0, negative_prompt=NEGATIVE, output_type="np",
+                          guidance_scale=their_scale, negative_prompt=NEGATIVE, output_type="np",
                           **(schedule or {"num_inference_steps": steps})).images
     ours = pipe(ids, image, params, key, strength=strength, noise=noise, neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
                 **(schedule or {"num_inference_steps": steps})).images

@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-import contextlib
-
-import diffusers.guiders
 import numpy as np
 import pytest
 import torch
 from builders import SD1, saved, torch_pipeline, torch_unet
-from test_guiders import guided_by
+from test_guiders import both_guided
 
 import jax
 import jax.numpy as jnp
 
-from sdflax import StableDiffusionInpaint, guiders, replicate, sampling, shard
+from sdflax import StableDiffusionInpaint, replicate, sampling, shard
 from sdflax import random_draws
 from sdflax.schedulers import DDIMScheduler
 
@@ -84,15 +81,10 @@ def run_both(checkpoint, monkeypatch, unet_channels, scheduler, strength, steps,
     posterior = [torch.from_numpy(np.array(eps)) for eps in posterior]
     monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: posterior.pop(0))
     monkeypatch.setattr(torch_inpaint_module, "randn_tensor", lambda *a, **k: torch.from_numpy(np.array(noise)))
-    guided = contextlib.nullcontext()
-    if guider is not None:  # diffusers counts the steps left after strength
-        name, kwargs = guider
-        steps_left = min(int(steps * strength), steps)  # diffusers' get_timesteps
-        guided = guided_by(theirs, getattr(diffusers.guiders, name)(**kwargs), steps_left)
-        pipe = pipe.with_guider(getattr(guiders, name)(**kwargs))
+    guided, their_scale, pipe = both_guided(theirs, pipe, guider, steps, strength)
     with torch.no_grad(), guided:
         expected = theirs(PROMPTS, image=torch.from_numpy(image), mask_image=torch.from_numpy(masks[:, None]),
-                          strength=strength, num_inference_steps=steps, guidance_scale=7.5 if guider is None else 2.0,
+                          strength=strength, num_inference_steps=steps, guidance_scale=their_scale,
                           height=SIZE, width=SIZE, negative_prompt=NEGATIVE, output_type="np").images
     assert not posterior, "diffusers drew fewer posterior samples than expected"
     ours = pipe(ids, image, mask, params, key, strength=strength, num_inference_steps=steps,
