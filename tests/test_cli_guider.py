@@ -46,7 +46,15 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
     (["--guider", "nope"], "argument --guider: unknown guider 'nope': one of cfg, apg"),
     (["--guider", "apg", "--guider-arg", "momentum"], "argument --guider-arg: expected KEY=VALUE (e.g. "
      "momentum=-0.5), got 'momentum'"),
-    (["--guider", "apg", "--guider-arg", "eta=x"], "argument --guider-arg: eta='x': expected a number, true, false"),
+    (["--guider", "apg", "--guider-arg", "eta=x"], "--guider apg: AdaptiveProjectedGuidance: eta='x': expected a "
+     "number, true, false"),
+    (["--guider", "pag", "--guider-arg", "config=mid_block:x"], "--guider pag: PerturbedAttentionGuidance: "
+     "perturbed_guidance_config='mid_block:x': expected a layer list and its indices, e.g. "
+     "mid_block.attentions.0.transformer_blocks:0"),
+    (["--guider", "pag"], "--guider pag: perturbed_guidance_config: give perturbed_guidance_config=LayerSkipConfig("),
+    (["--guider", "seg", "--guider-arg", "config=down_blocks.9.attentions.0.transformer_blocks:0"],
+     "sdflax: error: seg_guidance_config: 'down_blocks.9.attentions.0.transformer_blocks.0' is no module of this "
+     "UNet with attention layers in it"),
     (["--guider", "apg", "--guider-arg", "eta=1e39"], "eta='1e39': must be finite as float32"),
     (["--guider", "apg", "--guider-arg", "rescale=1"], "--guider apg: AdaptiveProjectedGuidance: 'rescale' matches "
      "several of its arguments: adaptive_projected_guidance_rescale, guidance_rescale"),
@@ -64,9 +72,20 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
 ])
 def test_bad_guider_input_is_one_line_and_status_2(args, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["generate", "a house", "--model", TINY, *args, "--out", str(tmp_path / "out")]) == 2
+    assert main(["generate", "a house", "--model", TINY, *args, "--no-progress", "--out", str(tmp_path / "out")]) == 2
     assert expected in one_error_line(capsys)
 
 
 def test_help_lists_the_guider_options(capsys):
     assert_help_lists(capsys, "--guider NAME", "--guider-arg KEY=VALUE")
+
+
+def test_a_layer_config_in_words_is_the_guiders_config():
+    from sdflax.cli.parse import guider_argument
+    from sdflax.guiders import LayerSkipConfig, PerturbedAttentionGuidance, guider_from_name
+
+    key, value = guider_argument("config=mid_block.attentions.0.transformer_blocks:0,1")
+    assert guider_from_name("pag", **{key: value}, perturbed_guidance_scale=3.0) == PerturbedAttentionGuidance(
+        perturbed_guidance_scale=3.0, perturbed_guidance_config=LayerSkipConfig(
+            indices=[0, 1], fqn="mid_block.attentions.0.transformer_blocks", skip_attention=False,
+            skip_attention_scores=True, skip_ff=False))

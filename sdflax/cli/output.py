@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import math
 import os
 import re
@@ -123,7 +122,7 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
         settings["embedding"] = list(request.embedding)
     if checkpoint.guider is not None:  # its every argument, the defaults written out (JSON in the PNG)
         settings.update(guider=type(checkpoint.guider).__name__, guider_args={
-            f.name: getattr(checkpoint.guider, f.name) for f in dataclasses.fields(checkpoint.guider)
+            f.name: plain(getattr(checkpoint.guider, f.name)) for f in dataclasses.fields(checkpoint.guider)
             if f.name != "guidance_scale"})
     if request.controlnet:  # lists, one entry per net in their order (JSON in the PNG)
         settings.update(controlnet=list(request.controlnet), control_image=list(request.control_image),
@@ -131,6 +130,13 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
         if request.controlnet_config:  # one per original-layout file of `controlnet`
             settings["controlnet_config"] = list(request.controlnet_config)
     return settings
+
+
+def plain(value):
+    """A guider's argument as JSON holds it: layer configs as dicts, tuples as lists."""
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def png_info(settings):

@@ -116,7 +116,8 @@ def guider_name(text):
 
 
 def guider_argument(text):
-    """KEY=VALUE -> (KEY, VALUE): a number, true/false, none, or numbers separated by commas (a tuple)."""
+    """KEY=VALUE -> (KEY, VALUE): a number, true/false, none, numbers separated by commas (a tuple), or words
+    (a layer config, "FQN:INDICES", which the guider reads)."""
     key, equals, value = text.partition("=")
     if not equals or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. momentum=-0.5), got {text!r:.60}")
@@ -125,8 +126,7 @@ def guider_argument(text):
         return key.strip(), words[value.strip().lower()]
     parts = value.split(",")
     if not all(is_number(part) for part in parts):
-        raise argparse.ArgumentTypeError(f"{key.strip()}={value!r:.60}: expected a number, true, false, none or "
-                                         "numbers separated by commas")
+        return key.strip(), value.strip()
     numbers = tuple(int(p) if p.strip().lstrip("+-").isdigit() else float(p) for p in parts)
     if not all(is_float32(n) for n in numbers):
         raise argparse.ArgumentTypeError(f"{key.strip()}={value!r:.60}: must be finite as float32, the type the "
@@ -209,11 +209,13 @@ def add_options(command, image=False, exclude=()):
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
              "inpaint)")
     add("--guider", type=guider_name, metavar="NAME",
-        help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag, fdg "
-             "(or diffusers' class names); its guidance scale is --guidance's")
+        help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag, fdg, "
+             "pag, seg, slg, autoguidance (or diffusers' class names); its guidance scale is --guidance's")
     add("--guider-arg", action="append", default=[], type=guider_argument, metavar="KEY=VALUE",
         help="an argument of --guider by diffusers' name or its last words (momentum=-0.5 for "
-             "adaptive_projected_guidance_momentum, start=0.2, eta=0); repeat for several")
+             "adaptive_projected_guidance_momentum, start=0.2, eta=0; the layers pag, seg, slg and autoguidance "
+             "perturb as config=FQN:INDICES, e.g. config=mid_block.attentions.0.transformer_blocks:0); repeat for "
+             "several")
     if image:
         add("--height", type=positive_int, metavar="H", help="resize the picture to H pixels high, a multiple of the "
             "VAE scale factor (default: its height, rounded down to a multiple)")

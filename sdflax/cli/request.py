@@ -21,14 +21,15 @@ def input_errors() -> tuple[type, ...]:
     """The library's error types for bad files and arguments: their message is the one line a user sees, wherever
     in a command they are raised (imported late: they are only needed once something failed)."""
     from ..checkpoint_files import CheckpointFileError
+    from ..hooks.core import LayerError
     from ..hub import ModelNotFoundError
     from ..lora import LoraMismatchError
     from ..models.config import ConfigError
     from ..single_file import SingleFileError
     from ..weights import CheckpointMismatchError
 
-    return CheckpointFileError, ConfigError, CheckpointMismatchError, LoraMismatchError, ModelNotFoundError, \
-        SingleFileError
+    return CheckpointFileError, ConfigError, CheckpointMismatchError, LayerError, LoraMismatchError, \
+        ModelNotFoundError, SingleFileError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,10 @@ from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, Magnit
                   TangentialClassifierFreeGuidance)
 from .fdg import FrequencyDecoupledGuidance
 from .names import GUIDERS, guider_from_name
+from .perturbed import (AutoGuidance, LayerSkipConfig, PerturbedAttentionGuidance, SkipLayerGuidance,
+                        SmoothedEnergyGuidance, SmoothedEnergyGuidanceConfig)
 
-__all__ = ["AdaptiveProjectedGuidance", "AdaptiveProjectedMixGuidance", "ClassifierFreeGuidance",
-           "ClassifierFreeZeroStarGuidance", "FrequencyDecoupledGuidance", "GUIDERS", "Guider", "MagnitudeAwareGuidance",
-           "TangentialClassifierFreeGuidance", "guider_from_name"]
+__all__ = ["AdaptiveProjectedGuidance", "AdaptiveProjectedMixGuidance", "AutoGuidance", "ClassifierFreeGuidance",
+           "ClassifierFreeZeroStarGuidance", "FrequencyDecoupledGuidance", "GUIDERS", "Guider", "LayerSkipConfig",
+           "MagnitudeAwareGuidance", "PerturbedAttentionGuidance", "SkipLayerGuidance", "SmoothedEnergyGuidance",
+           "SmoothedEnergyGuidanceConfig", "TangentialClassifierFreeGuidance", "guider_from_name"]

@@ -1,5 +1,6 @@
 """Guiders by name, with their arguments in words a command line can carry: `guider_from_name("apg",
-momentum=-0.5)` is `AdaptiveProjectedGuidance(adaptive_projected_guidance_momentum=-0.5)`."""
+momentum=-0.5)` is `AdaptiveProjectedGuidance(adaptive_projected_guidance_momentum=-0.5)`, and a layer config
+as "FQN:INDICES" (`guider_from_name("pag", config="mid_block.attentions.0.transformer_blocks:0")`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from .apg import AdaptiveProjectedGuidance, AdaptiveProjectedMixGuidance
 from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, MagnitudeAwareGuidance,
                   TangentialClassifierFreeGuidance)
 from .fdg import FrequencyDecoupledGuidance
+from .perturbed import AutoGuidance, PerturbedAttentionGuidance, SkipLayerGuidance, SmoothedEnergyGuidance
 
 GUIDERS = {
     "cfg": ClassifierFreeGuidance,
@@ -18,6 +20,10 @@ GUIDERS = {
     "tcfg": TangentialClassifierFreeGuidance,
     "mag": MagnitudeAwareGuidance,
     "fdg": FrequencyDecoupledGuidance,
+    "pag": PerturbedAttentionGuidance,
+    "seg": SmoothedEnergyGuidance,
+    "slg": SkipLayerGuidance,
+    "autoguidance": AutoGuidance,
 }
 
 
@@ -52,8 +58,20 @@ def guider_from_name(name: str, **arguments):
         full = argument_name(cls, key)
         if full in resolved:
             raise ValueError(f"{cls.__name__}: {full} given twice")
-        resolved[full] = value
+        resolved[full] = layer_config(cls, full, value) if isinstance(value, str) else value
     try:
         return cls(**resolved)
     except TypeError as e:
         raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+def layer_config(cls, name: str, text: str) -> dict:
+    """A layer config's words, "FQN" or "FQN:I,J" (indices 0 by default) -> {"fqn": FQN, "indices": [I, J]}: what
+    the guiders that perturb layers take as `*_config`. Only those arguments take words."""
+    fqn, _, indices = text.partition(":")
+    parts = [part.strip() for part in indices.split(",")] if indices else ["0"]
+    if not name.endswith("_config") or not fqn or not all(part.lstrip("-").isdigit() for part in parts):
+        what = ("a layer list and its indices, e.g. mid_block.attentions.0.transformer_blocks:0"
+                if name.endswith("_config") else "a number, true, false, none or numbers separated by commas")
+        raise ValueError(f"{cls.__name__}: {name}={text!r:.60}: expected {what}")
+    return {"fqn": fqn.strip(), "indices": [int(part) for part in parts]}

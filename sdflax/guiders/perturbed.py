@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..hooks import pag
-from ..hooks.core import checkpoint_name, layer_list
+from ..hooks.core import LayerError, checkpoint_name, layer_list
 from ..models.layers import Attention
 from ..models.unet import BasicTransformerBlock, UNet2DConditionModel
 from .base import Guider, cfg, off_at, rescale, static
@@ -195,16 +195,16 @@ class PerturbsLayers(Guider):
         stacks = {name.rsplit(".", 2)[0] for name in sites if name.endswith("attn1")}
         for prefix, kinds in self.layers():
             if not any(name.startswith(prefix + ".") for name in sites):
-                raise ValueError(f"{self.config_field}: {prefix!r:.80} is no module of this UNet with attention "
+                raise LayerError(f"{self.config_field}: {prefix!r:.80} is no module of this UNet with attention "
                                  f"layers in it: give fqn and indices of a list such as {layer_list(stacks)}")
             if "block" in kinds and prefix + ".attn1" not in sites:
-                raise ValueError(f"{self.config_field}: {prefix!r:.80} is no transformer block, which skipping both "
+                raise LayerError(f"{self.config_field}: {prefix!r:.80} is no transformer block, which skipping both "
                                  f"attention and feed-forward skips: give fqn of a list such as {layer_list(stacks)}")
 
     def condition(self, cond, settings):
         if not (self.enabled and self.extra_predictions):
             return cond
-        return pag.PerturbedAttentionGuidance.condition(self, cond, settings)  # the conditional rows once more
+        return pag.with_perturbed_copy(cond, settings)
 
     def attend(self, site, attend, q, k, v):
         if not site.self_attention:

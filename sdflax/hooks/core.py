@@ -38,7 +38,11 @@ import jax.numpy as jnp
 from ..models.layers import Attention
 from ..sampling import Scope, current_scope
 
-__all__ = ["Hook", "Scope", "Site", "checkpoint_name", "current_scope", "intercept"]
+__all__ = ["Hook", "LayerError", "Scope", "Site", "checkpoint_name", "current_scope", "intercept"]
+
+
+class LayerError(ValueError):
+    """A hook or guider names a layer the UNet has not (found once the UNet is traced): it would do nothing."""
 
 @dataclasses.dataclass(frozen=True)
 class Site:
@@ -98,7 +102,7 @@ class Hook:
         return None
 
     def check_layers(self, sites):
-        """Raise a ValueError naming the setting if a layer the hook names is not among `sites`, the names of the
+        """Raise a LayerError naming the setting if a layer the hook names is not among `sites`, the names of the
         layers the UNet called it at (known once the UNet is traced): an unknown name would do nothing."""
 
     carries = False  # whether it reads and writes memory across evaluations

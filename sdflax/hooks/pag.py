@@ -17,7 +17,7 @@ import flax
 import jax.numpy as jnp
 
 from .. import sampling
-from .core import Hook, layer_list
+from .core import Hook, LayerError, layer_list
 
 
 @flax.struct.dataclass
@@ -33,14 +33,11 @@ class PerturbedAttentionGuidance(Hook):
         for layer in self.layers:
             if not any(matches(layer, name) for name in own):
                 blocks = {name.split(".transformer_blocks")[0] for name in own}
-                raise ValueError(f"pag_applied_layers: {layer!r:.60} matches no self-attention layer of this UNet: "
+                raise LayerError(f"pag_applied_layers: {layer!r:.60} matches no self-attention layer of this UNet: "
                                  f"give a part of their names, e.g. 'mid' or one of {layer_list(blocks)}")
 
-    def condition(self, cond, settings):  # [uncond; cond] -> [uncond; cond; cond], or [cond] -> [cond; cond]
-        def extend(x):
-            return jnp.concatenate([x, jnp.split(x, 2)[1] if settings.classifier_free_guidance else x])
-        return cond._replace(context=extend(cond.context),
-                             unet_kwargs={name: extend(v) for name, v in cond.unet_kwargs.items()})
+    def condition(self, cond, settings):
+        return with_perturbed_copy(cond, settings)
 
     def attend(self, site, attend, q, k, v):
         if not (site.self_attention and self.applies(site.name)):
@@ -57,6 +54,15 @@ class PerturbedAttentionGuidance(Hook):
         guided = (settings.guidance or sampling.classifier_free_guidance)(rest[0], cond, scale)
         guided = guided + self.scale * (cond - perturbed)
         return sampling.rescale(guided, cond, jnp.asarray(inputs.guidance_rescale, jnp.float32))
+
+
+def with_perturbed_copy(cond, settings):
+    """The conditioning with the conditional rows once more, for the perturbed chunk: [uncond; cond] ->
+    [uncond; cond; cond], or [cond] -> [cond; cond]."""
+    def extend(x):
+        return jnp.concatenate([x, jnp.split(x, 2)[1] if settings.classifier_free_guidance else x])
+    return cond._replace(context=extend(cond.context),
+                         unet_kwargs={name: extend(v) for name, v in cond.unet_kwargs.items()})
 
 
 def matches(layer, name) -> bool:
