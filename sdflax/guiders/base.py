@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from .. import sampling
 from ..hooks.core import Hook
 
-__all__ = ["Guider", "cfg", "norm", "norm_axes", "off_at", "rescale", "static"]
+__all__ = ["Guider", "cfg", "check_interval", "norm", "norm_axes", "off_at", "rescale", "static"]
 
 
 def static(default):
@@ -35,13 +35,7 @@ class Guider(Hook):
     extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
 
     def __post_init__(self):
-        start, stop = self.start, self.stop
-        if not 0.0 <= start < 1.0:
-            raise ValueError(f"{type(self).__name__}: start={start} must be in [0, 1): the fraction of the steps "
-                             "after which guidance begins")
-        if not start <= stop <= 1.0:
-            raise ValueError(f"{type(self).__name__}: stop={stop} must be in [start, 1] = [{start}, 1]: the fraction "
-                             "of the steps after which guidance ends")
+        check_interval(type(self).__name__, self.start, self.stop)
 
     def in_interval(self, step, num_steps):
         """Whether guidance runs at evaluation `step` (traced) of `num_steps` (diffusers' `is_within_range`)."""
@@ -53,6 +47,16 @@ class Guider(Hook):
             return outputs[0]
         uncond, cond, *extra = outputs
         return self.guide(cond, uncond, *extra, step=scope.step, num_steps=scope.num_steps)
+
+
+def check_interval(name, start, stop, where=""):
+    """diffusers' checks of a guidance interval, in one line each (`where`: which level of several)."""
+    if not 0.0 <= start < 1.0:
+        raise ValueError(f"{name}: start={start}{where} must be in [0, 1): the fraction of the steps after which "
+                         "guidance begins")
+    if not start <= stop <= 1.0:
+        raise ValueError(f"{name}: stop={stop}{where} must be in [start, 1] = [{start}, 1]: the fraction of the "
+                         "steps after which guidance ends")
 
 
 def off_at(scale, use_original_formulation):

@@ -17,7 +17,7 @@ import flax
 import jax.numpy as jnp
 from jax import lax
 
-from .base import Guider, off_at, rescale, static
+from .base import Guider, check_interval, off_at, rescale, static
 
 __all__ = ["FrequencyDecoupledGuidance", "image_from_pyramid", "laplacian_pyramid", "pyrdown", "pyrup"]
 
@@ -132,12 +132,7 @@ class FrequencyDecoupledGuidance(Guider):
         for field in ("start", "stop"):  # static fields must hash: lists become tuples
             object.__setattr__(self, field, per_level(getattr(self, field), levels))
         for level, (start, stop) in enumerate(zip(self.start, self.stop)):
-            if not 0.0 <= start < 1.0:
-                raise ValueError(f"{name}: start={start} (level {level}) must be in [0, 1): the fraction of the steps "
-                                 "after which guidance begins")
-            if not start <= stop <= 1.0:
-                raise ValueError(f"{name}: stop={stop} (level {level}) must be in [start, 1] = [{start}, 1]: the "
-                                 "fraction of the steps after which guidance ends")
+            check_interval(name, start, stop, f" (level {level})")
 
     @property
     def levels(self):
