@@ -49,14 +49,15 @@ class Guider(Hook):
         return self.guide(cond, uncond, *extra, step=scope.step, num_steps=scope.num_steps)
 
 
-def check_interval(name, start, stop, where=""):
-    """diffusers' checks of a guidance interval, in one line each (`where`: which level of several)."""
+def check_interval(name, start, stop, where="", prefix=""):
+    """diffusers' checks of a guidance interval, in one line each (`where`: which level of several; `prefix`: of
+    the arguments' names, "perturbed_guidance_" for `perturbed_guidance_start`)."""
     if not 0.0 <= start < 1.0:
-        raise ValueError(f"{name}: start={start}{where} must be in [0, 1): the fraction of the steps after which "
-                         "guidance begins")
+        raise ValueError(f"{name}: {prefix}start={start}{where} must be in [0, 1): the fraction of the steps after "
+                         "which guidance begins")
     if not start <= stop <= 1.0:
-        raise ValueError(f"{name}: stop={stop}{where} must be in [start, 1] = [{start}, 1]: the fraction of the "
-                         "steps after which guidance ends")
+        raise ValueError(f"{name}: {prefix}stop={stop}{where} must be in [start, 1] = [{start}, 1]: the fraction of "
+                         "the steps after which guidance ends")
 
 
 def off_at(scale, use_original_formulation):

@@ -33,7 +33,7 @@ from ..hooks import pag
 from ..hooks.core import LayerError, checkpoint_name, layer_list
 from ..models.layers import Attention
 from ..models.unet import BasicTransformerBlock, UNet2DConditionModel
-from .base import Guider, cfg, off_at, rescale, static
+from .base import Guider, cfg, check_interval, off_at, rescale, static
 
 __all__ = ["AutoGuidance", "LayerSkipConfig", "PerturbedAttentionGuidance", "SkipLayerGuidance",
            "SmoothedEnergyGuidance", "SmoothedEnergyGuidanceConfig", "smoothed_queries"]
@@ -154,10 +154,8 @@ class PerturbsLayers(Guider):
                         (f"{self.argument}_layers", self.config_field))
         object.__setattr__(self, self.config_field, tuple(dataclasses.replace(c, **self.forced) for c in given))
         if self.extra_predictions:
-            start, stop = getattr(self, f"{self.argument}_start"), getattr(self, f"{self.argument}_stop")
-            if not (0.0 <= start < 1.0 and start <= stop <= 1.0):
-                raise ValueError(f"{self.argument}_start={start}, {self.argument}_stop={stop}: give 0 <= start < 1 "
-                                 "and start <= stop <= 1, fractions of the steps")
+            check_interval(type(self).__name__, getattr(self, f"{self.argument}_start"),
+                           getattr(self, f"{self.argument}_stop"), prefix=f"{self.argument}_")
         super().__post_init__()
 
     def guide(self, pred_cond, pred_uncond, *perturbed, step, num_steps):
