@@ -1,9 +1,11 @@
 from .clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTextOutput
+from .clip_vision import CLIPVisionConfig, CLIPVisionModelWithProjection, CLIPVisionOutput
 from .controlnet import ControlNetConfig, ControlNetModel
 from .layers import Kernels, resolve_kernels
 from .unet import UNet2DConditionModel, UNetConfig, UNetEncoderConfig
 from .vae import AutoencoderKL, DiagonalGaussian, VAEConfig
 
 __all__ = ["AutoencoderKL", "CLIPTextConfig", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTextOutput",
-           "ControlNetConfig", "ControlNetModel", "DiagonalGaussian", "Kernels", "UNet2DConditionModel", "UNetConfig",
-           "UNetEncoderConfig", "VAEConfig", "resolve_kernels"]
+           "CLIPVisionConfig", "CLIPVisionModelWithProjection", "CLIPVisionOutput", "ControlNetConfig",
+           "ControlNetModel", "DiagonalGaussian", "Kernels", "UNet2DConditionModel", "UNetConfig", "UNetEncoderConfig",
+           "VAEConfig", "resolve_kernels"]

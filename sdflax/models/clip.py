@@ -55,9 +55,13 @@ class CLIPTextOutput:
 
 
 class EncoderLayer(nn.Module):
+    """One pre-LN transformer layer of either CLIP tower (`config` is the text or the vision tower's: the fields
+    both have); the text tower's attention is causal, the vision tower's is not."""
+
     config: CLIPTextConfig
     dtype: jnp.dtype
     kernels: Kernels
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -69,7 +73,7 @@ class EncoderLayer(nn.Module):
         h = norm("layer_norm1")(x)
         split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
         q, k, v = (split(dense(cfg.hidden_size, f"self_attn_{n}_proj")(h)) for n in "qkv")
-        attn = dot_product_attention(q, k, v, causal=True, kernels=self.kernels).reshape(x.shape)
+        attn = dot_product_attention(q, k, v, causal=self.causal, kernels=self.kernels).reshape(x.shape)
         x = x + dense(cfg.hidden_size, "self_attn_out_proj")(attn)
 
         h = ACTIVATIONS[cfg.hidden_act](dense(cfg.intermediate_size, "mlp_fc1")(norm("layer_norm2")(x)))
