@@ -31,7 +31,7 @@ from .checkpoint_files import CheckpointFileError, read_checkpoint
 RENAMES = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out_0"}
 
 # Prefixes that some writers add and others do not (transformers 5 saves CLIP without `text_model.`).
-OPTIONAL_PREFIXES = ("text_model.",)
+OPTIONAL_PREFIXES = ("text_model.", "vision_model.")
 
 # Tensors that are buffers, not parameters.
 IGNORED = re.compile(r"(^|\.)(position_ids|num_batches_tracked)$")
