@@ -108,3 +108,48 @@ def test_unknown_block_types_are_refused(key, value, message):
     assert UNetConfig.from_dict(SD1["unet"]).down_block_types == SD1["unet"]["down_block_types"]
     with pytest.raises(ValueError, match=f"UNetConfig: .*{message}"):
         UNetConfig.from_dict({**SD1["unet"], key: value})
+
+
+def intrablock_shapes(cfg, batch, height, width):
+    """NCHW shapes of a T2I-Adapter's features as diffusers' UNet adds them: each down block's output (a
+    cross-attention block's before its downsampler, a plain block's after it)."""
+    shapes = []
+    for i, (kind, channels) in enumerate(zip(cfg["down_block_types"], cfg["block_out_channels"])):
+        last = i == len(cfg["block_out_channels"]) - 1
+        if kind == "DownBlock2D" and not last:
+            height, width = (height + 1) // 2, (width + 1) // 2
+        shapes.append((batch, channels, height, width))
+        if kind != "DownBlock2D" and not last:
+            height, width = (height + 1) // 2, (width + 1) // 2
+    return shapes
+
+
+@pytest.mark.parametrize("arch", ["sd1", "sdxl"])
+def test_adapter_residuals_match_diffusers(arch, tmp_path):
+    """T2I-Adapter's way in (`down_intrablock_additional_residuals`), with SDXL's extra feature for the mid block."""
+    cfg = {"sd1": SD1, "sdxl": SDXL}[arch]["unet"]
+    theirs = torch_unet(cfg)
+    theirs.save_pretrained(tmp_path / "unet")
+    unet, params = UNet2DConditionModel.from_pretrained(tmp_path / "unet")
+    rng = np.random.default_rng(1)
+    sample = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
+    context = rng.standard_normal((2, 77, cfg["cross_attention_dim"]), dtype=np.float32)
+    t = np.array([999, 37])
+    added = xl_inputs(cfg, rng, 2) if arch == "sdxl" else {}
+    shapes = intrablock_shapes(cfg, 2, 16, 16)
+    if arch == "sdxl":
+        shapes.append(skip_shapes(cfg, 2, 16, 16)[1])  # the mid block's
+    features = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    ours = jax.jit(lambda params, f: unet.apply(params, sample, t, context, **added,
+                                                down_intrablock_additional_residuals=f))(params, features)
+    inputs = (torch.from_numpy(sample), torch.from_numpy(t), torch.from_numpy(context))
+    added_cond = {k: torch.from_numpy(v) for k, v in added.items()} or None
+    with torch.no_grad():
+        expected = theirs(*inputs, added_cond_kwargs=added_cond, down_intrablock_additional_residuals=[
+            torch.from_numpy(f) for f in features]).sample.numpy()
+        without = theirs(*inputs, added_cond_kwargs=added_cond).sample.numpy()
+        last_only = theirs(*inputs, added_cond_kwargs=added_cond, down_intrablock_additional_residuals=[
+            torch.from_numpy(f * (i == len(features) - 1)) for i, f in enumerate(features)]).sample.numpy()
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=RTOL, atol=ATOL)
+    assert np.abs(expected - without).max() > 0.1 * np.abs(without).max()  # the features matter
+    assert np.abs(last_only - without).max() > 1e-3  # the last one (SDXL: the mid block's) too

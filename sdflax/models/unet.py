@@ -217,10 +217,12 @@ class UNetEncoder:
         emb = Dense(features, dtype=self.dtype, name="add_embedding_linear_1")(emb)
         return Dense(features, dtype=self.dtype, name="add_embedding_linear_2")(nn.silu(emb))
 
-    def down_blocks(self, x, temb, context, until=None):
+    def down_blocks(self, x, temb, context, until=None, intrablock=None):
         """conv_in's NHWC output -> (the deepest features, the skips): conv_in's output, each down resnet's (with
         its attention), each downsampler's, in diffusers' down_block_res_samples order. With `until` = s, only
-        the layers up to skip s run (DeepCache's shallow branch)."""
+        the layers up to skip s run (DeepCache's shallow branch). `intrablock`: a T2I-Adapter's features (a list,
+        consumed here in order), one added to each down block's output as diffusers adds them: inside a
+        cross-attention block before its downsampler, after a plain block (its last skip included)."""
         cfg = self.config
         heads, depths = cfg.heads, cfg.per_block(cfg.transformer_layers_per_block)
         skips = [x]
@@ -232,6 +234,8 @@ class UNetEncoder:
                 if kind == "CrossAttnDownBlock2D":
                     x = Transformer2DModel(heads[i], depths[i], cfg, self.dtype, self.kernels,
                                            name=f"down_blocks_{i}_attentions_{j}")(x, context)
+                    if j == cfg.layers_per_block - 1 and intrablock:
+                        x = x + _residual(intrablock.pop(0), x, "down_intrablock_additional_residuals")
                 skips.append(x)
             if i < len(cfg.block_out_channels) - 1:
                 if until is not None and len(skips) > until:
@@ -239,6 +243,8 @@ class UNetEncoder:
                 x = Downsample2D(out, cfg.downsample_padding, self.dtype, kernels=self.kernels,
                                  name=f"down_blocks_{i}_downsamplers_0")(x)
                 skips.append(x)
+            if kind != "CrossAttnDownBlock2D" and intrablock:  # diffusers adds it in place: to the skip too
+                x = skips[-1] = x + _residual(intrablock.pop(0), x, "down_intrablock_additional_residuals")
         return x, skips
 
     def mid_block(self, x, temb, context):
@@ -258,7 +264,8 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     `text_embeds` (B, D_pooled) and `time_ids` (B, n), e.g. (original h, w, crop top, left, target h, w).
     ControlNet's outputs enter as in diffusers, both or neither: `down_block_additional_residuals`, one (B, C, h, w)
     array per skip connection (conv_in's output, each down resnet's, each downsampler's), added to the skips once
-    the down blocks are done, and `mid_block_additional_residual`, added to the mid block's output.
+    the down blocks are done, and `mid_block_additional_residual`, added to the mid block's output. A
+    T2I-Adapter's features enter as `down_intrablock_additional_residuals`, one per down block (`down_blocks`).
 
     DeepCache (Ma et al. 2023, `sdflax.hooks.deep_cache`) runs the UNet by halves, through `deep` and `shallow`.
     """
@@ -269,9 +276,11 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     config_class = UNetConfig
 
     def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
-                 down_block_additional_residuals=None, mid_block_additional_residual=None):
+                 down_block_additional_residuals=None, mid_block_additional_residual=None,
+                 down_intrablock_additional_residuals=None):
         return self._run(sample, timesteps, encoder_hidden_states, text_embeds, time_ids,
-                        down_block_additional_residuals, mid_block_additional_residual)[0]
+                         down_block_additional_residuals, mid_block_additional_residual,
+                         down_intrablock_additional_residuals=down_intrablock_additional_residuals)[0]
 
     def deep(self, *inputs, branch: int, **keywords):
         """The whole UNet on `__call__`'s inputs -> (prediction, features): the NHWC features entering the up layer
@@ -285,7 +294,8 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
 
     @nn.compact
     def _run(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
-            down_block_additional_residuals=None, mid_block_additional_residual=None, branch=None, features=None):
+            down_block_additional_residuals=None, mid_block_additional_residual=None, branch=None, features=None,
+            down_intrablock_additional_residuals=None):
         """-> (prediction, the features at `branch`); with `features`, only the shallow branch runs."""
         cfg, dtype, kernels = self.config, self.dtype, self.kernels
         shallow = features is not None
@@ -300,7 +310,8 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         if cfg.center_input_sample:
             x = 2 * x - 1.0
         x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
-        x, skips = self.down_blocks(x, temb, context, until=branch if shallow else None)
+        intrablock = None if down_intrablock_additional_residuals is None else list(down_intrablock_additional_residuals)
+        x, skips = self.down_blocks(x, temb, context, until=branch if shallow else None, intrablock=intrablock)
         if down_block_additional_residuals is not None:
             if not shallow and len(down_block_additional_residuals) != len(skips):
                 raise ValueError(f"down_block_additional_residuals: expected {len(skips)} arrays, one per skip "
@@ -310,6 +321,8 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
 
         if not shallow:
             x = self.mid_block(x, temb, context)
+            if intrablock and tuple(intrablock[0].shape[2:]) == x.shape[1:3] and intrablock[0].shape[1] == x.shape[3]:
+                x = x + _residual(intrablock.pop(0), x, "down_intrablock_additional_residuals")  # T2I-Adapter-XL's
             if mid_block_additional_residual is not None:
                 x = x + _residual(mid_block_additional_residual, x, "mid_block_additional_residual")
 
