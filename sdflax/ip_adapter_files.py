@@ -1,0 +1,174 @@
+"""h94's IP-Adapter files -> the image projection (`sdflax.models.ip_adapter`) with its params, and the kernels of
+the decoupled cross-attention (to_k_ip, to_v_ip) for each of the UNet's cross-attention layers.
+
+    .safetensors   flat: image_proj.<name>, ip_adapter.<1, 3, 5, ...>.to_k_ip.weight / .to_v_ip.weight
+    .bin           torch.save({"image_proj": {<name>: tensor}, "ip_adapter": {"1.to_k_ip.weight": tensor, ...}})
+
+The projection is told from its tensor names as diffusers' `_convert_ip_adapter_image_proj_to_diffusers` tells it,
+and its sizes are read from their shapes:
+
+    proj.weight                    IP-Adapter: ImageProjection of the image embedding, 4 tokens
+    proj.3.weight                  IP-Adapter Full Face: IPAdapterFullImageProjection of the penultimate hidden states
+    latents, proj_in, layers.N.*   IP-Adapter Plus: IPAdapterPlusImageProjection (the perceiver resampler) of them
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .checkpoint_files import read_safetensors, read_torch_object
+from .models.ip_adapter import ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection
+from .models.layers import Kernels, resolve_kernels, shapes_only
+from .weights import convert_state_dict
+
+__all__ = ["IPAdapterFileError", "IPAdapterWeights", "read_ip_adapter"]
+
+SECTIONS = ("image_proj", "ip_adapter")
+BASE_TOKENS = 4  # diffusers' num_image_text_embeds for ImageProjection
+FULL_FACE_TOKENS = 257  # diffusers' count for Full Face: ViT-H/14's 256 patch tokens and its class token
+RESAMPLER_DIM_HEAD = 64  # fixed by the original Resampler; diffusers reads heads as to_q's width // 64
+# The original resampler's names inside `layers.N.` -> diffusers' (to_kv is split in two halves: to_k, to_v).
+RESAMPLER_RENAMES = {"0.norm1": "ln0", "0.norm2": "ln1", "0.to_q": "attn.to_q", "0.to_out": "attn.to_out.0",
+                     "1.0": "ff.0", "1.1": "ff.1.net.0.proj", "1.3": "ff.1.net.2"}
+RESAMPLER_NAME = re.compile(r"layers\.(\d+)\.(0\.norm1|0\.norm2|0\.to_q|0\.to_kv|0\.to_out|1\.0|1\.1|1\.3)\.(.+)")
+IP_KERNEL_NAME = re.compile(r"(\d+)\.to_([kv])_ip\.weight")
+
+
+class IPAdapterFileError(ValueError):
+    """A file is not an IP-Adapter sdflax can read; the message names it and what was expected, in one line."""
+
+
+class IPAdapterWeights(NamedTuple):
+    projection: nn.Module  # ImageProjection, IPAdapterFullImageProjection or IPAdapterPlusImageProjection
+    projection_params: dict  # its params tree
+    to_k_ip: list  # (cross_attention_dim, hidden) kernels: the UNet's cross-attention layers in diffusers' order
+    to_v_ip: list
+    num_tokens: int  # image tokens the projection makes (diffusers' num_tokens)
+    wants_hidden_states: bool  # the image encoder's penultimate hidden states, not its image embedding
+
+
+def read_ip_adapter(path, dtype=jnp.float32, kernels: Kernels | None = None) -> IPAdapterWeights:
+    """The IP-Adapter in an h94 file (.safetensors or .bin), its params and kernels in `dtype`."""
+    name = os.fspath(path)
+    image_proj, ip_adapter = _read_sections(name)
+    projection, state_dict, num_tokens, input_shape = _projection(name, image_proj, dtype,
+                                                                  kernels or resolve_kernels())
+    with shapes_only():  # shapes only: what the file makes the reader allocate is its own tensors
+        out, variables = jax.eval_shape(lambda: projection.init_with_output(jax.random.key(0), jnp.zeros(input_shape)))
+    to_k_ip, to_v_ip = _ip_kernels(name, ip_adapter, out.shape[-1])
+    params = convert_state_dict(state_dict, variables["params"], dtype, where=f"IP-Adapter file {name!r}")
+    return IPAdapterWeights(projection, params, [jnp.asarray(w.T, dtype) for w in to_k_ip],
+                            [jnp.asarray(w.T, dtype) for w in to_v_ip], num_tokens,
+                            not isinstance(projection, ImageProjection))
+
+
+def _read_sections(name):
+    suffix = Path(name).suffix.lower()
+    if suffix == ".safetensors":
+        content = read_safetensors(name)
+        sections = {section: {} for section in SECTIONS}
+        for key, value in content.items():
+            section, _, rest = key.partition(".")
+            if section in sections:
+                sections[section][rest] = value
+    elif suffix == ".bin":
+        content = sections = read_torch_object(name)
+    else:
+        raise IPAdapterFileError(f"{name!r}: unknown suffix {suffix!r}; an IP-Adapter is a .safetensors or .bin file")
+    if not (isinstance(sections, dict) and all(isinstance(sections.get(s), dict) and sections[s] for s in SECTIONS)
+            and all(isinstance(v, np.ndarray) for s in SECTIONS for v in sections[s].values())):
+        found = sorted(map(str, content))[:6] if isinstance(content, dict) else type(content).__name__
+        raise IPAdapterFileError(f"{name!r} is not an IP-Adapter: expected tensors under image_proj and ip_adapter "
+                                 f"(h94's layout), found {found}")
+    return ({str(k): v for k, v in sections[s].items()} for s in SECTIONS)
+
+
+def _shape(name, state_dict, key, ndim):
+    value = state_dict.get(key)
+    if value is None or value.ndim != ndim or 0 in value.shape:
+        raise IPAdapterFileError(f"{name!r}: image_proj.{key} should be a non-empty {ndim}-d tensor, "
+                                 f"found {'none' if value is None else value.shape}")
+    return value.shape
+
+
+def _projection(name, sd, dtype, kernels):
+    """(module, state dict in diffusers' names, tokens, the shape of one input) for the image_proj section `sd`."""
+    if "proj.weight" in sd:
+        out, embed = _shape(name, sd, "proj.weight", 2)
+        module = ImageProjection(embed, out // BASE_TOKENS, BASE_TOKENS, dtype)
+        return module, {k.replace("proj", "image_embeds"): v for k, v in sd.items()}, BASE_TOKENS, (1, embed)
+    if "proj.3.weight" in sd:
+        module = IPAdapterFullImageProjection(_shape(name, sd, "proj.0.weight", 2)[0],
+                                              _shape(name, sd, "proj.3.weight", 1)[0], dtype)
+        renames = (("proj.0", "ff.net.0.proj"), ("proj.2", "ff.net.2"), ("proj.3", "norm"))
+        state_dict = {_replace_all(k, renames): v for k, v in sd.items()}
+        return module, state_dict, FULL_FACE_TOKENS, (1, 1, module.image_embed_dim)
+    if "perceiver_resampler.proj_in.weight" in sd or "norm.weight" in sd:
+        raise IPAdapterFileError(f"{name!r} is an IP-Adapter FaceID, which sdflax does not read; expected IP-Adapter "
+                                 "(image_proj.proj.weight), Full Face (proj.3.weight) or Plus (latents)")
+    if "latents" not in sd:
+        raise IPAdapterFileError(f"{name!r}: image_proj holds {sorted(sd)[:6]}; expected proj.weight (IP-Adapter), "
+                                 "proj.3.weight (Full Face) or latents, proj_in, layers.N.* (Plus)")
+    return _resampler(name, sd, dtype, kernels)
+
+
+def _replace_all(key, renames):
+    for old, new in renames:
+        key = key.replace(old, new)
+    return key
+
+
+def _resampler(name, sd, dtype, kernels):
+    state_dict = {}
+    for key, value in sd.items():
+        match = RESAMPLER_NAME.fullmatch(key)
+        if match and match[2] == "0.to_kv":
+            if value.ndim != 2:
+                raise IPAdapterFileError(f"{name!r}: image_proj.{key} should be a 2-d tensor, found {value.shape}")
+            half = value.shape[0] // 2  # to_k's rows, then to_v's (torch's chunk(2))
+            state_dict[f"layers.{match[1]}.attn.to_k.{match[3]}"] = value[:half]
+            state_dict[f"layers.{match[1]}.attn.to_v.{match[3]}"] = value[half:]
+        elif match:
+            state_dict[f"layers.{match[1]}.{RESAMPLER_RENAMES[match[2]]}.{match[3]}"] = value
+        else:  # latents, proj_in, proj_out, norm_out; and names already diffusers'
+            state_dict[key] = value
+    layers = {int(key.split(".")[1]) for key in state_dict if re.match(r"layers\.\d+\.", key)}
+    if not layers or layers != set(range(len(layers))):
+        raise IPAdapterFileError(f"{name!r}: the resampler's layers are numbered {sorted(layers)[:8]}; "
+                                 "expected layers.0, layers.1, ...")
+    _, queries, hidden = _shape(name, sd, "latents", 3)
+    inner = _shape(name, state_dict, "layers.0.attn.to_q.weight", 2)[0]
+    module = IPAdapterPlusImageProjection(
+        embed_dims=_shape(name, sd, "proj_in.weight", 2)[1], output_dims=_shape(name, sd, "proj_out.weight", 2)[0],
+        hidden_dims=hidden, depth=len(layers), dim_head=RESAMPLER_DIM_HEAD, heads=max(1, inner // RESAMPLER_DIM_HEAD),
+        num_queries=queries, ffn_ratio=_shape(name, state_dict, "layers.0.ff.1.net.0.proj.weight", 2)[0] / hidden,
+        dtype=dtype, kernels=kernels)
+    return module, state_dict, queries, (1, 1, module.embed_dims)
+
+
+def _ip_kernels(name, ip_adapter, width):
+    """The to_k_ip and to_v_ip weights (hidden, cross_attention_dim), in the order of their keys 1, 3, 5, ..."""
+    found = {}
+    for key, value in ip_adapter.items():
+        match = IP_KERNEL_NAME.fullmatch(key)
+        if not match:
+            raise IPAdapterFileError(f"{name!r}: ip_adapter.{key:.100} is not a to_k_ip / to_v_ip weight; expected "
+                                     "only ip_adapter.<1, 3, 5, ...>.to_k_ip.weight and .to_v_ip.weight")
+        if value.ndim != 2 or value.shape[1] != width:
+            raise IPAdapterFileError(f"{name!r}: ip_adapter.{key} is {value.shape}; expected (hidden, {width}), "
+                                     "the image projection's width")
+        found[int(match[1]), match[2]] = value
+    count = len(found) // 2
+    if set(found) != {(2 * i + 1, kv) for i in range(count) for kv in "kv"}:
+        keys = ", ".join(f"{i}.to_{kv}_ip" for i, kv in sorted(found)[:6])
+        raise IPAdapterFileError(f"{name!r}: ip_adapter holds {keys}; expected the layers 1, 3, 5, ... "
+                                 "each with to_k_ip and to_v_ip")
+    return [found[2 * i + 1, "k"] for i in range(count)], [found[2 * i + 1, "v"] for i in range(count)]

@@ -1,0 +1,116 @@
+"""IP-Adapter's image projections (Ye et al. 2023): a CLIP image embedding, or the image encoder's penultimate
+hidden states, become the tokens that the UNet's decoupled cross-attention reads beside the text's. Equal to
+diffusers' ImageProjection, IPAdapterFullImageProjection and IPAdapterPlusImageProjection, with their names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .layers import Dense, Kernels, LayerNorm, ReadsParams, dot_product_attention, resolve_kernels
+
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's
+
+
+def gelu(x):
+    return jax.nn.gelu(x, approximate=False)  # diffusers' GELU(approximate="none")
+
+
+class ImageProjection(nn.Module):
+    """IP-Adapter: the image embedding (N, E) -> (N, num_image_text_embeds, cross_attention_dim)."""
+
+    image_embed_dim: int = 768
+    cross_attention_dim: int = 768
+    num_image_text_embeds: int = 4
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, image_embeds):
+        tokens, dim = self.num_image_text_embeds, self.cross_attention_dim
+        x = Dense(tokens * dim, dtype=self.dtype, name="image_embeds")(image_embeds)
+        return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm")(x.reshape(x.shape[0], tokens, dim))
+
+
+class IPAdapterFullImageProjection(nn.Module):
+    """IP-Adapter Full Face: each hidden state (N, T, E) -> (N, T, cross_attention_dim) by an MLP and a LayerNorm."""
+
+    image_embed_dim: int = 1024
+    cross_attention_dim: int = 1024
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, hidden_states):
+        x = gelu(Dense(self.image_embed_dim, dtype=self.dtype, name="ff_net_0_proj")(hidden_states))
+        x = Dense(self.cross_attention_dim, dtype=self.dtype, name="ff_net_2")(x)
+        return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm")(x)
+
+
+class ResamplerAttention(nn.Module):
+    """diffusers' Attention as the resampler builds it: no biases, output as wide as the queries."""
+
+    heads: int
+    dim_head: int
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
+
+    @nn.compact
+    def __call__(self, x, context):  # x: (N, Q, H) queries; context: (N, S, H)
+        inner = self.heads * self.dim_head
+        dense = lambda features, name: Dense(features, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
+        split = lambda t: t.reshape(*t.shape[:2], self.heads, self.dim_head)  # noqa: E731
+        q = split(dense(inner, "to_q")(x))
+        k, v = split(dense(inner, "to_k")(context)), split(dense(inner, "to_v")(context))
+        out = dot_product_attention(q, k, v, kernels=self.kernels)
+        return dense(x.shape[-1], "to_out_0")(out.reshape(*out.shape[:2], inner))
+
+
+class IPAdapterPlusImageProjectionBlock(nn.Module):
+    """One resampler layer: the latents attend to [ln0(features), ln1(latents)], then a bias-free GELU MLP."""
+
+    dim_head: int
+    heads: int
+    ffn_ratio: float
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
+
+    @nn.compact
+    def __call__(self, x, latents):  # x: (N, T, H) projected features; latents: (N, Q, H)
+        norm = lambda name: LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name=name)  # noqa: E731
+        normed = norm("ln1")(latents)
+        context = jnp.concatenate([norm("ln0")(x), normed], axis=1)
+        latents = latents + ResamplerAttention(self.heads, self.dim_head, self.dtype, kernels=self.kernels,
+                                               name="attn")(normed, context)
+        dim = latents.shape[-1]
+        h = gelu(Dense(int(dim * self.ffn_ratio), use_bias=False, dtype=self.dtype, name="ff_1_net_0_proj")(
+            norm("ff_0")(latents)))
+        return latents + Dense(dim, use_bias=False, dtype=self.dtype, name="ff_1_net_2")(h)
+
+
+class IPAdapterPlusImageProjection(ReadsParams, nn.Module):
+    """IP-Adapter Plus's perceiver resampler: hidden states (N, T, embed_dims) -> (N, num_queries, output_dims)."""
+
+    embed_dims: int = 768
+    output_dims: int = 1024
+    hidden_dims: int = 1280
+    depth: int = 4
+    dim_head: int = 64
+    heads: int = 16
+    num_queries: int = 8
+    ffn_ratio: float = 4
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
+
+    @nn.compact
+    def __call__(self, hidden_states):
+        latents = self.param("latents", nn.initializers.normal(self.hidden_dims ** -0.5),
+                             (1, self.num_queries, self.hidden_dims))
+        latents = jnp.broadcast_to(latents.astype(self.dtype), (hidden_states.shape[0], *latents.shape[1:]))
+        x = Dense(self.hidden_dims, dtype=self.dtype, name="proj_in")(hidden_states)
+        for i in range(self.depth):
+            latents = IPAdapterPlusImageProjectionBlock(self.dim_head, self.heads, self.ffn_ratio, self.dtype,
+                                                        kernels=self.kernels, name=f"layers_{i}")(x, latents)
+        latents = Dense(self.output_dims, dtype=self.dtype, name="proj_out")(latents)
+        return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm_out")(latents)
