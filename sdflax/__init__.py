@@ -1,7 +1,7 @@
 """sdflax: Stable Diffusion inference in pure JAX/Flax."""
 
 from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection,
-                     ControlNetModel, UNet2DConditionModel)
+                     ControlNetModel, T2IAdapter, UNet2DConditionModel)
 from .parallel import replicate, shard, unshard
 from .cache import enable_compile_cache
 from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
@@ -19,5 +19,6 @@ __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLI
            "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img",
            "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL", "StableDiffusionXLControlNet",
            "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img",
-           "StableDiffusionXLInpaint", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache",
-           "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard", "unshard"]
+           "StableDiffusionXLInpaint", "T2IAdapter", "UNet2DConditionModel", "clip_image_inputs",
+           "enable_compile_cache", "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard",
+           "unshard"]
