@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from builders import randomize_norms
+from builders import h94_names, randomize_norms
 from safetensors.torch import save_file
 
 from sdflax.ip_adapter_files import IPAdapterFileError, read_ip_adapter
@@ -35,31 +35,6 @@ def torch_projection(kind):
     module = IPAdapterPlusImageProjection(embed_dims=48, output_dims=CROSS, hidden_dims=64, depth=4, heads=2,
                                           num_queries=6)
     return randomize_norms(module, seed=1).eval(), (2, 5, 48)
-
-
-def h94_names(kind, state_dict):
-    """diffusers' names -> the original IP-Adapter's (the reverse of diffusers' converter)."""
-    if kind == "base":
-        return {k.replace("image_embeds", "proj"): v for k, v in state_dict.items()}
-    if kind == "full":
-        renames = {"ff.net.0.proj": "proj.0", "ff.net.2": "proj.2", "norm": "proj.3"}
-        return {next((k.replace(a, b) for a, b in renames.items() if k.startswith(a)), k): v
-                for k, v in state_dict.items()}
-    renames = {"ln0": "0.norm1", "ln1": "0.norm2", "attn.to_q": "0.to_q", "attn.to_out.0": "0.to_out", "ff.0": "1.0",
-               "ff.1.net.0.proj": "1.1", "ff.1.net.2": "1.3"}
-    out = {}
-    for key, value in state_dict.items():
-        if key.startswith("layers."):
-            _, n, rest = key.split(".", 2)
-            if rest.startswith("attn.to_v"):
-                continue
-            if rest.startswith("attn.to_k"):
-                out[f"layers.{n}.0.to_kv.weight"] = torch.cat([value, state_dict[key.replace("to_k", "to_v")]])
-                continue
-            old = next(a for a in renames if rest.startswith(a + "."))
-            key = f"layers.{n}.{renames[old]}{rest[len(old):]}"
-        out[key] = value
-    return out
 
 
 @pytest.fixture(scope="module", params=["base", "full", "plus"])

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..guiders import Guider
 from ..schedulers import common
+from . import ip_adapter
 from .controlnet import as_nets
 from .starts import schedule_window
 from .types import Inputs, Settings
@@ -49,7 +50,7 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     window = {name: args[name] for name in ("strength", "denoising_start", "denoising_end") if name in args}
     schedule_window(scheduler, Settings(steps, **window))  # checked before anything is traced
     args = {renamed.get(name, name): value for name, value in args.items()}
-    values = {name: args[name] for name in INPUTS if args.get(name) is not None}
+    values = {name: args[name] for name in INPUTS if args.get(name) is not None and name not in ip_adapter.ARGUMENTS}
     for name in picture_inputs(spec):
         values[name] = jax.tree.map(_float32_array, values[name])
     values.setdefault("guidance_rescale", 0.0)
@@ -75,6 +76,9 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
                            "classifier_free_guidance": guiders[0].enabled if guiders else
                            args.get("guidance") is not None or guided(args["guidance_scale"])
                            or getattr(scheduler, "takes_unconditional", False)})
+    inputs = inputs.replace(**ip_adapter.call_inputs(
+        ip_adapter.piece(spec), args, inputs.prompts().shape[:leading_dims or 1], leading_dims,
+        settings.classifier_free_guidance, c.unet.config.layers_per_block))
     return inputs, settings
 
 
@@ -102,7 +106,7 @@ def check_kinds(args):
 
 def picture_inputs(spec) -> list[str]:
     """The (B, C, H, W) Inputs fields a spec reads: its start's images, then its wrappers' pictures."""
-    return [name for name, _ in spec.start.images] + [wrapper.picture for wrapper in spec.wrappers]
+    return [name for name, _ in spec.start.images] + [wrapper.picture for wrapper in spec.wrappers if wrapper.picture]
 
 
 def guided(guidance_scale) -> bool:
@@ -196,6 +200,8 @@ def check_params(c, params, mode: str | None):
     # every model this pipeline has (an SDXL refiner has no first text encoder), and its wrappers' params
     needed = [name for name in type(c.spec.text).models if getattr(c, name) is not None]
     needed += [wrapper.params_name for wrapper in c.spec.wrappers]
+    if ip_adapter.piece(c.spec) is not None and ip_adapter.piece(c.spec).image_encoder is not None:
+        needed.append("image_encoder")
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "
                         f"{type(params).__name__}")
@@ -243,7 +249,7 @@ def image_size(c, inputs, leading_dims, height, width):
     """(height, width): the pictures' for pipelines that take pictures (a given height/width must agree), else as
     given."""
     sizes = [(name, pixels(c, getattr(inputs, name))) for name, _ in c.spec.start.images]
-    if c.spec.wrappers:  # the control images
+    if c.controlnets:  # the control images
         if leading_dims is not None:
             check_control_images(c, inputs, leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the control image", as_nets(inputs.control_image)[0].shape[-2:]))

@@ -52,6 +52,7 @@ class Pipeline:
     signature: inspect.Signature
     renamed = {}  # argument names that differ from the Inputs field they fill
     hooks = ()  # sdflax.hooks in every call (`with_hooks`)
+    ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
                  tokenizer_2=None, force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None):
@@ -125,6 +126,31 @@ class Pipeline:
         parts, params = load_textual_inversion(self.components(), params, path, token)
         return self.replace(**parts), params
 
+    def load_ip_adapter(self, params, pretrained_model_name_or_path, subfolder="models", weight_name=None,
+                        image_encoder_folder="image_encoder", revision=None):
+        """(pipeline, params) with IP-Adapters (h94's files, as diffusers' `load_ip_adapter`: a hub id or folder,
+        its `subfolder` and `weight_name`, a list of names for several adapters) and their CLIP image encoder
+        (`image_encoder_folder` under `subfolder`, or a folder / hub id of its own; None: only
+        `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
+        from .ip_adapter import load_ip_adapter
+
+        piece, added = load_ip_adapter(self, pretrained_model_name_or_path, subfolder, weight_name,
+                                       image_encoder_folder, revision)
+        view = copy.copy(self)
+        view.ip_adapter, view._spec = piece, None
+        return view, {**params, **added}
+
+    def prepare_ip_adapter_image(self, images):
+        """Pictures (PIL or arrays; one, or a list) -> the image encoder's pixels, float32 (N, 3, h, w), as
+        diffusers' CLIPImageProcessor makes them: `ip_adapter_image=`."""
+        from ..clip_image import clip_image_inputs
+
+        if self.ip_adapter is None or self.ip_adapter.image_encoder is None:
+            raise ValueError("prepare_ip_adapter_image needs an IP-Adapter with its image encoder: "
+                             "pipeline.load_ip_adapter(params, ...) first")
+        side = self.ip_adapter.image_encoder.config.image_size
+        return clip_image_inputs(images, size=side, crop_size=side)
+
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
         return {"text_encoder": self.text_encoder, "unet": self.unet, "vae": self.vae, "tokenizer": self.tokenizer,
@@ -137,6 +163,7 @@ class Pipeline:
         """A pipeline of this class with some components replaced (and this one's hooks)."""
         pipeline = type(self)(**{**self.components(), **components})
         pipeline.hooks, pipeline.scheduler_base_config = self.hooks, self.scheduler_base_config
+        pipeline.ip_adapter = self.ip_adapter
         return pipeline
 
     def with_hooks(self, *hooks):
@@ -166,9 +193,10 @@ class Pipeline:
         """The pieces this pipeline runs (`types.Spec`), made from the components and the table row."""
         if self._spec is None:
             vae = VAE(self.vae, self.text.upcast_vae(self.vae))
+            wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
+                        *(wrapper(self.controlnets) for wrapper in self.wrappers))
             self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.unet),
-                              self.unet, vae, self._scheduler, tuple(wrapper(self.controlnets) for wrapper in
-                                                                      self.wrappers))
+                              self.unet, vae, self._scheduler, wrappers)
         return self._spec
 
     @property

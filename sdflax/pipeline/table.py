@@ -24,7 +24,8 @@ DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_
             "crops_coords_top_left": (0, 0), "target_size": None, "aesthetic_score": 6.0,
             "negative_aesthetic_score": 2.5, "denoising_start": None, "denoising_end": None, "output_type": "np",
             "strength": 1.0, "controlnet_conditioning_scale": 1.0, "control_guidance_start": 0.0,
-            "control_guidance_end": 1.0, "guess_mode": False, "timesteps": None, "sigmas": None}
+            "control_guidance_end": 1.0, "guess_mode": False, "timesteps": None, "sigmas": None,
+            "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0}
 REQUIRED = ("prompt_ids", "image", "mask", "control_image", "params", "prng_seed")
 
 # argument orders, as the classes have always had them (the SD ones follow diffusers' old Flax pipelines)
@@ -36,7 +37,8 @@ XL_TAIL = "jit callback guidance return_trajectory " + XL_EMBEDS
 XL_IMAGE = (f"num_inference_steps guidance_scale height width noise neg_prompt_ids guidance_rescale {XL_SIZES} "
             "aesthetic_score negative_aesthetic_score")
 CONTROL = "control_guidance_start control_guidance_end guess_mode"
-SCHEDULE = "timesteps sigmas"  # last in every class, as diffusers' pipelines take them
+SCHEDULE = "timesteps sigmas"  # near the end of every class, as diffusers' pipelines take them
+IP_ADAPTER = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale"  # last: every class, with load_ip_adapter
 
 
 class Row(NamedTuple):
@@ -113,7 +115,7 @@ def signature(row: Row) -> inspect.Signature:
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     return inspect.Signature([inspect.Parameter(name, kind) if name in REQUIRED else
                               inspect.Parameter(name, kind, default=defaults[name])
-                              for name in row.arguments.split() + SCHEDULE.split()])
+                              for name in row.arguments.split() + SCHEDULE.split() + IP_ADAPTER.split()])
 
 
 def make_class(name: str, row: Row) -> type:

@@ -40,12 +40,17 @@ class Inputs:
     mask: Any = _batched()  # (B, 1, H, W), >= 0.5 repainted
     control_image: Any = _batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per ControlNet
     prng_seed: Any = _batched()  # one key, or one key per image (B,); under pmap one per device or per image
+    # IP-Adapter (ip_adapter.py), one array per adapter: CLIP pixels (B, n, 3, h, w), or the image encoder's output
+    # for the negative and positive images (B, 2, n, ...)
+    ip_adapter_image: Any = _batched()
+    ip_adapter_image_embeds: Any = _batched()
     guidance_scale: Any = 7.5
     guidance_rescale: Any = 0.0
     # ControlNet: a value, or one per net; the guidance window is the fraction of the steps a net acts in
     controlnet_conditioning_scale: Any = None
     control_guidance_start: Any = None
     control_guidance_end: Any = None
+    ip_adapter_scale: Any = None  # (adapters, cross-attention layers)
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None
@@ -172,4 +177,4 @@ class Spec:
     unet: Any
     vae: Any  # vae.VAE: decodes the result
     scheduler: Any
-    wrappers: tuple = ()  # UNet wrappers (controlnet.ControlNet), the first listed innermost
+    wrappers: tuple = ()  # UNet wrappers (ip_adapter.IPAdapter, controlnet.ControlNet), the first listed innermost

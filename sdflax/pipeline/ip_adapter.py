@@ -1,0 +1,285 @@
+"""IP-Adapter (Ye et al. 2023): image prompts through decoupled cross-attention, as diffusers' `load_ip_adapter`.
+
+A CLIP vision tower encodes the image prompt once per call; each adapter's projection turns that into a few
+tokens, and every cross-attention layer of the UNet attends to them beside the text with its own `to_k_ip` /
+`to_v_ip`: out = attention(q, text) + scale · attention(q, image tokens). `IPAdapter` is a UNet wrapper (a
+`Spec`'s `wrappers`, innermost, so a ControlNet's layers are left alone); its params are `params["image_encoder"]`
+and `params["ip_adapter"]`, one entry per adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..hooks.core import Hook, intercept
+from ..models.layers import dot_product_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One adapter's static part: its projection module and what it projects (the image encoder's embedding, or
+    its penultimate hidden states: Plus and full-face)."""
+
+    projection: Any
+    wants_hidden_states: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class IPAdapter:
+    image_encoder: Any  # CLIPVisionModelWithProjection, or None where only image embeddings are given
+    adapters: tuple  # Adapter per loaded adapter, in load order
+    layers: tuple  # the UNet's cross-attention layers (checkpoint names) in diffusers' attn_processors order
+
+    params_name = "ip_adapter"
+    picture = None
+
+    def image_embeds(self, params, pixels, adapter: Adapter):
+        """(N, 3, h, w) CLIP pixels -> (image's, unconditional) encoder output, as diffusers' `encode_image`: the
+        embedding (the unconditional one zeros) or the penultimate hidden states (of a black image)."""
+        encoder, p = self.image_encoder, params["image_encoder"]
+        pixels = pixels.astype(encoder.dtype)
+        if not adapter.wants_hidden_states:
+            embeds = encoder.apply(p, pixels).image_embeds
+            return embeds, jnp.zeros_like(embeds)
+        states = lambda x: encoder.apply(p, x, output_hidden_states=True).hidden_states[-2]  # noqa: E731
+        black = states(jnp.zeros_like(pixels[:1]))  # the same for every row
+        return states(pixels), jnp.broadcast_to(black, (pixels.shape[0], *black.shape[1:]))
+
+    def tokens(self, params, inputs):
+        """Per adapter (unconditional, conditional) tokens, each (B, n · tokens, D): n images per row."""
+        out = []
+        for a, adapter in enumerate(self.adapters):
+            if inputs.ip_adapter_image_embeds is not None:
+                embeds = inputs.ip_adapter_image_embeds[a]  # (B, 2, n, ...): [negative, positive]
+                negative, positive = embeds[:, 0], embeds[:, 1]
+            else:
+                pixels = inputs.ip_adapter_image[a]  # (B, n, 3, h, w)
+                flat = pixels.reshape(-1, *pixels.shape[2:])
+                positive, negative = self.image_embeds(params, flat, adapter)
+                positive, negative = (x.reshape(*pixels.shape[:2], *x.shape[1:]) for x in (positive, negative))
+            def project(x, p=params["ip_adapter"][a]["projection"], projection=adapter.projection):
+                tokens = projection.apply({"params": p}, x.reshape(-1, *x.shape[2:]))  # (B n, tokens, D)
+                return tokens.reshape(x.shape[0], -1, tokens.shape[-1])
+
+            out.append((project(negative), project(positive)))
+        return out
+
+    def wrap(self, params, inputs, settings, cond, start):
+        tokens = self.tokens(params, inputs)
+        scales = tuple(jnp.asarray(s, jnp.float32) for s in inputs.ip_adapter_scale)
+        hook = DecoupledAttention(tokens, scales, tuple(params["ip_adapter"]), {n: i for i, n in enumerate(self.layers)})
+
+        def wrapper(unet_fn):
+            def adapted(x, t, context, step, **residuals):
+                with intercept((hook,), step, x.shape[0] // tokens[0][1].shape[0]):
+                    return unet_fn(x, t, context, step, **residuals)
+
+            return adapted
+
+        return wrapper
+
+
+class DecoupledAttention(Hook):
+    """Each cross-attention layer's attention to the text plus, per adapter, its scale times the attention to the
+    adapter's image tokens (the unconditional chunk's tokens for the unconditional rows)."""
+
+    def __init__(self, tokens, scales, weights, index):
+        self.tokens, self.scales, self.weights, self.index = tokens, scales, weights, index
+
+    def attend(self, site, attend, q, k, v):
+        out = attend(q, k, v)
+        layer = self.index.get(site.name)
+        if layer is None:
+            return out
+        heads, head_dim = q.shape[2], q.shape[3]
+        module = site.module
+        for (negative, positive), scale, w in zip(self.tokens, self.scales, self.weights):
+            rows = [negative] + [positive] * (site.chunks - 1) if site.chunks > 1 else [positive]
+            image = jnp.concatenate(rows).astype(q.dtype)
+            split = lambda x: x.reshape(*x.shape[:2], heads, head_dim)  # noqa: E731
+            k_ip = split(image @ w["to_k_ip"][layer].astype(q.dtype))
+            v_ip = split(image @ w["to_v_ip"][layer].astype(q.dtype))
+            extra = dot_product_attention(q, k_ip, v_ip, upcast=module.upcast, kernels=module.kernels)
+            out = out + scale[layer].astype(out.dtype) * extra.astype(out.dtype)
+        return out
+
+
+def piece(spec):
+    """The spec's IPAdapter wrapper, or None."""
+    return next((wrapper for wrapper in spec.wrappers if isinstance(wrapper, IPAdapter)), None)
+
+
+# ---- the layers, and the scales per layer ----------------------------------------------------------------------
+
+def diffusers_order(name: str) -> tuple:
+    """diffusers registers the UNet's down blocks, then the up blocks, then the middle block: the order of its
+    attn_processors, which numbers the adapters' `ip_adapter.{1,3,5,...}` weights."""
+    section = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}[name.split(".")[0]]
+    return (section, *(int(n) for n in re.findall(r"\.(\d+)(?=\.|$)", name)))
+
+
+def cross_attention_layers(unet, params_shapes) -> tuple:
+    """The checkpoint names of the UNet's cross-attention layers, in diffusers' order (traced once, no compute)."""
+    sites = set()
+
+    def run(params):
+        with intercept((), 0, 1, sites):
+            return unet.apply(params, *unet.dummy_inputs())
+
+    jax.eval_shape(run, params_shapes)
+    return tuple(sorted((name for name in sites if name.endswith("attn2")), key=diffusers_order))
+
+
+def layer_scales(scale, layers, layers_per_block):
+    """One adapter's scale -> a scale per cross-attention layer: a number for all, or diffusers' per-block dict
+    (InstantStyle: {"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}; what it leaves out is
+    0), as `set_ip_adapter_scale` expands it."""
+    if not isinstance(scale, dict):  # traced: a new number never recompiles
+        return jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (len(layers),))
+    unknown = set(scale) - {"down", "mid", "up"}
+    if unknown:
+        raise ValueError(f"ip_adapter_scale: {sorted(unknown)} are not UNet parts; a per-block scale is a dict with "
+                         "'down', 'mid' and 'up' keys, e.g. {'up': {'block_0': [0.0, 1.0, 0.0]}}")
+    per_block = {"down": layers_per_block, "up": layers_per_block + 1}
+    out = []
+    for name in layers:
+        part, *rest = name.split(".")
+        part = {"down_blocks": "down", "up_blocks": "up", "mid_block": "mid"}[part]
+        value = scale.get(part, 0.0)
+        if part == "mid":
+            value = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+        elif isinstance(value, dict):
+            value = value.get(f"block_{rest[0]}", 0.0)
+            if isinstance(value, (list, tuple)):
+                if len(value) not in (1, per_block[part]):
+                    raise ValueError(f"ip_adapter_scale: {part}.block_{rest[0]} has {len(value)} scales; its blocks "
+                                     f"have {per_block[part]} attention layers (give that many, or one)")
+                value = value[0] if len(value) == 1 else value[int(rest[2])]
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"ip_adapter_scale: {value!r:.40} for {name} is not a number")
+        out.append(float(value))
+    return jnp.asarray(out, jnp.float32)
+
+
+# ---- a call's IP-Adapter arguments -> Inputs fields --------------------------------------------------------------
+
+ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale")
+
+
+def per_adapter(value, count: int, name: str) -> list:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * (1 if hasattr(value, "shape") else count)
+    if len(values) != count:
+        raise ValueError(f"{name} holds {len(values)} entries for {count} IP-Adapters: give one per adapter (a list)")
+    return values
+
+
+def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_guidance: bool,
+                layers_per_block: int) -> dict:
+    """The Inputs fields of a call's `ip_adapter_image` (CLIP pixels from `prepare_ip_adapter_image`, one array
+    per adapter: (N, 3, h, w), or (N, n, 3, h, w) for n images each; N = 1 is every prompt's),
+    `ip_adapter_image_embeds` (diffusers' form: per adapter the encoder's output, [negative; positive] along the
+    batch with classifier-free guidance) and `ip_adapter_scale` (a number or a per-block dict, or one per
+    adapter)."""
+    image, embeds = args.get("ip_adapter_image"), args.get("ip_adapter_image_embeds")
+    if piece is None:
+        if image is not None or embeds is not None:
+            raise ValueError("ip_adapter_image needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter("
+                             "params, 'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
+        return {}
+    if (image is None) == (embeds is None):
+        raise ValueError("this pipeline has an IP-Adapter: give ip_adapter_image (pipeline.prepare_ip_adapter_image("
+                         "pictures)) or ip_adapter_image_embeds, one of them")
+    count = len(piece.adapters)
+    lead = leading_dims or 1
+    out = {}
+    if image is not None:
+        arrays = []
+        for x in per_adapter(image, count, "ip_adapter_image"):
+            x = jnp.asarray(x, jnp.float32)
+            if x.ndim == lead + 3:
+                x = jnp.expand_dims(x, lead)
+            if x.ndim != lead + 4 or x.shape[-3] != 3:
+                raise ValueError(f"ip_adapter_image has shape {x.shape}; expected (N, 3, h, w) or (N, n, 3, h, w) "
+                                 "CLIP pixels: make them with pipeline.prepare_ip_adapter_image(pictures)")
+            arrays.append(broadcast_rows(x, batch, lead, "ip_adapter_image"))
+        out["ip_adapter_image"] = tuple(arrays)
+    else:
+        arrays = []
+        for x in per_adapter(embeds, count, "ip_adapter_image_embeds"):
+            x = jnp.asarray(x, jnp.float32)
+            if x.ndim not in (lead + 2, lead + 3):
+                raise ValueError(f"ip_adapter_image_embeds has an array of shape {x.shape}; diffusers' form is "
+                                 "(N, n, E) or (N, n, tokens, E) per adapter, negatives first with guidance")
+            if classifier_free_guidance:
+                if x.shape[lead - 1] % 2:
+                    raise ValueError(f"ip_adapter_image_embeds of shape {x.shape} with classifier-free guidance: "
+                                     "the negative embeddings, then the positive ones (an even count)")
+                negative, positive = jnp.split(x, 2, axis=lead - 1)
+            else:
+                negative, positive = jnp.zeros_like(x), x
+            pair = jnp.stack([negative, positive], axis=lead)  # (N, 2, n, ...)
+            arrays.append(broadcast_rows(pair, batch, lead, "ip_adapter_image_embeds"))
+        out["ip_adapter_image_embeds"] = tuple(arrays)
+    scale = args.get("ip_adapter_scale", 1.0)
+    scales = per_adapter(scale, count, "ip_adapter_scale") if isinstance(scale, (list, tuple)) else [scale] * count
+    out["ip_adapter_scale"] = jnp.stack([layer_scales(s, piece.layers, layers_per_block) for s in scales])
+    return out
+
+
+def broadcast_rows(x, batch: tuple, lead: int, name: str):
+    """One row for every prompt, or one per prompt."""
+    rows = x.shape[:lead]
+    if rows == tuple(batch):
+        return x
+    if lead == 1 and rows == (1,):
+        return jnp.broadcast_to(x, (*batch, *x.shape[1:]))
+    raise ValueError(f"{name} holds {rows} rows for prompts of {tuple(batch)}: give one for all, or one per prompt")
+
+
+# ---- loading -----------------------------------------------------------------------------------------------------
+
+def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_folder, revision=None):
+    """(IPAdapter piece, {"image_encoder": ..., "ip_adapter": [...]}) from h94-layout files, found as diffusers
+    finds them."""
+    import os
+
+    from ..hub import resolve_folder
+    from ..ip_adapter_files import read_ip_adapter
+    from ..models import CLIPVisionModelWithProjection
+
+    names = list(weight_name) if isinstance(weight_name, (list, tuple)) else [weight_name]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("load_ip_adapter needs weight_name=, the adapter's file (e.g. 'ip-adapter_sd15.safetensors'), "
+                         "or a list of them")
+    subfolder = subfolder or ""
+    own_encoder = image_encoder_folder is not None and "/" not in str(image_encoder_folder)
+    patterns = [f"{subfolder}/{n}".lstrip("/") for n in names]
+    if own_encoder:
+        patterns.append(f"{subfolder}/{image_encoder_folder}/*".lstrip("/"))
+    folder = resolve_folder(source, revision, allow_patterns=patterns)
+    layers = cross_attention_layers(pipeline.unet, pipeline.unet.param_shapes())
+    adapters, weights = [], []
+    for name in names:
+        w = read_ip_adapter(os.path.join(folder, subfolder, name))
+        if len(w.to_k_ip) != len(layers):
+            raise ValueError(f"{name} adapts {len(w.to_k_ip)} cross-attention layers; this UNet has {len(layers)}: "
+                             "an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
+        width = pipeline.unet.config.cross_attention_dim
+        if w.to_k_ip[0].shape[0] != width:
+            raise ValueError(f"{name} projects image tokens {w.to_k_ip[0].shape[0]} wide; this UNet's cross-attention "
+                             f"takes {width}: an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
+        adapters.append(Adapter(w.projection, w.wants_hidden_states))
+        cast = lambda x: jnp.asarray(x, pipeline.dtype)  # noqa: E731
+        weights.append({"projection": jax.tree.map(cast, w.projection_params),
+                        "to_k_ip": [cast(k) for k in w.to_k_ip], "to_v_ip": [cast(v) for v in w.to_v_ip]})
+    encoder, added = None, {"ip_adapter": weights}
+    if image_encoder_folder is not None:
+        where = (folder, os.path.join(subfolder, image_encoder_folder)) if own_encoder else (image_encoder_folder, None)
+        encoder, added["image_encoder"] = CLIPVisionModelWithProjection.from_pretrained(
+            where[0], subfolder=where[1], dtype=pipeline.dtype)
+    return IPAdapter(encoder, tuple(adapters), layers), added

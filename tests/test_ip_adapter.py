@@ -1,0 +1,186 @@
+"""IP-Adapter against diffusers' `load_ip_adapter` + `set_ip_adapter_scale`: random adapters written in h94's layout
+beside a small CLIP vision tower, the same pixels and start noise on both sides; images at atol 1e-3."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from builders import h94_names, randomize_norms, torch_pipeline
+
+from sdflax import StableDiffusion
+
+PROMPTS = ["a red fox in the snow"]
+STEPS, SIZE = 2, 32  # the test VAE halves: latents 16x16
+ATOL = 1e-3  # images in [0, 1], float32 on both sides
+VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4, image_size=28,
+              patch_size=14, projection_dim=24, hidden_act="gelu")
+
+
+def h94_file(path, kind, cross_attention_dim, layer_widths, seed):
+    """A random IP-Adapter in h94's layout: diffusers' image projection of `kind` under the original names
+    (`image_proj.*`) and each cross-attention layer's to_k_ip / to_v_ip (`ip_adapter.{1,3,...}`, diffusers'
+    attn_processors order)."""
+    from diffusers.models.embeddings import (
+        ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection)
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    width, hidden = cross_attention_dim, VISION["hidden_size"]
+    projection = {"base": lambda: ImageProjection(VISION["projection_dim"], width, 4),
+                  "full": lambda: IPAdapterFullImageProjection(hidden, width),
+                  "plus": lambda: IPAdapterPlusImageProjection(embed_dims=hidden, output_dims=width, hidden_dims=64,
+                                                               depth=4, heads=1, num_queries=4)}[kind]()
+    projection = randomize_norms(projection, seed)
+    state = {f"image_proj.{k}": v.contiguous() for k, v in h94_names(kind, projection.state_dict()).items()}
+    g = torch.Generator().manual_seed(seed)
+    for i, channels in enumerate(layer_widths):
+        for name in ("to_k_ip", "to_v_ip"):
+            state[f"ip_adapter.{2 * i + 1}.{name}.weight"] = 0.2 * torch.randn(channels, width, generator=g)
+    save_file(state, str(path))
+
+
+@pytest.fixture(scope="module")
+def sd1(tmp_path_factory):
+    """diffusers' pipeline and sdflax's, both from one folder holding the IP-Adapters and their image encoder."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    folder = tmp_path_factory.mktemp("ip") / "sd1"
+    theirs = torch_pipeline("sd1", "ddim")
+    theirs.save_pretrained(folder)
+    torch.manual_seed(3)
+    CLIPVisionModelWithProjection(CLIPVisionConfig(**VISION)).eval().save_pretrained(folder / "models" / "image_encoder")
+    pipe, params = StableDiffusion.from_pretrained(folder)
+    return theirs, pipe, params, folder
+
+
+def cross_attention_widths(theirs):
+    """The inner width of each cross-attention layer, in attn_processors order."""
+    return [theirs.unet.get_submodule(name[: -len(".processor")]).to_k.out_features
+            for name in theirs.unet.attn_processors if name.endswith("attn2.processor")]
+
+
+@pytest.fixture(scope="module")
+def adapters(sd1):
+    theirs, _, _, folder = sd1
+    widths = cross_attention_widths(theirs)
+    for kind, seed in (("base", 1), ("full", 2), ("plus", 3)):
+        h94_file(folder / "models" / f"ip-adapter_{kind}.safetensors", kind, theirs.unet.config.cross_attention_dim,
+                 widths, seed)
+    return folder
+
+
+def pixels(seed=0, n=1):
+    return np.random.default_rng(seed).uniform(-1.5, 1.5, (n, 3, VISION["image_size"], VISION["image_size"])
+                                               ).astype(np.float32)
+
+
+def latents():
+    return np.random.default_rng(7).standard_normal((len(PROMPTS), 4, SIZE // 2, SIZE // 2), dtype=np.float32)
+
+
+def diffusers_images(theirs, folder, weight_names, scale, images, **kwargs):
+    theirs.load_ip_adapter(str(folder), subfolder="models", weight_name=weight_names, image_encoder_folder="image_encoder")
+    theirs.set_ip_adapter_scale(scale)
+    with torch.no_grad():
+        out = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE, latents=torch.from_numpy(latents()),
+                     ip_adapter_image=[torch.from_numpy(x) for x in images], output_type="np", **kwargs).images
+    theirs.unload_ip_adapter()
+    return out
+
+
+def test_base_adapter_matches_diffusers_at_two_scales(sd1, adapters):
+    theirs, pipe, params, folder = sd1
+    ip_pipe, ip_params = pipe.load_ip_adapter(params, folder, subfolder="models",
+                                              weight_name="ip-adapter_base.safetensors")
+    ids = pipe.prepare_inputs(PROMPTS)
+    image = pixels()
+    results = {}
+    for scale in (0.0, 0.6, 1.0):
+        expected = diffusers_images(theirs, folder, "ip-adapter_base.safetensors", scale, [image])
+        ours = ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, latents=latents(), ip_adapter_image=image,
+                       ip_adapter_scale=scale).images
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+        results[scale] = expected
+    assert np.abs(results[1.0] - results[0.0]).max() > 1e-2  # the adapter moves diffusers' image
+    assert np.abs(results[0.6] - results[1.0]).max() > 1e-2
+    assert ip_pipe._jitted._cache_size() == 1  # a new scale is a traced value
+
+
+@pytest.mark.parametrize("kind", ["plus", "full"])
+def test_plus_and_full_face_adapters_match_diffusers(sd1, adapters, kind):
+    """Plus (the perceiver resampler) and Full Face project the encoder's penultimate hidden states; their
+    unconditional rows are a black image's."""
+    theirs, pipe, params, folder = sd1
+    name = f"ip-adapter_{kind}.safetensors"
+    ip_pipe, ip_params = pipe.load_ip_adapter(params, folder, subfolder="models", weight_name=name)
+    image = pixels(1)
+    expected = diffusers_images(theirs, folder, name, 0.8, [image])
+    ours = ip_pipe(pipe.prepare_inputs(PROMPTS), ip_params, jax.random.key(0), STEPS, SIZE, SIZE, latents=latents(),
+                   ip_adapter_image=image, ip_adapter_scale=0.8).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    assert np.abs(expected - diffusers_images(theirs, folder, name, 0.0, [image])).max() > 1e-2
+
+
+def test_per_block_scales_and_two_adapters_match_diffusers(sd1, adapters):
+    """InstantStyle's per-block scale (what it leaves out is 0), and two adapters with a scale and an image each."""
+    theirs, pipe, params, folder = sd1
+    ids = pipe.prepare_inputs(PROMPTS)
+    names = ["ip-adapter_base.safetensors", "ip-adapter_plus.safetensors"]
+    two, two_params = pipe.load_ip_adapter(params, folder, subfolder="models", weight_name=names)
+    images = [pixels(2), pixels(3)]
+    style = {"up": {"block_1": [0.0, 1.0]}}
+    for scale in ([0.7, 0.5], [style, 0.5]):
+        expected = diffusers_images(theirs, folder, names, scale, images)
+        ours = two(ids, two_params, jax.random.key(0), STEPS, SIZE, SIZE, latents=latents(), ip_adapter_image=images,
+                   ip_adapter_scale=scale).images
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    assert np.abs(expected - diffusers_images(theirs, folder, names, [0.7, 0.5], images)).max() > 1e-2
+    assert two._jitted._cache_size() == 1  # per-block scales are traced numbers too
+
+
+def test_given_image_embeds_equal_the_image_and_every_mode_agrees(sd1, adapters):
+    """`ip_adapter_image_embeds` in diffusers' form ([negative; positive] encoder outputs) give the image's result;
+    pmap and the sharded path give the single-device images."""
+    from sdflax import replicate, shard
+
+    _, pipe, params, folder = sd1
+    ip_pipe, ip_params = pipe.load_ip_adapter(params, folder, subfolder="models",
+                                              weight_name="ip-adapter_base.safetensors")
+    devices = jax.local_device_count()
+    prompts = [f"a fox number {i}" for i in range(devices)]
+    ids = pipe.prepare_inputs(prompts)
+    image = pixels(4, n=devices)
+    noise = np.random.default_rng(8).standard_normal((devices, 4, SIZE // 2, SIZE // 2), dtype=np.float32)
+    keys = jax.random.split(jax.random.key(0), devices)
+    call = ip_pipe(ids, ip_params, keys, STEPS, SIZE, SIZE, latents=noise, ip_adapter_image=image).images
+    encoder = ip_pipe.ip_adapter.image_encoder
+    embeds = np.asarray(encoder.apply(ip_params["image_encoder"], image).image_embeds)[:, None]  # (N, 1, E)
+    given = ip_pipe(ids, ip_params, keys, STEPS, SIZE, SIZE, latents=noise,
+                    ip_adapter_image_embeds=[np.concatenate([np.zeros_like(embeds), embeds])]).images
+    np.testing.assert_allclose(given, call, rtol=0, atol=1e-5)
+    pmapped = ip_pipe(shard(ids), replicate(ip_params), keys, STEPS, SIZE, SIZE, latents=shard(noise),
+                      ip_adapter_image=shard(image), jit=True).images
+    np.testing.assert_allclose(pmapped.reshape(call.shape), call, rtol=0, atol=1e-5)
+    sharded = ip_pipe.generate_sharded(ids, ip_params, keys, STEPS, SIZE, SIZE, latents=noise, ip_adapter_image=image)
+    np.testing.assert_allclose(sharded, call, rtol=0, atol=1e-5)
+    assert np.abs(call[0] - call[1]).max() > 1e-3  # each row its own image prompt
+
+
+def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
+    _, pipe, params, folder = sd1
+    ids = pipe.prepare_inputs(PROMPTS)
+    with pytest.raises(ValueError, match="ip_adapter_image needs an IP-Adapter: pipeline, params = "):
+        pipe(ids, params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels())
+    ip_pipe, ip_params = pipe.load_ip_adapter(params, folder, subfolder="models",
+                                              weight_name="ip-adapter_base.safetensors")
+    with pytest.raises(ValueError, match="give ip_adapter_image .* or ip_adapter_image_embeds, one of them"):
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE)
+    with pytest.raises(ValueError, match=r"ip_adapter_image holds 2 entries for 1 IP-Adapters"):
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=[pixels(), pixels()])
+    with pytest.raises(ValueError, match=r"ip_adapter_scale: up.block_1 has 3 scales; its blocks have 2 attention"):
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(),
+                ip_adapter_scale={"up": {"block_1": [0.0, 1.0, 1.0]}})
+    with pytest.raises(ValueError, match="load_ip_adapter needs weight_name="):
+        pipe.load_ip_adapter(params, folder, subfolder="models")
