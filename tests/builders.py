@@ -252,3 +252,44 @@ def h94_names(kind, state_dict):
             key = f"layers.{n}.{renames[old]}{rest[len(old):]}"
         out[key] = value
     return out
+
+
+# A small CLIP vision tower (ViT-H's traits) for the IP-Adapters' image encoder.
+VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4, image_size=28,
+              patch_size=14, projection_dim=24, hidden_act="gelu")
+
+
+def h94_file(path, kind, cross_attention_dim, layer_widths, seed):
+    """A random IP-Adapter in h94's layout: diffusers' image projection of `kind` under the original names
+    (`image_proj.*`) and each cross-attention layer's to_k_ip / to_v_ip (`ip_adapter.{1,3,...}`, diffusers'
+    attn_processors order)."""
+    from diffusers.models.embeddings import (
+        ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection)
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    width, hidden = cross_attention_dim, VISION["hidden_size"]
+    projection = {"base": lambda: ImageProjection(VISION["projection_dim"], width, 4),
+                  "full": lambda: IPAdapterFullImageProjection(hidden, width),
+                  "plus": lambda: IPAdapterPlusImageProjection(embed_dims=hidden, output_dims=width, hidden_dims=64,
+                                                               depth=4, heads=1, num_queries=4)}[kind]()
+    projection = randomize_norms(projection, seed)
+    state = {f"image_proj.{k}": v.contiguous() for k, v in h94_names(kind, projection.state_dict()).items()}
+    g = torch.Generator().manual_seed(seed)
+    for i, channels in enumerate(layer_widths):
+        for name in ("to_k_ip", "to_v_ip"):
+            state[f"ip_adapter.{2 * i + 1}.{name}.weight"] = 0.2 * torch.randn(channels, width, generator=g)
+    save_file(state, str(path))
+
+
+def write_ip_adapters(folder, unet, kinds: dict):
+    """Random IP-Adapters for diffusers' `unet` ({kind: seed}: folder/ip-adapter_{kind}.safetensors) and their
+    image encoder (folder/image_encoder), as h94's repository holds them."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(3)
+    CLIPVisionModelWithProjection(CLIPVisionConfig(**VISION)).eval().save_pretrained(Path(folder) / "image_encoder")
+    widths = [unet.get_submodule(name[: -len(".processor")]).to_k.out_features
+              for name in unet.attn_processors if name.endswith("attn2.processor")]  # attn_processors order
+    for kind, seed in kinds.items():
+        h94_file(Path(folder) / f"ip-adapter_{kind}.safetensors", kind, unet.config.cross_attention_dim, widths, seed)

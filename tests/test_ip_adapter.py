@@ -7,67 +7,29 @@ import jax
 import numpy as np
 import pytest
 import torch
-from builders import h94_names, randomize_norms, torch_pipeline
+from builders import VISION, torch_pipeline, write_ip_adapters
 
 from sdflax import StableDiffusion
 
 PROMPTS = ["a red fox in the snow"]
 STEPS, SIZE = 2, 32  # the test VAE halves: latents 16x16
 ATOL = 1e-3  # images in [0, 1], float32 on both sides
-VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4, image_size=28,
-              patch_size=14, projection_dim=24, hidden_act="gelu")
-
-
-def h94_file(path, kind, cross_attention_dim, layer_widths, seed):
-    """A random IP-Adapter in h94's layout: diffusers' image projection of `kind` under the original names
-    (`image_proj.*`) and each cross-attention layer's to_k_ip / to_v_ip (`ip_adapter.{1,3,...}`, diffusers'
-    attn_processors order)."""
-    from diffusers.models.embeddings import (
-        ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection)
-    from safetensors.torch import save_file
-
-    torch.manual_seed(seed)
-    width, hidden = cross_attention_dim, VISION["hidden_size"]
-    projection = {"base": lambda: ImageProjection(VISION["projection_dim"], width, 4),
-                  "full": lambda: IPAdapterFullImageProjection(hidden, width),
-                  "plus": lambda: IPAdapterPlusImageProjection(embed_dims=hidden, output_dims=width, hidden_dims=64,
-                                                               depth=4, heads=1, num_queries=4)}[kind]()
-    projection = randomize_norms(projection, seed)
-    state = {f"image_proj.{k}": v.contiguous() for k, v in h94_names(kind, projection.state_dict()).items()}
-    g = torch.Generator().manual_seed(seed)
-    for i, channels in enumerate(layer_widths):
-        for name in ("to_k_ip", "to_v_ip"):
-            state[f"ip_adapter.{2 * i + 1}.{name}.weight"] = 0.2 * torch.randn(channels, width, generator=g)
-    save_file(state, str(path))
 
 
 @pytest.fixture(scope="module")
 def sd1(tmp_path_factory):
-    """diffusers' pipeline and sdflax's, both from one folder holding the IP-Adapters and their image encoder."""
-    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
-
+    """diffusers' pipeline and sdflax's, both from one folder (which `adapters` gives IP-Adapters)."""
     folder = tmp_path_factory.mktemp("ip") / "sd1"
     theirs = torch_pipeline("sd1", "ddim")
     theirs.save_pretrained(folder)
-    torch.manual_seed(3)
-    CLIPVisionModelWithProjection(CLIPVisionConfig(**VISION)).eval().save_pretrained(folder / "models" / "image_encoder")
     pipe, params = StableDiffusion.from_pretrained(folder)
     return theirs, pipe, params, folder
-
-
-def cross_attention_widths(theirs):
-    """The inner width of each cross-attention layer, in attn_processors order."""
-    return [theirs.unet.get_submodule(name[: -len(".processor")]).to_k.out_features
-            for name in theirs.unet.attn_processors if name.endswith("attn2.processor")]
 
 
 @pytest.fixture(scope="module")
 def adapters(sd1):
     theirs, _, _, folder = sd1
-    widths = cross_attention_widths(theirs)
-    for kind, seed in (("base", 1), ("full", 2), ("plus", 3)):
-        h94_file(folder / "models" / f"ip-adapter_{kind}.safetensors", kind, theirs.unet.config.cross_attention_dim,
-                 widths, seed)
+    write_ip_adapters(folder / "models", theirs.unet, {"base": 1, "full": 2, "plus": 3})
     return folder
 
 
