@@ -3,8 +3,8 @@ the one computation (`generate`), its checks, its programs (`runner`), and the p
 
 from .core import Pipeline, StableDiffusionOutput
 from .generate import generate
-from .table import (StableDiffusion, StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
+from .table import (StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
                     StableDiffusionControlNetInpaint, StableDiffusionImg2Img, StableDiffusionInpaint, StableDiffusionXL,
                     StableDiffusionXLControlNet, StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint,
-                    StableDiffusionXLImg2Img, StableDiffusionXLInpaint, pipeline_class)
+                    StableDiffusionXLAdapter, StableDiffusionXLImg2Img, StableDiffusionXLInpaint, pipeline_class)
 from .types import Inputs, Settings, Spec, random_draws

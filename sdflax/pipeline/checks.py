@@ -253,6 +253,10 @@ def image_size(c, inputs, leading_dims, height, width):
         if leading_dims is not None:
             check_control_images(c, inputs, leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the control image", as_nets(inputs.control_image)[0].shape[-2:]))
+    if c.adapters:  # the T2I-Adapters' pictures
+        if leading_dims is not None:
+            check_adapter_images(c, inputs, leading_dims, inputs.prompts().shape[:leading_dims])
+        sizes.append(("the adapter image", as_nets(inputs.adapter_image)[0].shape[-2:]))
     if not sizes:
         return height, width
     (first, actual), *others = sizes
@@ -270,6 +274,28 @@ def pixels(c, image):
     """(H, W) of an image, or of the image that latents (an image with the latent channels) decode to."""
     f = c.vae_scale_factor if c.spec.vae.is_latent_image(image) else 1
     return tuple(side * f for side in image.shape[-2:])
+
+
+def check_adapter_images(c, inputs, leading_dims, batch):
+    """One picture per T2I-Adapter, (B, C, H, W) with the adapter's channels, sides a multiple of its downscale."""
+    if inputs.adapter_image is None:
+        raise ValueError("this pipeline has T2I-Adapters: give their pictures (adapter_image=, or the image argument "
+                         "of StableDiffusionAdapter), made with pipeline.prepare_image_inputs(pictures)")
+    images = as_nets(inputs.adapter_image)
+    if len(images) != len(c.adapters):
+        raise ValueError(f"{len(images)} adapter images for {len(c.adapters)} T2I-Adapters: give one per adapter")
+    for k, (adapter, image) in enumerate(zip(c.adapters, images)):
+        what = f"adapter image {k}" if len(images) > 1 else "the adapter image"
+        expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{adapter.config.in_channels}, H, W)"
+        if image.ndim != leading_dims + 3 or image.shape[-3] != adapter.config.in_channels:
+            raise ValueError(f"{what} has shape {image.shape}; its adapter takes {expected}: make it with "
+                             "pipeline.prepare_image_inputs(pictures)")
+        if image.shape[:leading_dims] != batch:
+            raise ValueError(f"{what} has shape {image.shape} for prompts of {batch}: give one per prompt")
+        factor = adapter.total_downscale_factor
+        if image.shape[-2] % factor or image.shape[-1] % factor:
+            raise ValueError(f"{what} is {image.shape[-1]}x{image.shape[-2]}; this adapter needs sides that are "
+                             f"multiples of {factor}")
 
 
 def check_control_images(c, inputs, leading_dims, batch):

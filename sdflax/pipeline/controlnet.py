@@ -28,6 +28,7 @@ class ControlNet:
     # what this wrapper adds to a pipeline: its params, its picture input, and the arguments of its calls
     params_name = "controlnet"
     picture = "control_image"
+    component = "controlnets"  # the Pipeline attribute it is built from
 
     def wrap(self, params, inputs, settings, cond, start):
         net_params = as_nets(params["controlnet"])

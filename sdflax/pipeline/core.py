@@ -21,10 +21,12 @@ from ..models.config import read_config_file
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
+from .controlnet import ControlNet
 from .generate import generate, generate_fn
 from .images import numpy_to_pil, preprocess_pictures
 from .runner import Runner
 from .starts import FromNoise, is_inpainting_unet
+from .t2i_adapter import T2IAdapters
 from .text import SDText
 from .types import Inputs, Settings, Spec
 from .vae import VAE
@@ -55,14 +57,21 @@ class Pipeline:
     ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
 
     def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
-                 tokenizer_2=None, force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None):
+                 tokenizer_2=None, force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None,
+                 adapter=None):
         self.text_encoder, self.text_encoder_2, self.unet, self.vae = text_encoder, text_encoder_2, unet, vae
         # one ControlNet module or a list of them; their params go in params["controlnet"] (a list for a list)
         self.controlnets = () if controlnet is None else tuple(controlnet) if isinstance(controlnet, (list, tuple)) \
             else (controlnet,)
-        if self.wrappers and not self.controlnets:
+        # one T2IAdapter or a list of them (`sdflax.T2IAdapter`); their params go in params["adapter"]
+        self.adapters = () if adapter is None else tuple(adapter) if isinstance(adapter, (list, tuple)) \
+            else (adapter,)
+        if ControlNet in self.wrappers and not self.controlnets:
             raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
                              "ControlNetModel.from_pretrained")
+        if T2IAdapters in self.wrappers and not self.adapters:
+            raise ValueError(f"{type(self).__name__} needs adapter=: a T2IAdapter (or a list of them) from "
+                             "sdflax.T2IAdapter.from_pretrained")
         self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
         self._scheduler, self._force_zeros = self._own(scheduler), bool(force_zeros_for_empty_prompt)
         self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
@@ -157,7 +166,7 @@ class Pipeline:
                 "scheduler": self.scheduler, "dtype": self.dtype, "text_encoder_2": self.text_encoder_2,
                 "tokenizer_2": self.tokenizer_2, "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
                 "requires_aesthetics_score": self.requires_aesthetics_score,
-                "controlnet": list(self.controlnets) or None}
+                "controlnet": list(self.controlnets) or None, "adapter": list(self.adapters) or None}
 
     def replace(self, **components):
         """A pipeline of this class with some components replaced (and this one's hooks)."""
@@ -193,8 +202,10 @@ class Pipeline:
         """The pieces this pipeline runs (`types.Spec`), made from the components and the table row."""
         if self._spec is None:
             vae = VAE(self.vae, self.text.upcast_vae(self.vae))
+            # an adapter given to any pipeline (a ControlNet one too) joins the row's own wrappers
+            extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
-                        *(wrapper(self.controlnets) for wrapper in self.wrappers))
+                        *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)))
             self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.unet),
                               self.unet, vae, self._scheduler, wrappers)
         return self._spec

@@ -94,6 +94,21 @@ def preprocess_control_images(images, scale_factor: int) -> np.ndarray:
     return preprocess_images(images, scale_factor, "control image")
 
 
+def preprocess_adapter_images(images, scale_factor: int, channels: int) -> np.ndarray:
+    """T2I-Adapter pictures -> float32 (B, channels, H, W) in [0, 1]: RGB, or grey for a one-channel adapter
+    (sketches), as diffusers reads a greyscale picture for it."""
+    rgb = preprocess_images(images, scale_factor, "adapter image")
+    if channels == 3:
+        return rgb
+    if channels != 1:
+        raise ValueError(f"a T2I-Adapter with {channels} input channels: sdflax prepares RGB (3) or grey (1) pictures")
+    from PIL import Image
+
+    eight = np.round(rgb * 255).astype(np.uint8).transpose(0, 2, 3, 1)  # the pictures' 8-bit values
+    grey = np.stack([np.asarray(Image.fromarray(image).convert("L")) for image in eight])  # PIL's weights
+    return (grey[:, None] / np.float32(255)).astype(np.float32)
+
+
 def preprocess_pictures(pictures: dict, scale_factor: int) -> list[np.ndarray]:
     """`prepare_inputs`' pictures by name ("images", "masks", "control_images") -> the arrays `__call__` takes,
     in that order."""

@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 from .controlnet import ControlNet
 from .core import Pipeline
-from .images import preprocess_control_images
+from .images import preprocess_adapter_images, preprocess_control_images
 from .starts import FromImage, FromImageMask, FromNoise
+from .t2i_adapter import T2IAdapters
 from .text import SDText, SDXLText
 
 DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_scale": 7.5, "latents": None,
@@ -25,7 +26,8 @@ DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_
             "negative_aesthetic_score": 2.5, "denoising_start": None, "denoising_end": None, "output_type": "np",
             "strength": 1.0, "controlnet_conditioning_scale": 1.0, "control_guidance_start": 0.0,
             "control_guidance_end": 1.0, "guess_mode": False, "timesteps": None, "sigmas": None,
-            "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0}
+            "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0,
+            "adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0}
 REQUIRED = ("prompt_ids", "image", "mask", "control_image", "params", "prng_seed")
 
 # argument orders, as the classes have always had them (the SD ones follow diffusers' old Flax pipelines)
@@ -38,7 +40,9 @@ XL_IMAGE = (f"num_inference_steps guidance_scale height width noise neg_prompt_i
             "aesthetic_score negative_aesthetic_score")
 CONTROL = "control_guidance_start control_guidance_end guess_mode"
 SCHEDULE = "timesteps sigmas"  # near the end of every class, as diffusers' pipelines take them
-IP_ADAPTER = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale"  # last: every class, with load_ip_adapter
+IP_ADAPTER = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale"  # every class, with load_ip_adapter
+# last in the classes whose row has no T2I-Adapter: an adapter given to them (adapter=) reads these
+T2I_ADAPTER = "adapter_image adapter_conditioning_scale adapter_conditioning_factor"
 
 
 class Row(NamedTuple):
@@ -107,15 +111,25 @@ ROWS = {
         f"prompt_ids image mask control_image params prng_seed strength {XL_IMAGE} controlnet_conditioning_scale "
         f"denoising_start denoising_end output_type {XL_TAIL} {CONTROL}", {"strength": 0.9999, "guidance_scale": 5.0},
         "SDXL inpainting steered by SDXL ControlNets; the nets see the 4-channel latents."),
+    "StableDiffusionAdapter": Row(
+        SDText, FromNoise, (T2IAdapters,),
+        f"prompt_ids image params prng_seed {SD} latents neg_prompt_ids adapter_conditioning_scale {SD_TAIL}", {},
+        "Text-to-image steered by T2I-Adapters (`image`: the adapter's picture, e.g. a sketch or depth map)."),
+    "StableDiffusionXLAdapter": Row(
+        SDXLText, FromNoise, (T2IAdapters,),
+        f"prompt_ids image params prng_seed num_inference_steps guidance_scale height width latents neg_prompt_ids "
+        f"adapter_conditioning_scale adapter_conditioning_factor guidance_rescale {XL_SIZES} {XL_TAIL}",
+        {"guidance_scale": 5.0}, "SDXL text-to-image steered by SDXL T2I-Adapters (`image`: the adapter's picture)."),
 }
 
 
 def signature(row: Row) -> inspect.Signature:
     defaults = {**DEFAULTS, **row.defaults}
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    tail = SCHEDULE.split() + IP_ADAPTER.split() + ([] if T2IAdapters in row.wrappers else T2I_ADAPTER.split())
     return inspect.Signature([inspect.Parameter(name, kind) if name in REQUIRED else
                               inspect.Parameter(name, kind, default=defaults[name])
-                              for name in row.arguments.split() + SCHEDULE.split() + IP_ADAPTER.split()])
+                              for name in row.arguments.split() + tail])
 
 
 def make_class(name: str, row: Row) -> type:
@@ -145,10 +159,11 @@ def make_class(name: str, row: Row) -> type:
     prepare_inputs.__doc__ = Pipeline._prepare.__doc__
     namespace = {"text": row.text, "start": row.start, "wrappers": row.wrappers, "signature": call_signature,
                  "defaults": {n: p.default for n, p in call_signature.parameters.items() if n not in REQUIRED},
-                 "renamed": {"image": "control_image"} if row.wrappers and not row.start.images else {},
+                 "renamed": {"image": row.wrappers[0].picture} if row.wrappers and not row.start.images else {},
                  "__call__": __call__, "prepare_inputs": prepare_inputs, "__doc__": row.doc, "__module__": __name__}
     if row.wrappers and not row.start.images:
-        namespace.update(prepare_text_inputs=prepare_text_inputs, prepare_image_inputs=prepare_image_inputs)
+        namespace.update(prepare_text_inputs=prepare_text_inputs, prepare_image_inputs=(
+            prepare_adapter_image_inputs if T2IAdapters in row.wrappers else prepare_image_inputs))
     return type(name, (Pipeline,), namespace)
 
 
@@ -162,6 +177,17 @@ def prepare_image_inputs(self, images):
     return preprocess_control_images(images, self.vae_scale_factor)
 
 
+def prepare_adapter_image_inputs(self, images):
+    """Adapter pictures -> float32 (B, C, H, W) in [0, 1], C the adapter's input channels (grey for 1): a list of
+    them for several adapters, one list of pictures each."""
+    if len(self.adapters) > 1:
+        if not isinstance(images, (list, tuple)) or len(images) != len(self.adapters):
+            raise ValueError(f"{len(self.adapters)} T2I-Adapters: give one list of pictures per adapter")
+        return [preprocess_adapter_images(pictures, self.vae_scale_factor, adapter.config.in_channels)
+                for pictures, adapter in zip(images, self.adapters)]
+    return preprocess_adapter_images(images, self.vae_scale_factor, self.adapters[0].config.in_channels)
+
+
 CLASSES = {name: make_class(name, row) for name, row in ROWS.items()}
 START_NAMES = {FromNoise: "noise", FromImage: "image", FromImageMask: "image_mask"}
 
@@ -171,7 +197,8 @@ def pipeline_class(family: str, start: str, controlnet: bool = False) -> type:
     ControlNets."""
     text = {"sd": SDText, "sdxl": SDXLText}[family]
     for cls in CLASSES.values():
-        if cls.text is text and START_NAMES[cls.start] == start and bool(cls.wrappers) == controlnet:
+        if cls.text is text and START_NAMES[cls.start] == start and (ControlNet in cls.wrappers) == controlnet \
+                and T2IAdapters not in cls.wrappers:
             return cls
     raise ValueError(f"no pipeline for family={family!r}, start={start!r}, controlnet={controlnet}")
 
@@ -188,3 +215,5 @@ StableDiffusionControlNetImg2Img = CLASSES["StableDiffusionControlNetImg2Img"]
 StableDiffusionControlNetInpaint = CLASSES["StableDiffusionControlNetInpaint"]
 StableDiffusionXLControlNetImg2Img = CLASSES["StableDiffusionXLControlNetImg2Img"]
 StableDiffusionXLControlNetInpaint = CLASSES["StableDiffusionXLControlNetInpaint"]
+StableDiffusionAdapter = CLASSES["StableDiffusionAdapter"]
+StableDiffusionXLAdapter = CLASSES["StableDiffusionXLAdapter"]

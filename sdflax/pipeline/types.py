@@ -44,6 +44,7 @@ class Inputs:
     # for the negative and positive images (B, 2, n, ...)
     ip_adapter_image: Any = _batched()
     ip_adapter_image_embeds: Any = _batched()
+    adapter_image: Any = _batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per T2I-Adapter
     guidance_scale: Any = 7.5
     guidance_rescale: Any = 0.0
     # ControlNet: a value, or one per net; the guidance window is the fraction of the steps a net acts in
@@ -51,6 +52,9 @@ class Inputs:
     control_guidance_start: Any = None
     control_guidance_end: Any = None
     ip_adapter_scale: Any = None  # (adapters, cross-attention layers)
+    # T2I-Adapter: a value, or one per adapter; the fraction of the evaluations the features enter (SDXL's)
+    adapter_conditioning_scale: Any = None
+    adapter_conditioning_factor: Any = None
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None
@@ -177,4 +181,4 @@ class Spec:
     unet: Any
     vae: Any  # vae.VAE: decodes the result
     scheduler: Any
-    wrappers: tuple = ()  # UNet wrappers (ip_adapter.IPAdapter, controlnet.ControlNet), the first listed innermost
+    wrappers: tuple = ()  # UNet wrappers (IPAdapter, T2IAdapters, ControlNet), the first listed innermost
