@@ -121,6 +121,27 @@ def sdxl_controlnet(folder):
     torch_controlnet(torch_sdxl().unet).save_pretrained(folder)
 
 
+def h94_ip_adapter(folder):
+    """h94/IP-Adapter's layout for the SD 1.5 stand-in: models/ip-adapter_sd15.safetensors (and the Plus one) and
+    models/image_encoder."""
+    from builders import write_ip_adapters
+
+    write_ip_adapters(folder / "models", torch_sd15().unet, {"base": 1, "plus": 3})
+    os.rename(folder / "models" / "ip-adapter_base.safetensors", folder / "models" / "ip-adapter_sd15.safetensors")
+    os.rename(folder / "models" / "ip-adapter_plus.safetensors",
+              folder / "models" / "ip-adapter-plus_sd15.safetensors")
+
+
+def sd15_t2i_adapter(folder):
+    """A canny T2I-Adapter (one grey channel) whose features fit the SD 1.5 stand-in's down blocks."""
+    import torch
+    from diffusers import T2IAdapter
+
+    torch.manual_seed(6)
+    T2IAdapter(in_channels=1, channels=list(SD15["unet"]["block_out_channels"]), num_res_blocks=1,
+               downscale_factor=2, adapter_type="full_adapter").save_pretrained(folder)
+
+
 def sd15_lora(folder):
     """A LoRA for the SD 1.5 stand-in in diffusers' layout, under the file name the LCM-LoRA repository uses."""
     from test_lora import peft_file
@@ -144,6 +165,8 @@ STANDINS = {
     "lllyasviel/control_v11e_sd15_shuffle": sd15_controlnet,
     "diffusers/controlnet-canny-sdxl-1.0": sdxl_controlnet,
     "latent-consistency/lcm-lora-sdv1-5": sd15_lora,
+    "h94/IP-Adapter": h94_ip_adapter,
+    "TencentARC/t2iadapter_canny_sd15v2": sd15_t2i_adapter,
 }
 
 
