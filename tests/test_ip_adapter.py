@@ -146,3 +146,65 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
                 ip_adapter_scale={"up": {"block_1": [0.0, 1.0, 1.0]}})
     with pytest.raises(ValueError, match="load_ip_adapter needs weight_name="):
         pipe.load_ip_adapter(params, folder, subfolder="models")
+
+
+def test_img2img_with_an_adapter_matches_diffusers(sd1, adapters, monkeypatch):
+    """The adapter is a UNet wrapper, so every start takes it: image-to-image here (the posterior draw and the added
+    noise the same on both sides)."""
+    import diffusers.models.autoencoders.vae as torch_vae_module
+    import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img as torch_img2img_module
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    from sdflax import StableDiffusionImg2Img
+
+    theirs, _, _, folder = sd1
+    img2img = StableDiffusionImg2ImgPipeline(**theirs.components)
+    pipe, params = StableDiffusionImg2Img.from_pretrained(folder)
+    pipe, params = pipe.load_ip_adapter(params, folder, subfolder="models", weight_name="ip-adapter_plus.safetensors")
+    rng = np.random.default_rng(5)
+    ids, image = pipe.prepare_inputs(PROMPTS, list(rng.uniform(0, 1, (1, SIZE, SIZE, 3)).astype(np.float32)))
+    noise = rng.standard_normal((1, 4, SIZE // 2, SIZE // 2), dtype=np.float32)
+    key = jax.random.key(3)
+    posterior = np.asarray(jax.random.normal(jax.random.split(key, 3)[0], noise.shape))  # what ours draws from key
+    monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: torch.from_numpy(posterior))
+    monkeypatch.setattr(torch_img2img_module, "randn_tensor", lambda *a, **k: torch.from_numpy(noise))
+    clip = pixels(6)
+    img2img.load_ip_adapter(str(folder), subfolder="models", weight_name="ip-adapter_plus.safetensors")
+    img2img.set_ip_adapter_scale(0.9)
+    with torch.no_grad():
+        expected = img2img(PROMPTS, image=torch.from_numpy(image), strength=0.75, num_inference_steps=4,
+                           ip_adapter_image=torch.from_numpy(clip), output_type="np").images
+    img2img.unload_ip_adapter()
+    ours = pipe(ids, image, params, key, 0.75, 4, noise=noise, ip_adapter_image=clip, ip_adapter_scale=0.9).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    plain = pipe(ids, image, params, key, 0.75, 4, noise=noise, ip_adapter_image=clip, ip_adapter_scale=0.0).images
+    assert np.abs(ours - plain).max() > 1e-2
+
+
+def test_sdxl_adapter_matches_diffusers(tmp_path):
+    """An SDXL adapter (sdxl_models/, its own image encoder) on the SDXL pipeline; two text encoders' context."""
+    from builders import torch_xl_pipeline
+
+    from sdflax import StableDiffusionXL
+
+    theirs = torch_xl_pipeline("euler")
+    theirs.save_pretrained(tmp_path / "xl")
+    write_ip_adapters(tmp_path / "xl" / "sdxl_models", theirs.unet, {"base": 4})
+    pipe, params = StableDiffusionXL.from_pretrained(tmp_path / "xl")
+    pipe, params = pipe.load_ip_adapter(params, tmp_path / "xl", subfolder="sdxl_models",
+                                        weight_name="ip-adapter_base.safetensors")
+    theirs.load_ip_adapter(str(tmp_path / "xl"), subfolder="sdxl_models", weight_name="ip-adapter_base.safetensors",
+                           image_encoder_folder="image_encoder")
+    clip = pixels(7)
+    results = {}
+    for scale in (0.0, 0.7):
+        theirs.set_ip_adapter_scale(scale)
+        with torch.no_grad():
+            expected = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                              latents=torch.from_numpy(latents()), ip_adapter_image=torch.from_numpy(clip),
+                              output_type="np").images
+        ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, height=SIZE, width=SIZE,
+                    latents=latents(), ip_adapter_image=clip, ip_adapter_scale=scale).images
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+        results[scale] = expected
+    assert np.abs(results[0.7] - results[0.0]).max() > 1e-2
