@@ -208,3 +208,39 @@ def test_sdxl_adapter_matches_diffusers(tmp_path):
         np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
         results[scale] = expected
     assert np.abs(results[0.7] - results[0.0]).max() > 1e-2
+
+
+def test_masked_pictures_match_diffusers(sd1, adapters):
+    """Two pictures for one adapter, each acting where its mask is white (diffusers' IPAdapterMaskProcessor, a
+    scale per picture); the masks move diffusers' image."""
+    from diffusers.image_processor import IPAdapterMaskProcessor
+
+    theirs, pipe, params, folder = sd1
+    ip_pipe, ip_params = pipe.load_ip_adapter(params, folder, subfolder="models",
+                                              weight_name="ip-adapter_plus.safetensors")
+    left = np.zeros((SIZE, SIZE), np.uint8)
+    left[:, : SIZE // 2] = 255
+    masks = [left, 255 - left]
+    ours_masks = ip_pipe.prepare_ip_adapter_masks(masks, SIZE, SIZE)
+    from PIL import Image
+
+    theirs_masks = IPAdapterMaskProcessor().preprocess([Image.fromarray(m) for m in masks], height=SIZE, width=SIZE)
+    theirs_masks = theirs_masks.reshape(1, 2, SIZE, SIZE)
+    np.testing.assert_array_equal(ours_masks, theirs_masks.numpy())
+    two = np.stack([pixels(8)[0], pixels(9)[0]])[None]  # (1, 2, 3, h, w): two pictures for the one adapter
+    theirs.load_ip_adapter(str(folder), subfolder="models", weight_name="ip-adapter_plus.safetensors",
+                           image_encoder_folder="image_encoder")
+    theirs.set_ip_adapter_scale([[0.9, 0.6]])
+    with torch.no_grad():
+        expected = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                          latents=torch.from_numpy(latents()), ip_adapter_image=[torch.from_numpy(two[0])],
+                          cross_attention_kwargs={"ip_adapter_masks": [theirs_masks]}, output_type="np").images
+        unmasked = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                          latents=torch.from_numpy(latents()), ip_adapter_image=[torch.from_numpy(two[0])],
+                          cross_attention_kwargs={"ip_adapter_masks": [torch.ones_like(theirs_masks)]},
+                          output_type="np").images
+    theirs.unload_ip_adapter()
+    ours = ip_pipe(pipe.prepare_inputs(PROMPTS), ip_params, jax.random.key(0), STEPS, SIZE, SIZE, latents=latents(),
+                   ip_adapter_image=two, ip_adapter_scale=[[0.9, 0.6]], ip_adapter_masks=[ours_masks]).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    assert np.abs(expected - unmasked).max() > 1e-2

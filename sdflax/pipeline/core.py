@@ -160,6 +160,14 @@ class Pipeline:
         side = self.ip_adapter.image_encoder.config.image_size
         return clip_image_inputs(images, size=side, crop_size=side)
 
+    def prepare_ip_adapter_masks(self, masks, height, width):
+        """One adapter's masks (PIL or arrays, one per picture) -> float32 (1, n, height, width) of 0 and 1 (white:
+        the picture acts there), as diffusers' IPAdapterMaskProcessor.preprocess and the reshape its docs show:
+        `ip_adapter_masks=[...]`, one per adapter (None: everywhere)."""
+        from .images import preprocess_ip_adapter_masks
+
+        return preprocess_ip_adapter_masks(masks, height, width, self.vae_scale_factor)
+
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
         return {"text_encoder": self.text_encoder, "unet": self.unet, "vae": self.vae, "tokenizer": self.tokenizer,

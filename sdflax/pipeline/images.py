@@ -214,3 +214,21 @@ def _size(image):
         return image.size
     shape = np.shape(image)
     return shape[1], shape[0]
+
+
+def preprocess_ip_adapter_masks(masks, height: int, width: int, scale_factor: int) -> np.ndarray:
+    """One IP-Adapter's masks, one per picture -> float32 (1, n, height, width) in {0, 1}, as diffusers'
+    IPAdapterMaskProcessor.preprocess(masks, height, width) (greyscale, Lanczos to the output size, binarised at
+    0.5) and the (1, n, H, W) reshape its documentation shows."""
+    from PIL import Image
+
+    resized = []
+    for mask in as_list(masks, (2, 3)):
+        if not isinstance(mask, Image.Image):
+            array = np.asarray(mask)
+            array = array[..., 0] if array.ndim == 3 and array.shape[-1] == 1 else array
+            if array.dtype != np.uint8:  # float in [0, 1], as sdflax reads every picture
+                array = (np.clip(np.asarray(array, np.float64), 0, 1) * 255).round().astype(np.uint8)
+            mask = Image.fromarray(array)
+        resized.append(mask.convert("L").resize((width, height), Image.LANCZOS))
+    return preprocess_masks(resized, scale_factor)[:, 0][None]

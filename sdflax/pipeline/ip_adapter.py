@@ -10,11 +10,13 @@ and `params["ip_adapter"]`, one entry per adapter.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..hooks.core import Hook, intercept
 from ..models.layers import dot_product_attention
@@ -51,7 +53,7 @@ class IPAdapter:
         return states(pixels), jnp.broadcast_to(black, (pixels.shape[0], *black.shape[1:]))
 
     def tokens(self, params, inputs):
-        """Per adapter (unconditional, conditional) tokens, each (B, n · tokens, D): n images per row."""
+        """Per adapter (unconditional, conditional) tokens, each (B, n, tokens, D): n images per row."""
         out = []
         for a, adapter in enumerate(self.adapters):
             if inputs.ip_adapter_image_embeds is not None:
@@ -64,15 +66,17 @@ class IPAdapter:
                 positive, negative = (x.reshape(*pixels.shape[:2], *x.shape[1:]) for x in (positive, negative))
             def project(x, p=params["ip_adapter"][a]["projection"], projection=adapter.projection):
                 tokens = projection.apply({"params": p}, x.reshape(-1, *x.shape[2:]))  # (B n, tokens, D)
-                return tokens.reshape(x.shape[0], -1, tokens.shape[-1])
+                return tokens.reshape(*x.shape[:2], *tokens.shape[1:])
 
             out.append((project(negative), project(positive)))
         return out
 
     def wrap(self, params, inputs, settings, cond, start):
         tokens = self.tokens(params, inputs)
-        scales = tuple(jnp.asarray(s, jnp.float32) for s in inputs.ip_adapter_scale)
-        hook = DecoupledAttention(tokens, scales, tuple(params["ip_adapter"]), {n: i for i, n in enumerate(self.layers)})
+        scales = tuple(jnp.asarray(s, jnp.float32) for s in inputs.ip_adapter_scale)  # (layers, images) each
+        masks = inputs.ip_adapter_masks or (None,) * len(tokens)
+        hook = DecoupledAttention(tokens, scales, masks, tuple(params["ip_adapter"]),
+                                  {n: i for i, n in enumerate(self.layers)})
 
         def wrapper(unet_fn):
             def adapted(x, t, context, step, **residuals):
@@ -86,10 +90,12 @@ class IPAdapter:
 
 class DecoupledAttention(Hook):
     """Each cross-attention layer's attention to the text plus, per adapter, its scale times the attention to the
-    adapter's image tokens (the unconditional chunk's tokens for the unconditional rows)."""
+    adapter's image tokens (the unconditional chunk's tokens for the unconditional rows). An adapter's n pictures
+    per row are one attention over all their tokens; with masks, one attention per picture, each times its mask
+    (diffusers' IPAdapterMaskProcessor.downsample, at the layer's resolution) and its own scale."""
 
-    def __init__(self, tokens, scales, weights, index):
-        self.tokens, self.scales, self.weights, self.index = tokens, scales, weights, index
+    def __init__(self, tokens, scales, masks, weights, index):
+        self.tokens, self.scales, self.masks, self.weights, self.index = tokens, scales, masks, weights, index
 
     def attend(self, site, attend, q, k, v):
         out = attend(q, k, v)
@@ -97,16 +103,52 @@ class DecoupledAttention(Hook):
         if layer is None:
             return out
         heads, head_dim = q.shape[2], q.shape[3]
-        module = site.module
-        for (negative, positive), scale, w in zip(self.tokens, self.scales, self.weights):
-            rows = [negative] + [positive] * (site.chunks - 1) if site.chunks > 1 else [positive]
-            image = jnp.concatenate(rows).astype(q.dtype)
+        module, w_dtype = site.module, q.dtype
+
+        def attend_to(image, w):  # image (rows, tokens, D)
             split = lambda x: x.reshape(*x.shape[:2], heads, head_dim)  # noqa: E731
-            k_ip = split(image @ w["to_k_ip"][layer].astype(q.dtype))
-            v_ip = split(image @ w["to_v_ip"][layer].astype(q.dtype))
-            extra = dot_product_attention(q, k_ip, v_ip, upcast=module.upcast, kernels=module.kernels)
-            out = out + scale[layer].astype(out.dtype) * extra.astype(out.dtype)
+            k_ip = split(image.astype(w_dtype) @ w["to_k_ip"][layer].astype(w_dtype))
+            v_ip = split(image.astype(w_dtype) @ w["to_v_ip"][layer].astype(w_dtype))
+            return dot_product_attention(q, k_ip, v_ip, upcast=module.upcast, kernels=module.kernels).astype(out.dtype)
+
+        for (negative, positive), scale, mask, w in zip(self.tokens, self.scales, self.masks, self.weights):
+            rows = jnp.concatenate([negative] + [positive] * (site.chunks - 1) if site.chunks > 1 else [positive])
+            scale = scale[layer].astype(out.dtype)  # (images,): one, or one per masked picture
+            if mask is None:
+                out = out + scale[0] * attend_to(rows.reshape(rows.shape[0], -1, rows.shape[-1]), w)
+                continue
+            for i in range(rows.shape[1]):
+                weight = downsampled_mask(mask[i], q.shape[1]).astype(out.dtype)[None, :, None, None]
+                out = out + scale[i if scale.shape[0] > 1 else 0] * attend_to(rows[:, i], w) * weight
         return out
+
+
+def downsampled_mask(mask, num_queries: int):
+    """One picture's (H, W) mask at an attention layer of `num_queries` tokens, as diffusers'
+    IPAdapterMaskProcessor.downsample: bicubic (PyTorch's) to the layer's grid at the mask's aspect ratio, read
+    row by row, zero-padded or cut to the layer's length."""
+    h, w = mask.shape
+    rows = int(math.sqrt(num_queries / (w / h)))
+    rows += int(num_queries % rows != 0)
+    cols = num_queries // rows
+    small = (bicubic_matrix(h, rows) @ mask.astype(jnp.float32) @ bicubic_matrix(w, cols).T).reshape(-1)
+    return jnp.pad(small, (0, max(0, num_queries - small.size)))[:num_queries]
+
+
+def bicubic_matrix(size: int, out: int) -> np.ndarray:
+    """(out, size) weights of PyTorch's bicubic resampling along one axis (align_corners=False, A = -0.75, edge
+    samples repeated), as `F.interpolate(mode="bicubic")` computes them."""
+    a = -0.75
+    near = lambda x: ((a + 2) * x - (a + 3)) * x * x + 1  # noqa: E731  |x| <= 1
+    far = lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a  # noqa: E731  1 < |x| < 2
+    m = np.zeros((out, size), np.float64)
+    for o in range(out):
+        source = (o + 0.5) * size / out - 0.5
+        first = math.floor(source)
+        t = source - first
+        for k, weight in zip(range(-1, 3), (far(t + 1), near(t), near(1 - t), far(2 - t))):
+            m[o, min(max(first + k, 0), size - 1)] += weight
+    return m.astype(np.float32)
 
 
 def piece(spec):
@@ -168,7 +210,7 @@ def layer_scales(scale, layers, layers_per_block):
 
 # ---- a call's IP-Adapter arguments -> Inputs fields --------------------------------------------------------------
 
-ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale")
+ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale", "ip_adapter_masks")
 
 
 def per_adapter(value, count: int, name: str) -> list:
@@ -227,7 +269,30 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
         out["ip_adapter_image_embeds"] = tuple(arrays)
     scale = args.get("ip_adapter_scale", 1.0)
     scales = per_adapter(scale, count, "ip_adapter_scale") if isinstance(scale, (list, tuple)) else [scale] * count
-    out["ip_adapter_scale"] = jnp.stack([layer_scales(s, piece.layers, layers_per_block) for s in scales])
+    # (adapters, layers, images): a list for one adapter is a scale per masked picture, as diffusers takes it
+    per = [jnp.stack([layer_scales(x, piece.layers, layers_per_block) for x in s], -1) if isinstance(s, (list, tuple))
+           else layer_scales(s, piece.layers, layers_per_block)[:, None] for s in scales]
+    images = max(p.shape[1] for p in per)
+    out["ip_adapter_scale"] = jnp.stack([jnp.broadcast_to(p, (p.shape[0], images)) for p in per])
+    masks = args.get("ip_adapter_masks")
+    if masks is not None:
+        pictures = [x.shape[lead] for x in (out.get("ip_adapter_image") or out["ip_adapter_image_embeds"])]
+        if "ip_adapter_image_embeds" in out:
+            pictures = [x.shape[lead + 1] for x in out["ip_adapter_image_embeds"]]
+        checked = []
+        for a, (mask, n, p) in enumerate(zip(per_adapter(masks, count, "ip_adapter_masks"), pictures, per)):
+            if mask is None:
+                checked.append(None)
+                continue
+            mask = jnp.asarray(mask, jnp.float32)
+            if mask.ndim != 4 or mask.shape[:2] != (1, n):
+                raise ValueError(f"ip_adapter_masks[{a}] has shape {mask.shape}; expected (1, {n}, H, W), one mask per "
+                                 "picture of its adapter: pipeline.prepare_ip_adapter_masks(masks)")
+            if p.shape[1] not in (1, n):
+                raise ValueError(f"ip_adapter_scale gives {p.shape[1]} scales to adapter {a}'s {n} masked pictures: "
+                                 "one, or one per picture")
+            checked.append(mask[0])
+        out["ip_adapter_masks"] = tuple(checked)
     return out
 
 

@@ -51,7 +51,8 @@ class Inputs:
     controlnet_conditioning_scale: Any = None
     control_guidance_start: Any = None
     control_guidance_end: Any = None
-    ip_adapter_scale: Any = None  # (adapters, cross-attention layers)
+    ip_adapter_scale: Any = None  # (adapters, cross-attention layers, 1 or one per masked picture)
+    ip_adapter_masks: Any = None  # per adapter None or (n, H, W): where each of its n pictures acts
     # T2I-Adapter: a value, or one per adapter; the fraction of the evaluations the features enter (SDXL's)
     adapter_conditioning_scale: Any = None
     adapter_conditioning_factor: Any = None
