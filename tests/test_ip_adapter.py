@@ -181,32 +181,32 @@ def test_img2img_with_an_adapter_matches_diffusers(sd1, adapters, monkeypatch):
     assert np.abs(ours - plain).max() > 1e-2
 
 
-def test_sdxl_adapter_matches_diffusers(tmp_path):
-    """An SDXL adapter (sdxl_models/, its own image encoder) on the SDXL pipeline; two text encoders' context."""
+def test_sdxl_adapters_match_diffusers(tmp_path):
+    """SDXL adapters (sdxl_models/, their own image encoder), base and Plus at once, on the SDXL pipeline."""
     from builders import torch_xl_pipeline
 
     from sdflax import StableDiffusionXL
 
     theirs = torch_xl_pipeline("euler")
     theirs.save_pretrained(tmp_path / "xl")
-    write_ip_adapters(tmp_path / "xl" / "sdxl_models", theirs.unet, {"base": 4})
+    write_ip_adapters(tmp_path / "xl" / "sdxl_models", theirs.unet, {"base": 4, "plus": 5})
+    names = ["ip-adapter_base.safetensors", "ip-adapter_plus.safetensors"]
     pipe, params = StableDiffusionXL.from_pretrained(tmp_path / "xl")
-    pipe, params = pipe.load_ip_adapter(params, tmp_path / "xl", subfolder="sdxl_models",
-                                        weight_name="ip-adapter_base.safetensors")
-    theirs.load_ip_adapter(str(tmp_path / "xl"), subfolder="sdxl_models", weight_name="ip-adapter_base.safetensors",
+    pipe, params = pipe.load_ip_adapter(params, tmp_path / "xl", subfolder="sdxl_models", weight_name=names)
+    theirs.load_ip_adapter(str(tmp_path / "xl"), subfolder="sdxl_models", weight_name=names,
                            image_encoder_folder="image_encoder")
-    clip = pixels(7)
+    clips = [pixels(7), pixels(12)]
     results = {}
-    for scale in (0.0, 0.7):
+    for scale in ([0.0, 0.0], [0.7, 0.5]):
         theirs.set_ip_adapter_scale(scale)
         with torch.no_grad():
             expected = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE,
-                              latents=torch.from_numpy(latents()), ip_adapter_image=torch.from_numpy(clip),
+                              latents=torch.from_numpy(latents()), ip_adapter_image=[torch.from_numpy(x) for x in clips],
                               output_type="np").images
         ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, height=SIZE, width=SIZE,
-                    latents=latents(), ip_adapter_image=clip, ip_adapter_scale=scale).images
+                    latents=latents(), ip_adapter_image=clips, ip_adapter_scale=scale).images
         np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
-        results[scale] = expected
+        results[scale[0]] = expected
     assert np.abs(results[0.7] - results[0.0]).max() > 1e-2
 
 
@@ -244,3 +244,31 @@ def test_masked_pictures_match_diffusers(sd1, adapters):
                    ip_adapter_image=two, ip_adapter_scale=[[0.9, 0.6]], ip_adapter_masks=[ours_masks]).images
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     assert np.abs(expected - unmasked).max() > 1e-2
+
+
+def test_beside_a_controlnet_matches_diffusers(sd1, adapters):
+    """The adapter acts on the UNet's layers, not the ControlNet's (diffusers' processors are the UNet's)."""
+    from builders import torch_controlnet
+    from diffusers import StableDiffusionControlNetPipeline
+
+    from sdflax import ControlNetModel, StableDiffusionControlNet
+
+    theirs, _, _, folder = sd1
+    net = torch_controlnet(theirs.unet)
+    net.save_pretrained(folder / "net")
+    both = StableDiffusionControlNetPipeline(**{**theirs.components, "controlnet": net})
+    control = np.random.default_rng(11).uniform(0, 1, (1, 3, SIZE, SIZE)).astype(np.float32)
+    clip = pixels(10)
+    both.load_ip_adapter(str(folder), subfolder="models", weight_name="ip-adapter_base.safetensors")
+    both.set_ip_adapter_scale(0.8)
+    with torch.no_grad():
+        expected = both(PROMPTS, image=torch.from_numpy(control), num_inference_steps=STEPS,
+                        latents=torch.from_numpy(latents()), ip_adapter_image=torch.from_numpy(clip),
+                        output_type="np").images
+    controlnet, net_params = ControlNetModel.from_pretrained(folder / "net")
+    pipe, params = StableDiffusionControlNet.from_pretrained(folder, controlnet=controlnet)
+    params["controlnet"] = net_params
+    pipe, params = pipe.load_ip_adapter(params, folder, subfolder="models", weight_name="ip-adapter_base.safetensors")
+    ours = pipe(pipe.prepare_inputs(PROMPTS), control, params, jax.random.key(0), STEPS, latents=latents(),
+                ip_adapter_image=clip, ip_adapter_scale=0.8).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)

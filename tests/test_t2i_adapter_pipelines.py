@@ -163,3 +163,24 @@ def test_sdxl_adapter_matches_diffusers_with_its_conditioning_factor(tmp_path):
         results[factor] = expected
     assert np.abs(results[1.0] - results[0.5]).max() > 1e-2  # the factor moves diffusers' image
     assert pipe._jitted._cache_size() == 1  # and is traced
+
+
+def test_every_mode_gives_the_same_images(sd):
+    """jit=False, pmap (pictures sharded like the prompts) and the sharded path agree."""
+    from sdflax import replicate, shard
+
+    _, tmp, _, ours, _ = sd
+    pipe, params = StableDiffusionAdapter.from_pretrained(tmp / "sd", adapter=ours[0][0])
+    params["adapter"] = ours[0][1]
+    devices = jax.local_device_count()
+    ids = pipe.prepare_inputs([f"a cabin number {i}" for i in range(devices)])
+    image = np.random.default_rng(9).uniform(0, 1, (devices, 3, SIZE, SIZE)).astype(np.float32)
+    noise = np.random.default_rng(10).standard_normal((devices, 4, SIZE // 2, SIZE // 2), dtype=np.float32)
+    keys = jax.random.split(jax.random.key(0), devices)
+    call = pipe(ids, image, params, keys, STEPS, SIZE, SIZE, latents=noise).images
+    pmapped = pipe(shard(ids), shard(image), replicate(params), keys, STEPS, SIZE, SIZE, latents=shard(noise),
+                   jit=True).images
+    np.testing.assert_allclose(pmapped.reshape(call.shape), call, rtol=0, atol=1e-5)
+    sharded = pipe.generate_sharded(ids, image, params, keys, STEPS, SIZE, SIZE, latents=noise)
+    np.testing.assert_allclose(sharded, call, rtol=0, atol=1e-5)
+    assert np.abs(call[0] - call[1]).max() > 1e-3
