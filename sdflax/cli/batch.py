@@ -19,6 +19,7 @@ import os
 import sys
 
 from . import manifest as files
+from .ip_adapter import check_ip_adapters, check_line_images, line_images
 from .output import image_settings, output_target, slug
 from .parse import add_options, finite, positive_int, seed
 from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files
@@ -27,6 +28,7 @@ from .run import compiling_line, devices_text, load, out_of_memory_is_one_line, 
 from .workers import Producer, Signals, Writer, run_until_done_or_signal
 
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
+IP_IMAGE = "ip_image"  # and, with --ip-adapter, its image prompts: a path or a list of one per adapter
 # A line's own values are checked with the command line's parsers, so that both refuse the same values.
 CHECKS = {"seed": seed, "guidance": finite, "steps": positive_int, "width": positive_int, "height": positive_int}
 # Bounds on what a prompt file can make the reader hold: a prompt is 77 tokens, so a longer line is a mistake (a
@@ -38,11 +40,12 @@ MAX_LINE_CHARS = 16384
 def add_command(commands):
     b = commands.add_parser("batch", help="a file of prompts -> one PNG each, resumable, on many devices and hosts",
                             description="Make one PNG per line of PROMPTS (a text file, one prompt a line, or .jsonl "
-                            "with per-line prompt, negative_prompt, seed, guidance, steps, width, height) in --out, "
-                            "with DIR/manifest.jsonl listing them. Line n uses seed S + n - 1 unless it sets its "
-                            "own. Run the same command again to finish an interrupted run: done images are "
-                            "skipped. Several processes (--coordinator, or as jax.distributed detects them on TPU, "
-                            "SLURM, Kubernetes) split the prompts over all their devices.")
+                            "with per-line prompt, negative_prompt, seed, guidance, steps, width, height, and "
+                            "ip_image with --ip-adapter) in --out, with DIR/manifest.jsonl listing them. Line n uses "
+                            "seed S + n - 1 unless it sets its own. Run the same command again to finish an "
+                            "interrupted run: done images are skipped. Several processes (--coordinator, or as "
+                            "jax.distributed detects them on TPU, SLURM, Kubernetes) split the prompts over all their "
+                            "devices.")
     b.add_argument("prompts", metavar="PROMPTS", help="text file (one prompt a line) or .jsonl (one object a line)")
     add_options(b, exclude=("--num-images", "--grid", "--controlnet", "--controlnet-config", "--control-image",
                             "--control-scale", "--out"))
@@ -67,6 +70,7 @@ class Line:
     steps: int
     height: int | None
     width: int | None
+    ip_image: tuple = ()  # its own image prompts, one per --ip-adapter; none: --ip-image
 
     @property
     def name(self):
@@ -79,7 +83,8 @@ class Line:
 
     def request(self, base: Request, seed: int) -> Request:
         return dataclasses.replace(base, prompt=self.prompt, negative_prompt=self.negative_prompt, seed=seed,
-                                   guidance=self.guidance, steps=self.steps, height=self.height, width=self.width)
+                                   guidance=self.guidance, steps=self.steps, height=self.height, width=self.width,
+                                   ip_image=self.ip_image or base.ip_image)
 
 
 def host_and_port(text):
@@ -90,9 +95,10 @@ def host_and_port(text):
     return text
 
 
-def read_prompts(path, defaults) -> list[Line]:
+def read_prompts(path, defaults, ip_adapters=0) -> list[Line]:
     """The prompt lines, each checked; a mistake names the line. Blank lines are skipped (and keep their number).
-    `defaults`: the command's negative_prompt, guidance, steps, height and width."""
+    `defaults`: the command's negative_prompt, guidance, steps, height and width; `ip_adapters`: its --ip-adapter
+    count, the image prompts a line's ip_image names."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             text = f.read(MAX_PROMPTS_BYTES + 1)  # characters: at least as many bytes
@@ -113,18 +119,18 @@ def read_prompts(path, defaults) -> list[Line]:
                             "77 tokens, the rest is cut off; is this a prompt file?")
         if not raw.strip():
             continue
-        values = json_line(path, number, raw) if jsonl else {"prompt": raw.strip()}
+        values = json_line(path, number, raw, ip_adapters) if jsonl else {"prompt": raw.strip()}
         d = defaults
         lines.append(Line(number, values["prompt"], values.get("negative_prompt", d.negative_prompt),
                           values.get("seed"), values.get("guidance", d.guidance), values.get("steps", d.steps),
-                          values.get("height", d.height), values.get("width", d.width)))
+                          values.get("height", d.height), values.get("width", d.width), values.get(IP_IMAGE, ())))
     if not lines:
         raise UserError(f"PROMPTS {path} holds no prompt: write one prompt a line"
                         + (', or one {"prompt": ...} object a line' if jsonl else ""))
     return lines
 
 
-def json_line(path, number, raw) -> dict:
+def json_line(path, number, raw, ip_adapters=0) -> dict:
     where = f"PROMPTS {path} line {number}"
     try:
         values = json.loads(raw)
@@ -136,9 +142,12 @@ def json_line(path, number, raw) -> dict:
                         'deep): write one flat object a line, e.g. {"prompt": "a red fox", "seed": 3}') from None
     if not isinstance(values, dict):
         raise UserError(f'{where}: a JSON {type(values).__name__}, not an object: write {{"prompt": ...}}')
-    unknown = [key for key in values if key not in KEYS]
+    if IP_IMAGE in values:
+        values[IP_IMAGE] = line_images(where, values[IP_IMAGE], ip_adapters)
+    unknown = [key for key in values if key not in (*KEYS, IP_IMAGE)]
     if unknown:
-        raise UserError(f"{where}: unknown key {unknown[0]!r}: a line may set {', '.join(KEYS)}")
+        keys = (*KEYS, IP_IMAGE) if ip_adapters else KEYS
+        raise UserError(f"{where}: unknown key {unknown[0]!r}: a line may set {', '.join(keys)}")
     for key in ("prompt", "negative_prompt"):
         if key in values and not isinstance(values[key], str):
             raise UserError(f"{where}: {key} must be a string, got {json.dumps(values[key])}")
@@ -169,10 +178,12 @@ def run(args) -> int:
 def run_lines(args, signals, held) -> int:
     """The command; `held` keeps the folder's lock until the run ends."""
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
-    lines = read_prompts(args.prompts, args)  # every mistake before JAX starts
+    lines = read_prompts(args.prompts, args, len(args.ip_adapter))  # every mistake before JAX starts
     folder = output_folder(args.out)
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
     check_lora_and_embedding_files(base)
+    check_ip_adapters(base, every_image=False)
+    check_line_images(base, lines, args.prompts)
     files.read_manifests(folder)  # a manifest that is not ours: refused before JAX starts
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)
     held.enter_context(files.folder_lock(folder, args.out, process))

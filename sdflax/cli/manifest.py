@@ -17,7 +17,8 @@ from .request import UserError
 # The settings that make an image: a manifest record or a PNG made with others is not this command's image.
 # "sampler" is the scheduler as it ran (A1111's name, else sdflax's), whatever name --scheduler gave it.
 SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model", "revision",
-        "config", "sampler", "dtype", "lora", "lora_scale", "embedding")
+        "config", "sampler", "dtype", "lora", "lora_scale", "embedding", "ip_adapter", "ip_adapter_scale", "ip_image",
+        "ip_image_encoder")
 MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import math
 import os
 import re
@@ -129,6 +130,11 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
                         control_scale=list(checkpoint.control_scales))
         if request.controlnet_config:  # one per original-layout file of `controlnet`
             settings["controlnet_config"] = list(request.controlnet_config)
+    if request.ip_adapter:  # lists, one entry per adapter in their order (JSON in the PNG)
+        settings.update(ip_adapter=[name for name, _ in request.ip_adapter], ip_image=list(request.ip_image),
+                        ip_adapter_scale=[scale for _, scale in request.ip_adapter])
+        if request.ip_image_encoder is not None:
+            settings["ip_image_encoder"] = request.ip_image_encoder
     return settings
 
 
@@ -161,8 +167,17 @@ def png_info(settings):
         parameters += f", Refiner: {s['refiner']}, Refiner switch at: {s['high_noise_frac']}"
     for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))):
         parameters += f', ControlNet {k}: "Model: {net}, Weight: {scale}"'  # as A1111's ControlNet extension
+    if "ip_adapter" in s:  # A1111 has no entry of its own for it
+        adapters = ", ".join(f"{name} ({scale})" for name, scale in zip(s["ip_adapter"], s["ip_adapter_scale"]))
+        parameters += f", IP-Adapter: {quoted(adapters)}, IP-Adapter image: {quoted(', '.join(s['ip_image']))}"
     info.add_text("parameters", parameters)
     return info
+
+
+def quoted(text):
+    """A `parameters` value as A1111 writes one (its infotext `quote`): in JSON quotes where a ',', ':' or newline
+    would end it early."""
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
 
 
 def save(request, target, images, seeds, settings):

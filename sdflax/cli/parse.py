@@ -85,6 +85,29 @@ def lora_argument(text):
     return path, scale
 
 
+IP_ADAPTER_SUFFIXES = (".safetensors", ".bin")  # h94's files; diffusers reads nothing else as an IP-Adapter
+
+
+def ip_adapter_argument(text):
+    """ID_OR_FILE[:SCALE] -> (ID_OR_FILE, SCALE): an IP-Adapter is a .safetensors or .bin file, so a ':' after that
+    suffix starts the scale."""
+    name, colon, tail = text.rpartition(":")
+    if not (colon and name.lower().endswith(IP_ADAPTER_SUFFIXES)):
+        name, tail = text, None
+    if not name.lower().endswith(IP_ADAPTER_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"{text!r:.80} is not an IP-Adapter file (.safetensors or .bin): give its "
+                                         "path or hub file, e.g. h94/IP-Adapter/models/ip-adapter_sd15.safetensors")
+    if tail is None:
+        return name, 1.0
+    if not is_number(tail):
+        raise argparse.ArgumentTypeError(f"{text}: the scale {tail!r} is not a number: write ID_OR_FILE:SCALE with a "
+                                         f"number, e.g. {name}:0.6")
+    if not is_float32(float(tail)):
+        raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite float32 number (1 is the adapter's "
+                                         "full strength, 0 turns it off)")
+    return name, float(tail)
+
+
 def is_number(text) -> bool:
     try:
         float(text)
@@ -246,6 +269,16 @@ def add_options(command, image=False, exclude=()):
     add("--control-scale", action="append", default=[], type=float, metavar="S",
         help="how strongly the nets steer: one value for all or one per net (default: the pipeline's, as diffusers: "
              "1.0 for generate, 0.8 for img2img, 0.5 for inpaint)")
+    add("--ip-adapter", action="append", default=[], type=ip_adapter_argument, metavar="ID_OR_FILE[:SCALE]",
+        help="an IP-Adapter steering by an image prompt (--ip-image) at SCALE (default: 1.0): an h94-layout "
+             ".safetensors/.bin file, its CLIP image encoder in image_encoder/ beside it, or a hub file "
+             "org/name/subfolder/file (h94/IP-Adapter/models/ip-adapter_sd15.safetensors); repeat for several, "
+             "from one folder")
+    add("--ip-image", action="append", default=[], metavar="IMG",
+        help="the image prompt of each --ip-adapter, in their order")
+    add("--ip-image-encoder", metavar="ID_OR_DIR",
+        help="the --ip-adapter files' CLIP image encoder where it is not image_encoder/ beside them: a folder, hub "
+             "id, or hub folder org/name/subfolder (h94's SDXL vit-h adapters: h94/IP-Adapter/models/image_encoder)")
     add("--out", default="outputs", metavar="PATH",
         help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
     add("--grid", action="store_true", help="also write all images as one grid PNG")

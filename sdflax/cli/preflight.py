@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .ip_adapter import check_ip_adapter_width
 from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
@@ -93,6 +94,7 @@ def check_checkpoint(request, pictures, controls=None):
     if request.command != "inpaint" and unet_channels == 2 * latent + 1:
         raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
     check_controlnets(request, unet, vae.scale_factor)
+    check_ip_adapter_width(request, unet)
     factor = vae.scale_factor
     height, width, pictures, controls = fit_pictures(request, unet.sample_size * factor, factor, pictures, controls)
     guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]

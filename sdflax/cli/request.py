@@ -9,7 +9,7 @@ DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 DEFAULT_HIGH_NOISE_FRAC = 0.8  # diffusers' base + refiner example
 CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", "tokenizer_2/*"]
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")  # --model as one file in the CompVis / A1111 / SGM layout
-MAX_PICTURE_SIDE = 8192  # --image, --mask, --control-image: at most 8192x8192 pixels (64 Mpx), read from the header
+MAX_PICTURE_SIDE = 8192  # every picture flag: at most 8192x8192 pixels (64 Mpx), read from the header
 STARTS = {"generate": "noise", "img2img": "image", "inpaint": "image_mask"}  # command -> the pipeline's start
 
 
@@ -54,6 +54,9 @@ class Request:
     controlnet_config: tuple[str, ...] = ()  # one per original-layout file of `controlnet`, in their order
     control_image: tuple[str, ...] = ()
     control_scale: tuple[float, ...] = ()
+    ip_adapter: tuple[tuple[str, float], ...] = ()  # (file or hub file, scale), from one folder
+    ip_image: tuple[str, ...] = ()  # one per `ip_adapter`, in their order
+    ip_image_encoder: str | None = None  # a folder, hub id or hub folder; None: image_encoder/ beside the files
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
     embedding: tuple[str, ...] = ()
     scheduler: str | None = None
@@ -77,9 +80,11 @@ class Request:
         """From an argparse Namespace: the fields it has (a command may lack some options), then `changes`."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values = {**values, **changes}
-        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "embedding", "guider_arg"):
+        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "ip_image", "embedding",
+                     "guider_arg"):
             values[name] = tuple(values.get(name, ()))
-        values["lora"] = tuple(tuple(pair) for pair in values.get("lora", ()))
+        for name in ("lora", "ip_adapter"):
+            values[name] = tuple(tuple(pair) for pair in values.get(name, ()))
         return cls(**values)
 
     @property

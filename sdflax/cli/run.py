@@ -1,6 +1,6 @@
-"""Running a request: load the pipeline (and ControlNets, LoRAs, embeddings, a refiner), prepare the inputs, and
-make the images over a device mesh with `generate_sharded`, the one mode of `sdflax generate`, `img2img`,
-`inpaint` and `batch` (`sample_rows`)."""
+"""Running a request: load the pipeline (and ControlNets, IP-Adapters, LoRAs, embeddings, a refiner), prepare the
+inputs, and make the images over a device mesh with `generate_sharded`, the one mode of `sdflax generate`,
+`img2img`, `inpaint` and `batch` (`sample_rows`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from .. import cache
+from .ip_adapter import check_ip_adapters, ip_adapter_inputs, load_ip_adapters
 from .output import image_settings, output_target, save
 from .pictures import read_controls, read_pictures
 from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files, controlnet_configs
@@ -30,6 +31,7 @@ def run(request) -> int:
     target = output_target(request.out, request.grid, request.num_images)  # before anything slow
     pictures = read_pictures(request)  # {"image": ..., "mask": ...} for img2img / inpaint
     controls = read_controls(request)  # the --control-image pictures, one per --controlnet
+    check_ip_adapters(request)  # the --ip-image pictures are read again where the rows are made
     if request.progress is False:
         from huggingface_hub.utils import disable_progress_bars
 
@@ -109,7 +111,8 @@ def out_of_memory_is_one_line(call, callback, what, fix):
 # ---- loading ------------------------------------------------------------------------------------------------
 
 def load(request, checkpoint, dtype):
-    """(pipeline, params) of the checkpoint's pipeline class, with the ControlNets, LoRAs and embeddings."""
+    """(pipeline, params) of the checkpoint's pipeline class, with the ControlNets, IP-Adapters, LoRAs and
+    embeddings."""
     import jax.numpy as jnp
 
     from .. import ControlNetModel
@@ -132,6 +135,8 @@ def load(request, checkpoint, dtype):
         raise UserError(str(e)) from e
     if nets:
         params["controlnet"] = [net_params for _, net_params in nets]
+    if request.ip_adapter:
+        pipeline, params = load_ip_adapters(request, pipeline, params)
     return add_loras_and_embeddings(request, pipeline, params)
 
 
@@ -218,8 +223,8 @@ def prepare(request, pipeline, params, checkpoint, pictures, controls, seed, mes
 
 def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, controls=None, refiner=None):
     """call(callback) -> this process's images of `rows` (requests of one program and guidance scale that differ
-    in prompts and seed), made by `generate_sharded` over `mesh`, the same pictures for every row. With `refiner`
-    (pipeline, params) the base runs to --high-noise-frac and the refiner from there."""
+    in prompts, seed and image prompts), made by `generate_sharded` over `mesh`, the same pictures for every row.
+    With `refiner` (pipeline, params) the base runs to --high-noise-frac and the refiner from there."""
     import jax
 
     if checkpoint.guider is not None:
@@ -253,6 +258,7 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
                        for picture in controls.pictures])
         extra["controlnet_conditioning_scale"] = list(checkpoint.control_scales)
     arrays = [jax.tree.map(lambda x: np.repeat(x, n, axis=0), x) for x in arrays]  # the same for every row
+    extra.update(ip_adapter_inputs(pipeline, rows))  # each row's own
     if not pictures:
         extra.update(height=checkpoint.height, width=checkpoint.width)
     request = rows[0]
