@@ -4,22 +4,22 @@ from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, 
                      ControlNetModel, T2IAdapter, UNet2DConditionModel)
 from .parallel import replicate, shard, unshard
 from .cache import enable_compile_cache
-from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet, StableDiffusionControlNetImg2Img,
-                       StableDiffusionControlNetInpaint, StableDiffusionImg2Img, StableDiffusionInpaint,
-                       StableDiffusionOutput, StableDiffusionXL, StableDiffusionXLControlNet,
-                       StableDiffusionXLAdapter, StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint,
-                       StableDiffusionXLImg2Img, StableDiffusionXLInpaint, generate, random_draws)
+from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet,
+                       StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint, StableDiffusionImg2Img,
+                       StableDiffusionInpaint, StableDiffusionOutput, StableDiffusionXL, StableDiffusionXLAdapter,
+                       StableDiffusionXLControlNet, StableDiffusionXLControlNetImg2Img,
+                       StableDiffusionXLControlNetInpaint, StableDiffusionXLImg2Img, StableDiffusionXLInpaint, generate,
+                       random_draws)
 from .clip_image import clip_image_inputs
 from .utils import make_image_grid
 from . import hooks
 from . import loading, single_file  # noqa: F401  (they give the models their from_pretrained / from_single_file)
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-           "ControlNetModel", "Inputs", "Settings", "StableDiffusion", "StableDiffusionAdapter", "StableDiffusionControlNet",
-           "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img",
-           "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL", "StableDiffusionXLAdapter",
-           "StableDiffusionXLControlNet",
-           "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img",
-           "StableDiffusionXLInpaint", "T2IAdapter", "UNet2DConditionModel", "clip_image_inputs",
-           "enable_compile_cache", "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard",
-           "unshard"]
+           "ControlNetModel", "Inputs", "Settings", "StableDiffusion", "StableDiffusionAdapter",
+           "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
+           "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
+           "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
+           "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
+           "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "generate", "hooks", "make_image_grid",
+           "random_draws", "replicate", "shard", "unshard"]

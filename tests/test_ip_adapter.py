@@ -43,7 +43,8 @@ def latents():
 
 
 def diffusers_images(theirs, folder, weight_names, scale, images, **kwargs):
-    theirs.load_ip_adapter(str(folder), subfolder="models", weight_name=weight_names, image_encoder_folder="image_encoder")
+    theirs.load_ip_adapter(str(folder), subfolder="models", weight_name=weight_names,
+                           image_encoder_folder="image_encoder")
     theirs.set_ip_adapter_scale(scale)
     with torch.no_grad():
         out = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE, latents=torch.from_numpy(latents()),
@@ -201,7 +202,8 @@ def test_sdxl_adapters_match_diffusers(tmp_path):
         theirs.set_ip_adapter_scale(scale)
         with torch.no_grad():
             expected = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE,
-                              latents=torch.from_numpy(latents()), ip_adapter_image=[torch.from_numpy(x) for x in clips],
+                              latents=torch.from_numpy(latents()),
+                              ip_adapter_image=[torch.from_numpy(x) for x in clips],
                               output_type="np").images
         ours = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, height=SIZE, width=SIZE,
                     latents=latents(), ip_adapter_image=clips, ip_adapter_scale=scale).images

@@ -310,7 +310,8 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
         if cfg.center_input_sample:
             x = 2 * x - 1.0
         x = conv(channels[0], name="conv_in", dtype=dtype, kernels=kernels)(x)
-        intrablock = None if down_intrablock_additional_residuals is None else list(down_intrablock_additional_residuals)
+        intrablock = down_intrablock_additional_residuals
+        intrablock = None if intrablock is None else list(intrablock)  # consumed in order by the down blocks
         x, skips = self.down_blocks(x, temb, context, until=branch if shallow else None, intrablock=intrablock)
         if down_block_additional_residuals is not None:
             if not shallow and len(down_block_additional_residuals) != len(skips):

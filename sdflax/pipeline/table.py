@@ -26,7 +26,8 @@ DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_
             "negative_aesthetic_score": 2.5, "denoising_start": None, "denoising_end": None, "output_type": "np",
             "strength": 1.0, "controlnet_conditioning_scale": 1.0, "control_guidance_start": 0.0,
             "control_guidance_end": 1.0, "guess_mode": False, "timesteps": None, "sigmas": None,
-            "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0, "ip_adapter_masks": None,
+            "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0,
+            "ip_adapter_masks": None,
             "adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0}
 REQUIRED = ("prompt_ids", "image", "mask", "control_image", "params", "prng_seed")
 
@@ -40,7 +41,8 @@ XL_IMAGE = (f"num_inference_steps guidance_scale height width noise neg_prompt_i
             "aesthetic_score negative_aesthetic_score")
 CONTROL = "control_guidance_start control_guidance_end guess_mode"
 SCHEDULE = "timesteps sigmas"  # near the end of every class, as diffusers' pipelines take them
-IP_ADAPTER = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale ip_adapter_masks"  # every class, with load_ip_adapter
+# every class, with load_ip_adapter
+IP_ADAPTER = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale ip_adapter_masks"
 # last in the classes whose row has no T2I-Adapter: an adapter given to them (adapter=) reads these
 T2I_ADAPTER = "adapter_image adapter_conditioning_scale adapter_conditioning_factor"
 
