@@ -322,13 +322,16 @@ def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_fold
         raise ValueError("load_ip_adapter needs weight_name=, the adapter's file (e.g. 'ip-adapter_sd15.safetensors'), "
                          "or a list of them")
     subfolder = subfolder or ""
-    own_encoder = image_encoder_folder is not None and "/" not in str(image_encoder_folder)
+    # diffusers' rule: a bare name is a folder under `subfolder`, a path (with "/") one of the repository's own
+    encoder = None if image_encoder_folder is None else str(image_encoder_folder) if "/" in str(
+        image_encoder_folder) else f"{subfolder}/{image_encoder_folder}".strip("/")
     patterns = [f"{subfolder}/{n}".lstrip("/") for n in names]
-    if own_encoder:
-        patterns.append(f"{subfolder}/{image_encoder_folder}/*".lstrip("/"))
-    folder = resolve_folder(source, revision, allow_patterns=patterns)
+    weights = [f"{encoder}/config.json", f"{encoder}/*.safetensors"] if encoder else []
+    folder = resolve_folder(source, revision, allow_patterns=patterns + weights)  # h94 has .bin twins: not those
+    if encoder and not any(name.endswith(".safetensors") for name in listing(os.path.join(folder, encoder))):
+        folder = resolve_folder(source, revision, allow_patterns=patterns + weights + [f"{encoder}/*.bin"])
     layers = cross_attention_layers(pipeline.unet, pipeline.unet.param_shapes())
-    adapters, weights = [], []
+    adapters, params_of = [], []
     for name in names:
         w = read_ip_adapter(os.path.join(folder, subfolder, name))
         if len(w.to_k_ip) != len(layers):
@@ -340,11 +343,16 @@ def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_fold
                              f"takes {width}: an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
         adapters.append(Adapter(w.projection, w.wants_hidden_states))
         cast = lambda x: jnp.asarray(x, pipeline.dtype)  # noqa: E731
-        weights.append({"projection": jax.tree.map(cast, w.projection_params),
+        params_of.append({"projection": jax.tree.map(cast, w.projection_params),
                         "to_k_ip": [cast(k) for k in w.to_k_ip], "to_v_ip": [cast(v) for v in w.to_v_ip]})
-    encoder, added = None, {"ip_adapter": weights}
-    if image_encoder_folder is not None:
-        where = (folder, os.path.join(subfolder, image_encoder_folder)) if own_encoder else (image_encoder_folder, None)
-        encoder, added["image_encoder"] = CLIPVisionModelWithProjection.from_pretrained(
-            where[0], subfolder=where[1], dtype=pipeline.dtype)
-    return IPAdapter(encoder, tuple(adapters), layers), added
+    model, added = None, {"ip_adapter": params_of}
+    if encoder is not None:
+        model, added["image_encoder"] = CLIPVisionModelWithProjection.from_pretrained(folder, subfolder=encoder,
+                                                                                      dtype=pipeline.dtype)
+    return IPAdapter(model, tuple(adapters), layers), added
+
+
+def listing(folder) -> list:
+    import os
+
+    return os.listdir(folder) if os.path.isdir(folder) else []
