@@ -28,7 +28,8 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 SLOWEST_FIRST = ["test_docs.py", "test_sampler_hooks.py", "test_run_modes.py", "test_inpaint.py", "test_controlnet.py",
                  "test_pipeline.py", "test_cli_controlnet.py", "test_controlnet_xl_images.py", "test_sdxl_img2img.py",
                  "test_models.py", "test_batch.py", "test_accelerator_report.py", "test_guiders.py", "test_img2img.py",
-                 "test_sdxl.py", "test_guiders_perturbed.py", "test_guiders_fdg.py", "test_batch_invariance.py"]
+                 "test_sdxl.py", "test_guiders_perturbed.py", "test_ip_adapter.py", "test_guiders_fdg.py",
+                 "test_t2i_adapter_pipelines.py", "test_cli_ip_adapter.py", "test_batch_invariance.py"]
 
 
 def pytest_collection_modifyitems(items):
