@@ -79,11 +79,15 @@ def test_plus_and_full_face_adapters_match_diffusers(sd1, adapters, kind):
     name = f"ip-adapter_{kind}.safetensors"
     ip_pipe, ip_params = pipe.load_ip_adapter(params, folder, subfolder="models", weight_name=name)
     image = pixels(1)
-    expected = diffusers_images(theirs, folder, name, 0.8, [image])
-    ours = ip_pipe(pipe.prepare_inputs(PROMPTS), ip_params, jax.random.key(0), STEPS, SIZE, SIZE, latents=latents(),
-                   ip_adapter_image=image, ip_adapter_scale=0.8).images
-    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
-    assert np.abs(expected - diffusers_images(theirs, folder, name, 0.0, [image])).max() > 1e-2
+    results = {}
+    for scale in (0.3, 0.8):
+        expected = diffusers_images(theirs, folder, name, scale, [image])
+        ours = ip_pipe(pipe.prepare_inputs(PROMPTS), ip_params, jax.random.key(0), STEPS, SIZE, SIZE,
+                       latents=latents(), ip_adapter_image=image, ip_adapter_scale=scale).images
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+        results[scale] = expected
+    assert np.abs(results[0.8] - results[0.3]).max() > 1e-2
+    assert np.abs(results[0.3] - diffusers_images(theirs, folder, name, 0.0, [image])).max() > 1e-2
 
 
 def test_per_block_scales_and_two_adapters_match_diffusers(sd1, adapters):
