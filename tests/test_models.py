@@ -194,3 +194,26 @@ def test_unet_paths_follow_its_kernels(monkeypatch):
     assert "while" in here.as_text() and "while" not in there.as_text()
     assert there.as_text().count("convolution(") > here.as_text().count("convolution(")
     np.testing.assert_allclose(there(params, *inputs), here(params, *inputs), rtol=RTOL, atol=ATOL)
+
+
+def test_sd3_vae_matches_diffusers(tmp_path):
+    """SD 3.x's VAE: 16 latent channels, no quant convs, and latents shifted before scaling (the pipelines' VAE
+    piece applies `shift_factor` as diffusers' SD 3 pipelines do)."""
+    from sdflax.pipeline.vae import VAE
+
+    config = {**CONFIGS["sd1"]["vae"], "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False,
+              "shift_factor": 0.0609, "scaling_factor": 1.5305}
+    theirs = torch_vae(config)
+    vae, params = AutoencoderKL.from_pretrained(save(theirs, tmp_path / "vae", "safetensors"))
+    assert (vae.config.shift_factor, vae.config.latent_channels, vae.config.use_quant_conv) == (0.0609, 16, False)
+    rng = np.random.default_rng(2)
+    latents = rng.standard_normal((1, 16, 8, 8), dtype=np.float32)
+    images = rng.uniform(-1, 1, (1, 3, 8 * vae.config.scale_factor, 8 * vae.config.scale_factor)).astype(np.float32)
+    with torch.no_grad():
+        decoded = theirs.decode(torch.from_numpy(latents) / 1.5305 + 0.0609).sample
+        mean = theirs.encode(torch.from_numpy(images)).latent_dist.mean
+    piece = VAE(vae)
+    ours = jit(piece.decode)({"vae": params}, latents)  # (B, H, W, 3) in [0, 1]
+    assert_close(ours, (decoded.clamp(-1, 1) / 2 + 0.5).permute(0, 2, 3, 1))
+    encoded = jit(piece.encode)({"vae": params}, images, np.zeros_like(latents))  # the mean: eps = 0
+    assert_close(encoded, (mean - 0.0609) * 1.5305)

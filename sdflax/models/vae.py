@@ -25,6 +25,7 @@ class VAEConfig:
     latent_channels: int = 4
     norm_num_groups: int = 32
     scaling_factor: float = 0.18215
+    shift_factor: float | None = None  # SD 3.x: latents are (z - shift) * scale for the denoiser (pipelines apply it)
     use_quant_conv: bool = True
     use_post_quant_conv: bool = True
     mid_block_add_attention: bool = True
@@ -37,7 +38,6 @@ class VAEConfig:
             "act_fn": "silu",
             "down_block_types": ("DownEncoderBlock2D",) * levels,
             "up_block_types": ("UpDecoderBlock2D",) * levels,
-            "shift_factor": None,
             "latents_mean": None,
             "latents_std": None,
         })

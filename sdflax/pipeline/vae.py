@@ -43,12 +43,17 @@ class VAE:
         vae, vae_params = self._module(params)
         posterior = vae.apply(vae_params, jnp.asarray(image, vae.dtype), method="encode")
         latents = posterior.mean.astype(jnp.float32) + posterior.std.astype(jnp.float32) * eps
-        return latents.astype(jnp.float32) * self.vae.config.scaling_factor
+        return (latents.astype(jnp.float32) - self.shift) * self.vae.config.scaling_factor
+
+    @property
+    def shift(self) -> float:
+        """SD 3.x's `shift_factor` (0 for the others), as diffusers' SD 3 pipelines shift the latents."""
+        return self.vae.config.shift_factor or 0.0
 
     def decode(self, params, latents):
         """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
         vae, vae_params = self._module(params)
         latents = latents.astype(jnp.float32)  # as the scan leaves them; a bfloat16 VAE casts its input
-        images = vae.apply(vae_params, latents / vae.config.scaling_factor, method="decode")
+        images = vae.apply(vae_params, latents / vae.config.scaling_factor + self.shift, method="decode")
         images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
         return jnp.transpose(images, (0, 2, 3, 1))
