@@ -1,7 +1,7 @@
 """sdflax: Stable Diffusion inference in pure JAX/Flax."""
 
 from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection,
-                     ControlNetModel, T2IAdapter, UNet2DConditionModel)
+                     ControlNetModel, SD3Transformer2DModel, T2IAdapter, UNet2DConditionModel)
 from .parallel import replicate, shard, unshard
 from .cache import enable_compile_cache
 from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet,
@@ -16,9 +16,10 @@ from . import hooks
 from . import loading, single_file  # noqa: F401  (they give the models their from_pretrained / from_single_file)
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-           "ControlNetModel", "Inputs", "Settings", "StableDiffusion", "StableDiffusionAdapter",
-           "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
-           "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
+           "ControlNetModel", "Inputs", "SD3Transformer2DModel", "Settings", "StableDiffusion",
+           "StableDiffusionAdapter", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
+           "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img", "StableDiffusionInpaint",
+           "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
            "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
            "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "generate", "hooks", "make_image_grid",

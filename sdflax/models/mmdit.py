@@ -1,0 +1,162 @@
+"""SD3Transformer2DModel: the MMDiT denoiser of Stable Diffusion 3 and 3.5 (Esser et al. 2024), as diffusers builds
+it. Latents are cut into patches, given a sin-cos position embedding cropped from a larger table, and run with the
+projected text states through joint transformer blocks (`mmdit_blocks.py`) conditioned on the timestep and the
+pooled text embedding; the image tokens are then modulated, projected and put back together."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ConfigError, config_from_dict, config_source
+from .layers import Conv2d, Dense, Kernels, ReadsParams, resolve_kernels, timestep_embedding
+from .mmdit_blocks import QK_NORMS, JointTransformerBlock, layer_norm
+from .pretrained import Pretrained
+
+TIMESTEP_CHANNELS = 256  # the sinusoidal timestep features before the timestep embedder's MLP
+
+
+@dataclasses.dataclass(frozen=True)
+class SD3TransformerConfig:
+    sample_size: int = 128
+    patch_size: int = 2
+    in_channels: int = 16
+    num_layers: int = 18
+    attention_head_dim: int = 64
+    num_attention_heads: int = 18
+    joint_attention_dim: int = 4096
+    caption_projection_dim: int = 1152
+    pooled_projection_dim: int = 2048
+    out_channels: int = 16
+    pos_embed_max_size: int = 96  # the side of the position table, in patches
+    dual_attention_layers: tuple = ()  # the blocks with a second, image-only attention (SD 3.5 Medium)
+    qk_norm: str | None = None  # "rms_norm" in SD 3.5
+
+    @classmethod
+    def from_dict(cls, config):
+        cfg = config_from_dict(cls, config)
+        name = config_source(config) + cls.__name__
+        if config.get("out_channels", 0) is None:  # diffusers: as many as come in
+            cfg = dataclasses.replace(cfg, out_channels=cfg.in_channels)
+        if "pos_embed_max_size" in config and config["pos_embed_max_size"] is None:
+            raise ConfigError(f"{name}: pos_embed_max_size=None (an uncropped position embedding) is not supported; "
+                              "SD 3 and 3.5 set it")
+        if cfg.qk_norm not in QK_NORMS:
+            raise ConfigError(f"{name}: qk_norm={cfg.qk_norm!r:.100}; sdflax supports None and 'rms_norm'")
+        if cfg.caption_projection_dim != cfg.inner_dim:
+            raise ConfigError(f"{name}: caption_projection_dim={cfg.caption_projection_dim} must equal "
+                              f"num_attention_heads * attention_head_dim = {cfg.inner_dim}, the width of the joint "
+                              "attention")
+        bad = [i for i in cfg.dual_attention_layers if not isinstance(i, int) or not 0 <= i < cfg.num_layers]
+        if bad:
+            raise ConfigError(f"{name}: dual_attention_layers has {bad[0]!r:.100}; give layer indices from 0 to "
+                              f"num_layers - 1 = {cfg.num_layers - 1}")
+        return cfg
+
+    @property
+    def inner_dim(self):
+        return self.num_attention_heads * self.attention_head_dim
+
+
+def sincos_position_table(dim: int, grid: int, base_size: int) -> np.ndarray:
+    """diffusers' `get_2d_sincos_pos_embed(dim, grid, base_size)`: (grid * grid, dim) float32, row-major over the
+    (row, column) patches; positions scaled by base_size / grid; the first half of the channels encodes the
+    column, the second the row, each as [sin, cos] of dim / 4 frequencies."""
+    positions = np.arange(grid, dtype=np.float32) / np.float32(grid / base_size)  # float32, as diffusers
+    omega = 1.0 / 10000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4))
+
+    def embed(pos):  # (M,) -> (M, dim / 2), in float64
+        out = np.outer(pos.astype(np.float64), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+    rows, columns = np.meshgrid(positions, positions, indexing="ij")
+    return np.concatenate([embed(columns.reshape(-1)), embed(rows.reshape(-1))], axis=1).astype(np.float32)
+
+
+class PatchEmbed(ReadsParams, nn.Module):
+    """diffusers' PatchEmbed for SD 3: a stride-`patch_size` conv (proj), then the position table (`pos_embed`,
+    stored in the checkpoints) cropped to the latent's patches around its centre. NHWC (B, H, W, C) -> (B, N, D)."""
+
+    patch_size: int
+    embed_dim: int
+    max_size: int
+    base_size: int
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
+
+    @nn.compact
+    def __call__(self, x):
+        p, m = self.patch_size, self.max_size
+        x = Conv2d(self.embed_dim, p, p, 0, dtype=self.dtype, kernels=self.kernels, name="proj")(x)
+        b, h, w, d = x.shape
+        table = self.param("pos_embed", lambda key, shape: jnp.asarray(sincos_position_table(d, m, self.base_size))[
+            None], (1, m * m, d))
+        top, left = (m - h) // 2, (m - w) // 2
+        table = table.reshape(m, m, d)[top:top + h, left:left + w].reshape(1, h * w, d)
+        return (x.reshape(b, h * w, d).astype(jnp.float32) + table.astype(jnp.float32)).astype(self.dtype)
+
+
+class SD3Transformer2DModel(Pretrained, nn.Module):
+    """The velocity prediction from latents (B, C, H, W), text states (B, T, joint_attention_dim), the pooled text
+    embedding (B, pooled_projection_dim) and timesteps (B,) or () -> (B, out_channels, H, W).
+
+    `skip_layers` (static, block indices) skips whole blocks, as diffusers' `skip_layers` (skip-layer guidance).
+    Attention layers are `mmdit_blocks.JointAttention`, whose `attend` the hooks intercept by checkpoint name
+    (`transformer_blocks.0.attn`, `transformer_blocks.0.attn2`).
+    """
+
+    config: SD3TransformerConfig
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
+    config_class = SD3TransformerConfig
+
+    def dummy_inputs(self):
+        cfg = self.config
+        return (jnp.zeros((1, cfg.in_channels, cfg.patch_size, cfg.patch_size)),
+                jnp.zeros((1, 1, cfg.joint_attention_dim)), jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)))
+
+    @nn.compact
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=()):
+        cfg, dtype, p = self.config, self.dtype, self.config.patch_size
+        b, _, height, width = hidden_states.shape
+        if height % p or width % p:
+            raise ValueError(f"latents of {height}x{width}: both sides must be multiples of patch_size={p}")
+        if max(height, width) // p > cfg.pos_embed_max_size:
+            raise ValueError(f"latents of {height}x{width} are {height // p}x{width // p} patches; this model's "
+                             f"position table has {cfg.pos_embed_max_size} a side (pos_embed_max_size): use smaller "
+                             "images")
+        dense = lambda features, name: Dense(features, dtype=dtype, name=name)  # noqa: E731
+
+        x = jnp.transpose(hidden_states, (0, 2, 3, 1)).astype(dtype)  # NCHW -> NHWC
+        x = PatchEmbed(p, cfg.inner_dim, cfg.pos_embed_max_size, cfg.sample_size // p, dtype, kernels=self.kernels,
+                       name="pos_embed")(x)
+        temb = self.embed_time_and_text(timestep, pooled_projections, b)
+        context = dense(cfg.caption_projection_dim, "context_embedder")(encoder_hidden_states.astype(dtype))
+
+        for i in range(cfg.num_layers):
+            if i in skip_layers:
+                continue
+            context, x = JointTransformerBlock(
+                cfg.num_attention_heads, cfg.attention_head_dim, context_pre_only=i == cfg.num_layers - 1,
+                qk_norm=cfg.qk_norm, dual_attention=i in cfg.dual_attention_layers, dtype=dtype, kernels=self.kernels,
+                name=f"transformer_blocks_{i}")(x, context, temb)
+
+        # norm_out: AdaLayerNormContinuous, scale then shift
+        scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
+        x = layer_norm(x, dtype) * (1 + scale[:, None]) + shift[:, None]
+        x = dense(p * p * cfg.out_channels, "proj_out")(x)
+        x = x.reshape(b, height // p, width // p, p, p, cfg.out_channels)
+        return jnp.einsum("nhwpqc->nchpwq", x).reshape(b, cfg.out_channels, height, width)
+
+    def embed_time_and_text(self, timestep, pooled_projections, batch):
+        """diffusers' CombinedTimestepTextProjEmbeddings: MLP(sinusoidal(t)) + MLP(pooled text) -> (B, D)."""
+        dim, dtype = self.config.inner_dim, self.dtype
+        dense = lambda name: Dense(dim, dtype=dtype, name=f"time_text_embed_{name}")  # noqa: E731
+        timestep = jnp.broadcast_to(jnp.asarray(timestep), (batch,))
+        t = timestep_embedding(timestep, TIMESTEP_CHANNELS, flip_sin_to_cos=True, freq_shift=0).astype(dtype)
+        t = dense("timestep_embedder_linear_2")(nn.silu(dense("timestep_embedder_linear_1")(t)))
+        text = dense("text_embedder_linear_1")(pooled_projections.astype(dtype))
+        return t + dense("text_embedder_linear_2")(nn.silu(text))

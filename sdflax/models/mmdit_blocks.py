@@ -1,0 +1,133 @@
+"""The MMDiT's joint transformer block (Esser et al. 2024) as diffusers builds it (`JointTransformerBlock`): two
+token streams, image and text, each with its own adaLN-Zero modulation, projections and feed-forward, meeting in one
+attention over their concatenated tokens. SD 3.5 adds RMSNorm on queries and keys, and SD 3.5 Medium (MMDiT-X) a
+second, image-only attention in some blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .layers import Attention, Dense, Kernels, LayerNorm, ReadsParams
+
+QK_NORMS = (None, "rms_norm")  # the qk_norm values sdflax builds (SD 3: None, SD 3.5: "rms_norm")
+EPS = 1e-6  # every norm of the MMDiT
+
+
+class RMSNorm(ReadsParams, nn.Module):
+    """diffusers' RMSNorm over the last axis with a learned scale; statistics in float32."""
+
+    epsilon: float = EPS
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.epsilon)
+        return (x * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class JointAttention(Attention):
+    """diffusers' Attention with JointAttnProcessor2_0. With a context: the image tokens' to_q/to_k/to_v and the
+    context's add_q_proj/add_k_proj/add_v_proj attend as one sequence [image; context], and the outputs split back
+    through to_out_0 and to_add_out (none for a `context_pre_only` block, whose context output is unused). Without
+    one (the dual attention, attn2): self-attention of the image tokens. `attend` is the hook point, as in the
+    UNet's attention; it sees the joint sequence."""
+
+    qk_norm: str | None = None
+    context_pre_only: bool = False
+
+    @nn.compact
+    def __call__(self, x, context=None):  # x: (B, N, D); context: (B, T, D) or None
+        inner = self.heads * self.head_dim
+        dense = lambda name, features=inner: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
+        split = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
+
+        def normed(name, t):
+            return RMSNorm(EPS, self.dtype, name=name)(t) if self.qk_norm else t
+
+        q = normed("norm_q", split(dense("to_q")(x)))
+        k = normed("norm_k", split(dense("to_k")(x)))
+        v = split(dense("to_v")(x))
+        if context is not None:
+            q = jnp.concatenate([q, normed("norm_added_q", split(dense("add_q_proj")(context)))], axis=1)
+            k = jnp.concatenate([k, normed("norm_added_k", split(dense("add_k_proj")(context)))], axis=1)
+            v = jnp.concatenate([v, split(dense("add_v_proj")(context))], axis=1)
+        out = self.attend(q, k, v)
+        out = out.reshape(*out.shape[:2], inner)
+        n = x.shape[1]
+        image = dense("to_out_0", x.shape[-1])(out[:, :n])
+        if context is None:
+            return image
+        return image, None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
+
+
+def modulate(x, shift, scale):
+    """adaLN: x * (1 + scale) + shift, with (B, D) shift and scale over (B, N, D) tokens."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class JointTransformerBlock(nn.Module):
+    """(image (B, N, D), context (B, T, D), temb (B, D)) -> (context or None, image), as diffusers'
+    JointTransformerBlock. norm1 is AdaLayerNormZero (SD35AdaLayerNormZeroX with `dual_attention`: three more
+    chunks, the shift, scale and gate of attn2); norm1_context AdaLayerNormZero, or AdaLayerNormContinuous
+    (scale, then shift) in the last block, which keeps no context stream after its attention."""
+
+    heads: int
+    head_dim: int
+    context_pre_only: bool = False
+    qk_norm: str | None = None
+    dual_attention: bool = False
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
+
+    @nn.compact
+    def __call__(self, x, context, temb):
+        dim = x.shape[-1]
+        emb = nn.silu(temb)
+
+        def chunks(name, n):  # the adaLN modulation: n (B, D) chunks
+            return jnp.split(Dense(n * dim, dtype=self.dtype, name=name)(emb), n, axis=-1)
+
+        def attention(name, context_pre_only=False):
+            return JointAttention(self.heads, self.head_dim, qkv_bias=True, dtype=self.dtype, kernels=self.kernels,
+                                  qk_norm=self.qk_norm, context_pre_only=context_pre_only, name=name)
+
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, *dual = chunks(
+            "norm1_linear", 9 if self.dual_attention else 6)
+        normed = layer_norm(x, self.dtype)
+        if self.context_pre_only:
+            scale, shift = chunks("norm1_context_linear", 2)
+            context_in = modulate(layer_norm(context, self.dtype), shift, scale)
+        else:
+            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = chunks(
+                "norm1_context_linear", 6)
+            context_in = modulate(layer_norm(context, self.dtype), c_shift_msa, c_scale_msa)
+
+        image_out, context_out = attention("attn", self.context_pre_only)(modulate(normed, shift_msa, scale_msa),
+                                                                          context_in)
+        x = x + gate_msa[:, None] * image_out
+        if self.dual_attention:
+            shift_msa2, scale_msa2, gate_msa2 = dual
+            x = x + gate_msa2[:, None] * attention("attn2")(modulate(normed, shift_msa2, scale_msa2))
+        x = x + gate_mlp[:, None] * self.feed_forward("ff", modulate(layer_norm(x, self.dtype), shift_mlp, scale_mlp))
+        if self.context_pre_only:
+            return None, x
+
+        context = context + c_gate_msa[:, None] * context_out
+        context_in = modulate(layer_norm(context, self.dtype), c_shift_mlp, c_scale_mlp)
+        return context + c_gate_mlp[:, None] * self.feed_forward("ff_context", context_in), x
+
+    def feed_forward(self, name, x):
+        """diffusers' FeedForward with "gelu-approximate": Dense(4D), tanh GELU, Dense(D)."""
+        h = Dense(4 * x.shape[-1], dtype=self.dtype, name=f"{name}_net_0_proj")(x)
+        return Dense(x.shape[-1], dtype=self.dtype, name=f"{name}_net_2")(nn.gelu(h, approximate=True))
+
+
+def layer_norm(x, dtype):
+    """LayerNorm without scale or bias (elementwise_affine=False), eps 1e-6."""
+    return LayerNorm(EPS, use_bias=False, use_scale=False, dtype=dtype)(x)
