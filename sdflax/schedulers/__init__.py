@@ -3,9 +3,9 @@ Euler ancestral (Karras et al. 2022), LMS, and DPM-Solver++ 2M (Lu et al. 2022);
 2023) and TCD (Zheng et al. 2024); UniPC (Zhao et al. 2023), DEIS (Zhang & Chen 2023), DPM-Solver++ 2M SDE and
 3M SDE (Lu et al. 2022; Crowson's k-diffusion); the two-evaluation Heun (Karras et al. 2022), DPM2 and DPM2
 ancestral (k-diffusion), DPM++ 2S ancestral and DPM++ SDE (Lu et al. 2022); CFG++ (Chung et al. 2024) for Euler,
-Euler a and DPM++ 2M. Each follows `Scheduler` (protocol.py); `scheduler.check_steps(n)` raises early for a step
-count `set_timesteps(n)` would refuse, and `scheduler.with_schedule(timesteps=, sigmas=)` runs a given schedule
-(`AYS_SCHEDULES`: Align Your Steps')."""
+Euler a and DPM++ 2M; Euler on a rectified flow (Esser et al. 2024, Stable Diffusion 3). Each follows `Scheduler`
+(protocol.py); `scheduler.check_steps(n)` raises early for a step count `set_timesteps(n)` would refuse, and
+`scheduler.with_schedule(timesteps=, sigmas=)` runs a given schedule (`AYS_SCHEDULES`: Align Your Steps')."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .dpmpp_3m_sde import DPMPP3MSDEConfig, DPMPP3MSDEScheduler, DPMPP3MSDEState
 from .dpmpp_sde import DPMSolverSDEConfig, DPMSolverSDEScheduler, DPMSolverSDEState
 from .euler import EulerConfig, EulerScheduler, EulerState
 from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
+from .flow_match_euler import FlowMatchEulerConfig, FlowMatchEulerScheduler, FlowMatchEulerState
 from .heun import HeunConfig, HeunScheduler, HeunState
 from .lcm import LCMConfig, LCMScheduler, LCMState
 from .lms import LMSConfig, LMSScheduler, LMSState
@@ -55,6 +56,7 @@ SCHEDULERS = {
     "euler_cfg_pp": EulerCFGPPScheduler,
     "euler_ancestral_cfg_pp": EulerAncestralCFGPPScheduler,
     "dpmpp_2m_cfg_pp": DPMPP2MCFGPPScheduler,
+    "flow_match_euler": FlowMatchEulerScheduler,
 }
 
 # diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
@@ -74,6 +76,7 @@ DIFFUSERS_NAMES = {
     "TCDScheduler": TCDScheduler,
     "UniPCMultistepScheduler": UniPCScheduler,
     "DEISMultistepScheduler": DEISScheduler,
+    "FlowMatchEulerDiscreteScheduler": FlowMatchEulerScheduler,
 }
 
 _BY_NAME = {name.lower(): cls for name, cls in SCHEDULERS.items()}
@@ -150,6 +153,9 @@ __all__ = [
     "EulerConfig",
     "EulerScheduler",
     "EulerState",
+    "FlowMatchEulerConfig",
+    "FlowMatchEulerScheduler",
+    "FlowMatchEulerState",
     "HeunConfig",
     "HeunScheduler",
     "HeunState",

@@ -168,7 +168,8 @@ def check_steps(config: ScheduleConfig, num_inference_steps) -> None:
         return
     if not 1 <= n <= T:
         raise ValueError(f"num_inference_steps must be in [1, {T}] (num_train_timesteps), got {n}")
-    if config.timestep_spacing == "leading" and (first := (n - 1) * (T // n) + config.steps_offset) >= T:
+    leading = getattr(config, "timestep_spacing", None) == "leading"  # flow schedules have no spacing
+    if leading and (first := (n - 1) * (T // n) + config.steps_offset) >= T:
         raise ValueError(
             f"num_inference_steps={n} with timestep_spacing='leading' and steps_offset={config.steps_offset} puts the "
             f"first step at t={first}, past the last training timestep {T - 1}: use fewer steps or another spacing"
@@ -221,7 +222,9 @@ def predict_x0_and_epsilon(model_output, sample, alpha, sigma, prediction_type: 
         # v = (α ε - σ x_0) / √variance on the UNet's unit-variance input (Salimans & Ho 2022)
         rms = jnp.sqrt(variance)
         return alpha * x / variance - sigma / rms * out, alpha / rms * out + sigma * x / variance
-    raise ValueError(f"prediction_type={prediction_type!r}; allowed: {PREDICTION_TYPES}")
+    if prediction_type == "flow":  # v = ε - x_0 on a rectified flow, α = 1 - σ (flow_match_euler.py)
+        return x - sigma * out, x + alpha * out
+    raise ValueError(f"prediction_type={prediction_type!r}; allowed: {(*PREDICTION_TYPES, 'flow')}")
 
 
 def clip_x0(config, pred_x0):
