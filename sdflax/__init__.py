@@ -1,7 +1,8 @@
 """sdflax: Stable Diffusion inference in pure JAX/Flax."""
 
 from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection,
-                     ControlNetModel, SD3Transformer2DModel, T2IAdapter, UNet2DConditionModel)
+                     ControlNetModel, SD3Transformer2DModel, T2IAdapter, T5EncoderModel,
+                     UNet2DConditionModel)
 from .parallel import replicate, shard, unshard
 from .cache import enable_compile_cache
 from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet,
@@ -22,5 +23,5 @@ __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLI
            "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
            "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
-           "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "generate", "hooks", "make_image_grid",
-           "random_draws", "replicate", "shard", "unshard"]
+           "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "generate", "hooks",
+           "make_image_grid", "random_draws", "replicate", "shard", "unshard"]

@@ -38,6 +38,10 @@ IGNORED = re.compile(r"(^|\.)(position_ids|num_batches_tracked)$")
 
 WEIGHT_LEAVES = ("kernel", "scale", "embedding")
 
+# Tensors that transformers ties to another (`_tied_weights_keys`), stored by some writers instead of the other or
+# beside it: {copy: original}. The copy fills in for a missing original and is ignored otherwise.
+TIED = {"encoder.embed_tokens.weight": "shared.weight"}  # T5
+
 # Copying tensors into device buffers in Flax layout is a strided transpose that releases the GIL: threads copy
 # a float32 SD 1.5 UNet in 1.7 s instead of 2.8 s on 2 cores. Few, large batches keep them from waiting on the GIL
 # after each tensor while another thread traces a model; at most 512 MB of cast copies are in flight at once.
@@ -79,6 +83,11 @@ def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="check
     targets = traverse_util.flatten_dict(shapes)
     by_name = {("_".join(path[:-1]), path[-1]): path for path in targets}
     params, unexpected, mismatched = {}, [], []
+    if any(copy in state_dict for copy in TIED):
+        state_dict = dict(state_dict)
+        for copy, original in TIED.items():
+            if copy in state_dict:
+                state_dict.setdefault(original, state_dict.pop(copy))
     for key, array in state_dict.items():
         if IGNORED.search(key):
             continue

@@ -4,11 +4,12 @@ from .controlnet import ControlNetConfig, ControlNetModel
 from .layers import Kernels, resolve_kernels
 from .mmdit import SD3Transformer2DModel, SD3TransformerConfig
 from .t2i_adapter import T2IAdapter, T2IAdapterConfig, combine_adapter_states
+from .t5 import T5Config, T5EncoderModel
 from .unet import UNet2DConditionModel, UNetConfig, UNetEncoderConfig
 from .vae import AutoencoderKL, DiagonalGaussian, VAEConfig
 
 __all__ = ["AutoencoderKL", "CLIPTextConfig", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTextOutput",
            "CLIPVisionConfig", "CLIPVisionModelWithProjection", "CLIPVisionOutput", "ControlNetConfig",
            "ControlNetModel", "DiagonalGaussian", "Kernels", "SD3Transformer2DModel", "SD3TransformerConfig",
-           "T2IAdapter", "T2IAdapterConfig", "UNet2DConditionModel", "UNetConfig", "UNetEncoderConfig", "VAEConfig",
-           "combine_adapter_states", "resolve_kernels"]
+           "T2IAdapter", "T2IAdapterConfig", "T5Config", "T5EncoderModel", "UNet2DConditionModel", "UNetConfig",
+           "UNetEncoderConfig", "VAEConfig", "combine_adapter_states", "resolve_kernels"]
