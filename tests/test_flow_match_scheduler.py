@@ -220,3 +220,19 @@ def test_bfloat16_sample_keeps_dtype_and_model_input_is_the_sample():
     prev, _ = sched.step(state, x, 0, x)
     assert prev.dtype == jnp.bfloat16 and sched.scale_model_input(state, x, 0) is x
     assert sched.predict_x0(state, x, 0, x).dtype == jnp.float32
+
+
+def test_a_unet_pipeline_refuses_the_flow_scheduler():
+    """SD 1.x / 2.x / SDXL UNets predict noise (or v): a velocity sampler on them is refused at once."""
+    from builders import SD1, SD14_SCHEDULER, TOKENIZER
+
+    import sdflax
+    from sdflax.loading import load_tokenizer
+    from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
+    from sdflax.schedulers import DDIMScheduler
+
+    pipe = sdflax.StableDiffusion(CLIPTextModel.from_config(SD1["text_encoder"]), UNet2DConditionModel.from_config(
+        SD1["unet"]), AutoencoderKL.from_config(SD1["vae"]), load_tokenizer(str(TOKENIZER)),
+        DDIMScheduler.from_config(SD14_SCHEDULER))
+    with pytest.raises(ValueError, match="FlowMatchEulerScheduler is a flow-matching scheduler, for SD 3.x"):
+        pipe.scheduler = "flow_match_euler"

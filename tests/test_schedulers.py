@@ -244,7 +244,7 @@ def test_scheduler_from_config_and_hashing():
     assert set(SCHEDULERS) == {"pndm", "ddim", "euler", "euler_ancestral", "dpmpp_2m", "lms", "heun", "dpm2",
                                "dpm2_ancestral", "dpmpp_2s_ancestral", "dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde",
                                "unipc", "deis", "ddpm", "lcm", "tcd", "euler_cfg_pp", "euler_ancestral_cfg_pp",
-                               "dpmpp_2m_cfg_pp"}
+                               "dpmpp_2m_cfg_pp", "flow_match_euler"}
     with pytest.raises(ValueError, match="pndm"):
         scheduler_from_config(SD14, kind="warp")
     with pytest.raises(ValueError, match="known"):
@@ -312,7 +312,8 @@ def test_check_steps_refuses_what_set_timesteps_refuses(kind, spacing):
         assert {"1", "2", "3"} <= refused
         with pytest.raises(ValueError, match="PRK"):
             sched.check_steps(3)
-    if spacing == "leading" and kind not in ("lcm", "tcd"):  # those refuse n > original_inference_steps first
+    # LCM and TCD refuse n > original_inference_steps first; a flow schedule has no spacing to refuse by
+    if spacing == "leading" and kind not in ("lcm", "tcd", "flow_match_euler"):
         # steps_offset = 1 would put the first of 100 steps at t = 100
         with pytest.raises(ValueError, match="first step at t=100, past the last training timestep 99"):
             sched.check_steps(100)

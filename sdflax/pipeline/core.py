@@ -232,6 +232,10 @@ class Pipeline:
 
     def _own(self, scheduler):
         """A scheduler checked, its "auto" Align Your Steps levels this family's."""
+        if getattr(getattr(scheduler, "config", None), "prediction_type", None) == "flow":  # a UNet predicts ε or v
+            raise ValueError(f"{type(scheduler).__name__} is a flow-matching scheduler, for SD 3.x checkpoints; "
+                             f"{type(self).__name__}'s UNet predicts noise: choose one of sdflax.schedulers.SCHEDULERS'"
+                             " other samplers")
         return for_family(checked_scheduler(scheduler), self.text.ays_family)
 
     @property
