@@ -278,3 +278,42 @@ def test_beside_a_controlnet_matches_diffusers(sd1, adapters):
     ours = pipe(pipe.prepare_inputs(PROMPTS), control, params, jax.random.key(0), STEPS, latents=latents(),
                 ip_adapter_image=clip, ip_adapter_scale=0.8).images
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+
+
+def test_inpainting_unet_with_an_adapter_matches_diffusers(tmp_path, monkeypatch):
+    """A 9-channel inpainting UNet (its extra channels are the start's UNet wrapper, inside the adapter's)."""
+    import diffusers.models.autoencoders.vae as torch_vae_module
+    import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as torch_inpaint_module
+    from builders import SD1, torch_unet
+    from diffusers import StableDiffusionInpaintPipeline
+
+    from sdflax import StableDiffusionInpaint, random_draws
+
+    components = torch_pipeline("sd1", "ddim").components
+    theirs = StableDiffusionInpaintPipeline(**{**components, "unet": torch_unet({**SD1["unet"], "in_channels": 9}, 1)})
+    theirs.save_pretrained(tmp_path / "inpaint")
+    write_ip_adapters(tmp_path / "inpaint" / "models", theirs.unet, {"base": 6})
+    pipe, params = StableDiffusionInpaint.from_pretrained(tmp_path / "inpaint")
+    pipe, params = pipe.load_ip_adapter(params, tmp_path / "inpaint", subfolder="models",
+                                        weight_name="ip-adapter_base.safetensors")
+    rng = np.random.default_rng(13)
+    pixels_, masks = rng.uniform(0, 1, (1, SIZE, SIZE, 3)).astype(np.float32), np.zeros((1, SIZE, SIZE), np.float32)
+    masks[:, 8:24, 6:26] = 1.0
+    ids, image, mask = pipe.prepare_inputs(PROMPTS, list(pixels_), list(masks))
+    key = jax.random.key(3)
+    (_, masked_eps, noise), _ = random_draws(key, (1, 4, SIZE // 2, SIZE // 2), 3)  # what ours draws
+    monkeypatch.setattr(torch_vae_module, "randn_tensor", lambda *a, **k: torch.from_numpy(np.array(masked_eps)))
+    monkeypatch.setattr(torch_inpaint_module, "randn_tensor", lambda *a, **k: torch.from_numpy(np.array(noise)))
+    clip = pixels(14)
+    theirs.load_ip_adapter(str(tmp_path / "inpaint"), subfolder="models", weight_name="ip-adapter_base.safetensors")
+    theirs.set_ip_adapter_scale(0.7)
+    with torch.no_grad():
+        expected = theirs(PROMPTS, image=torch.from_numpy(image), mask_image=torch.from_numpy(masks[:, None]),
+                          num_inference_steps=STEPS, height=SIZE, width=SIZE, ip_adapter_image=torch.from_numpy(clip),
+                          output_type="np").images
+    ours = pipe(ids, image, mask, params, key, num_inference_steps=STEPS, ip_adapter_image=clip,
+                ip_adapter_scale=0.7).images
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    plain = pipe(ids, image, mask, params, key, num_inference_steps=STEPS, ip_adapter_image=clip,
+                 ip_adapter_scale=0.0).images
+    assert np.abs(ours - plain).max() > 1e-2
