@@ -64,6 +64,7 @@ class IPAdapter:
                 flat = pixels.reshape(-1, *pixels.shape[2:])
                 positive, negative = self.image_embeds(params, flat, adapter)
                 positive, negative = (x.reshape(*pixels.shape[:2], *x.shape[1:]) for x in (positive, negative))
+
             def project(x, p=params["ip_adapter"][a]["projection"], projection=adapter.projection):
                 tokens = projection.apply({"params": p}, x.reshape(-1, *x.shape[2:]))  # (B n, tokens, D)
                 return tokens.reshape(*x.shape[:2], *tokens.shape[1:])
@@ -103,12 +104,12 @@ class DecoupledAttention(Hook):
         if layer is None:
             return out
         heads, head_dim = q.shape[2], q.shape[3]
-        module, w_dtype = site.module, q.dtype
+        module, dtype = site.module, q.dtype
 
         def attend_to(image, w):  # image (rows, tokens, D)
             split = lambda x: x.reshape(*x.shape[:2], heads, head_dim)  # noqa: E731
-            k_ip = split(image.astype(w_dtype) @ w["to_k_ip"][layer].astype(w_dtype))
-            v_ip = split(image.astype(w_dtype) @ w["to_v_ip"][layer].astype(w_dtype))
+            k_ip = split(image.astype(dtype) @ w["to_k_ip"][layer].astype(dtype))
+            v_ip = split(image.astype(dtype) @ w["to_v_ip"][layer].astype(dtype))
             return dot_product_attention(q, k_ip, v_ip, upcast=module.upcast, kernels=module.kernels).astype(out.dtype)
 
         for (negative, positive), scale, mask, w in zip(self.tokens, self.scales, self.masks, self.weights):
