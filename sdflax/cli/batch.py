@@ -25,6 +25,7 @@ from .parse import add_options, finite, positive_int, seed
 from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files
 from .request import Request, UserError
 from .run import compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows, use_compile_cache
+from .t2i_adapter import check_adapter_flags
 from .workers import Producer, Signals, Writer, run_until_done_or_signal
 
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
@@ -183,6 +184,7 @@ def run_lines(args, signals, held) -> int:
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
     check_lora_and_embedding_files(base)
     check_ip_adapters(base, every_image=False)
+    check_adapter_flags(base)  # one picture per adapter for every line, resized to its size
     check_line_images(base, lines, args.prompts)
     files.read_manifests(folder)  # a manifest that is not ours: refused before JAX starts
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)

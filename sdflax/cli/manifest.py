@@ -18,7 +18,7 @@ from .request import UserError
 # "sampler" is the scheduler as it ran (A1111's name, else sdflax's), whatever name --scheduler gave it.
 SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model", "revision",
         "config", "sampler", "dtype", "lora", "lora_scale", "embedding", "ip_adapter", "ip_adapter_scale", "ip_image",
-        "ip_image_encoder")
+        "ip_image_encoder", "t2i_adapter", "adapter_image", "adapter_scale", "adapter_factor")
 MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
 
 

@@ -135,6 +135,11 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
                         ip_adapter_scale=[scale for _, scale in request.ip_adapter])
         if request.ip_image_encoder is not None:
             settings["ip_image_encoder"] = request.ip_image_encoder
+    if checkpoint.adapters is not None:  # lists, one entry per T2I-Adapter in their order (JSON in the PNG)
+        settings.update(t2i_adapter=list(request.t2i_adapter), adapter_image=list(request.adapter_image),
+                        adapter_scale=list(checkpoint.adapters.scales))
+        if checkpoint.adapters.factor is not None:  # SDXL's
+            settings["adapter_factor"] = checkpoint.adapters.factor
     return settings
 
 
@@ -170,6 +175,10 @@ def png_info(settings):
     if "ip_adapter" in s:  # A1111 has no entry of its own for it
         adapters = ", ".join(f"{name} ({scale})" for name, scale in zip(s["ip_adapter"], s["ip_adapter_scale"]))
         parameters += f", IP-Adapter: {quoted(adapters)}, IP-Adapter image: {quoted(', '.join(s['ip_image']))}"
+    if "t2i_adapter" in s:  # as the IP-Adapters: an entry of sdflax's own
+        adapters = ", ".join(f"{name} ({scale})" for name, scale in zip(s["t2i_adapter"], s["adapter_scale"]))
+        parameters += (f", T2I-Adapter: {quoted(adapters)}, T2I-Adapter image: {quoted(', '.join(s['adapter_image']))}"
+                       + (f", T2I-Adapter factor: {s['adapter_factor']}" if "adapter_factor" in s else ""))
     info.add_text("parameters", parameters)
     return info
 

@@ -67,6 +67,8 @@ strength = number(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}: 1 repai
                   "the image")
 fraction = number(lambda v: 0 < v < 1, "must be in (0, 1), got {text}: the fraction of the schedule the base runs "
                   "before the refiner takes over (e.g. 0.8)")
+adapter_factor = number(lambda v: 0 <= v <= 1, "must be in [0, 1], got {value}: the fraction of the steps the "
+                        "T2I-Adapters steer, the first ones (1: every step, 0: none)")
 # NaN or inf guidance, or 1e39 (inf in float32, the programs' type): a black image
 finite = number(is_float32, "must be a finite number (as float32, the type the programs compute in), got "
                 "{text!r}")
@@ -279,6 +281,17 @@ def add_options(command, image=False, exclude=()):
     add("--ip-image-encoder", metavar="ID_OR_DIR",
         help="the --ip-adapter files' CLIP image encoder where it is not image_encoder/ beside them: a folder, hub "
              "id, or hub folder org/name/subfolder (h94's SDXL vit-h adapters: h94/IP-Adapter/models/image_encoder)")
+    add("--t2i-adapter", action="append", default=[], metavar="ID_OR_DIR",
+        help="a T2I-Adapter steering by --adapter-image (a sketch, edges, depth, pose, ...): a diffusers T2IAdapter "
+             "folder or hub id (TencentARC/t2iadapter_canny_sd15v2, TencentARC/t2i-adapter-canny-sdxl-1.0); repeat "
+             "for several")
+    add("--adapter-image", action="append", default=[], metavar="IMG",
+        help="the picture of each --t2i-adapter, in their order, grey for a one-channel adapter; resized to the "
+             "output size, which the first one sets where no --height and --width, --image or --control-image do")
+    add("--adapter-scale", action="append", default=[], type=finite, metavar="S",
+        help="how strongly the T2I-Adapters steer: one value for all or one per adapter (default: 1.0)")
+    add("--adapter-factor", type=adapter_factor, metavar="F",
+        help="SDXL: the fraction of the steps, the first ones, the T2I-Adapters steer, in [0, 1] (default: 1.0)")
     add("--out", default="outputs", metavar="PATH",
         help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
     add("--grid", action="store_true", help="also write all images as one grid PNG")

@@ -1,5 +1,5 @@
-"""The pictures a request names (--image, --mask, --control-image): read and checked before anything loads, and
-resized to the output size."""
+"""The pictures a request names (--image, --mask, --control-image, --adapter-image): read and checked before anything
+loads, and resized to the output size."""
 
 from __future__ import annotations
 
@@ -94,11 +94,11 @@ def read_pictures(request) -> dict:
     return pictures
 
 
-def fit_pictures(request, default, factor, pictures, controls):
-    """(height, width, pictures, controls): --height/--width must be multiples of the VAE scale factor. Without
-    them the size is --image's, else the first --control-image's (as diffusers' pipelines take it), each side rounded
-    down to a multiple (with a warning line), else the model's. Every input picture is resized to it (scaled, not
-    cropped)."""
+def fit_pictures(request, default, factor, pictures, controls, adapters=()):
+    """(height, width, pictures, controls, adapters): --height/--width must be multiples of the VAE scale factor.
+    Without them the size is --image's, else the first --control-image's (as diffusers' pipelines take it), else the
+    first --adapter-image's, each side rounded down to a multiple (with a warning line), else the model's. Every
+    input picture is resized to it (scaled, not cropped; Lanczos, as diffusers resizes an adapter's picture)."""
     for flag, value in (("--height", request.height), ("--width", request.width)):
         if value is not None and value > MAX_PICTURE_SIDE:  # its latents and attention would exhaust any memory
             raise UserError(f"{flag} {value} is larger than sdflax makes ({MAX_PICTURE_SIDE} pixels at most)")
@@ -109,8 +109,10 @@ def fit_pictures(request, default, factor, pictures, controls):
         flag, path, source = "--image", request.image, pictures["image"]
     elif controls:
         flag, path, source = "--control-image", request.control_image[0], controls.pictures[0]
+    elif adapters:
+        flag, path, source = "--adapter-image", request.adapter_image[0], adapters[0]
     else:
-        return request.height or default, request.width or default, pictures, controls
+        return request.height or default, request.width or default, pictures, controls, adapters
     from PIL import Image
 
     own_width, own_height = source.size
@@ -130,4 +132,4 @@ def fit_pictures(request, default, factor, pictures, controls):
     pictures = {name: resize(picture) for name, picture in pictures.items()}
     if controls:
         controls = dataclasses.replace(controls, pictures=tuple(resize(picture) for picture in controls.pictures))
-    return height, width, pictures, controls
+    return height, width, pictures, controls, tuple(resize(picture) for picture in adapters)

@@ -11,6 +11,7 @@ from .ip_adapter import check_ip_adapter_width
 from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
+from .t2i_adapter import adapter_class, check_t2i_adapters, fit_adapters, read_adapter_pictures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Checkpoint:
     local: bool
     commit: str
     xl: bool
-    pipeline: type  # the class of the request's cell: family x start x ControlNet
+    pipeline: type  # the class of the request's cell: family x start x ControlNet (x T2I-Adapter)
     guidance: float
     height: int
     width: int
@@ -32,6 +33,7 @@ class Checkpoint:
     control_scales: tuple = ()  # one per --controlnet
     scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
     guider: object = dataclasses.field(default=None, compare=False)  # --guider's, its scale the guidance
+    adapters: object = dataclasses.field(default=None, compare=False)  # t2i_adapter.Adapters, at this size
 
 
 def read_configs(folder):
@@ -74,6 +76,8 @@ def check_checkpoint(request, pictures, controls=None):
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
     cls = pipeline_class("sdxl" if xl else "sd", request.start, bool(request.controlnet))
+    if request.t2i_adapter and request.start == "noise" and not request.controlnet:
+        cls = adapter_class(xl)  # the other classes take T2I-Adapters as they are (adapter=)
     strength = None
     if pictures:
         strength = request.strength if request.strength is not None else cls.defaults["strength"]
@@ -95,8 +99,11 @@ def check_checkpoint(request, pictures, controls=None):
         raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
     check_controlnets(request, unet, vae.scale_factor)
     check_ip_adapter_width(request, unet)
+    adapter_configs = check_t2i_adapters(request, unet, vae.scale_factor, xl)
     factor = vae.scale_factor
-    height, width, pictures, controls = fit_pictures(request, unet.sample_size * factor, factor, pictures, controls)
+    height, width, pictures, controls, adapter_pictures = fit_pictures(
+        request, unet.sample_size * factor, factor, pictures, controls, read_adapter_pictures(request))
+    adapters = fit_adapters(request, adapter_configs, adapter_pictures, height, width, cls.defaults, xl)
     guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
     high_noise_frac = check_refiner(request, xl, scheduler, vae) if request.refiner else None
     if request.high_noise_frac is not None and high_noise_frac is None:
@@ -108,7 +115,7 @@ def check_checkpoint(request, pictures, controls=None):
             (default,) * len(request.controlnet)
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
     checkpoint = Checkpoint(folder, local, commit, xl, cls, guidance, height, width, single_file, strength,
-                            high_noise_frac, scales, scheduler, make_guider(request, guidance))
+                            high_noise_frac, scales, scheduler, make_guider(request, guidance), adapters)
     return checkpoint, pictures, controls
 
 
@@ -150,8 +157,9 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     if not xl:
         raise UserError(f"{name}: a refiner finishes SDXL base images, but {request.model} is not an SDXL "
                         "checkpoint: drop --refiner, or give an SDXL base --model")
-    if request.controlnet:
-        raise UserError(f"{name} with --controlnet is not supported: drop one of them")
+    for flag, given in (("--controlnet", request.controlnet), ("--t2i-adapter", request.t2i_adapter)):
+        if given:
+            raise UserError(f"{name} with {flag} is not supported: drop one of them")
     if os.path.isfile(os.path.expanduser(request.refiner)):
         raise UserError(f"{name} is a file: sdflax takes a refiner as a hub id or diffusers folder")
     fraction = request.high_noise_frac if request.high_noise_frac is not None else DEFAULT_HIGH_NOISE_FRAC

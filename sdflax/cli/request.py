@@ -57,6 +57,10 @@ class Request:
     ip_adapter: tuple[tuple[str, float], ...] = ()  # (file or hub file, scale), from one folder
     ip_image: tuple[str, ...] = ()  # one per `ip_adapter`, in their order
     ip_image_encoder: str | None = None  # a folder, hub id or hub folder; None: image_encoder/ beside the files
+    t2i_adapter: tuple[str, ...] = ()  # T2I-Adapter folders or hub ids
+    adapter_image: tuple[str, ...] = ()  # one per `t2i_adapter`, in their order
+    adapter_scale: tuple[float, ...] = ()  # none, one for all, or one per adapter
+    adapter_factor: float | None = None  # SDXL's: the fraction of the steps the adapters steer
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
     embedding: tuple[str, ...] = ()
     scheduler: str | None = None
@@ -80,8 +84,8 @@ class Request:
         """From an argparse Namespace: the fields it has (a command may lack some options), then `changes`."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values = {**values, **changes}
-        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "ip_image", "embedding",
-                     "guider_arg"):
+        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "ip_image", "t2i_adapter",
+                     "adapter_image", "adapter_scale", "embedding", "guider_arg"):
             values[name] = tuple(values.get(name, ()))
         for name in ("lora", "ip_adapter"):
             values[name] = tuple(tuple(pair) for pair in values.get(name, ()))

@@ -1,5 +1,5 @@
-"""Running a request: load the pipeline (and ControlNets, IP-Adapters, LoRAs, embeddings, a refiner), prepare the
-inputs, and make the images over a device mesh with `generate_sharded`, the one mode of `sdflax generate`,
+"""Running a request: load the pipeline (and ControlNets, T2I- and IP-Adapters, LoRAs, embeddings, a refiner),
+prepare the inputs, and make the images over a device mesh with `generate_sharded`, the one mode of `sdflax generate`,
 `img2img`, `inpaint` and `batch` (`sample_rows`)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .output import image_settings, output_target, save
 from .pictures import read_controls, read_pictures
 from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files, controlnet_configs
 from .request import UserError
+from .t2i_adapter import adapter_inputs, check_adapter_flags, load_t2i_adapters
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -32,6 +33,7 @@ def run(request) -> int:
     pictures = read_pictures(request)  # {"image": ..., "mask": ...} for img2img / inpaint
     controls = read_controls(request)  # the --control-image pictures, one per --controlnet
     check_ip_adapters(request)  # the --ip-image pictures are read again where the rows are made
+    check_adapter_flags(request)  # the --adapter-image pictures are read again at the output size
     if request.progress is False:
         from huggingface_hub.utils import disable_progress_bars
 
@@ -111,7 +113,7 @@ def out_of_memory_is_one_line(call, callback, what, fix):
 # ---- loading ------------------------------------------------------------------------------------------------
 
 def load(request, checkpoint, dtype):
-    """(pipeline, params) of the checkpoint's pipeline class, with the ControlNets, IP-Adapters, LoRAs and
+    """(pipeline, params) of the checkpoint's pipeline class, with the ControlNets, T2I- and IP-Adapters, LoRAs and
     embeddings."""
     import jax.numpy as jnp
 
@@ -125,7 +127,9 @@ def load(request, checkpoint, dtype):
                 nets.append(load_controlnet_file(name, config, dtype, request.attention))
             else:
                 nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=request.attention))
+        adapters = load_t2i_adapters(request, dtype)
         extra = {"controlnet": [net for net, _ in nets]} if nets else {}
+        extra.update({"adapter": [adapter for adapter, _ in adapters]} if adapters else {})
         if checkpoint.single_file:
             pipeline, params = load_single_file(request, kind, dtype, extra)
         else:
@@ -135,6 +139,8 @@ def load(request, checkpoint, dtype):
         raise UserError(str(e)) from e
     if nets:
         params["controlnet"] = [net_params for _, net_params in nets]
+    if adapters:
+        params["adapter"] = [adapter_params for _, adapter_params in adapters]
     if request.ip_adapter:
         pipeline, params = load_ip_adapters(request, pipeline, params)
     return add_loras_and_embeddings(request, pipeline, params)
@@ -258,6 +264,8 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
                        for picture in controls.pictures])
         extra["controlnet_conditioning_scale"] = list(checkpoint.control_scales)
     arrays = [jax.tree.map(lambda x: np.repeat(x, n, axis=0), x) for x in arrays]  # the same for every row
+    positional, keywords = adapter_inputs(pipeline, checkpoint.adapters, n)
+    arrays, extra = arrays + positional, {**extra, **keywords}
     extra.update(ip_adapter_inputs(pipeline, rows))  # each row's own
     if not pictures:
         extra.update(height=checkpoint.height, width=checkpoint.width)
