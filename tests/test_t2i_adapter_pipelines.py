@@ -184,3 +184,19 @@ def test_every_mode_gives_the_same_images(sd):
     sharded = pipe.generate_sharded(ids, image, params, keys, STEPS, SIZE, SIZE, latents=noise)
     np.testing.assert_allclose(sharded, call, rtol=0, atol=1e-5)
     assert np.abs(call[0] - call[1]).max() > 1e-3
+
+
+def test_prepared_pictures_equal_diffusers_preprocessing(sd):
+    """prepare_image_inputs: [0, 1], RGB or grey by the adapter's channels, as diffusers' _preprocess_adapter_image
+    reads PIL pictures of the output's size."""
+    from diffusers.pipelines.t2i_adapter.pipeline_stable_diffusion_adapter import _preprocess_adapter_image
+    from PIL import Image
+
+    _, tmp, _, ours, _ = sd
+    pipe, _ = StableDiffusionAdapter.from_pretrained(tmp / "sd", adapter=ours[0][0])
+    rgb = Image.fromarray(np.random.default_rng(15).integers(0, 256, (SIZE, SIZE, 3), np.uint8))
+    np.testing.assert_array_equal(pipe.prepare_image_inputs([rgb]), _preprocess_adapter_image([rgb], SIZE, SIZE))
+    grey = StableDiffusionAdapter.from_pretrained(tmp / "sd", adapter=T2IAdapter.from_pretrained(
+        saved(torch_adapter({**SD_ADAPTER, "in_channels": 1}, 3), tmp / "grey"))[0])[0]
+    expected = _preprocess_adapter_image([rgb.convert("L")], SIZE, SIZE)
+    np.testing.assert_allclose(grey.prepare_image_inputs([rgb]), expected, rtol=0, atol=1e-7)

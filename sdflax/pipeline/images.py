@@ -86,7 +86,7 @@ def preprocess_images(images, scale_factor: int, what="image") -> np.ndarray:
     if len({a.shape for a in out}) > 1:
         raise ValueError(f"{what}s differ in size: {sorted({a.shape[:2] for a in out})}; give {what}s of one size")
     images = np.stack(out).transpose(0, 3, 1, 2)
-    return images if what == "control image" else images * 2.0 - 1.0
+    return images if what in ("control image", "adapter image") else images * 2.0 - 1.0  # [0, 1] for the nets
 
 
 def preprocess_control_images(images, scale_factor: int) -> np.ndarray:
