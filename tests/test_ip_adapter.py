@@ -187,22 +187,23 @@ def test_img2img_with_an_adapter_matches_diffusers(sd1, adapters, monkeypatch):
 
 
 def test_sdxl_adapters_match_diffusers(tmp_path):
-    """SDXL adapters (sdxl_models/, their own image encoder), base and Plus at once, on the SDXL pipeline."""
+    """SDXL adapters (sdxl_models/, their own image encoder), base, Plus and Full Face at once, on the SDXL
+    pipeline."""
     from builders import torch_xl_pipeline
 
     from sdflax import StableDiffusionXL
 
     theirs = torch_xl_pipeline("euler")
     theirs.save_pretrained(tmp_path / "xl")
-    write_ip_adapters(tmp_path / "xl" / "sdxl_models", theirs.unet, {"base": 4, "plus": 5})
-    names = ["ip-adapter_base.safetensors", "ip-adapter_plus.safetensors"]
+    write_ip_adapters(tmp_path / "xl" / "sdxl_models", theirs.unet, {"base": 4, "plus": 5, "full": 6})
+    names = ["ip-adapter_base.safetensors", "ip-adapter_plus.safetensors", "ip-adapter_full.safetensors"]
     pipe, params = StableDiffusionXL.from_pretrained(tmp_path / "xl")
     pipe, params = pipe.load_ip_adapter(params, tmp_path / "xl", subfolder="sdxl_models", weight_name=names)
     theirs.load_ip_adapter(str(tmp_path / "xl"), subfolder="sdxl_models", weight_name=names,
                            image_encoder_folder="image_encoder")
-    clips = [pixels(7), pixels(12)]
+    clips = [pixels(7), pixels(12), pixels(16)]
     results = {}
-    for scale in ([0.0, 0.0], [0.7, 0.5]):
+    for scale in ([0.0, 0.0, 0.0], [0.7, 0.5, 0.4]):
         theirs.set_ip_adapter_scale(scale)
         with torch.no_grad():
             expected = theirs(PROMPTS, num_inference_steps=STEPS, height=SIZE, width=SIZE,
