@@ -293,3 +293,25 @@ def write_ip_adapters(folder, unet, kinds: dict):
               for name in unet.attn_processors if name.endswith("attn2.processor")]  # attn_processors order
     for kind, seed in kinds.items():
         h94_file(Path(folder) / f"ip-adapter_{kind}.safetensors", kind, unet.config.cross_attention_dim, widths, seed)
+
+
+# A small T5 SentencePiece vocabulary (Unigram) for SD 3.5's third tokenizer.
+T5_WORDS = "a the photo of cat dog on mars astronaut riding horse red blue".split()
+T5_PIECES = ["<pad>", "</s>", "<unk>", "▁", *(f"▁{w}" for w in T5_WORDS), *"abcdefghijklmnopqrstuvwxyz", "ing", "er",
+             ","]
+
+
+def t5_tokenizer_folder(folder):
+    """tokenizer.json as transformers' SentencePiece converter writes T5's (its Precompiled normalizer aside)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import Unigram
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    backend = Tokenizer(Unigram([(p, 0.0 if i < 3 else -1.0 - 0.1 * i) for i, p in enumerate(T5_PIECES)], unk_id=2))
+    backend.normalizer = normalizers.Replace(Regex(" {2,}"), " ")
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in T5_PIECES[:3]])
+    backend.save(str(folder / "tokenizer.json"))
+    return folder

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from builders import T5_PIECES, t5_tokenizer_folder
 from safetensors.numpy import load_file, save_file
 
 from sdflax import T5EncoderModel
@@ -18,8 +19,7 @@ from sdflax.models.t5 import T5Config, relative_position_buckets
 from sdflax.t5_tokenizer import T5Tokenizer
 
 RTOL, ATOL = 1e-4, 1e-5
-WORDS = "a the photo of cat dog on mars astronaut riding horse red blue".split()
-PIECES = ["<pad>", "</s>", "<unk>", "▁", *(f"▁{w}" for w in WORDS), *"abcdefghijklmnopqrstuvwxyz", "ing", "er", ","]
+PIECES = T5_PIECES
 SMALL_T5 = dict(vocab_size=len(PIECES), d_model=32, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
                 relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "", "  the   dog  on mars ", "café 123 naïve ünicode",
@@ -129,18 +129,7 @@ def test_config_reads_transformers_files():
 
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory):
-    """tokenizer.json as transformers' SentencePiece converter writes T5's (its Precompiled normalizer aside)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import Unigram
-
-    folder = tmp_path_factory.mktemp("tokenizer_3")
-    backend = Tokenizer(Unigram([(p, 0.0 if i < 3 else -1.0 - 0.1 * i) for i, p in enumerate(PIECES)], unk_id=2))
-    backend.normalizer = normalizers.Replace(Regex(" {2,}"), " ")
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in PIECES[:3]])
-    backend.save(str(folder / "tokenizer.json"))
-    return folder
+    return t5_tokenizer_folder(tmp_path_factory.mktemp("tokenizer_3"))
 
 
 @pytest.mark.parametrize("max_length", [16, 1, 64])
