@@ -200,3 +200,11 @@ def test_prepared_pictures_equal_diffusers_preprocessing(sd):
         saved(torch_adapter({**SD_ADAPTER, "in_channels": 1}, 3), tmp / "grey"))[0])[0]
     expected = _preprocess_adapter_image([rgb.convert("L")], SIZE, SIZE)
     np.testing.assert_allclose(grey.prepare_image_inputs([rgb]), expected, rtol=0, atol=1e-7)
+
+
+def test_the_factor_counts_evaluations_as_diffusers():
+    """int(num_inference_steps × factor) in float64 as diffusers computes it: float32 would give int(10 × 0.7) = 6."""
+    from sdflax.pipeline.t2i_adapter import evaluations
+
+    assert [int(evaluations(10, f)) for f in (0.7, 0.5, 0.0, 1.0)] == [int(10 * 0.7), 5, 0, 10] == [7, 5, 0, 10]
+    assert int(jax.jit(lambda f: evaluations(10, f))(0.55)) == 5  # traced inside a caller's jit

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..guiders import Guider
 from ..schedulers import common
-from . import ip_adapter
+from . import ip_adapter, t2i_adapter
 from .controlnet import as_nets
 from .starts import schedule_window
 from .types import Inputs, Settings
@@ -76,6 +76,9 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
                            "classifier_free_guidance": guiders[0].enabled if guiders else
                            args.get("guidance") is not None or guided(args["guidance_scale"])
                            or getattr(scheduler, "takes_unconditional", False)})
+    if args.get("adapter_conditioning_factor") is not None:
+        inputs = inputs.replace(adapter_evaluations=t2i_adapter.evaluations(
+            settings.num_inference_steps, args["adapter_conditioning_factor"]))
     inputs = inputs.replace(**ip_adapter.call_inputs(
         ip_adapter.piece(spec), args, inputs.prompts().shape[:leading_dims or 1], leading_dims,
         settings.classifier_free_guidance, c.unet.config.layers_per_block))

@@ -139,8 +139,8 @@ class Pipeline:
                         image_encoder_folder="image_encoder", revision=None):
         """(pipeline, params) with IP-Adapters (h94's files, as diffusers' `load_ip_adapter`: a hub id or folder,
         its `subfolder` and `weight_name`, a list of names for several adapters) and their CLIP image encoder
-        (`image_encoder_folder` under `subfolder`, or a folder / hub id of its own; None: only
-        `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
+        (`image_encoder_folder`: a name under `subfolder`, or with a "/" a folder of the repository's own, as
+        diffusers; None: only `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
         from .ip_adapter import load_ip_adapter
 
         piece, added = load_ip_adapter(self, pretrained_model_name_or_path, subfolder, weight_name,

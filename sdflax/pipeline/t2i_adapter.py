@@ -3,7 +3,7 @@
 `T2IAdapters` is a UNet wrapper (a `Spec`'s `wrappers`): the adapters run once per call on their pictures, their
 features (times `adapter_conditioning_scale`, summed over several adapters as diffusers' MultiAdapter does) enter
 every UNet evaluation as `down_intrablock_additional_residuals` while the evaluation index is below
-num_inference_steps × `adapter_conditioning_factor` (SDXL's; 1 elsewhere). Their params are `params["adapter"]`,
+int(num_inference_steps × `adapter_conditioning_factor`) (SDXL's; 1 elsewhere). Their params are `params["adapter"]`,
 a list for several adapters.
 """
 
@@ -33,10 +33,7 @@ class T2IAdapters:
             features = [f * scales[0].astype(f.dtype) for f in states[0]]
         else:
             features = combine_adapter_states(states, scales)
-        # diffusers: evaluation i gets the features while i < int(num_inference_steps * adapter_conditioning_factor)
-        factor = jnp.asarray(1.0 if inputs.adapter_conditioning_factor is None else inputs.adapter_conditioning_factor,
-                             jnp.float32)
-        last = jnp.floor(settings.num_inference_steps * factor)
+        last = settings.num_inference_steps if inputs.adapter_evaluations is None else inputs.adapter_evaluations
 
         def wrapper(unet_fn):
             def adapted(x, t, context, step, **residuals):
@@ -48,3 +45,11 @@ class T2IAdapters:
             return adapted
 
         return wrapper
+
+
+def evaluations(num_inference_steps: int, factor):
+    """diffusers' count of the evaluations that get the features, int(num_inference_steps × factor): in Python's
+    float64 for a number (float32 would make int(10 × 0.7) 6), traced otherwise (inside a caller's jit)."""
+    if isinstance(factor, (int, float)):
+        return jnp.asarray(int(num_inference_steps * factor), jnp.int32)
+    return jnp.floor(num_inference_steps * jnp.asarray(factor, jnp.float32)).astype(jnp.int32)

@@ -53,9 +53,10 @@ class Inputs:
     control_guidance_end: Any = None
     ip_adapter_scale: Any = None  # (adapters, cross-attention layers, 1 or one per masked picture)
     ip_adapter_masks: Any = None  # per adapter None or (n, H, W): where each of its n pictures acts
-    # T2I-Adapter: a value, or one per adapter; the fraction of the evaluations the features enter (SDXL's)
+    # T2I-Adapter: a value, or one per adapter; how many evaluations the features enter (SDXL's
+    # adapter_conditioning_factor, counted as diffusers counts: `t2i_adapter.evaluations`; None: all)
     adapter_conditioning_scale: Any = None
-    adapter_conditioning_factor: Any = None
+    adapter_evaluations: Any = None
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None
