@@ -50,6 +50,16 @@ class Controls:
     scales: tuple
 
 
+def check_counts(models, flag, pictures, picture_flag, scales, scale_flag, noun):
+    """One picture per model, in their order, and one scale for all or one per model (`noun`: "nets")."""
+    if len(pictures) != len(models):
+        raise UserError(f"{len(models)} {flag} and {len(pictures)} {picture_flag}: give one {picture_flag} per "
+                        f"{flag}, in the same order")
+    if len(scales) not in (0, 1, len(models)):
+        raise UserError(f"{len(scales)} {scale_flag} for {len(models)} {flag}: give one for all {noun} or one per "
+                        f"{noun[:-1]}")
+
+
 def read_controls(request) -> Controls | None:
     """The ControlNet flags checked against each other, and the control images read."""
     nets, images, scales = request.controlnet, request.control_image, request.control_scale
@@ -58,12 +68,7 @@ def read_controls(request) -> Controls | None:
     if scales and not nets:
         raise UserError("--control-scale without --controlnet: it says how strongly the nets steer; add "
                         "--controlnet and --control-image, or leave it out")
-    if len(images) != len(nets):
-        raise UserError(f"{len(nets)} --controlnet and {len(images)} --control-image: give one --control-image per "
-                        "--controlnet, in the same order")
-    if len(scales) not in (0, 1, len(nets)):
-        raise UserError(f"{len(scales)} --control-scale for {len(nets)} --controlnet: give one for all nets or one "
-                        "per net")
+    check_counts(nets, "--controlnet", images, "--control-image", scales, "--control-scale", "nets")
     for scale in scales:
         if not is_float32(scale):
             raise UserError(f"--control-scale {scale}: give a finite float32 number (1 steers fully, 0 not at all)")

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from .pictures import read_picture
+from .pictures import check_counts, read_picture
 from .request import UserError
 
 
@@ -34,12 +34,7 @@ def check_adapter_flags(request):
                 raise UserError(f"{flag} applies with --t2i-adapter (the picture's adapter): add --t2i-adapter "
                                 "ID_OR_DIR, or leave it out")
         return
-    if len(images) != len(names):
-        raise UserError(f"{len(names)} --t2i-adapter and {len(images)} --adapter-image: give one --adapter-image per "
-                        "--t2i-adapter, in the same order")
-    if len(scales) not in (0, 1, len(names)):
-        raise UserError(f"{len(scales)} --adapter-scale for {len(names)} --t2i-adapter: give one for all adapters or "
-                        "one per adapter")
+    check_counts(names, "--t2i-adapter", images, "--adapter-image", scales, "--adapter-scale", "adapters")
     read_adapter_pictures(request)
 
 

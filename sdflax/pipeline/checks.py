@@ -203,7 +203,7 @@ def check_params(c, params, mode: str | None):
     # every model this pipeline has (an SDXL refiner has no first text encoder), and its wrappers' params
     needed = [name for name in type(c.spec.text).models if getattr(c, name) is not None]
     needed += [wrapper.params_name for wrapper in c.spec.wrappers]
-    if ip_adapter.piece(c.spec) is not None and ip_adapter.piece(c.spec).image_encoder is not None:
+    if getattr(ip_adapter.piece(c.spec), "image_encoder", None) is not None:
         needed.append("image_encoder")
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "

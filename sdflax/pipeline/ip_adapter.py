@@ -277,9 +277,9 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
     out["ip_adapter_scale"] = jnp.stack([jnp.broadcast_to(p, (p.shape[0], images)) for p in per])
     masks = args.get("ip_adapter_masks")
     if masks is not None:
-        pictures = [x.shape[lead] for x in (out.get("ip_adapter_image") or out["ip_adapter_image_embeds"])]
-        if "ip_adapter_image_embeds" in out:
-            pictures = [x.shape[lead + 1] for x in out["ip_adapter_image_embeds"]]
+        # each adapter's pictures per row: (N, n, 3, h, w) pixels, or (N, 2, n, ...) embeddings
+        pictures = ([x.shape[lead] for x in out["ip_adapter_image"]] if "ip_adapter_image" in out
+                    else [x.shape[lead + 1] for x in out["ip_adapter_image_embeds"]])
         checked = []
         for a, (mask, n, p) in enumerate(zip(per_adapter(masks, count, "ip_adapter_masks"), pictures, per)):
             if mask is None:
