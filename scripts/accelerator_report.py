@@ -11,8 +11,9 @@ lack in `.whl/` (downloaded where pip works: `pip download --no-deps --only-bina
 It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
 working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 15 minutes of
 an H200's time; each part (`--part correctness|sd15|sdxl|compile|flags`) fits a 10-minute command, `--family
-sd15|sdxl` keeps one family's jobs of a part, and `--deadline-s` stops launching jobs once that many seconds have
-passed (and stops a running one there), so a run never outlasts its time limit. The report is rewritten after
+sd15|sdxl` keeps one family's jobs of a part, `--batch N` its speed jobs at batch N, and `--deadline-s` stops
+launching jobs once that many seconds have passed (and stops a running one there), so a run never outlasts its
+time limit. The report is rewritten after
 every job: a run cut short keeps what it finished.
 
 On a TPU VM (`pip install "jax[tpu]" flax tokenizers huggingface_hub ml_dtypes pillow tqdm diffusers==0.39.0
@@ -155,9 +156,9 @@ def settings(family, size):
     return {"family": family, "steps": steps, "guidance": {"sd15": 7.5, "sdxl": 5.0}[family], "scheduler": None}
 
 
-def jobs(part: str, size: str, family: str | None = None) -> list[dict]:
-    """The jobs of a part (of one family's models where `family` is given), most wanted first (a deadline drops
-    the last)."""
+def jobs(part: str, size: str, family: str | None = None, batch: int | None = None) -> list[dict]:
+    """The jobs of a part (of one family's models where `family` is given; of the speed jobs timing that batch
+    size where `batch` is), most wanted first (a deadline drops the last)."""
     full = size == "full"
     big = [1, 8] if full else [1, 2]
     sd15, sdxl = settings("sd15", size), settings("sdxl", size)
@@ -196,6 +197,8 @@ def jobs(part: str, size: str, family: str | None = None) -> list[dict]:
     else:
         chosen = table[part]
     chosen = [job for job in chosen if family in (None, job["family"])]
+    if batch is not None:
+        chosen = [{**job, "batches": [batch]} for job in chosen if batch in job.get("batches", ())]
     if full:
         return chosen
     # the tiny models: the first job of each code path, which the full run's other jobs repeat with other numbers
@@ -753,6 +756,7 @@ def main(argv=None):
     p.add_argument("--family", choices=("sd15", "sdxl"), help="only the jobs of this family's models")
     p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "
                    "tiny (default on the CPU)")
+    p.add_argument("--batch", type=int, help="only the speed jobs timing this batch size, at that size alone")
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
     p.add_argument("--deadline-s", type=float, default=570.0,
                    help="launch no job after this many seconds, and stop a running one there (default: 570)")
@@ -784,7 +788,7 @@ def main(argv=None):
               "speed": {"runs": [], "flops": []}, "errors": []}
     counts = {}  # setting -> its FLOP count, counted once
     with tempfile.TemporaryDirectory() as cache_dir:
-        for job in jobs(args.part, args.size, args.family):
+        for job in jobs(args.part, args.size, args.family, args.batch):
             job = {**job, "cache_dir": cache_dir} if job.get("cache") in ("cold", "warm") else job
             name = " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches", "xla_flags")
                             if k in job)

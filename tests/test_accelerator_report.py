@@ -140,6 +140,13 @@ def test_an_existing_report_is_never_overwritten(tmp_path):
     assert out.read_text() == "mine"
 
 
+def test_batch_keeps_the_speed_jobs_timing_that_batch_size_at_that_size_alone():
+    jobs = script.jobs("sd15", "full", batch=4)
+    assert [(j["framework"], j["batches"]) for j in jobs] == [("sdflax", [4]), ("diffusers", [4])]
+    assert [j["batches"] for j in script.jobs("sd15", "full", batch=8)] == [[8], [8]]
+    assert script.jobs("correctness", "full", batch=1) == []
+
+
 def test_the_flags_part_times_each_flag_set_against_xlas_defaults(monkeypatch):
     jobs = script.jobs("flags", "full")
     assert [j.get("xla_flags") for j in jobs if j["family"] == "sd15"] == [None, *script.XLA_FLAG_SETS]
