@@ -224,15 +224,23 @@ def test_img2img_matches_diffusers(checkpoints, monkeypatch):
     check_images(ours, expected)
 
 
+def with_shift_on_decode(vae):
+    """A copy of diffusers' VAE whose decode adds shift_factor back, which diffusers' SD 3 inpainting forgets
+    (diffusers issue 13611, finding 1: it decodes latents / scaling_factor, its other SD 3 pipelines
+    latents / scaling_factor + shift_factor)."""
+    vae = copy.deepcopy(vae)
+    decode = vae.decode
+    vae.decode = lambda z, *args, **kwargs: decode(z + vae.config.shift_factor, *args, **kwargs)
+    return vae
+
+
 def test_inpaint_matches_diffusers(checkpoints, monkeypatch):
-    """Strength 1 (from noise), an ordinary 16-channel transformer: the kept region pasted back after every step.
-    (diffusers' SD 3 inpainting decodes latents / scaling_factor without adding shift_factor back, unlike its
-    text-to-image and image-to-image pipelines.)"""
+    """Strength 1 (from noise), an ordinary 16-channel transformer: the kept region pasted back after every step;
+    diffusers' image decoded as its other SD 3 pipelines decode (with the VAE's shift)."""
     import diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_inpaint as module
     from diffusers import StableDiffusion3InpaintPipeline
 
     folder, _, theirs, _ = checkpoints
-    theirs = StableDiffusion3InpaintPipeline(**theirs.components)
     pipe, params = StableDiffusion3Inpaint.from_pretrained(folder)
     pictures, masks = pictures_and_masks()
     ids, image, mask = pipe.prepare_inputs(PROMPTS, pictures, masks, max_sequence_length=T5_LENGTH)
@@ -240,18 +248,19 @@ def test_inpaint_matches_diffusers(checkpoints, monkeypatch):
     (image_eps, masked_eps, _), _ = random_draws(key, SHAPE, 3)  # what ours draws from this key
     noise = latents_for(seed=2)
 
-    def run(mask_images):
+    def run(mask_images, vae=with_shift_on_decode(theirs.vae)):
         # diffusers encodes the image (its latents are pasted back), then the masked image.
         posterior = patch_draws(monkeypatch, module, [image_eps, masked_eps], noise)
         with torch.no_grad():
-            images = theirs(PROMPTS, image=pictures, mask_image=mask_images, strength=1.0,
-                            num_inference_steps=STEPS, height=SIZE, width=SIZE, max_sequence_length=T5_LENGTH,
-                            output_type="np").images
+            images = StableDiffusion3InpaintPipeline(**{**theirs.components, "vae": vae})(
+                PROMPTS, image=pictures, mask_image=mask_images, strength=1.0, num_inference_steps=STEPS,
+                height=SIZE, width=SIZE, max_sequence_length=T5_LENGTH, output_type="np").images
         assert not posterior, "diffusers drew fewer posterior samples than expected"
         return images
 
     expected = run(masks)
     assert moves(expected, run([Image.fromarray(np.full((SIZE, SIZE), 255, np.uint8))] * 2))  # the mask matters
+    assert moves(expected, run(masks, theirs.vae))  # the shift matters
     ours = pipe(ids, image, mask, params, key, strength=1.0, num_inference_steps=STEPS, noise=noise).images
     check_images(ours, expected)
 
