@@ -5,7 +5,8 @@ from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, 
                      UNet2DConditionModel)
 from .parallel import replicate, shard, unshard
 from .cache import enable_compile_cache
-from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet,
+from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusion3, StableDiffusion3Img2Img,
+                       StableDiffusion3Inpaint, StableDiffusionAdapter, StableDiffusionControlNet,
                        StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint, StableDiffusionImg2Img,
                        StableDiffusionInpaint, StableDiffusionOutput, StableDiffusionXL, StableDiffusionXLAdapter,
                        StableDiffusionXLControlNet, StableDiffusionXLControlNetImg2Img,
@@ -18,7 +19,7 @@ from . import loading, single_file  # noqa: F401  (they give the models their fr
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
            "ControlNetModel", "Inputs", "SD3Transformer2DModel", "Settings", "StableDiffusion",
-           "StableDiffusionAdapter", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
+           "StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
            "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img", "StableDiffusionInpaint",
            "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",

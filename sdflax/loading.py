@@ -110,12 +110,13 @@ def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.fl
 
 def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_options: tuple = (), revision=None,
                   dtype=jnp.float32, scheduler=None, scheduler_config=None, variant=None, attention="auto",
-                  optional: tuple = ()):
+                  optional: tuple = (), tokenizer_loaders=None):
     """(the pipeline's constructor arguments, params) from a diffusers checkpoint folder or hub id.
 
     `models` maps folder names to model classes, `tokenizers` names the tokenizer folders, `index_options` the
     model_index.json entries passed on (SDXL's force_zeros_for_empty_prompt). Components named in `optional` may
     be null in model_index.json (an SDXL refiner has no first text encoder and tokenizer): they are passed as None.
+    `tokenizer_loaders` maps the tokenizers that are not CLIP's to their loaders (SD 3's T5: `T5Tokenizer.from_folder`).
     """
     files = checkpoint_files(variant, tuple(models), tokenizers)
     folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
@@ -140,7 +141,8 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
     configs = {name: read_config_file(os.path.join(folder, name, "config.json")) for name in models}
     modules, params, loaded = assemble(
         models, configs, lambda name, _: (name, read_weights(os.path.join(folder, name), variant)), dtype, attention,
-        tokenizers={name: functools.partial(load_tokenizer, os.path.join(folder, name)) for name in tokenizers})
+        tokenizers={name: functools.partial((tokenizer_loaders or {}).get(name, load_tokenizer),
+                                            os.path.join(folder, name)) for name in tokenizers})
     options = {key: index[key] for key in index_options if key in index}
     return {**dict.fromkeys(absent), **modules, **loaded, **options, "scheduler": scheduler, "dtype": dtype}, params
 

@@ -41,14 +41,13 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         args = {**args, "num_inference_steps": common.custom_steps(scheduler.config),
                 "timesteps": scheduler.config.custom_timesteps, "sigmas": scheduler.config.custom_sigmas}
     steps = args["num_inference_steps"]
-    scheduler.check_steps(steps)
     for name in ("height", "width"):
         check_size(name, args.get(name))
     if args.get("output_type", "np") not in ("np", "latent"):
         raise ValueError(f"output_type={args['output_type']!r}: 'np' (images in [0, 1]) or 'latent' (the latents, "
                          "undecoded, e.g. for a refiner)")
-    window = {name: args[name] for name in ("strength", "denoising_start", "denoising_end") if name in args}
-    schedule_window(scheduler, Settings(steps, **window))  # checked before anything is traced
+    if args.get("skip_guidance_layers") is not None:
+        args = {**args, "skip_guidance_layers": check_skip_layers(c, args["skip_guidance_layers"])}
     args = {renamed.get(name, name): value for name, value in args.items()}
     values = {name: args[name] for name in INPUTS if args.get(name) is not None and name not in ip_adapter.ARGUMENTS}
     for name in picture_inputs(spec):
@@ -75,21 +74,38 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
                            # unconditional half at any scale
                            "classifier_free_guidance": guiders[0].enabled if guiders else
                            args.get("guidance") is not None or guided(args["guidance_scale"])
-                           or getattr(scheduler, "takes_unconditional", False)})
+                           or getattr(scheduler, "takes_unconditional", False),
+                           "image_seq_len": spec.denoiser.image_seq_len(height // c.vae_scale_factor,
+                                                                        width // c.vae_scale_factor)})
+    scheduler = settings.scheduler(spec.scheduler)  # at this size, where the schedule depends on it (SD 3)
+    scheduler.check_steps(steps)
+    schedule_window(scheduler, settings)  # checked before anything is traced
     if args.get("adapter_conditioning_factor") is not None:
         inputs = inputs.replace(adapter_evaluations=t2i_adapter.evaluations(
             settings.num_inference_steps, args["adapter_conditioning_factor"]))
     inputs = inputs.replace(**ip_adapter.call_inputs(
         ip_adapter.piece(spec), args, inputs.prompts().shape[:leading_dims or 1], leading_dims,
-        settings.classifier_free_guidance, c.unet.config.layers_per_block))
+        settings.classifier_free_guidance, getattr(c.denoiser.model.config, "layers_per_block", None)))
     return inputs, settings
+
+
+def check_skip_layers(c, layers) -> tuple:
+    """Skip-layer guidance's blocks as a tuple of block indices of the transformer."""
+    count = getattr(c.denoiser.model.config, "num_layers", 0)
+    given = [layers] if isinstance(layers, numbers.Integral) else layers
+    if not isinstance(given, (list, tuple)) or not given or not all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < count for i in given):
+        raise ValueError(f"skip_guidance_layers={layers!r}: give the transformer blocks to skip, a list of indices in "
+                         f"0 .. {count - 1} (SD 3.5 Medium: [7, 8, 9])")
+    return tuple(int(i) for i in given)
 
 
 # Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
 # one number.
 ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
           "neg_pooled_prompt_embeds", "latents", "noise")
-NUMBERS = ("guidance_scale", "guidance_rescale", "strength", "aesthetic_score", "negative_aesthetic_score")
+NUMBERS = ("guidance_scale", "guidance_rescale", "strength", "aesthetic_score", "negative_aesthetic_score",
+           "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop")
 
 
 def check_kinds(args):
@@ -128,8 +144,8 @@ def check_size(name, value):
 def sizes(c, height, width):
     """(height, width): as given, or the UNet's sample size in pixels; multiples of the VAE scale factor."""
     f = c.vae_scale_factor
-    height = height or c.unet.config.sample_size * f
-    width = width or c.unet.config.sample_size * f
+    height = height or c.denoiser.sample_size * f
+    width = width or c.denoiser.sample_size * f
     for name, value in (("height", height), ("width", width)):
         if value % f:
             raise ValueError(f"{name}={value} is not a multiple of the VAE scale factor {f}: "
@@ -138,10 +154,10 @@ def sizes(c, height, width):
 
 
 def check_shapes(c, inputs, leading_dims):
-    tail = type(c.spec.text).ids_tail(c)
     ids = inputs.prompts()
     if ids is None:
         raise ValueError("give prompt_ids (from pipeline.prepare_inputs(prompts)) or prompt_embeds")
+    tail = type(c.spec.text).ids_tail(c, inputs.prompt_ids)
     sharded = " and shard()" if leading_dims == 2 else ""
     for name in ("prompt_ids", "neg_prompt_ids"):
         value = getattr(inputs, name)
@@ -158,7 +174,7 @@ def check_shapes(c, inputs, leading_dims):
     if 0 in batch:
         raise ValueError(f"{'prompt_ids' if inputs.prompt_ids is not None else 'prompt_embeds'} of shape "
                          f"{ids.shape} holds no prompt: give at least one")
-    width = c.unet.config.cross_attention_dim
+    width = c.denoiser.context_width
     for name in ("prompt_embeds", "neg_prompt_embeds"):
         value = getattr(inputs, name)
         if value is not None and value.shape[-1] != width:
@@ -212,7 +228,7 @@ def check_params(c, params, mode: str | None):
     if missing:
         raise ValueError(f"params has no {', '.join(map(repr, missing))} (it has {', '.join(map(repr, params))}): "
                          f"pass the params from {type(c).__name__}.from_pretrained")
-    kernel = params["unet"].get("conv_in", {}).get("kernel") if isinstance(params["unet"], Mapping) else None
+    kernel = c.denoiser.replication_probe(params)
     if kernel is None or mode is None:
         return
     replicated = mode == "jit=True"

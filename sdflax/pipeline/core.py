@@ -56,10 +56,16 @@ class Pipeline:
     hooks = ()  # sdflax.hooks in every call (`with_hooks`)
     ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
 
-    def __init__(self, text_encoder, unet, vae, tokenizer, scheduler, dtype=jnp.float32, *, text_encoder_2=None,
-                 tokenizer_2=None, force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None,
-                 adapter=None):
-        self.text_encoder, self.text_encoder_2, self.unet, self.vae = text_encoder, text_encoder_2, unet, vae
+    def __init__(self, text_encoder, unet=None, vae=None, tokenizer=None, scheduler=None, dtype=jnp.float32, *,
+                 transformer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
+                 force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None, adapter=None):
+        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = text_encoder, text_encoder_2, text_encoder_3
+        self.unet, self.transformer, self.vae = unet, transformer, vae  # a UNet, or SD 3's transformer
+        denoiser = self.text.denoiser.component
+        for name, value in ((denoiser, getattr(self, denoiser)), ("vae", vae), ("scheduler", scheduler)):
+            if value is None:
+                raise ValueError(f"{type(self).__name__} needs {name}= (from_pretrained loads every component)")
+        self.denoiser = self.text.denoiser(getattr(self, denoiser))
         # one ControlNet module or a list of them; their params go in params["controlnet"] (a list for a list)
         self.controlnets = () if controlnet is None else tuple(controlnet) if isinstance(controlnet, (list, tuple)) \
             else (controlnet,)
@@ -72,7 +78,7 @@ class Pipeline:
         if T2IAdapters in self.wrappers and not self.adapters:
             raise ValueError(f"{type(self).__name__} needs adapter=: a T2IAdapter (or a list of them) from "
                              "sdflax.T2IAdapter.from_pretrained")
-        self.tokenizer, self.tokenizer_2, self.dtype = tokenizer, tokenizer_2, dtype
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3, self.dtype = tokenizer, tokenizer_2, tokenizer_3, dtype
         self._scheduler, self._force_zeros = self._own(scheduler), bool(force_zeros_for_empty_prompt)
         self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
         self.text.check_components(self)
@@ -98,9 +104,14 @@ class Pipeline:
         from ..loading import load_pipeline
 
         c = cls.text
-        parts, params = load_pipeline(path_or_repo_id, c.models, c.tokenizers, c.index_options, revision, dtype,
-                                      scheduler, scheduler_config, variant, attention, c.optional)
-        pipeline = cls(**parts, **components)
+        # an optional encoder given as None is not loaded (SD 3 without T5: text_encoder_3=None), nor its tokenizer
+        left_out = {name for name in c.optional if name in components and components[name] is None}
+        left_out |= {name.replace("text_encoder", "tokenizer") for name in left_out}
+        parts, params = load_pipeline(path_or_repo_id, {k: v for k, v in c.models.items() if k not in left_out},
+                                      tuple(t for t in c.tokenizers if t not in left_out), c.index_options, revision,
+                                      dtype, scheduler, scheduler_config, variant, attention, c.optional,
+                                      c.tokenizer_loaders)
+        pipeline = cls(**{**parts, **components})
         pipeline.scheduler_base_config = with_overrides(read_scheduler_config(path_or_repo_id, revision),
                                                         scheduler_config)
         return pipeline, params
@@ -125,6 +136,9 @@ class Pipeline:
         LoRAs stack by calling it again (`sdflax.lora.merge_lora` merges under jit with a traced `scale`)."""
         from ..lora import load_lora
 
+        if self.unet is None:
+            raise ValueError(f"{type(self).__name__}: LoRAs are merged into UNet checkpoints (SD 1.x, 2.x, SDXL); "
+                             "SD 3.x LoRAs are not supported yet")
         return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):
@@ -171,8 +185,10 @@ class Pipeline:
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
         return {"text_encoder": self.text_encoder, "unet": self.unet, "vae": self.vae, "tokenizer": self.tokenizer,
-                "scheduler": self.scheduler, "dtype": self.dtype, "text_encoder_2": self.text_encoder_2,
-                "tokenizer_2": self.tokenizer_2, "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
+                "scheduler": self.scheduler, "dtype": self.dtype, "transformer": self.transformer,
+                "text_encoder_2": self.text_encoder_2, "tokenizer_2": self.tokenizer_2,
+                "text_encoder_3": self.text_encoder_3, "tokenizer_3": self.tokenizer_3,
+                "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
                 "requires_aesthetics_score": self.requires_aesthetics_score,
                 "controlnet": list(self.controlnets) or None, "adapter": list(self.adapters) or None}
 
@@ -214,8 +230,8 @@ class Pipeline:
             extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
                         *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)))
-            self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.unet),
-                              self.unet, vae, self._scheduler, wrappers)
+            self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.denoiser),
+                              self.denoiser, vae, self._scheduler, wrappers)
         return self._spec
 
     @property
@@ -231,11 +247,17 @@ class Pipeline:
         self._scheduler, self._spec = self._own(scheduler), None  # a new spec: old programs stay cached
 
     def _own(self, scheduler):
-        """A scheduler checked, its "auto" Align Your Steps levels this family's."""
-        if getattr(getattr(scheduler, "config", None), "prediction_type", None) == "flow":  # a UNet predicts ε or v
+        """A scheduler checked (a flow-matching one for a flow model, no other), its "auto" Align Your Steps levels
+        this family's."""
+        flow = getattr(getattr(scheduler, "config", None), "prediction_type", None) == "flow"
+        if flow and not self.denoiser.flow:  # a UNet predicts ε or v
             raise ValueError(f"{type(scheduler).__name__} is a flow-matching scheduler, for SD 3.x checkpoints; "
                              f"{type(self).__name__}'s UNet predicts noise: choose one of sdflax.schedulers.SCHEDULERS'"
                              " other samplers")
+        if self.denoiser.flow and not flow and isinstance(scheduler, Scheduler):
+            raise ValueError(f"{type(self).__name__}'s transformer predicts a flow's velocity: it samples with a "
+                             f"flow-matching scheduler ('flow_match_euler', A1111's 'Euler'), not "
+                             f"{type(scheduler).__name__}")
         return for_family(checked_scheduler(scheduler), self.text.ays_family)
 
     @property
@@ -249,7 +271,7 @@ class Pipeline:
     @property
     def inpainting_unet(self) -> bool:
         """True for a 9-channel inpainting UNet, False for an ordinary one (the known region is pasted back)."""
-        return is_inpainting_unet(self.vae.config.latent_channels, self.unet.config.in_channels)
+        return is_inpainting_unet(self.vae.config.latent_channels, self.denoiser.in_channels)
 
     @property
     def _runner(self) -> Runner:
@@ -265,15 +287,18 @@ class Pipeline:
         return self._runner.jit
 
     # ---- inputs and outputs -------------------------------------------------------------------------------
-    def _prepare(self, prompts, prompts_2, pictures: dict):
+    def _prepare(self, prompts, texts: dict, pictures: dict):
         """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
-        padded and truncated as diffusers does; with pictures, `(ids, *arrays)` in the order `__call__` takes them."""
+        (B, 77 + 77 + max_sequence_length) for SD 3, padded and truncated as diffusers does; with pictures,
+        `(ids, *arrays)` in the order `__call__` takes them."""
         if not (isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and all(
                 isinstance(p, str) for p in prompts)):
             raise TypeError(f"prompts must be a string or a list of strings, got {prompts!r:.60}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        prompts_2 = None if not prompts_2 else [prompts_2] if isinstance(prompts_2, str) else list(prompts_2)
-        ids = self.text.prepare_ids(self, prompts, prompts_2)
+        for name in [name for name in texts if name.startswith("prompts_")]:  # one string, a list, or None / empty
+            value = texts[name]  # (empty: the prompts themselves, as diffusers)
+            texts[name] = None if not value else [value] if isinstance(value, str) else list(value)
+        ids = self.text.prepare_ids(self, prompts, **texts)
         if all(picture is None for picture in pictures.values()):
             return ids
         return ids, *preprocess_pictures(pictures, self.vae_scale_factor)

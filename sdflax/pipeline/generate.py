@@ -1,8 +1,8 @@
 """The one generate every pipeline runs: text conditioning -> initial latents -> the guided scan -> decode.
 
-A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SDText`, `text.SDXLText`), a start
-(`starts.FromNoise`, `FromImage`, `FromImageMask`), UNet wrappers (`controlnet.ControlNet`), the UNet, the VAE and
-the scheduler. `generate_fn` is the computation; `runner.Runner` builds its jit, pmap and jit + NamedSharding
+A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SDText`, `text.SDXLText`,
+`sd3_text.SD3Text`), a start (`starts.FromNoise`, `FromImage`, `FromImageMask`), UNet wrappers
+(`controlnet.ControlNet`), the denoiser (`denoisers`: a UNet or SD 3's transformer), the VAE and the scheduler. `generate_fn` is the computation; `runner.Runner` builds its jit, pmap and jit + NamedSharding
 programs, and `generate` (`sdflax.generate`) is its jit program.
 """
 
@@ -46,11 +46,11 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     chunks = cond.context.shape[0] // start.latents.shape[0]  # the UNet's batch: chunks of B rows
     sites = set()  # the attention layers the hooks saw, as the scan's body is traced
 
-    def unet_fn(x, t, context, step, **residuals):
+    def unet_fn(x, t, context, step, **extra):  # extra: residuals, or inputs that replace cond's for fewer rows
         if not hooks:
-            return spec.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+            return spec.denoiser(params, x, t, context, **{**cond.unet_kwargs, **extra})
         with intercept(hooks, step, chunks, sites):  # the UNet's layers only, not a ControlNet's
-            return spec.unet.apply(params["unet"], x, t, context, **cond.unet_kwargs, **residuals)
+            return spec.denoiser(params, x, t, context, **{**cond.unet_kwargs, **extra})
 
     if start.wrap_unet is not None:
         unet_fn = start.wrap_unet(unet_fn)
@@ -67,6 +67,7 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
         raise ValueError(f"{type(spec.scheduler).__name__} (CFG++) re-noises with classifier-free guidance's "
                          f"unconditional prediction, which {type(combines[0]).__name__} replaces: use another "
                          "scheduler with it")
+    num_steps = settings.num_inference_steps - schedule_window(spec.scheduler, settings)[0]  # those run
     if combines:
         model = sampling.chunked_model(unet_fn, cond.context, chunks,
                                        lambda *out: combines[0].combine(out, inputs, settings))
@@ -74,19 +75,43 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
         guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
         model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
                                       guidance, with_unconditional=takes_unconditional)
+        if settings.skip_guidance_layers:
+            model = skip_layer_guided_model(unet_fn, cond, guidance, inputs, settings.skip_guidance_layers, num_steps)
     else:
         model = sampling.conditional_model(unet_fn, cond.context)
     out = sampling.denoise(model, spec.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
                            callback=settings.callback, return_trajectory=settings.return_trajectory,
                            state=start.state, post_step=start.post_step, model_takes_step=True,
                            num_evals=start.num_evals, memory=any(hook.carries for hook in hooks),
-                           num_steps=settings.num_inference_steps - schedule_window(spec.scheduler, settings)[0])
+                           num_steps=num_steps)
     for hook in hooks:
         hook.check_layers(sites)
     latents, trajectory = out if isinstance(out, tuple) else (out, None)
     if settings.output_type == "latent":
         return Output(latents, trajectory)
     return Output(spec.vae.decode(params, latents), trajectory)
+
+
+def skip_layer_guided_model(unet_fn, cond, guidance, inputs, layers, num_steps):
+    """Skip-layer guidance as diffusers' SD 3 pipeline runs it (SD 3.5 Medium): classifier-free guidance, plus
+    s (cond - cond'), cond' the conditional rows' prediction with the transformer blocks `layers` skipped, at the
+    steps i with n start < i < n stop: an extra pass on B rows there, none elsewhere (`lax.cond`)."""
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    scale, slg_scale = f32(inputs.guidance_scale), f32(inputs.skip_layer_guidance_scale)
+    first, last = num_steps * f32(inputs.skip_layer_guidance_start), num_steps * f32(inputs.skip_layer_guidance_stop)
+    text = cond.conditional()
+
+    def model(x, t, step):
+        uncond, conditional = jnp.split(unet_fn(jnp.concatenate([x, x]), t, cond.context, step).astype(jnp.float32), 2)
+        guided = guidance(uncond, conditional, scale)
+
+        def with_skip():
+            skipped = unet_fn(x, t, text.context, step, skip_layers=layers, **text.unet_kwargs).astype(jnp.float32)
+            return guided + (conditional - skipped) * slg_scale
+
+        return jax.lax.cond((step > first) & (step < last), with_skip, lambda: guided)
+
+    return model
 
 
 _PROGRAMS = Runner(generate_fn)  # generate's: the pipelines' one-device program, made when first called

@@ -9,12 +9,19 @@ Ids are one int32 row per prompt, (B, 77 + 77 + T): CLIP-L's tokens, CLIP-G's, t
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from .text import tokenize
+from ..models import AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, T5EncoderModel
+from ..t5_tokenizer import T5Tokenizer
+from .denoisers import MMDiTDenoiser
+from .text import frozen_ids, tokenize
+from .types import Cond
+
+MAX_SEQUENCE_LENGTH = 512  # T5's longest, as diffusers' SD 3 pipelines allow
 
 
 def prepare_sd3_ids(tokenizer, tokenizer_2, tokenizer_3, prompts, prompts_2=None, prompts_3=None,
@@ -33,12 +40,117 @@ def prepare_sd3_ids(tokenizer, tokenizer_2, tokenizer_3, prompts, prompts_2=None
 
 @dataclasses.dataclass(frozen=True)
 class SD3Text:
+    """SD 3.x: ids (B, 77 + 77 + T), states (B, 77 + T, joint width), pooled (B, P_L + P_G) as the transformer's
+    `pooled_projections`. A prompt given no negative prompt gets the empty prompt's encoding, as diffusers'."""
+
     text_encoder: Any  # CLIPTextModelWithProjection (CLIP-L)
     text_encoder_2: Any  # CLIPTextModelWithProjection (CLIP-G)
     text_encoder_3: Any  # T5EncoderModel, or None
     joint_width: int  # the transformer's joint_attention_dim: T5's width, and the zeros' without it
     clip_length: int = 77
     dtype: Any = jnp.float32
+    empty_ids: tuple = ()  # the empty prompt's ids (1, 77 + 77 + MAX_SEQUENCE_LENGTH), as nested tuples
+
+    models = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
+              "text_encoder_3": T5EncoderModel, "transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
+    tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
+    tokenizer_loaders = {"tokenizer_3": T5Tokenizer.from_folder}
+    ays_family = "sd1"  # unused: no flow schedule takes Align Your Steps levels
+    optional = ("text_encoder_3", "tokenizer_3")  # T5 may be left out (its states are then zeros)
+    index_options = ()
+    denoiser = MMDiTDenoiser
+    prompt_arguments = {"prompts_2": None, "prompts_3": None, "max_sequence_length": 256}
+
+    @staticmethod
+    def check_components(c):
+        for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+            if getattr(c, name) is None:
+                raise ValueError(f"SD 3 pipelines need {name} (only text_encoder_3, T5, may be left out)")
+        if c.text_encoder_3 is not None and c.tokenizer_3 is None:
+            raise ValueError("text_encoder_3 (T5) needs tokenizer_3: give both, or text_encoder_3=None")
+        if c.controlnets or c.adapters:
+            raise ValueError("ControlNets and T2I-Adapters are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
+                             "are not supported yet")
+        config = c.transformer.config
+        pooled = c.text_encoder.config.projection_dim + c.text_encoder_2.config.projection_dim
+        if pooled != config.pooled_projection_dim:
+            raise ValueError(f"the transformer takes a pooled text embedding of {config.pooled_projection_dim}, the "
+                             f"text encoders' projections give {pooled}: use the text encoders of this checkpoint")
+        if c.text_encoder_3 is not None and c.text_encoder_3.config.d_model != config.joint_attention_dim:
+            raise ValueError(f"the transformer takes text states {config.joint_attention_dim} wide, T5's are "
+                             f"{c.text_encoder_3.config.d_model}: use the T5 of this checkpoint")
+
+    @staticmethod
+    def prepare_ids(c, prompts, prompts_2=None, prompts_3=None, max_sequence_length=256) -> np.ndarray:
+        """Token ids (B, 77 + 77 + max_sequence_length) int32."""
+        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, numbers.Integral) or \
+                not 0 < max_sequence_length <= MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"max_sequence_length={max_sequence_length!r} must be a whole number in 1 .. "
+                             f"{MAX_SEQUENCE_LENGTH} (T5's tokens; diffusers' default 256)")
+        tokenizer_3 = c.tokenizer_3 if c.text_encoder_3 is not None else None
+        return prepare_sd3_ids(c.tokenizer, c.tokenizer_2, tokenizer_3, prompts, prompts_2, prompts_3,
+                               int(max_sequence_length), c.max_length)
+
+    @staticmethod
+    def ids_tail(c, ids) -> tuple:
+        """(77 + 77 + T,): T as the given ids have it, where it is a valid length."""
+        clip = 2 * c.max_length
+        if ids is not None and ids.ndim and clip < ids.shape[-1] <= clip + MAX_SEQUENCE_LENGTH:
+            return (ids.shape[-1],)
+        return (clip + 256,)
+
+    @classmethod
+    def build(cls, c, empty_ids) -> "SD3Text":
+        empty = cls.prepare_ids(c, [""], max_sequence_length=MAX_SEQUENCE_LENGTH)
+        return cls(c.text_encoder, c.text_encoder_2, c.text_encoder_3, c.transformer.config.joint_attention_dim,
+                   c.max_length, c.dtype, frozen_ids(empty))
+
+    @staticmethod
+    def upcast_vae(vae) -> bool:
+        return False  # diffusers' SD 3 pipelines decode in the VAE's dtype
+
+    @staticmethod
+    def check_inputs(inputs):
+        for states, pooled in (("prompt_embeds", "pooled_prompt_embeds"),
+                               ("neg_prompt_embeds", "neg_pooled_prompt_embeds")):
+            if (getattr(inputs, states) is None) != (getattr(inputs, pooled) is None):
+                raise ValueError(f"SD 3 takes {states} and {pooled} together: (states, pooled) = "
+                                 "pipeline.encode_prompt(params, ids)")
+
+    def fill_inputs(self, inputs, height, width):
+        """The empty prompt's ids as `neg_prompt_ids` where none are given (one program for calls with and without
+        a negative prompt), T5's part as long as the prompt's."""
+        ids = inputs.prompt_ids
+        if ids is None or inputs.prompt_embeds is not None or inputs.neg_prompt_ids is not None or \
+                inputs.neg_prompt_embeds is not None:
+            return inputs
+        empty = np.asarray(self.empty_ids, np.int32)[0, :ids.shape[-1]]
+        xp = np if isinstance(ids, np.ndarray) else jnp
+        return inputs.replace(neg_prompt_ids=xp.broadcast_to(empty.astype(ids.dtype), ids.shape))
+
+    def encode(self, params, inputs, settings) -> Cond:
+        """Text states and pooled embeddings for [negative; prompt] from ids (one encoder call on 2B rows, as
+        SDText, so that an image does not depend on its batch), or given."""
+        if inputs.prompt_embeds is None and inputs.neg_prompt_embeds is None:
+            ids = inputs.prompt_ids
+            neg_ids = jnp.broadcast_to(inputs.neg_prompt_ids, ids.shape) if inputs.neg_prompt_ids is not None \
+                else jnp.broadcast_to(jnp.asarray(self.empty_ids, ids.dtype)[:, :ids.shape[-1]], ids.shape)
+            states, pooled = self.encode_prompt(params, jnp.concatenate([neg_ids, ids]))
+            return Cond(states, {"pooled_projections": pooled})
+        if inputs.prompt_embeds is None:
+            states, pooled = self.encode_prompt(params, inputs.prompt_ids)
+        else:
+            states, pooled = inputs.prompt_embeds.astype(self.dtype), inputs.pooled_prompt_embeds.astype(self.dtype)
+        if inputs.neg_prompt_embeds is not None:
+            neg_states, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
+        else:
+            neg_ids = inputs.neg_prompt_ids if inputs.neg_prompt_ids is not None else \
+                jnp.asarray(self.empty_ids, jnp.int32)[:, :self.clip_length * 2 + states.shape[1] - self.clip_length]
+            neg_states, neg_pooled = self.encode_prompt(params, neg_ids)
+            neg_states = jnp.broadcast_to(neg_states, states.shape)
+            neg_pooled = jnp.broadcast_to(neg_pooled, pooled.shape)
+        return Cond(jnp.concatenate([neg_states.astype(self.dtype), states]),
+                    {"pooled_projections": jnp.concatenate([neg_pooled.astype(self.dtype), pooled])})
 
     def encode_prompt(self, params, ids):
         """(B, 2 · 77 + T) ids -> (states (B, 77 + T, joint_width), pooled (B, P_L + P_G)), as diffusers'

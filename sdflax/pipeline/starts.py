@@ -58,8 +58,11 @@ def schedule_window(scheduler, settings) -> tuple[int, int | None]:
     if first is not None and last is not None and first >= last:
         raise ValueError(f"denoising_start={first} must be below denoising_end={last}")
     T = scheduler.config.num_train_timesteps
-    if first is None:
-        start = start_step(steps, settings.strength)
+    if first is None:  # a flow scheduler rounds as SD 3's pipelines do
+        start = getattr(scheduler, "img2img_start", start_step)(steps, settings.strength)
+        if start >= steps:
+            raise ValueError(f"strength={settings.strength} with num_inference_steps={steps} runs no denoising step: "
+                             f"raise the strength or the step count")
     else:
         full = schedule_timesteps(scheduler, steps)
         run = int((full < int(round(T - first * T))).sum())
@@ -95,13 +98,13 @@ class FromNoise:
     """Text-to-image: x = σ_init · z, z ~ N(0, I) drawn from the key, or `latents` (unscaled, as diffusers')."""
 
     vae: Any
-    channels: int  # the UNet's input channels
+    channels: int  # the denoiser's input channels
 
     images = ()
 
     @classmethod
-    def build(cls, vae, unet) -> "FromNoise":
-        return cls(vae, unet.config.in_channels)
+    def build(cls, vae, denoiser) -> "FromNoise":
+        return cls(vae, denoiser.in_channels)
 
     def begin(self, params, inputs, settings, scheduler) -> Start:
         batch = (inputs.prompt_ids if inputs.prompt_embeds is None else inputs.prompt_embeds).shape[0]
@@ -128,7 +131,7 @@ class FromImage:
     images = (("image", (3, 4)),)  # RGB, or 4-channel latents
 
     @classmethod
-    def build(cls, vae, unet) -> "FromImage":
+    def build(cls, vae, denoiser) -> "FromImage":
         return cls(vae)
 
     def begin(self, params, inputs, settings, scheduler) -> Start:
@@ -171,8 +174,8 @@ class FromImageMask:
     images = (("image", 3), ("mask", 1))
 
     @classmethod
-    def build(cls, vae, unet) -> "FromImageMask":
-        return cls(vae, is_inpainting_unet(vae.latent_channels, unet.config.in_channels))
+    def build(cls, vae, denoiser) -> "FromImageMask":
+        return cls(vae, is_inpainting_unet(vae.latent_channels, denoiser.in_channels))
 
     def begin(self, params, inputs, settings, scheduler) -> Start:
         strength, steps = settings.strength, settings.num_inference_steps

@@ -16,6 +16,7 @@ from .core import Pipeline
 from .images import preprocess_adapter_images, preprocess_control_images
 from .starts import FromImage, FromImageMask, FromNoise
 from .t2i_adapter import T2IAdapters
+from .sd3_text import SD3Text
 from .text import SDText, SDXLText
 
 DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_scale": 7.5, "latents": None,
@@ -28,7 +29,9 @@ DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_
             "control_guidance_end": 1.0, "guess_mode": False, "timesteps": None, "sigmas": None,
             "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0,
             "ip_adapter_masks": None,
-            "adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0}
+            "adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0,
+            "skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
+            "skip_layer_guidance_stop": 0.2}
 REQUIRED = ("prompt_ids", "image", "mask", "control_image", "params", "prng_seed")
 
 # argument orders, as the classes have always had them (the SD ones follow diffusers' old Flax pipelines)
@@ -45,6 +48,10 @@ SCHEDULE = "timesteps sigmas"  # near the end of every class, as diffusers' pipe
 IP_ADAPTER = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale ip_adapter_masks"
 # last in the classes whose row has no T2I-Adapter: an adapter given to them (adapter=) reads these
 T2I_ADAPTER = "adapter_image adapter_conditioning_scale adapter_conditioning_factor"
+SD3_TAIL = ("jit callback guidance return_trajectory prompt_embeds neg_prompt_embeds pooled_prompt_embeds "
+            "neg_pooled_prompt_embeds skip_guidance_layers skip_layer_guidance_scale skip_layer_guidance_start "
+            "skip_layer_guidance_stop")
+SD3_IMAGE = "num_inference_steps guidance_scale height width noise neg_prompt_ids"
 
 
 class Row(NamedTuple):
@@ -122,13 +129,26 @@ ROWS = {
         f"prompt_ids image params prng_seed num_inference_steps guidance_scale height width latents neg_prompt_ids "
         f"adapter_conditioning_scale adapter_conditioning_factor guidance_rescale {XL_SIZES} {XL_TAIL}",
         {"guidance_scale": 5.0}, "SDXL text-to-image steered by SDXL T2I-Adapters (`image`: the adapter's picture)."),
+    "StableDiffusion3": Row(
+        SD3Text, FromNoise, (),
+        f"prompt_ids params prng_seed num_inference_steps guidance_scale height width latents neg_prompt_ids "
+        f"{SD3_TAIL}", {"num_inference_steps": 28, "guidance_scale": 7.0},
+        "SD 3.x text-to-image (SD 3.5 Medium's skip-layer guidance: `skip_guidance_layers=[7, 8, 9]`)."),
+    "StableDiffusion3Img2Img": Row(
+        SD3Text, FromImage, (), f"prompt_ids image params prng_seed strength {SD3_IMAGE} {SD3_TAIL}",
+        {"strength": 0.6, "guidance_scale": 7.0}, "SD 3.x image-to-image."),
+    "StableDiffusion3Inpaint": Row(
+        SD3Text, FromImageMask, (), f"prompt_ids image mask params prng_seed strength {SD3_IMAGE} {SD3_TAIL}",
+        {"strength": 0.6, "guidance_scale": 7.0}, "SD 3.x inpainting (the known region pasted back every step)."),
 }
 
 
 def signature(row: Row) -> inspect.Signature:
     defaults = {**DEFAULTS, **row.defaults}
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    tail = SCHEDULE.split() + IP_ADAPTER.split() + ([] if T2IAdapters in row.wrappers else T2I_ADAPTER.split())
+    unet = row.text.denoiser.component == "unet"  # IP-Adapters and T2I-Adapters act on UNets
+    tail = SCHEDULE.split() + (IP_ADAPTER.split() if unet else []) + (
+        T2I_ADAPTER.split() if unet and T2IAdapters not in row.wrappers else [])
     return inspect.Signature([inspect.Parameter(name, kind) if name in REQUIRED else
                               inspect.Parameter(name, kind, default=defaults[name])
                               for name in row.arguments.split() + tail])
@@ -142,14 +162,16 @@ def make_class(name: str, row: Row) -> type:
         pictures += [f"{wrapper.picture}s" for wrapper in row.wrappers]
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     prepare_signature = inspect.Signature([inspect.Parameter("prompts", kind)] + [
-        inspect.Parameter(n, kind, default=None) for n in pictures + ["prompts_2"]])
+        inspect.Parameter(n, kind, default=None) for n in pictures] + [
+        inspect.Parameter(n, kind, default=default) for n, default in row.text.prompt_arguments.items()])
 
     def __call__(self, *args, **kwargs):
         return self._call(args, kwargs)
 
     def prepare_inputs(self, *args, **kwargs):
         values = self._bind(args, kwargs, prepare_signature)
-        return self._prepare(values.pop("prompts"), values.pop("prompts_2"), values)
+        texts = {name: values.pop(name) for name in row.text.prompt_arguments}
+        return self._prepare(values.pop("prompts"), texts, values)
 
     with_self = [inspect.Parameter("self", kind)]
     __call__.__signature__ = call_signature.replace(parameters=with_self + list(call_signature.parameters.values()))
@@ -171,7 +193,7 @@ def make_class(name: str, row: Row) -> type:
 
 def prepare_text_inputs(self, prompts, prompts_2=None):
     """= prepare_inputs (the name in diffusers' old Flax ControlNet pipeline)."""
-    return self._prepare(prompts, prompts_2, {})
+    return self._prepare(prompts, {"prompts_2": prompts_2}, {})
 
 
 def prepare_image_inputs(self, images):
@@ -219,3 +241,6 @@ StableDiffusionXLControlNetImg2Img = CLASSES["StableDiffusionXLControlNetImg2Img
 StableDiffusionXLControlNetInpaint = CLASSES["StableDiffusionXLControlNetInpaint"]
 StableDiffusionAdapter = CLASSES["StableDiffusionAdapter"]
 StableDiffusionXLAdapter = CLASSES["StableDiffusionXLAdapter"]
+StableDiffusion3 = CLASSES["StableDiffusion3"]
+StableDiffusion3Img2Img = CLASSES["StableDiffusion3Img2Img"]
+StableDiffusion3Inpaint = CLASSES["StableDiffusion3Inpaint"]

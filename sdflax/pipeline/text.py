@@ -20,6 +20,7 @@ import numpy as np
 
 from ..models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
 from ..textual_inversion import expand_prompts
+from .denoisers import UNetDenoiser
 from .types import Cond
 
 
@@ -44,6 +45,9 @@ class SDText:
     ays_family = "sd1"  # whose Align Your Steps levels an "auto" schedule takes
     optional = ()  # components that may be null in model_index.json
     index_options = ()  # model_index.json entries the pipeline takes
+    tokenizer_loaders = {}  # tokenizers that are not CLIP's: name -> loader(folder)
+    denoiser = UNetDenoiser
+    prompt_arguments = {"prompts_2": None}  # prepare_inputs' text arguments after prompts, with their defaults
 
     @staticmethod
     def check_components(c):
@@ -61,12 +65,13 @@ class SDText:
         return tokenize(c.tokenizer, prompts, c.max_length)
 
     @staticmethod
-    def ids_tail(c) -> tuple:
+    def ids_tail(c, ids) -> tuple:
+        """The shape ids must have after the batch (`ids`: the ids given)."""
         return (c.max_length,)
 
     @classmethod
     def build(cls, c, empty_ids) -> "SDText":
-        return cls(c.text_encoder, _frozen(empty_ids), c.dtype)
+        return cls(c.text_encoder, frozen_ids(empty_ids), c.dtype)
 
     @staticmethod
     def upcast_vae(vae) -> bool:
@@ -117,6 +122,9 @@ class SDXLText:
     ays_family = "sdxl"
     optional = ("text_encoder", "tokenizer")  # null in a refiner's model_index.json
     index_options = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
+    tokenizer_loaders = {}
+    denoiser = UNetDenoiser
+    prompt_arguments = {"prompts_2": None}
 
     @staticmethod
     def check_components(c):
@@ -153,12 +161,12 @@ class SDXLText:
         return np.stack([tokenize(tokenizer, texts, c.max_length) for tokenizer, texts in rows], axis=1)
 
     @staticmethod
-    def ids_tail(c) -> tuple:
+    def ids_tail(c, ids) -> tuple:
         return (1 if c.text_encoder is None else 2, c.max_length)
 
     @classmethod
     def build(cls, c, empty_ids) -> "SDXLText":
-        return cls(c.text_encoder, c.text_encoder_2, _frozen(empty_ids), c.force_zeros_for_empty_prompt,
+        return cls(c.text_encoder, c.text_encoder_2, frozen_ids(empty_ids), c.force_zeros_for_empty_prompt,
                    c.requires_aesthetics_score, c.dtype)
 
     @staticmethod
@@ -264,7 +272,7 @@ def size_conditioning(height, width, original_size=None, crops_coords_top_left=N
     return [jnp.asarray(v, jnp.float32) for v in sizes]
 
 
-def _frozen(ids) -> tuple:
+def frozen_ids(ids) -> tuple:
     """Nested tuples of an int array's values (hashable, unlike the array)."""
     as_tuples = lambda x: tuple(map(as_tuples, x)) if isinstance(x, list) else x  # noqa: E731
     return as_tuples(np.asarray(ids).tolist())

@@ -57,6 +57,10 @@ class Inputs:
     # adapter_conditioning_factor, counted as diffusers counts: `t2i_adapter.evaluations`; None: all)
     adapter_conditioning_scale: Any = None
     adapter_evaluations: Any = None
+    # SD 3.5's skip-layer guidance: its scale, and the fractions of the steps it acts between
+    skip_layer_guidance_scale: Any = None
+    skip_layer_guidance_start: Any = None
+    skip_layer_guidance_stop: Any = None
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None
@@ -112,17 +116,25 @@ class Settings:
     # of floats; num_inference_steps is their step count
     timesteps: tuple | None = None
     sigmas: tuple | None = None
+    # the image's tokens, where the denoiser's schedule depends on them (SD 3's dynamic shift; `denoisers`)
+    image_seq_len: int | None = None
+    # SD 3.5's skip-layer guidance: the transformer blocks its extra pass skips (None: none)
+    skip_guidance_layers: tuple | None = None
 
     def scheduler(self, scheduler):
-        """`scheduler` running these settings' schedule."""
-        return scheduler.with_schedule(self.timesteps, self.sigmas) if self.timesteps or self.sigmas else scheduler
+        """`scheduler` running these settings' schedule (at these settings' image size, where it shifts by it)."""
+        if self.timesteps or self.sigmas:
+            scheduler = scheduler.with_schedule(self.timesteps, self.sigmas)
+        if self.image_seq_len is not None and hasattr(scheduler, "for_image_seq_len"):
+            scheduler = scheduler.for_image_seq_len(self.image_seq_len)
+        return scheduler
 
 
 class Cond(NamedTuple):
-    """What the text conditioning gives the UNet, for the [unconditional; conditional] batch (2B, ...)."""
+    """What the text conditioning gives the denoiser, for the [unconditional; conditional] batch (2B, ...)."""
 
     context: Any  # (2B, T, D) text states
-    unet_kwargs: dict  # extra UNet inputs, e.g. SDXL's text_embeds and time_ids
+    unet_kwargs: dict  # extra denoiser inputs, e.g. SDXL's text_embeds and time_ids, SD 3's pooled_projections
 
     def conditional(self) -> "Cond":
         """The conditional half (B, ...). What only the other half needed (the negative prompt's encoding) is
@@ -178,9 +190,9 @@ class Spec:
     """The pieces one pipeline runs, a frozen, hashable value: `generate`'s static first argument (one compile per
     distinct spec, as per Settings). Each piece holds the models it runs; the weights are in `params`."""
 
-    text: Any  # text.SDText / text.SDXLText: ids -> Cond
+    text: Any  # text.SDText / text.SDXLText / sd3_text.SD3Text: ids -> Cond
     start: Any  # starts.FromNoise / FromImage / FromImageMask: -> Start
-    unet: Any
+    denoiser: Any  # denoisers.UNetDenoiser / MMDiTDenoiser
     vae: Any  # vae.VAE: decodes the result
     scheduler: Any
     wrappers: tuple = ()  # UNet wrappers (IPAdapter, T2IAdapters, ControlNet), the first listed innermost

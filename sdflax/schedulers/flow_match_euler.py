@@ -122,6 +122,8 @@ class FlowMatchEulerScheduler(common.SchedulerBase):
                              "timesteps: give σ = t / num_train_timesteps, then 0")
         return super().with_schedule(sigmas=sigmas)
 
+    img2img_start = staticmethod(img2img_start)  # the steps img2img skips, as SD 3's pipelines count them
+
     def check_steps(self, num_inference_steps: int) -> None:
         common.check_steps(self.config, num_inference_steps)
         if self.config.use_dynamic_shifting and self.config.mu is None:
