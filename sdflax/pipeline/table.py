@@ -217,9 +217,9 @@ START_NAMES = {FromNoise: "noise", FromImage: "image", FromImageMask: "image_mas
 
 
 def pipeline_class(family: str, start: str, controlnet: bool = False) -> type:
-    """The class of a cell: family "sd" or "sdxl", start "noise", "image" or "image_mask", with or without
+    """The class of a cell: family "sd", "sdxl" or "sd3", start "noise", "image" or "image_mask", with or without
     ControlNets."""
-    text = {"sd": SDText, "sdxl": SDXLText}[family]
+    text = {"sd": SDText, "sdxl": SDXLText, "sd3": SD3Text}[family]
     for cls in CLASSES.values():
         if cls.text is text and START_NAMES[cls.start] == start and (ControlNet in cls.wrappers) == controlnet \
                 and T2IAdapters not in cls.wrappers:
