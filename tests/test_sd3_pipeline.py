@@ -79,6 +79,7 @@ def pictures_and_masks(seed=0, batch=2):
 
 
 def check_images(ours, expected):
+    assert isinstance(ours, np.ndarray) and ours.dtype == np.float32
     assert ours.shape == expected.shape == (len(expected), SIZE, SIZE, 3)
     assert expected.std() > 0.05  # not a blank image: the comparison means something
     np.testing.assert_allclose(ours, expected, rtol=0, atol=IMAGE_ATOL)
@@ -139,7 +140,9 @@ def test_text_to_image_matches_diffusers(text_to_image):
     expected_3 = theirs_images(theirs, guidance_scale=7.0, negative_prompt=NEGATIVE, prompt_3=PROMPTS_3)
     assert moves(expected_3, expected)  # prompt_3 reaches diffusers' image
     ids_3 = pipe.prepare_inputs(PROMPTS, prompts_3=PROMPTS_3, max_sequence_length=T5_LENGTH)
+    compiled = pipe._jitted._cache_size()
     check_images(ours_images(pipe, params, ids_3, guidance_scale=7.0, neg_prompt_ids=neg), expected_3)
+    assert pipe._jitted._cache_size() == compiled  # ids are traced: one program for both
 
 
 def test_without_t5_matches_diffusers(checkpoints, text_to_image):
@@ -171,17 +174,20 @@ def test_skip_layer_guidance_matches_diffusers(text_to_image):
 
 
 def test_no_guidance_matches_diffusers(text_to_image):
-    """guidance_scale 1 (SD 3.5 Large Turbo's setting): one transformer pass a step, no negative prompt."""
+    """guidance_scale 1 (SD 3.5 Large Turbo's setting): one transformer pass a step, no negative prompt; the
+    default size (the transformer's sample_size x the VAE's factor, 64), as diffusers'."""
     theirs, pipe, params = text_to_image
     expected = theirs_images(theirs, steps=4, guidance_scale=1.0)
     assert moves(expected, theirs_images(theirs, steps=4, guidance_scale=7.0))
     ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
-    check_images(ours_images(pipe, params, ids, steps=4, guidance_scale=1.0), expected)
+    ours = pipe(ids, params, jax.random.PRNGKey(0), num_inference_steps=4, guidance_scale=1.0,
+                latents=latents_for()).images
+    check_images(ours, expected)
 
 
 def test_refuses_a_scheduler_that_is_not_flow_matching(text_to_image):
     _, pipe, _ = text_to_image
-    with pytest.raises(ValueError, match="flow"):
+    with pytest.raises(ValueError, match="flow-matching scheduler"):
         copy.copy(pipe).scheduler = "ddim"
 
 
@@ -196,8 +202,10 @@ def patch_draws(monkeypatch, module, posterior, noise):
     return posterior
 
 
-def test_img2img_matches_diffusers(checkpoints, monkeypatch):
-    """Strength 0.6, guidance 7 with the default (empty) negative prompt; diffusers given the same pictures."""
+@pytest.mark.parametrize("strength, run_steps", [(0.6, 3), (0.5, 3)])
+def test_img2img_matches_diffusers(checkpoints, monkeypatch, strength, run_steps):
+    """Guidance 7 with the default (empty) negative prompt; diffusers given the same pictures. SD 3's pipelines
+    skip int(steps - steps * strength) steps: at strength 0.5 3 of 5 run (SD 1.x's rule runs int(5 * 0.5) = 2)."""
     import diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_img2img as module
     from diffusers import StableDiffusion3Img2ImgPipeline
 
@@ -217,9 +225,10 @@ def test_img2img_matches_diffusers(checkpoints, monkeypatch):
             return theirs(PROMPTS, image=pictures, strength=strength, num_inference_steps=STEPS, guidance_scale=7.0,
                           max_sequence_length=T5_LENGTH, output_type="np").images
 
-    expected = run(0.6)
+    expected = run(strength)
+    assert theirs.num_timesteps == run_steps
     assert moves(expected, run(0.9))
-    ours = pipe(ids, image, params, key, strength=0.6, num_inference_steps=STEPS, guidance_scale=7.0,
+    ours = pipe(ids, image, params, key, strength=strength, num_inference_steps=STEPS, guidance_scale=7.0,
                 noise=noise).images
     check_images(ours, expected)
 
