@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..guiders import Guider
+from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter, t2i_adapter
 from .controlnet import as_nets
@@ -67,6 +68,7 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     if guiders and args.get("guidance") is not None:
         raise ValueError(f"guidance= and the pipeline's guider ({type(guiders[0]).__name__}) both combine the "
                          "predictions: give one")
+    check_hooks_fit(c, hooks, args.get("skip_guidance_layers"))
     settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
                            "height": height, "width": width,
                            # a guider decides with its own traced scale; a guidance function of the user's
@@ -87,6 +89,21 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         ip_adapter.piece(spec), args, inputs.prompts().shape[:leading_dims or 1], leading_dims,
         settings.classifier_free_guidance, getattr(c.denoiser.model.config, "layers_per_block", None)))
     return inputs, settings
+
+
+def check_hooks_fit(c, hooks, skip_guidance_layers):
+    """Hooks act on a UNet's layers, as do the guiders that perturb layers; SD 3's transformer takes the guiders
+    that only combine predictions, and its own skip-layer guidance without a guider (as diffusers' pipeline)."""
+    if skip_guidance_layers is not None and any(isinstance(hook, Guider) for hook in hooks):
+        raise ValueError("skip_guidance_layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 "
+                         "pipeline: drop the guider (with_guider(None)), or drop skip_guidance_layers")
+    if c.denoiser.component == "unet":
+        return
+    on_layers = [hook for hook in hooks if not isinstance(hook, Guider) or isinstance(hook, PerturbsLayers)]
+    if on_layers:
+        raise ValueError(f"{type(on_layers[0]).__name__} acts on a UNet's layers; {type(c).__name__}'s transformer "
+                         "takes guiders that combine predictions (ClassifierFreeGuidance, AdaptiveProjectedGuidance, "
+                         "...) and skip_guidance_layers= for skip-layer guidance")
 
 
 def check_skip_layers(c, layers) -> tuple:
