@@ -236,3 +236,19 @@ def test_a_unet_pipeline_refuses_the_flow_scheduler():
         DDIMScheduler.from_config(SD14_SCHEDULER))
     with pytest.raises(ValueError, match="FlowMatchEulerScheduler is a flow-matching scheduler, for SD 3.x"):
         pipe.scheduler = "flow_match_euler"
+
+
+def test_a1111_euler_on_a_flow_config_is_the_flows_euler_and_names_itself_so():
+    from sdflax.schedulers import EulerScheduler, a1111_name, scheduler_from_config
+
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "num_train_timesteps": 1000}
+    for name, karras in (("Euler", False), ("Euler Karras", True)):
+        scheduler = scheduler_from_config(flow, name)
+        assert type(scheduler) is FlowMatchEulerScheduler and scheduler.config.shift == 3.0
+        assert scheduler.config.use_karras_sigmas is karras
+        assert a1111_name(scheduler) == name
+    assert a1111_name(scheduler_from_config(flow)) == "Euler"
+    assert a1111_name(scheduler_from_config({**flow, "stochastic_sampling": True})) is None  # A1111 has no name
+    # on an ε / v config "Euler" stays k-diffusion's Euler
+    ddpm = {"_class_name": "PNDMScheduler", "num_train_timesteps": 1000, "beta_schedule": "scaled_linear"}
+    assert type(scheduler_from_config(ddpm, "Euler")) is EulerScheduler

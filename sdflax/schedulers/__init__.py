@@ -91,8 +91,8 @@ def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
                           overrides: Mapping[str, Any] | None = None):
     """Build a scheduler from a diffusers scheduler_config.json dict; `kind` defaults to its `_class_name`. `kind`
     may be sdflax's name ("dpmpp_2m"), a diffusers class name, or an A1111 name ("DPM++ 2M Karras", whose values
-    replace the config's: "Euler" means no Karras σ, where sdflax's "euler" keeps the config's choice); `overrides`
-    replace both."""
+    replace the config's: "Euler" means no Karras σ, where sdflax's "euler" keeps the config's choice; with a
+    flow-matching config, as SD 3's, "Euler" is the flow's Euler); `overrides` replace both."""
     if kind is None:
         kind = config.get("_class_name")
     a1111_spelling = kind in names.SAMPLERS or str(kind).lower() not in _BY_NAME
@@ -100,8 +100,11 @@ def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
     if a1111 is not None:
         kind, values = a1111
         config = {**config, **values}
+    flow_model = str(config.get("_class_name", "")).lower() == "flowmatcheulerdiscretescheduler"
     config = {**config, **(overrides or {})}
     cls = _BY_NAME.get(str(kind).lower())
+    if flow_model and a1111 is not None and cls is EulerScheduler:
+        cls = FlowMatchEulerScheduler  # A1111's and Forge's "Euler" on a flow model (SD 3.x): the flow's Euler
     if cls is None:
         raise ValueError(f"unknown scheduler {kind!r}; known: {', '.join(sorted(SCHEDULERS))}, diffusers' class "
                          f"names, or A1111's ({', '.join(names.SAMPLERS)}, each optionally followed by "

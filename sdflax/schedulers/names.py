@@ -86,6 +86,11 @@ def resolve(name: str, schedulers: dict) -> tuple[str, dict] | None:
 def a1111_name(scheduler, schedulers: dict) -> str | None:
     """The A1111 name of a scheduler object (its sampler and schedule type), None for one A1111 has no name for."""
     config = scheduler.config
+    if type(scheduler) is schedulers["flow_match_euler"]:  # A1111's and Forge's "Euler" on a flow model (SD 3.x)
+        if config.stochastic_sampling or config.invert_sigmas:
+            return None
+        suffix = next((s for s, flag in SIGMA_SCHEDULES.items() if getattr(config, flag, False)), None)
+        return "Euler" if suffix is None else f"Euler {suffix}"
     for sampler, (kind, values) in SAMPLERS.items():
         if type(scheduler) is schedulers[kind] and all(getattr(config, k, v) == v for k, v in values.items()):
             suffix = next((s for s, flag in SIGMA_SCHEDULES.items() if getattr(config, flag, False)), None)
