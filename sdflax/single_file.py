@@ -14,6 +14,9 @@ Each model's names go through a table built from its config: LDM module prefix -
 plus renames of the leaves inside that module (`in_layers.0` -> `norm1`). A fused q/k/v tensor maps to three
 names and is split in equal thirds. The diffusers-named tensors then take the ordinary path of `weights.py`.
 
+SD 3 / 3.5 files (Stability's layout: the MMDiT under `model.diffusion_model.joint_blocks.*`, the text encoders
+under `text_encoders.*`) have their tables in `sd3_names.py` and load with `load_sd3_single_file`.
+
 ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`): the UNet encoder's names,
 `zero_convs.*`, `middle_block_out.*` and `input_hint_block.*`, under `control_model.` in ControlNet 1.0 files.
 """
@@ -35,15 +38,19 @@ from .assemble import assemble
 from .checkpoint_files import read_checkpoint
 from .hub import resolve_folder
 from .ldm_names import clip_table, controlnet_table, map_key, openclip_table, unet_table, vae_table
-from .loading import check_pipeline_folder, load_scheduler, load_tokenizer, read_index
+from .loading import check_pipeline_folder, checkpoint_files, is_null, load_scheduler, load_tokenizer, read_index
 from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
 from .models.config import read_config_file
 from .models.controlnet import ControlNetModel
+from .models.mmdit import SD3Transformer2DModel
+from .models.t5 import T5EncoderModel
 from .models.unet import UNet2DConditionModel
 from .models.vae import AutoencoderKL
-from .weights import CheckpointMismatchError, short_list
+from . import sd3_names
+from .t5_tokenizer import T5Tokenizer
+from .weights import CheckpointMismatchError, read_weights, short_list, weight_files
 
-__all__ = ["SingleFileError", "detect_version", "split_components", "bundled_config_folder"]
+__all__ = ["SingleFileError", "detect_version", "split_components", "bundled_config_folder", "load_sd3_single_file"]
 
 # Per version: file prefix -> component. Text encoders under `.transformer.` carry transformers' names, those
 # under `.model.` OpenCLIP's.
@@ -88,6 +95,9 @@ def detect_version(keys) -> str:
     """'sd1' (CLIP ViT-L text encoder), 'sd2' (OpenCLIP ViT-H), 'sdxl' (CLIP ViT-L and OpenCLIP ViT-bigG) or
     'sdxl_refiner' (OpenCLIP ViT-bigG alone) from the tensor names."""
     keys = list(keys)
+    if sd3_names.is_sd3_file(keys):
+        raise SingleFileError("an SD 3 / 3.5 checkpoint (an MMDiT under model.diffusion_model.joint_blocks.*): load "
+                              "it with StableDiffusion3.from_single_file")
     if not any(k.startswith("model.diffusion_model.") for k in keys):
         raise SingleFileError(f"not a single-file Stable Diffusion checkpoint: no model.diffusion_model.* tensors "
                               f"(found {short_list(keys, 5)}); a diffusers folder loads with "
@@ -227,6 +237,92 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     options = {key: index[key] for key in family.index_options if key in index}
     nothing = {c: None for c in absent} | {c.replace("text_encoder", "tokenizer"): None for c in absent}
     return {**nothing, **tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params
+
+
+SD3_MODELS = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
+              "text_encoder_3": T5EncoderModel, "transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
+SD3_PARTS = {"text_encoder": "CLIP-L (text_encoders.clip_l.*)", "text_encoder_2": "CLIP-G (text_encoders.clip_g.*)",
+             "vae": "VAE (first_stage_model.*)"}
+T5_ADVICE = ("sdflax does not bundle T5's tokenizer: pass config=<a diffusers SD 3.5 folder or hub id with "
+             "tokenizer_3/tokenizer.json, e.g. stabilityai/stable-diffusion-3.5-medium>, or text_encoder_3=None to "
+             "load without T5")
+
+
+def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, scheduler_config=None, attention="auto",
+                         revision=None, left_out=()):
+    """(StableDiffusion3's constructor arguments, params) from an SD 3 / 3.5 file in Stability's layout.
+
+    The models the file lacks come from `config` (a diffusers SD 3 folder or hub id), as do the configs and
+    tokenizers; without it, sdflax's bundled SD 3.5 Medium or Large configs (told apart as diffusers does) and CLIP
+    tokenizer. T5 is None where neither the file nor `config` has it, or `left_out` names "text_encoder_3".
+    """
+    dtype = jnp.float32 if dtype is None else dtype
+    where, state_dict = read_file(path, "checkpoint")
+    if not sd3_names.is_sd3_file(state_dict):
+        other = "an SD 1.x / 2.x / SDXL file loads with StableDiffusion(XL).from_single_file" if any(
+            k.startswith("model.diffusion_model.") for k in state_dict) else "a diffusers folder loads with " \
+            "StableDiffusion3.from_pretrained"
+        raise SingleFileError(f"{where} is not an SD 3 / 3.5 checkpoint in Stability's layout (no "
+                              f"model.diffusion_model.joint_blocks.* tensors; found {short_list(state_dict, 4)}): "
+                              f"{other}")
+    if set(left_out) - {"text_encoder_3"}:
+        raise ValueError(f"only text_encoder_3 (T5) may be left out of an SD 3 pipeline, not {short_list(left_out)}")
+    in_file = {c for prefix, c in sd3_names.LAYOUT.items() if any(k.startswith(prefix) for k in state_dict)}
+    in_file -= set(left_out)
+    version = sd3_names.model_type(state_dict)
+    wanted = [c for c in SD3_MODELS if c not in left_out]
+    if config is not None:
+        tokenizer_names = tuple(c.replace("text_encoder", "tokenizer") for c in wanted if c.startswith("text_"))
+        folder = resolve_folder(config, revision, allow_patterns=checkpoint_files(
+            None, tuple(c for c in wanted if c not in in_file), tokenizer_names))
+        index = read_index(folder)
+        if "text_encoder_3" not in in_file and (is_null(index, "text_encoder_3") or "text_encoder_3" not in index):
+            wanted.remove("text_encoder_3")  # a folder without T5
+        models = {c: SD3_MODELS[c] for c in wanted}
+        tokenizer_names = tuple(c.replace("text_encoder", "tokenizer") for c in models if c.startswith("text_"))
+        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizer_names)
+        if "text_encoder_3" in models and not os.path.isfile(os.path.join(folder, "tokenizer_3", "tokenizer.json")):
+            raise SingleFileError(f"config={config} has no tokenizer_3/tokenizer.json for T5: {T5_ADVICE}")
+        for c in models.keys() - in_file:
+            weight_files(os.path.join(folder, c))  # fail on a missing weights file before reading anything
+        tokenizers = {t: functools.partial(T5Tokenizer.from_folder if t == "tokenizer_3" else load_tokenizer,
+                                           os.path.join(folder, t)) for t in tokenizer_names}
+        source = f"the configs in {config}"
+    else:
+        if missing := [SD3_PARTS[c] for c in SD3_PARTS if c not in in_file]:
+            raise SingleFileError(f"{where} holds no {', '.join(missing)}: pass config=<a diffusers SD 3 folder or "
+                                  "hub id, e.g. stabilityai/stable-diffusion-3.5-medium> to load it from there")
+        if version is None:
+            raise SingleFileError(f"{where}: an MMDiT of a size sdflax bundles no configs for (SD 3 Medium, 3.5 "
+                                  "Medium and Large): pass config=<a diffusers folder or hub id of the same model>")
+        if "text_encoder_3" in in_file:
+            raise SingleFileError(f"{where} holds T5 (text_encoders.t5xxl.*), but {T5_ADVICE}")
+        models = {c: SD3_MODELS[c] for c in wanted if c in in_file}
+        folder = bundled_config_folder(sd3_names.BUNDLED[version])
+        tokenizers = {t: functools.partial(bundled_tokenizer, "sd3", t) for t in ("tokenizer", "tokenizer_2")}
+        source = f"sdflax's bundled {sd3_names.NAMES[version]} configs"
+    model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in models}
+    if config is None:
+        model_configs["transformer"].update(sd3_names.TRANSFORMER_CHANGES.get(version, {}))
+    scheduler = load_scheduler(folder, scheduler, scheduler_config)
+    components = {}
+
+    def tensors(component, modules):  # the file split by component once the models' configs are known
+        if component not in in_file:
+            return f"{config} ({component})", read_weights(os.path.join(folder, component))
+        if not components:
+            split, unknown = sd3_names.split_sd3(state_dict, {c: m.config for c, m in modules.items()}, in_file)
+            if unknown:
+                raise SingleFileError(f"{len(unknown)} tensors that no table maps (is the config right for this "
+                                      f"file?): {short_list(unknown)}")
+            components.update(split)
+        return f"{where} ({component})", components[component]
+
+    with configs_named(f"; the model configs came from {source}: for another architecture pass config=<a "
+                       "diffusers folder or hub id of the same model>"):
+        modules, params, tokenizers = assemble(models, model_configs, tensors, dtype, attention, tokenizers=tokenizers)
+    absent = {"text_encoder_3": None, "tokenizer_3": None} if "text_encoder_3" not in models else {}
+    return {**absent, **tokenizers, "scheduler": scheduler, "dtype": dtype, **modules}, params
 
 
 def read_file(path, what) -> tuple[str, dict]:
