@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from builders import REPO, SD1, SDXL
@@ -150,6 +151,44 @@ def sd15_lora(folder):
     peft_file(folder / "pytorch_lora_weights.safetensors", torch_sd15(), seed=5)
 
 
+def sd35(folder):
+    """SD 3.5's family: CLIP-L, CLIP-G, T5 (the builders' small T5 vocabulary), an MMDiT-X transformer with QK
+    RMSNorm and ten blocks (SD 3.5 Medium's skip-layer guidance skips 7, 8 and 9), a 16-channel VAE."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
+    from transformers import T5TokenizerFast
+
+    from builders import T5_PIECES, TOKENIZER, randomize_norms, t5_tokenizer_folder
+
+    clip = dict(vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
+                pad_token_id=49407, projection_dim=32)
+    clip_g = {**clip, "hidden_size": 48, "intermediate_size": 64, "hidden_act": "gelu", "projection_dim": 40}
+    torch.manual_seed(7)
+    encoders = [randomize_norms(CLIPTextModelWithProjection(CLIPTextConfig(**config)), seed).eval()
+                for seed, config in ((7, clip), (8, clip_g))]
+    t5 = T5EncoderModel(T5Config(vocab_size=len(T5_PIECES), d_model=96, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
+                                 feed_forward_proj="gated-gelu")).eval()
+    transformer = randomize_norms(SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=10, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=96, caption_projection_dim=32, pooled_projection_dim=72,
+        pos_embed_max_size=16, qk_norm="rms_norm", dual_attention_layers=(0, 1, 2)), 9).eval()
+    vae = randomize_norms(AutoencoderKL(
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16],
+        layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=16, shift_factor=0.0609,
+        scaling_factor=1.5305), 10).eval()
+    with tempfile.TemporaryDirectory() as t5_folder:
+        tokenizer_3 = T5TokenizerFast(tokenizer_file=str(t5_tokenizer_folder(t5_folder) / "tokenizer.json"))
+        StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+            text_encoder=encoders[0], text_encoder_2=encoders[1], text_encoder_3=t5,
+            tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER),
+            tokenizer_2=CLIPTokenizer.from_pretrained(TOKENIZER, pad_token="!"),
+            tokenizer_3=tokenizer_3).save_pretrained(folder)
+
+
 # hub id -> how its stand-in is made.
 STANDINS = {
     "stable-diffusion-v1-5/stable-diffusion-v1-5": sd15,
@@ -167,6 +206,9 @@ STANDINS = {
     "latent-consistency/lcm-lora-sdv1-5": sd15_lora,
     "h94/IP-Adapter": h94_ip_adapter,
     "TencentARC/t2iadapter_canny_sd15v2": sd15_t2i_adapter,
+    "stabilityai/stable-diffusion-3.5-medium": sd35,
+    "stabilityai/stable-diffusion-3.5-large": sd35,
+    "stabilityai/stable-diffusion-3.5-large-turbo": sd35,
 }
 
 

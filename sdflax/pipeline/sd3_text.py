@@ -76,6 +76,10 @@ class SD3Text:
         if pooled != config.pooled_projection_dim:
             raise ValueError(f"the transformer takes a pooled text embedding of {config.pooled_projection_dim}, the "
                              f"text encoders' projections give {pooled}: use the text encoders of this checkpoint")
+        clip = c.text_encoder.config.hidden_size + c.text_encoder_2.config.hidden_size
+        if clip > config.joint_attention_dim:
+            raise ValueError(f"the CLIP states are {clip} wide, wider than the transformer's text states "
+                             f"({config.joint_attention_dim}): use the text encoders of this checkpoint")
         if c.text_encoder_3 is not None and c.text_encoder_3.config.d_model != config.joint_attention_dim:
             raise ValueError(f"the transformer takes text states {config.joint_attention_dim} wide, T5's are "
                              f"{c.text_encoder_3.config.d_model}: use the T5 of this checkpoint")
