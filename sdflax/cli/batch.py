@@ -190,7 +190,7 @@ def run_lines(args, signals, held) -> int:
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)
     held.enter_context(files.folder_lock(folder, args.out, process))
     records = files.read_manifests(folder)  # again, now that no other run writes to them
-    checkpoints = check_lines(base, lines, args.prompts)
+    lines, checkpoints = with_default_steps(lines, check_lines(base, lines, args.prompts))
 
     import jax
 
@@ -296,6 +296,12 @@ def check_lines(base, lines, prompts) -> dict:
                 raise  # the command line's values
             raise UserError(f"PROMPTS {prompts} line {line.number}: {e}") from e
     return checkpoints
+
+
+def with_default_steps(lines, checkpoints) -> tuple[list, dict]:
+    """The lines and their checkpoints with the steps each runs: its own or --steps, else the pipeline's."""
+    lines = [dataclasses.replace(line, steps=checkpoints[line.program].steps) for line in lines]
+    return lines, {(checkpoint.steps, *program[1:]): checkpoint for program, checkpoint in checkpoints.items()}
 
 
 def join_processes(args) -> tuple[int, int]:

@@ -18,7 +18,8 @@ from .request import UserError
 # "sampler" is the scheduler as it ran (A1111's name, else sdflax's), whatever name --scheduler gave it.
 SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model", "revision",
         "config", "sampler", "dtype", "lora", "lora_scale", "embedding", "ip_adapter", "ip_adapter_scale", "ip_image",
-        "ip_image_encoder", "t2i_adapter", "adapter_image", "adapter_scale", "adapter_factor")
+        "ip_image_encoder", "t2i_adapter", "adapter_image", "adapter_scale", "adapter_factor", "prompt_3",
+        "negative_prompt_3", "max_sequence_length", "t5", "slg_layers", "slg_scale")
 MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
 
 

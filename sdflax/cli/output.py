@@ -11,6 +11,7 @@ import os
 import re
 import tempfile
 
+from . import sd3
 from .manifest import as_text, link_png
 from .request import UserError
 
@@ -113,6 +114,7 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
     settings.update({key: value for key, value in (("prompt_2", request.prompt_2),
                                                    ("negative_prompt_2", request.negative_prompt_2))
                      if value is not None})
+    settings.update(sd3.settings(request))
     if checkpoint.high_noise_frac is not None:
         settings.update(refiner=request.refiner, high_noise_frac=checkpoint.high_noise_frac)
     if checkpoint.single_file and request.config:
@@ -168,6 +170,10 @@ def png_info(settings):
                   f"{s['guidance_scale']}, Seed: {s['seed']}, Size: {s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
+    if s.get("t5") == "off":  # SD 3.x's: entries of sdflax's own, as the adapters'
+        parameters += ", T5: off"
+    if "slg_layers" in s:
+        parameters += f", SLG layers: {quoted(','.join(map(str, s['slg_layers'])))}, SLG scale: {s['slg_scale']}"
     if "refiner" in s:  # as A1111 writes its refiner
         parameters += f", Refiner: {s['refiner']}, Refiner switch at: {s['high_noise_frac']}"
     for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))):
@@ -221,9 +227,13 @@ def write_png(path, image, info):
 
 
 def a1111_sampler(scheduler):
-    """A1111's name of the sampler and its schedule type, else sdflax's name."""
-    from ..schedulers import a1111_name
+    """A1111's name of the sampler and its schedule type, else sdflax's name; flow-matching Euler is A1111's and
+    Forge's "Euler" on SD 3.x."""
+    from ..schedulers import FlowMatchEulerScheduler, a1111_name
 
+    if type(scheduler) is FlowMatchEulerScheduler:
+        schedule = next((name for name, field in sd3.FLOW_SCHEDULES.items() if getattr(scheduler.config, field)), None)
+        return "Euler" if schedule is None else f"Euler {schedule}"
     return a1111_name(scheduler) or scheduler_name(scheduler)
 
 

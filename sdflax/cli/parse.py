@@ -110,6 +110,24 @@ def ip_adapter_argument(text):
     return name, float(tail)
 
 
+def layer_list(text):
+    """"7,8,9" -> (7, 8, 9): transformer block indices."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected block indices separated by commas (SD 3.5 Medium: 7,8,9), got "
+                                         f"{text!r:.60}")
+    return tuple(int(part) for part in parts)
+
+
+def sequence_length(text):
+    from ..pipeline.sd3_text import MAX_SEQUENCE_LENGTH
+
+    value = positive_int(text)
+    if value > MAX_SEQUENCE_LENGTH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SEQUENCE_LENGTH} (T5's longest), got {value}")
+    return value
+
+
 def is_number(text) -> bool:
     try:
         float(text)
@@ -183,7 +201,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
     i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
     i.add_argument("--strength", type=strength, help="how far to noise the image, in (0, 1]: 1 repaints "
                    "everything, small values keep the image; runs int(steps * strength) steps (default: the "
-                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL)")
+                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL, 0.6 for SD 3.x)")
     add_options(i, image=True)
 
     p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
@@ -194,7 +212,8 @@ def build_parser(*more) -> argparse.ArgumentParser:
     p.add_argument("--mask", required=True, metavar="MASK.png", help="greyscale, the image's size: white is "
                    "repainted, black kept (binarised at 0.5)")
     p.add_argument("--strength", type=strength, help="in (0, 1]: 1 starts the masked region from pure noise, "
-                   "smaller values from the noised image (default: the pipeline's, as diffusers: 1; 0.9999 for SDXL)")
+                   "smaller values from the noised image (default: the pipeline's, as diffusers: 1; 0.9999 for SDXL, "
+                   "0.6 for SD 3.x)")
     add_options(p, image=True)
     for add_command in more:
         add_command(commands)
@@ -210,12 +229,16 @@ def add_options(command, image=False, exclude=()):
             command.add_argument(flag, **kwargs)
 
     add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
-    add("--prompt-2", metavar="TEXT", help="SDXL: the prompt of the second text encoder (default: the prompt)")
-    add("--negative-prompt-2", metavar="TEXT", help="SDXL: the negative prompt of the second text encoder "
-        "(default: the negative prompt)")
+    add("--prompt-2", metavar="TEXT", help="SDXL and SD 3.x: the prompt of the second text encoder (default: the "
+        "prompt)")
+    add("--negative-prompt-2", metavar="TEXT", help="SDXL and SD 3.x: the negative prompt of the second text "
+        "encoder (default: the negative prompt)")
+    add("--prompt-3", metavar="TEXT", help="SD 3.x: the prompt of the third text encoder, T5 (default: the prompt)")
+    add("--negative-prompt-3", metavar="TEXT", help="SD 3.x: the negative prompt of T5 (default: the negative "
+        "prompt)")
     add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
-        help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x or SDXL base, told apart "
-             f"by its tensor names) (default: {DEFAULT_MODEL})")
+        help=f"hub id or local diffusers folder (SD 1.x, 2.x, SDXL, SD 3.x), or one .safetensors/.ckpt file (SD 1.x, "
+             f"2.x or SDXL base, told apart by its tensor names) (default: {DEFAULT_MODEL})")
     add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
     add("--config", metavar="ID_OR_DIR", help="with a single-file --model: a diffusers folder or hub id of the "
         "same architecture, for the model, scheduler and tokenizer configs (default: sdflax's bundled SD 1.5, SD 2.1 "
@@ -229,10 +252,19 @@ def add_options(command, image=False, exclude=()):
     add("--scheduler", type=scheduler_argument, metavar="NAME", help="sampler: sdflax's name (dpmpp_2m, "
         "euler_ancestral, ...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the "
         "checkpoint's own)")
-    add("--steps", type=positive_int, default=50, help="denoising steps (default: 50)")
+    add("--steps", type=positive_int, help="denoising steps (default: the pipeline's, as diffusers: 50; 28 for SD 3.x "
+        "generate)")
     add("--guidance", type=finite, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
-             "inpaint)")
+             "inpaint; 7.0 for SD 3.x)")
+    add("--no-t5", action="store_true", help="SD 3.x: load without T5, the third text encoder (its states zeros, "
+        "as diffusers' text_encoder_3=None): less memory, less faithful text")
+    add("--max-sequence-length", type=sequence_length, metavar="N", help="SD 3.x: T5's tokens, at most 512 "
+        "(default: 256, as diffusers)")
+    add("--slg-layers", type=layer_list, default=(), metavar="I,J,...", help="SD 3.x: skip-layer guidance, an "
+        "extra pass without these transformer blocks steering away from it (SD 3.5 Medium: 7,8,9), as diffusers' "
+        "skip_guidance_layers")
+    add("--slg-scale", type=finite, metavar="S", help="with --slg-layers: its scale (default: 2.8, as diffusers)")
     add("--guider", type=guider_name, metavar="NAME",
         help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag, fdg, "
              "pag, seg, slg, autoguidance (or diffusers' class names); its guidance scale is --guidance's")

@@ -99,8 +99,9 @@ def read_pictures(request) -> dict:
     return pictures
 
 
-def fit_pictures(request, default, factor, pictures, controls, adapters=()):
-    """(height, width, pictures, controls, adapters): --height/--width must be multiples of the VAE scale factor.
+def fit_pictures(request, default, factor, pictures, controls, adapters=(), what="the VAE scale factor"):
+    """(height, width, pictures, controls, adapters): --height/--width must be multiples of `factor` (`what`: the
+    VAE scale factor, SD 3.x's times its patch size).
     Without them the size is --image's, else the first --control-image's (as diffusers' pipelines take it), else the
     first --adapter-image's, each side rounded down to a multiple (with a warning line), else the model's. Every
     input picture is resized to it (scaled, not cropped; Lanczos, as diffusers resizes an adapter's picture)."""
@@ -108,7 +109,7 @@ def fit_pictures(request, default, factor, pictures, controls, adapters=()):
         if value is not None and value > MAX_PICTURE_SIDE:  # its latents and attention would exhaust any memory
             raise UserError(f"{flag} {value} is larger than sdflax makes ({MAX_PICTURE_SIDE} pixels at most)")
         if value is not None and value % factor:
-            raise UserError(f"{flag} {value} is not a multiple of {factor}, the VAE scale factor of {request.model}: "
+            raise UserError(f"{flag} {value} is not a multiple of {factor}, {what} of {request.model}: "
                             f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")
     if pictures:
         flag, path, source = "--image", request.image, pictures["image"]
@@ -124,12 +125,12 @@ def fit_pictures(request, default, factor, pictures, controls, adapters=()):
     height = request.height or own_height - own_height % factor
     width = request.width or own_width - own_width % factor
     if not height or not width:
-        raise UserError(f"{flag} {path} is {own_width}x{own_height}, smaller than {factor} pixels, the VAE "
-                        f"scale factor: give a larger image")
+        raise UserError(f"{flag} {path} is {own_width}x{own_height}, smaller than {factor} pixels, {what}: give a "
+                        "larger image")
     if (width, height) != (own_width, own_height) and (
             (request.height is None and height != own_height) or (request.width is None and width != own_width)):
         print(f"sdflax: warning: {flag} {path} is {own_width}x{own_height}: resized to {width}x{height}, "
-              f"a multiple of {factor} (the VAE scale factor)", file=sys.stderr)
+              f"a multiple of {factor} ({what})", file=sys.stderr)
 
     def resize(picture):
         return picture if picture.size == (width, height) else picture.resize((width, height), Image.LANCZOS)

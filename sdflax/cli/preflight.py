@@ -11,6 +11,8 @@ from .ip_adapter import check_ip_adapter_width
 from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
+from .sd3 import (SD3_FILE_PREFIX, check_family_flags, check_guider, check_scheduler, check_sd3_size,
+                  check_transformer, family_of, folder_parts, read_transformer_config, scheduler_choice)
 from .t2i_adapter import adapter_class, check_t2i_adapters, fit_adapters, read_adapter_pictures
 
 
@@ -22,27 +24,36 @@ class Checkpoint:
     folder: str
     local: bool
     commit: str
-    xl: bool
+    family: str  # "sd", "sdxl" or "sd3"
     pipeline: type  # the class of the request's cell: family x start x ControlNet (x T2I-Adapter)
     guidance: float
     height: int
     width: int
+    steps: int  # --steps, or the pipeline's default
     single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
     strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
     high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
     control_scales: tuple = ()  # one per --controlnet
     scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
+    scheduler_name: str | None = None  # the name it loads by (SD 3.x: A1111's Euler is flow-matching Euler) ...
+    scheduler_config: dict | None = dataclasses.field(default=None, compare=False)  # ... with these values
     guider: object = dataclasses.field(default=None, compare=False)  # --guider's, its scale the guidance
     adapters: object = dataclasses.field(default=None, compare=False)  # t2i_adapter.Adapters, at this size
 
+    @property
+    def xl(self) -> bool:
+        return self.family == "sdxl"
 
-def read_configs(folder):
-    """(VAEConfig, UNetConfig) of a checkpoint folder."""
+
+def read_configs(folder, family="sd"):
+    """(VAEConfig, the denoiser's config) of a checkpoint folder: a UNetConfig, or SD 3.x's transformer's."""
     from ..models import UNetConfig, VAEConfig
     from ..models.config import read_config_file
 
-    return (VAEConfig.from_dict(read_config_file(os.path.join(folder, "vae", "config.json"))),
-            UNetConfig.from_dict(read_config_file(os.path.join(folder, "unet", "config.json"))))
+    vae = VAEConfig.from_dict(read_config_file(os.path.join(folder, "vae", "config.json")))
+    if family == "sd3":
+        return vae, read_transformer_config(folder)
+    return vae, UNetConfig.from_dict(read_config_file(os.path.join(folder, "unet", "config.json")))
 
 
 def check_checkpoint(request, pictures, controls=None):
@@ -64,18 +75,23 @@ def check_checkpoint(request, pictures, controls=None):
                         f"{request.model} is not a file: drop --config")
     try:
         if single_file:
-            folder, xl = single_file_configs(request)
+            folder, family = single_file_configs(request)
         else:
             folder = resolve_folder(request.model, request.revision, allow_patterns=CONFIG_FILES)
-            check_pipeline_folder(folder, request.model)
-            index = read_config_file(os.path.join(folder, "model_index.json"))
-            xl = str(index.get("_class_name", "")).startswith("StableDiffusionXL")
-        vae, unet = read_configs(folder)
-        scheduler = for_family(load_scheduler(folder, request.scheduler), "sdxl" if xl else "sd1")
+            index_file = os.path.join(folder, "model_index.json")
+            family = family_of(read_config_file(index_file)) if os.path.isfile(index_file) else "sd"
+            check_pipeline_folder(folder, request.model, *folder_parts(family, request))
+        check_family_flags(request, family)
+        cls = pipeline_class(family, request.start, bool(request.controlnet))
+        vae, denoiser = read_configs(folder, family)
+        scheduler_name, scheduler_config = scheduler_choice(family, request.scheduler)
+        scheduler = for_family(load_scheduler(folder, scheduler_name, scheduler_config), cls.text.ays_family)
+        check_scheduler(request, family, scheduler)
+        request = dataclasses.replace(request, steps=request.steps or cls.defaults["num_inference_steps"])
         scheduler.check_steps(request.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
-    cls = pipeline_class("sdxl" if xl else "sd", request.start, bool(request.controlnet))
+    xl = family == "sdxl"
     if request.t2i_adapter and request.start == "noise" and not request.controlnet:
         cls = adapter_class(xl)  # the other classes take T2I-Adapters as they are (adapter=)
     strength = None
@@ -86,23 +102,26 @@ def check_checkpoint(request, pictures, controls=None):
         except ValueError:
             raise UserError(f"--strength {strength} with --steps {request.steps} runs no denoising step: raise "
                             f"--strength to at least {1 / request.steps:.3g} or --steps") from None
-    if not xl:
+    if family == "sd":
         for flag, value in (("--prompt-2", request.prompt_2), ("--negative-prompt-2", request.negative_prompt_2)):
             if value is not None:
                 raise UserError(f"{flag} is for SDXL's second text encoder, but {request.model} is not an SDXL "
                                 f"checkpoint (it has one): drop {flag}")
-    latent, unet_channels = vae.latent_channels, unet.in_channels
-    if request.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
-        raise UserError(f"{request.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
-                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
-    if request.command != "inpaint" and unet_channels == 2 * latent + 1:
-        raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
-    check_controlnets(request, unet, vae.scale_factor)
-    check_ip_adapter_width(request, unet)
-    adapter_configs = check_t2i_adapters(request, unet, vae.scale_factor, xl)
-    factor = vae.scale_factor
+    factor, step = vae.scale_factor, vae.scale_factor
+    if family == "sd3":
+        check_transformer(request, denoiser, vae)
+        step = factor * denoiser.patch_size
+        adapter_configs = ()
+    else:
+        check_unet_channels(request, denoiser, vae)
+        check_controlnets(request, denoiser, factor)
+        check_ip_adapter_width(request, denoiser)
+        adapter_configs = check_t2i_adapters(request, denoiser, factor, xl)
     height, width, pictures, controls, adapter_pictures = fit_pictures(
-        request, unet.sample_size * factor, factor, pictures, controls, read_adapter_pictures(request))
+        request, denoiser.sample_size * factor, step, pictures, controls, read_adapter_pictures(request),
+        "the VAE scale factor" if step == factor else "the VAE scale factor times the patch size")
+    if family == "sd3":
+        check_sd3_size(request, height, width, denoiser, vae)
     adapters = fit_adapters(request, adapter_configs, adapter_pictures, height, width, cls.defaults, xl)
     guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
     high_noise_frac = check_refiner(request, xl, scheduler, vae) if request.refiner else None
@@ -114,9 +133,23 @@ def check_checkpoint(request, pictures, controls=None):
         scales = controls.scales * (len(request.controlnet) if len(controls.scales) == 1 else 1) or \
             (default,) * len(request.controlnet)
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
-    checkpoint = Checkpoint(folder, local, commit, xl, cls, guidance, height, width, single_file, strength,
-                            high_noise_frac, scales, scheduler, make_guider(request, guidance), adapters)
+    guider = make_guider(request, guidance)
+    if family == "sd3":
+        check_guider(request, guider)
+    checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, single_file,
+                            strength, high_noise_frac, scales, scheduler, scheduler_name, scheduler_config, guider,
+                            adapters)
     return checkpoint, pictures, controls
+
+
+def check_unet_channels(request, unet, vae):
+    """An inpainting UNet (its mask and masked image as input channels) for inpaint only."""
+    latent, unet_channels = vae.latent_channels, unet.in_channels
+    if request.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
+        raise UserError(f"{request.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
+                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
+    if request.command != "inpaint" and unet_channels == 2 * latent + 1:
+        raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
 
 
 def make_guider(request, guidance):
@@ -196,10 +229,10 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     return fraction
 
 
-def single_file_configs(request) -> tuple[str, bool]:
-    """(the folder of configs for a single-file --model, whether it is SDXL): the version is told from the tensor
-    names (a .safetensors header, a .ckpt's pickle: the tensors are memory-mapped, not read), the configs are
-    --config's or sdflax's bundled ones for that version."""
+def single_file_configs(request) -> tuple[str, str]:
+    """(the folder of configs for a single-file --model, its family: "sd" or "sdxl"): the version is told from the
+    tensor names (a .safetensors header, a .ckpt's pickle: the tensors are memory-mapped, not read), the configs
+    are --config's or sdflax's bundled ones for that version."""
     from ..checkpoint_files import read_checkpoint
     from ..hub import resolve_folder
     from ..loading import check_pipeline_folder
@@ -210,19 +243,24 @@ def single_file_configs(request) -> tuple[str, bool]:
         raise UserError(f"--model {request.model} is a file but not a {' or '.join(SINGLE_FILE_SUFFIXES)} "
                         "checkpoint: give a single-file checkpoint, a diffusers folder or a hub id")
     try:
-        version = detect_version(read_checkpoint(os.path.expanduser(request.model)))
+        tensors = read_checkpoint(os.path.expanduser(request.model))
+        if any(name.startswith(SD3_FILE_PREFIX) for name in tensors):
+            raise UserError(f"--model {request.model} is an SD 3.x single file, which sdflax does not load yet: give "
+                            "a diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)")
+        version = detect_version(tensors)
     except ValueError as e:
         raise UserError(f"--model {request.model}: {e}") from e
     if version == "sdxl_refiner":
         raise UserError(f"--model {request.model} is {NAMES[version]} checkpoint (one OpenCLIP text encoder, no "
                         "CLIP ViT-L): a refiner finishes a base model's images and does not draw from a prompt "
                         "alone; give an SD 1.x, 2.x or SDXL base checkpoint")
+    family = "sdxl" if version == "sdxl" else "sd"
     if request.config is None:
-        return bundled_config_folder(version), version == "sdxl"
+        return bundled_config_folder(version), family
     contents = file_contents(version)
     folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
     check_pipeline_folder(folder, f"--config {request.config}", tuple(contents.models), contents.tokenizers)
-    return folder, version == "sdxl"
+    return folder, family
 
 
 def controlnet_configs(request) -> tuple:

@@ -42,6 +42,12 @@ class Request:
     negative_prompt: str = ""
     prompt_2: str | None = None
     negative_prompt_2: str | None = None
+    prompt_3: str | None = None  # SD 3.x's T5 prompt
+    negative_prompt_3: str | None = None
+    no_t5: bool = False  # SD 3.x loaded without T5 (its states zeros, as diffusers' text_encoder_3=None)
+    max_sequence_length: int | None = None  # SD 3.x: T5's tokens
+    slg_layers: tuple[int, ...] = ()  # SD 3.x's skip-layer guidance: the transformer blocks skipped
+    slg_scale: float | None = None
     model: str = DEFAULT_MODEL
     revision: str | None = None
     config: str | None = None  # with a single-file model: the folder or hub id of its configs
@@ -64,7 +70,7 @@ class Request:
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
     embedding: tuple[str, ...] = ()
     scheduler: str | None = None
-    steps: int = 50
+    steps: int | None = None  # None: the pipeline's default (50; 28 for SD 3.x)
     guidance: float | None = None
     guider: str | None = None  # sdflax.guiders' name, with `guider_arg` ((key, value), ...) its arguments
     guider_arg: tuple = ()
@@ -85,7 +91,7 @@ class Request:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values = {**values, **changes}
         for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "ip_image", "t2i_adapter",
-                     "adapter_image", "adapter_scale", "embedding", "guider_arg"):
+                     "adapter_image", "adapter_scale", "embedding", "guider_arg", "slg_layers"):
             values[name] = tuple(values.get(name, ()))
         for name in ("lora", "ip_adapter"):
             values[name] = tuple(tuple(pair) for pair in values.get(name, ()))

@@ -18,6 +18,7 @@ from .output import image_settings, output_target, save
 from .pictures import read_controls, read_pictures
 from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files, controlnet_configs
 from .request import UserError
+from .sd3 import guidance_arguments, prompt_arguments
 from .t2i_adapter import adapter_inputs, check_adapter_flags, load_t2i_adapters
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
@@ -40,6 +41,7 @@ def run(request) -> int:
         disable_progress_bars()
     check_lora_and_embedding_files(request)
     checkpoint, pictures, controls = check_checkpoint(request, pictures, controls)
+    request = dataclasses.replace(request, steps=checkpoint.steps)  # --steps, or the pipeline's default
 
     import jax  # after the checks above, so that mistakes are reported without starting JAX
 
@@ -133,8 +135,11 @@ def load(request, checkpoint, dtype):
         if checkpoint.single_file:
             pipeline, params = load_single_file(request, kind, dtype, extra)
         else:
+            extra.update({"text_encoder_3": None} if request.no_t5 else {})
             pipeline, params = kind.from_pretrained(request.model, revision=request.revision, dtype=dtype,
-                                                    scheduler=request.scheduler, attention=request.attention, **extra)
+                                                    scheduler=checkpoint.scheduler_name,
+                                                    scheduler_config=checkpoint.scheduler_config,
+                                                    attention=request.attention, **extra)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
     if nets:
@@ -236,12 +241,12 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     if checkpoint.guider is not None:
         pipeline = pipeline.with_guider(checkpoint.guider)
     n = len(rows)
-    ids = prompt_ids(pipeline, [r.prompt for r in rows], [r.prompt_2 for r in rows])
-    # Pass negative ids even for an empty prompt (it is SD's unconditional one): one program with or without them.
-    # SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt), so it gets None there.
+    ids = pipeline.prepare_inputs([r.prompt for r in rows], **prompt_arguments(rows))
+    # Pass negative ids even for an empty prompt (it is SD's and SD 3's unconditional one): one program with or
+    # without them. SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt): None there.
     negative = any(r.negative_prompt or r.negative_prompt_2 for r in rows)
-    neg_ids = None if checkpoint.xl and not negative else prompt_ids(
-        pipeline, [r.negative_prompt for r in rows], [r.negative_prompt_2 for r in rows])
+    neg_ids = None if checkpoint.xl and not negative else pipeline.prepare_inputs(
+        [r.negative_prompt for r in rows], **prompt_arguments(rows, negative=True))
     # one key per image (sdflax.random_draws), as numpy: every process of a mesh spanning several passes them all
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in rows])
     arrays, extra = [], {}
@@ -270,6 +275,7 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     if not pictures:
         extra.update(height=checkpoint.height, width=checkpoint.width)
     request = rows[0]
+    extra.update(guidance_arguments(request))
 
     def call(callback=None, **more):
         return pipeline.generate_sharded(ids, *arrays, params, keys, num_inference_steps=request.steps,
@@ -277,14 +283,6 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
                                          callback=callback, **extra, **more)
 
     return call if refiner is None else refined(call, refiner, mesh, checkpoint, rows, keys)
-
-
-def prompt_ids(pipeline, prompts, prompts_2):
-    """The ids of the prompts; `prompts_2` (SDXL's second encoder, refused before loading for other models) only
-    where one is given: the SD pipelines' `prepare_inputs` do not take it."""
-    if not any(prompts_2):
-        return pipeline.prepare_inputs(prompts)
-    return pipeline.prepare_inputs(prompts, prompts_2=[p2 or p for p, p2 in zip(prompts, prompts_2)])
 
 
 def refined(base, refiner, mesh, checkpoint, rows, keys):

@@ -1,0 +1,160 @@
+"""What the command line does differently for the model families: which family a checkpoint is (its
+model_index.json), the flags each family takes, and SD 3.x's own (--prompt-3, --no-t5, --max-sequence-length,
+skip-layer guidance), checked against its transformer's config before anything loads and passed to its pipeline."""
+
+from __future__ import annotations
+
+import os
+
+from .request import UserError
+
+FAMILY_NAMES = {"sd": "SD 1.x / 2.x", "sdxl": "SDXL", "sd3": "SD 3.x"}
+SD3_FLAGS = (("--prompt-3", "prompt_3"), ("--negative-prompt-3", "negative_prompt_3"), ("--no-t5", "no_t5"),
+             ("--max-sequence-length", "max_sequence_length"), ("--slg-layers", "slg_layers"),
+             ("--slg-scale", "slg_scale"))
+# UNet-side additions that SD 3.x pipelines do not take (yet): refused in one line before anything loads
+UNET_FLAGS = (("--controlnet", "controlnet"), ("--t2i-adapter", "t2i_adapter"), ("--ip-adapter", "ip_adapter"),
+              ("--lora", "lora"), ("--embedding", "embedding"), ("--refiner", "refiner"))
+SD3_FILE_PREFIX = "model.diffusion_model.joint_blocks."  # an SD 3.x single file's transformer blocks
+DEFAULT_SLG_SCALE = 2.8  # diffusers' skip_layer_guidance_scale
+# A1111's schedule types that flow-matching Euler has (as σ schedules), and the field each sets
+FLOW_SCHEDULES = {"Karras": "use_karras_sigmas", "Exponential": "use_exponential_sigmas", "Beta": "use_beta_sigmas"}
+
+
+def family_of(index: dict) -> str:
+    """"sd", "sdxl" or "sd3" from model_index.json's pipeline class name."""
+    name = str(index.get("_class_name", ""))
+    return "sd3" if name.startswith("StableDiffusion3") else "sdxl" if name.startswith("StableDiffusionXL") else "sd"
+
+
+def folder_parts(family, request) -> tuple[tuple, tuple]:
+    """(models, tokenizers) whose configs the checks read: SD 3.x's transformer in place of a UNet; T5 where it
+    loads (its tokenizer is checked when it loads)."""
+    if family != "sd3":
+        return ("text_encoder", "unet", "vae"), ("tokenizer",)
+    t5 = () if request.no_t5 else ("text_encoder_3",)
+    return ("text_encoder", "text_encoder_2", *t5, "transformer", "vae"), ("tokenizer", "tokenizer_2")
+
+
+def check_family_flags(request, family):
+    """SD 3.x's flags for SD 3.x checkpoints only, and the UNet-side additions for the others only."""
+    name = FAMILY_NAMES[family]
+    if family != "sd3":
+        for flag, field in SD3_FLAGS:
+            if getattr(request, field) not in (None, False, ()):
+                raise UserError(f"{flag} is for SD 3.x checkpoints, but {request.model} is an {name} checkpoint: "
+                                f"drop {flag}")
+        return
+    for flag, field in UNET_FLAGS:
+        if getattr(request, field):
+            raise UserError(f"{flag} is not supported with SD 3.x checkpoints yet ({request.model} is one): drop "
+                            f"{flag}")
+    if request.slg_scale is not None and not request.slg_layers:
+        raise UserError("--slg-scale applies with --slg-layers: add --slg-layers I,J,... (SD 3.5 Medium: 7,8,9), or "
+                        "drop it")
+    if request.guider is not None and request.slg_layers:
+        raise UserError("--slg-layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 pipeline: "
+                        "drop --guider or --slg-layers")
+    if request.config is not None:
+        raise UserError("--config applies to a single-file --model; SD 3.x loads from a diffusers folder or hub id: "
+                        "drop --config")
+
+
+def check_guider(request, guider):
+    """A guider that perturbs a UNet's layers does not fit SD 3.x's transformer."""
+    from ..guiders.perturbed import PerturbsLayers
+
+    if isinstance(guider, PerturbsLayers):
+        raise UserError(f"--guider {request.guider} perturbs a UNet's layers; SD 3.x's transformer takes the guiders "
+                        "that combine predictions (cfg, apg, ...): for skip-layer guidance use --slg-layers")
+
+
+def scheduler_choice(family, name) -> tuple[str | None, dict | None]:
+    """(the scheduler name to load, config values): for SD 3.x, A1111's "Euler" (with a σ schedule) is
+    flow-matching Euler, as A1111 and Forge run it on SD 3.x; other names are as given."""
+    from ..schedulers import names
+
+    parts = names.split(name) if family == "sd3" and name is not None else None
+    if parts is None:
+        return name, None
+    sampler, suffix = parts
+    if sampler != "Euler" or suffix not in (None, names.UNIFORM, *FLOW_SCHEDULES):
+        raise UserError(f"--scheduler {name}: SD 3.x samples with flow-matching Euler: use Euler (or Euler "
+                        f"{', Euler '.join(FLOW_SCHEDULES)}), or leave --scheduler out")
+    return "flow_match_euler", {field: schedule == suffix for schedule, field in FLOW_SCHEDULES.items()}
+
+
+def check_scheduler(request, family, scheduler):
+    """A flow-matching scheduler for SD 3.x's transformer and for no UNet."""
+    flow = getattr(scheduler.config, "prediction_type", None) == "flow"
+    if family == "sd3" and not flow:
+        raise UserError(f"--scheduler {request.scheduler}: SD 3.x's transformer samples with flow-matching Euler "
+                        "(A1111's Euler, flow_match_euler): use one of them, or leave --scheduler out")
+    if family != "sd3" and flow:
+        raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for SD 3.x; {request.model}'s UNet "
+                        "predicts noise: choose another sampler")
+
+
+def read_transformer_config(folder):
+    from ..models import SD3TransformerConfig
+    from ..models.config import read_config_file
+
+    return SD3TransformerConfig.from_dict(read_config_file(os.path.join(folder, "transformer", "config.json")))
+
+
+def check_transformer(request, transformer, vae):
+    """--slg-layers are blocks of the transformer; it takes latents of the VAE's channels (no SD 3.x inpainting
+    transformer takes a mask)."""
+    bad = [i for i in request.slg_layers if i >= transformer.num_layers]
+    if bad:
+        raise UserError(f"--slg-layers {','.join(map(str, request.slg_layers))}: {request.model}'s transformer has "
+                        f"blocks 0 .. {transformer.num_layers - 1}: give blocks among them (SD 3.5 Medium: 7,8,9)")
+    if transformer.in_channels != vae.latent_channels:
+        raise UserError(f"{request.model}: its transformer takes {transformer.in_channels} input channels, its VAE's "
+                        f"latents have {vae.latent_channels}: sdflax runs SD 3.x transformers of the VAE's latents")
+
+
+def check_sd3_size(request, height, width, transformer, vae):
+    """The largest image the transformer's position table covers."""
+    largest = transformer.pos_embed_max_size * transformer.patch_size * vae.scale_factor
+    if max(height, width) > largest:
+        raise UserError(f"{width}x{height} is larger than {request.model} makes: its position table covers "
+                        f"{largest} pixels a side: give --height and --width of at most {largest}")
+
+
+def prompt_arguments(rows, negative=False) -> dict:
+    """prepare_inputs' keywords for the rows' second and third prompts (each row's prompt where it gives none) and
+    T5's length: only those given (the SD pipelines take no prompts_3)."""
+    prefix = "negative_prompt" if negative else "prompt"
+    arguments = {}
+    for n in (2, 3):
+        given = [getattr(r, f"{prefix}_{n}") for r in rows]
+        if any(given):
+            arguments[f"prompts_{n}"] = [g or getattr(r, prefix) for g, r in zip(given, rows)]
+    if rows[0].max_sequence_length is not None:
+        arguments["max_sequence_length"] = rows[0].max_sequence_length
+    return arguments
+
+
+def guidance_arguments(request) -> dict:
+    """The pipeline's skip-layer guidance keywords of --slg-layers and --slg-scale."""
+    if not request.slg_layers:
+        return {}
+    return {"skip_guidance_layers": tuple(request.slg_layers), "skip_layer_guidance_scale": slg_scale(request)}
+
+
+def slg_scale(request) -> float:
+    return request.slg_scale if request.slg_scale is not None else DEFAULT_SLG_SCALE
+
+
+def settings(request) -> dict:
+    """What a PNG records of SD 3.x's flags (those given)."""
+    values = {key: value for key, value in (("prompt_3", request.prompt_3),
+                                            ("negative_prompt_3", request.negative_prompt_3),
+                                            ("max_sequence_length", request.max_sequence_length)) if value is not None}
+    if request.no_t5:
+        values["t5"] = "off"
+    if request.slg_layers:
+        values.update(slg_layers=list(request.slg_layers), slg_scale=slg_scale(request))
+    return values
+

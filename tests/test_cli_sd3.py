@@ -1,0 +1,228 @@
+"""SD 3.x on the command line: `generate`, `img2img` and `inpaint --model <an SD 3 folder>`, `--prompt-3`,
+`--no-t5`, `--max-sequence-length`, skip-layer guidance (`--slg-layers`, `--slg-scale`), in process on a small
+random SD 3.5 Medium-shaped checkpoint written here by diffusers: each PNG equals the library's image for the same
+inputs and keys and records what made it; the defaults are the SD 3 pipelines'; the flags SD 3.x does not take,
+and the SD 3.x flags other models do not, are one line and status 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_cli import TINY, assert_help_lists, one_error_line, pixels
+from test_cli_controlnet import as_the_cli
+
+from sdflax.cli import main
+
+SIZE = 16  # pixels; latents 8x8 (VAE scale factor 2), 4x4 patches
+STEPS = 6  # skip-layer guidance's default window (0.01 .. 0.2 of the steps) holds step 1 from 6 steps on
+T5_LENGTH = 16
+SEED = 7
+PROMPT, PROMPT_3, NEGATIVE = "a lighthouse at dusk", "an oil painting, dramatic light", "blurry"
+COMMON = ["--height", str(SIZE), "--width", str(SIZE), "--steps", str(STEPS), "--seed", str(SEED), "--num-images",
+          "1", "--max-sequence-length", str(T5_LENGTH), "--no-progress"]
+TRANSFORMER = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=8,
+                   num_attention_heads=4, joint_attention_dim=96, caption_projection_dim=32,
+                   pooled_projection_dim=72, out_channels=16, pos_embed_max_size=16, qk_norm="rms_norm",
+                   dual_attention_layers=(0,))
+VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16), layers_per_block=1,
+           down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
+           sample_size=SIZE, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+           use_post_quant_conv=False)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A small SD 3 checkpoint (diffusers' StableDiffusion3Pipeline.save_pretrained), an input picture and mask,
+    and the files the refusals name."""
+    import torch
+    from builders import TOKENIZER, randomize_norms, t5_tokenizer_folder, torch_vae
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from safetensors.numpy import save_file
+    from test_mmdit import torch_transformer
+    from test_sd3_text import CLIP, CLIP_G, T5
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    tmp = tmp_path_factory.mktemp("cli-sd3")
+    torch.manual_seed(0)
+    encoders = [randomize_norms(CLIPTextModelWithProjection(CLIPTextConfig(**config)), seed).eval()
+                for seed, config in ((0, CLIP), (1, CLIP_G))]
+    tokenizer_3 = t5_tokenizer_folder(tmp / "t5_tokenizer")
+    StableDiffusion3Pipeline(
+        transformer=torch_transformer(TRANSFORMER, seed=2), vae=torch_vae(VAE, seed=3),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=encoders[0], text_encoder_2=encoders[1],
+        text_encoder_3=T5EncoderModel(T5Config(**T5)).eval(), tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER),
+        tokenizer_2=CLIPTokenizer.from_pretrained(TOKENIZER, pad_token="!"),
+        tokenizer_3=T5TokenizerFast(tokenizer_file=str(tokenizer_3 / "tokenizer.json"))).save_pretrained(tmp / "sd3")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(tmp / "in.png")
+    mask = np.zeros((SIZE, SIZE), np.uint8)
+    mask[3:12, 2:13] = 255
+    Image.fromarray(mask).save(tmp / "mask.png")
+    for name in ("lora.safetensors", "token.pt", "ip/ip.safetensors", "ip/image_encoder/config.json"):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text("{}")
+    save_file({"model.diffusion_model.joint_blocks.0.x": np.zeros(1, np.float32)}, tmp / "sd3.5.safetensors")
+    return tmp
+
+
+def cli(files, name, *args):
+    """The command in process (on this session's devices: a row per device, seeds SEED, SEED + 1, ...); the PNG."""
+    assert main([*args, "--model", str(files / "sd3"), *COMMON, "--out", str(files / name)]) == 0
+    return files / name
+
+
+def rows(arrays, keys):
+    """One image's arrays repeated for each of the CLI's rows."""
+    return [np.repeat(x, len(keys), 0) for x in arrays]
+
+
+def close_to(png, expected):
+    """uint8 PNG pixels against the library's float image: rounding (at most one level)."""
+    assert expected.std() > 0.05  # not a blank image: the comparison means something
+    assert np.abs(pixels(png).astype(np.float32) - np.round(expected * 255)).max() <= 1
+
+
+def library_text_to_image(files, **load):
+    from sdflax import StableDiffusion3
+
+    pipe, params = StableDiffusion3.from_pretrained(files / "sd3", **load)
+    keys = as_the_cli(SEED)
+    ids, neg = rows([pipe.prepare_inputs([PROMPT], prompts_3=[PROMPT_3], max_sequence_length=T5_LENGTH),
+                     pipe.prepare_inputs([NEGATIVE], max_sequence_length=T5_LENGTH)], keys)
+    return lambda **kwargs: pipe.generate_sharded(ids, params, keys, num_inference_steps=STEPS, height=SIZE,
+                                                  width=SIZE, neg_prompt_ids=neg, **kwargs)[0]
+
+
+@pytest.fixture(scope="module")
+def generated(files):
+    """The CLI's text-to-image PNGs: plain, without T5, with skip-layer guidance."""
+    args = ["generate", PROMPT, "--prompt-3", PROMPT_3, "--negative-prompt", NEGATIVE]
+    return {"plain": cli(files, "plain.png", *args), "no_t5": cli(files, "no-t5.png", *args, "--no-t5"),
+            "slg": cli(files, "slg.png", *args, "--slg-layers", "1,2", "--slg-scale", "10")}
+
+
+def test_generate_equals_the_library_and_records_its_settings(files, generated):
+    make = library_text_to_image(files)
+    expected = make()  # the SD 3 pipeline's defaults: guidance 7.0, flow-matching Euler
+    close_to(generated["plain"], expected)
+    slg = make(skip_guidance_layers=(1, 2), skip_layer_guidance_scale=10.0)
+    close_to(generated["slg"], slg)
+    assert np.abs(slg - expected).max() > 0.02  # skip-layer guidance reaches the image
+    text = Image.open(generated["plain"]).text
+    assert {k: text[k] for k in ("prompt", "prompt_3", "negative_prompt", "steps", "guidance_scale", "scheduler",
+                                 "sampler", "max_sequence_length", "width", "height")} == {
+        "prompt": PROMPT, "prompt_3": PROMPT_3, "negative_prompt": NEGATIVE, "steps": str(STEPS),
+        "guidance_scale": "7.0", "scheduler": "flow_match_euler", "sampler": "Euler",
+        "max_sequence_length": str(T5_LENGTH), "width": str(SIZE), "height": str(SIZE)}
+    assert "t5" not in text and "slg_layers" not in text
+    assert text["parameters"] == (f"{PROMPT}\nNegative prompt: {NEGATIVE}\nSteps: {STEPS}, Sampler: Euler, Schedule "
+                                  f"type: Uniform, CFG scale: 7.0, Seed: {SEED}, Size: {SIZE}x{SIZE}, Model: "
+                                  f"{files / 'sd3'}")
+    text = Image.open(generated["slg"]).text
+    assert (text["slg_layers"], text["slg_scale"]) == ("[1, 2]", "10.0")
+    assert text["parameters"].endswith(', SLG layers: "1,2", SLG scale: 10.0')
+
+
+def test_no_t5_equals_the_library_without_t5(files, generated):
+    expected = library_text_to_image(files, text_encoder_3=None)()
+    close_to(generated["no_t5"], expected)
+    assert np.abs(pixels(generated["no_t5"]).astype(int) - pixels(generated["plain"])).max() > 5  # T5 mattered
+    text = Image.open(generated["no_t5"]).text
+    assert text["t5"] == "off" and text["parameters"].endswith(f"Model: {files / 'sd3'}, T5: off")
+
+
+@pytest.mark.parametrize("command", ["img2img", "inpaint"])
+def test_img2img_and_inpaint_equal_the_library(files, command):
+    from sdflax import StableDiffusion3Img2Img, StableDiffusion3Inpaint
+
+    mask = ["--mask", "mask.png"] if command == "inpaint" else []
+    args = [command, PROMPT, "--image", str(files / "in.png"), *(["--mask", str(files / "mask.png")] if mask else [])]
+    png = cli(files, f"{command}.png", *args)
+    kind = StableDiffusion3Inpaint if mask else StableDiffusion3Img2Img
+    pipe, params = kind.from_pretrained(files / "sd3")
+    keys = as_the_cli(SEED)
+    pictures = [[Image.open(files / "in.png")]] + ([[Image.open(files / "mask.png")]] if mask else [])
+    arrays = rows(pipe.prepare_inputs([PROMPT], *pictures, max_sequence_length=T5_LENGTH), keys)
+    # diffusers' SD 3 defaults: strength 0.6, guidance 7.0; no negative prompt: the empty prompt's
+    close_to(png, pipe.generate_sharded(*arrays, params, keys, num_inference_steps=STEPS)[0])
+    text = Image.open(png).text
+    assert (text["strength"], text["guidance_scale"], text["sampler"]) == ("0.6", "7.0", "Euler")
+    assert text["parameters"].endswith(", Denoising strength: 0.6")
+
+
+@pytest.mark.parametrize("command, steps, strength", [("generate", 28, None), ("img2img", 50, 0.6),
+                                                     ("inpaint", 50, 0.6)])
+def test_defaults_are_the_sd3_pipelines(files, command, steps, strength, monkeypatch):
+    """The SD 3 pipelines' (diffusers'): 28 steps for text-to-image, 50 for the others, guidance 7.0, strength 0.6,
+    flow-matching Euler, A1111's "Euler" too (from the configs)."""
+    from sdflax.cli import Request, build_parser
+    from sdflax.cli.batch import add_command
+    from sdflax.cli.preflight import check_checkpoint
+    from sdflax.schedulers import FlowMatchEulerScheduler
+
+    monkeypatch.chdir(files)
+    pictures = {} if strength is None else {"image": Image.open("in.png").convert("RGB")}
+    extra = {"generate": [], "img2img": ["--image", "in.png"], "inpaint": ["--image", "in.png", "--mask", "mask.png"]}
+    for scheduler, karras in ((None, False), ("Euler", False), ("Euler Karras", True)):
+        args = [command, "a fox", "--model", "sd3", *extra[command]] + (["--scheduler", scheduler] if scheduler else [])
+        request = Request.from_args(build_parser(add_command).parse_args(args))
+        checkpoint = check_checkpoint(request, pictures)[0]
+        assert (checkpoint.steps, checkpoint.guidance, checkpoint.strength) == (steps, 7.0, strength)
+        assert type(checkpoint.scheduler) is FlowMatchEulerScheduler
+        assert checkpoint.scheduler.config.use_karras_sigmas is karras and checkpoint.scheduler.config.shift == 3.0
+        assert (checkpoint.height, checkpoint.width) == (SIZE, SIZE)  # the picture's, or the transformer's 8 x 2
+
+
+SD3_FLAGS = [["--no-t5"], ["--prompt-3", "x"], ["--negative-prompt-3", "x"], ["--max-sequence-length", "10"],
+             ["--slg-layers", "1"], ["--slg-scale", "2"]]
+
+
+@pytest.mark.parametrize("args", SD3_FLAGS, ids=lambda args: args[0])
+def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
+    assert main(["generate", "a fox", "--model", TINY, *args, "--out", str(tmp_path / "out")]) == 2
+    assert f"{args[0]} is for SD 3.x checkpoints, but {TINY} is an SD 1.x / 2.x checkpoint: drop {args[0]}" in \
+        one_error_line(capsys)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--controlnet", "net", "--control-image", "in.png"], "--controlnet is not supported with SD 3.x checkpoints yet"),
+    (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with SD 3.x"),
+    (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with SD 3.x"),
+    (["--lora", "lora.safetensors"], "--lora is not supported with SD 3.x checkpoints yet (sd3 is one): drop --lora"),
+    (["--embedding", "token.pt"], "--embedding is not supported with SD 3.x checkpoints yet"),
+    (["--refiner", "sd3"], "--refiner is not supported with SD 3.x checkpoints yet"),
+    (["--slg-layers", "3"], "--slg-layers 3: sd3's transformer has blocks 0 .. 2: give blocks among them"),
+    (["--slg-layers", "1,x"], "argument --slg-layers: expected block indices separated by commas"),
+    (["--slg-scale", "2"], "--slg-scale applies with --slg-layers"),
+    (["--slg-layers", "1", "--guider", "apg"], "--slg-layers runs with the pipeline's classifier-free guidance"),
+    (["--max-sequence-length", "513"], "argument --max-sequence-length: must be at most 512 (T5's longest)"),
+    (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x samples with flow-matching Euler: use Euler"),
+    (["--scheduler", "EulerDiscreteScheduler"], "--scheduler EulerDiscreteScheduler: SD 3.x's transformer samples "
+     "with flow-matching Euler"),
+    (["--height", "18"], "--height 18 is not a multiple of 4, the VAE scale factor times the patch size of sd3"),
+    (["--height", "128"], "16x128 is larger than sd3 makes: its position table covers 64 pixels a side"),
+    (["--steps", "1"], "--strength 0.6 with --steps 1 runs no denoising step"),
+])
+def test_bad_sd3_input_is_one_line_and_status_2(args, expected, files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    command = ["img2img", "a fox", "--image", "in.png"] if args[0] == "--steps" else ["generate", "a fox"]
+    width = [] if args[0] == "--steps" else ["--width", "16"]
+    assert main([*command, "--model", "sd3", *width, *args, "--out", str(tmp_path / "out")]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_sd3_single_files_and_flow_schedulers_for_unets_are_refused(files, tmp_path, capsys):
+    path = files / "sd3.5.safetensors"
+    assert main(["generate", "a fox", "--model", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert f"--model {path} is an SD 3.x single file, which sdflax does not load yet: give a diffusers folder or " \
+           "hub id" in one_error_line(capsys)
+    assert main(["generate", "a fox", "--model", TINY, "--scheduler", "flow_match_euler", "--out",
+                 str(tmp_path / "out")]) == 2
+    assert "--scheduler flow_match_euler is flow-matching Euler, for SD 3.x" in one_error_line(capsys)
+
+
+def test_help_lists_the_sd3_options(capsys):
+    assert_help_lists(capsys, "--prompt-3 TEXT", "--negative-prompt-3 TEXT", "--no-t5", "--max-sequence-length N",
+                      "--slg-layers I,J,...", "--slg-scale S")
