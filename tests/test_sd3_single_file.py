@@ -261,3 +261,32 @@ def test_bundled_configs_map_a_full_size_checkpoint(version):
         shapes = cls.from_config(configs[component]).param_shapes()
         assert sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) == \
             sum(int(np.prod(v.shape)) for v in states[component].values()), component
+
+
+def test_bundled_text_encoder_configs():
+    """CLIP-L, CLIP-G and T5 XXL as transformers builds them from the bundled configs (the same in both folders),
+    and sdflax to the same sizes."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from sdflax.models import CLIPTextModelWithProjection as FlaxCLIP
+    from sdflax.models import T5EncoderModel as FlaxT5
+
+    medium, large = (single_file.bundled_config_folder(v) for v in ("sd35_medium", "sd35_large"))
+    for part in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "scheduler/scheduler_config.json"):
+        path = part if part.endswith(".json") else f"{part}/config.json"
+        assert json.load(open(f"{medium}/{path}")) == json.load(open(f"{large}/{path}")), part
+    classes = {"text_encoder": (CLIPTextConfig, CLIPTextModelWithProjection, FlaxCLIP),
+               "text_encoder_2": (CLIPTextConfig, CLIPTextModelWithProjection, FlaxCLIP),
+               "text_encoder_3": (T5Config, T5EncoderModel, FlaxT5)}
+    widths = {}
+    for part, (config_class, torch_class, flax_class) in classes.items():
+        config = json.load(open(f"{medium}/{part}/config.json"))
+        with torch.device("meta"):
+            theirs = torch_class(config_class(**config))
+        sizes = {k: int(np.prod(v.shape)) for k, v in theirs.state_dict().items() if "embed_tokens" not in k}
+        ours = flax_class.from_config(config).param_shapes()
+        assert sum(int(np.prod(s.shape)) for s in jax.tree.leaves(ours)) == sum(sizes.values()), part
+        widths[part] = config.get("projection_dim", config.get("d_model"))
+    transformer = json.load(open(f"{medium}/transformer/config.json"))
+    assert widths["text_encoder"] + widths["text_encoder_2"] == transformer["pooled_projection_dim"]
+    assert widths["text_encoder_3"] == transformer["joint_attention_dim"]
