@@ -24,6 +24,8 @@ LAYOUT = {"model.diffusion_model.": "transformer", "first_stage_model.": "vae",
           "text_encoders.clip_l.transformer.": "text_encoder", "text_encoders.clip_g.transformer.": "text_encoder_2",
           "text_encoders.t5xxl.transformer.": "text_encoder_3"}
 TRANSFORMER_PREFIX = "model.diffusion_model."
+PARTS = {"text_encoder": "CLIP-L (text_encoders.clip_l.*)", "text_encoder_2": "CLIP-G (text_encoders.clip_g.*)",
+         "text_encoder_3": "T5 (text_encoders.t5xxl.*)", "vae": "VAE (first_stage_model.*)"}
 
 # Tensors such files carry that no pipeline uses: CLIP's contrastive temperature (ComfyUI saves one per encoder)
 # and CLIP-L's projection, which SD 3 leaves out of its pooled conditioning (diffusers loads an identity instead).
@@ -53,6 +55,20 @@ BUNDLED = {"sd3": "sd35_medium", "sd35_medium": "sd35_medium", "sd35_large": "sd
 TRANSFORMER_CHANGES = {"sd3": {"pos_embed_max_size": 192, "qk_norm": None, "dual_attention_layers": []}}
 NAMES = {"sd3": "stable-diffusion-3-medium", "sd35_medium": "stable-diffusion-3.5-medium",
          "sd35_large": "stable-diffusion-3.5-large"}
+
+
+def with_prefixes(state_dict: dict) -> dict:
+    """The tensors with Stability's prefixes: an MMDiT saved alone (`joint_blocks.*`) gets `model.diffusion_model.`."""
+    if any(k.startswith("joint_blocks.") for k in state_dict):
+        return {TRANSFORMER_PREFIX + k: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def components_in(state_dict) -> set[str]:
+    """The pipeline components whose tensors the file holds."""
+    prefixes = {m[0] for k in state_dict if (m := re.match(r"model\.diffusion_model\.|first_stage_model\.|"
+                                                          r"text_encoders\.\w+\.transformer\.", k))}
+    return {LAYOUT[prefix] for prefix in prefixes if prefix in LAYOUT}
 
 
 def is_sd3_file(keys) -> bool:

@@ -241,8 +241,6 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
 
 SD3_MODELS = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
               "text_encoder_3": T5EncoderModel, "transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
-SD3_PARTS = {"text_encoder": "CLIP-L (text_encoders.clip_l.*)", "text_encoder_2": "CLIP-G (text_encoders.clip_g.*)",
-             "vae": "VAE (first_stage_model.*)"}
 T5_ADVICE = ("sdflax does not bundle T5's tokenizer: pass config=<a diffusers SD 3.5 folder or hub id with "
              "tokenizer_3/tokenizer.json, e.g. stabilityai/stable-diffusion-3.5-medium>, or text_encoder_3=None to "
              "load without T5")
@@ -250,14 +248,13 @@ T5_ADVICE = ("sdflax does not bundle T5's tokenizer: pass config=<a diffusers SD
 
 def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, scheduler_config=None, attention="auto",
                          revision=None, left_out=()):
-    """(StableDiffusion3's constructor arguments, params) from an SD 3 / 3.5 file in Stability's layout.
-
-    The models the file lacks come from `config` (a diffusers SD 3 folder or hub id), as do the configs and
-    tokenizers; without it, sdflax's bundled SD 3.5 Medium or Large configs (told apart as diffusers does) and CLIP
-    tokenizer. T5 is None where neither the file nor `config` has it, or `left_out` names "text_encoder_3".
-    """
+    """(StableDiffusion3's constructor arguments, params) from an SD 3 / 3.5 file in Stability's layout (or its
+    MMDiT alone). The models the file lacks come from `config` (a diffusers SD 3 folder or hub id), as do the
+    configs and tokenizers; without it, sdflax's bundled SD 3.5 configs and CLIP tokenizer. T5 is None where
+    neither the file nor `config` has it, or `left_out` names "text_encoder_3"."""
     dtype = jnp.float32 if dtype is None else dtype
     where, state_dict = read_file(path, "checkpoint")
+    state_dict = sd3_names.with_prefixes(state_dict)
     if not sd3_names.is_sd3_file(state_dict):
         other = "an SD 1.x / 2.x / SDXL file loads with StableDiffusion(XL).from_single_file" if any(
             k.startswith("model.diffusion_model.") for k in state_dict) else "a diffusers folder loads with " \
@@ -267,18 +264,15 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
                               f"{other}")
     if set(left_out) - {"text_encoder_3"}:
         raise ValueError(f"only text_encoder_3 (T5) may be left out of an SD 3 pipeline, not {short_list(left_out)}")
-    in_file = {c for prefix, c in sd3_names.LAYOUT.items() if any(k.startswith(prefix) for k in state_dict)}
-    in_file -= set(left_out)
+    in_file = sd3_names.components_in(state_dict) - set(left_out)
     version = sd3_names.model_type(state_dict)
-    wanted = [c for c in SD3_MODELS if c not in left_out]
+    models = {c: cls for c, cls in SD3_MODELS.items() if c not in left_out}
     if config is not None:
-        tokenizer_names = tuple(c.replace("text_encoder", "tokenizer") for c in wanted if c.startswith("text_"))
         folder = resolve_folder(config, revision, allow_patterns=checkpoint_files(
-            None, tuple(c for c in wanted if c not in in_file), tokenizer_names))
+            None, tuple(models.keys() - in_file), tuple(c.replace("text_encoder", "tokenizer") for c in models)))
         index = read_index(folder)
         if "text_encoder_3" not in in_file and (is_null(index, "text_encoder_3") or "text_encoder_3" not in index):
-            wanted.remove("text_encoder_3")  # a folder without T5
-        models = {c: SD3_MODELS[c] for c in wanted}
+            models.pop("text_encoder_3", None)  # neither the file nor the folder has T5
         tokenizer_names = tuple(c.replace("text_encoder", "tokenizer") for c in models if c.startswith("text_"))
         check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizer_names)
         if "text_encoder_3" in models and not os.path.isfile(os.path.join(folder, "tokenizer_3", "tokenizer.json")):
@@ -289,7 +283,7 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
                                            os.path.join(folder, t)) for t in tokenizer_names}
         source = f"the configs in {config}"
     else:
-        if missing := [SD3_PARTS[c] for c in SD3_PARTS if c not in in_file]:
+        if missing := [sd3_names.PARTS[c] for c in ("text_encoder", "text_encoder_2", "vae") if c not in in_file]:
             raise SingleFileError(f"{where} holds no {', '.join(missing)}: pass config=<a diffusers SD 3 folder or "
                                   "hub id, e.g. stabilityai/stable-diffusion-3.5-medium> to load it from there")
         if version is None:
@@ -297,7 +291,7 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
                                   "Medium and Large): pass config=<a diffusers folder or hub id of the same model>")
         if "text_encoder_3" in in_file:
             raise SingleFileError(f"{where} holds T5 (text_encoders.t5xxl.*), but {T5_ADVICE}")
-        models = {c: SD3_MODELS[c] for c in wanted if c in in_file}
+        models = {c: cls for c, cls in models.items() if c in in_file}
         folder = bundled_config_folder(sd3_names.BUNDLED[version])
         tokenizers = {t: functools.partial(bundled_tokenizer, "sd3", t) for t in ("tokenizer", "tokenizer_2")}
         source = f"sdflax's bundled {sd3_names.NAMES[version]} configs"

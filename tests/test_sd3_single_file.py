@@ -154,7 +154,8 @@ def test_params_equal_from_pretrained(checkpoint):
 
 
 def test_text_encoders_from_config(checkpoint, tmp_path):
-    """A file of the MMDiT and VAE alone takes its text encoders from `config`; T5 may be left out."""
+    """A file of the MMDiT and VAE alone takes its text encoders from `config`, one of the MMDiT alone its VAE too;
+    T5 may be left out."""
     variant, theirs, folder, _, (_, expected) = checkpoint
     save_file(to_single_file(theirs, text_encoders=False, t5=False), tmp_path / "bare.safetensors")
     _, params = single_file.load_sd3_single_file(tmp_path / "bare.safetensors", config=folder)
@@ -166,6 +167,21 @@ def test_text_encoders_from_config(checkpoint, tmp_path):
     StableDiffusion3(**parts)
     with pytest.raises(single_file.SingleFileError, match=r"holds no CLIP-L .*CLIP-G .*pass config="):
         single_file.load_sd3_single_file(tmp_path / "bare.safetensors")
+    # A folder without T5 gives none
+    no_t5 = tmp_path / "no_t5"
+    shutil.copytree(folder, no_t5, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
+    index = json.loads((no_t5 / "model_index.json").read_text())
+    (no_t5 / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": [None, None],
+                                                        "tokenizer_3": [None, None]}))
+    for left_out in ((), ("text_encoder_3",)):
+        parts, params = single_file.load_sd3_single_file(tmp_path / "bare.safetensors", config=no_t5,
+                                                         left_out=left_out)
+        assert parts["text_encoder_3"] is None and parts["tokenizer_3"] is None and "text_encoder_3" not in params
+    # The MMDiT alone, without its prefix (as diffusers' SD3Transformer2DModel.from_single_file reads it too)
+    alone = mmdit_to_stability(theirs.transformer.state_dict(), dict(theirs.transformer.config), p="")
+    save_file({k: v.contiguous() for k, v in alone.items()}, tmp_path / "mmdit.safetensors")
+    _, params = single_file.load_sd3_single_file(tmp_path / "mmdit.safetensors", config=folder)
+    assert_same_params(params, expected)
 
 
 def test_bundled_configs_path(checkpoint, monkeypatch):
