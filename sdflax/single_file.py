@@ -15,7 +15,7 @@ plus renames of the leaves inside that module (`in_layers.0` -> `norm1`). A fuse
 names and is split in equal thirds. The diffusers-named tensors then take the ordinary path of `weights.py`.
 
 SD 3 / 3.5 files (Stability's layout: the MMDiT under `model.diffusion_model.joint_blocks.*`, the text encoders
-under `text_encoders.*`) have their tables in `sd3_names.py` and load with `load_sd3_single_file`.
+under `text_encoders.*`) have their tables in `ldm_names.py` too and load with `load_sd3_single_file`.
 
 ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`): the UNet encoder's names,
 `zero_convs.*`, `middle_block_out.*` and `input_hint_block.*`, under `control_model.` in ControlNet 1.0 files.
@@ -37,7 +37,9 @@ import numpy as np
 from .assemble import assemble
 from .checkpoint_files import read_checkpoint
 from .hub import resolve_folder
-from .ldm_names import clip_table, controlnet_table, map_key, openclip_table, unet_table, vae_table
+from .ldm_names import (SD3_BUNDLED, SD3_NAMES, SD3_PARTS, SD3_TRANSFORMER_CHANGES, clip_table, controlnet_table,
+                        is_sd3_file, map_key, openclip_table, sd3_components_in, sd3_model_type, sd3_with_prefixes,
+                        split_sd3, unet_table, vae_table)
 from .loading import check_pipeline_folder, checkpoint_files, is_null, load_scheduler, load_tokenizer, read_index
 from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
 from .models.config import read_config_file
@@ -46,7 +48,6 @@ from .models.mmdit import SD3Transformer2DModel
 from .models.t5 import T5EncoderModel
 from .models.unet import UNet2DConditionModel
 from .models.vae import AutoencoderKL
-from . import sd3_names
 from .t5_tokenizer import T5Tokenizer
 from .weights import CheckpointMismatchError, read_weights, short_list, weight_files
 
@@ -95,7 +96,7 @@ def detect_version(keys) -> str:
     """'sd1' (CLIP ViT-L text encoder), 'sd2' (OpenCLIP ViT-H), 'sdxl' (CLIP ViT-L and OpenCLIP ViT-bigG) or
     'sdxl_refiner' (OpenCLIP ViT-bigG alone) from the tensor names."""
     keys = list(keys)
-    if sd3_names.is_sd3_file(keys):
+    if is_sd3_file(keys):
         raise SingleFileError("an SD 3 / 3.5 checkpoint (an MMDiT under model.diffusion_model.joint_blocks.*): load "
                               "it with StableDiffusion3.from_single_file")
     if not any(k.startswith("model.diffusion_model.") for k in keys):
@@ -254,8 +255,8 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
     neither the file nor `config` has it, or `left_out` names "text_encoder_3"."""
     dtype = jnp.float32 if dtype is None else dtype
     where, state_dict = read_file(path, "checkpoint")
-    state_dict = sd3_names.with_prefixes(state_dict)
-    if not sd3_names.is_sd3_file(state_dict):
+    state_dict = sd3_with_prefixes(state_dict)
+    if not is_sd3_file(state_dict):
         other = "an SD 1.x / 2.x / SDXL file loads with StableDiffusion(XL).from_single_file" if any(
             k.startswith("model.diffusion_model.") for k in state_dict) else "a diffusers folder loads with " \
             "StableDiffusion3.from_pretrained"
@@ -264,8 +265,8 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
                               f"{other}")
     if set(left_out) - {"text_encoder_3"}:
         raise ValueError(f"only text_encoder_3 (T5) may be left out of an SD 3 pipeline, not {short_list(left_out)}")
-    in_file = sd3_names.components_in(state_dict) - set(left_out)
-    version = sd3_names.model_type(state_dict)
+    in_file = sd3_components_in(state_dict) - set(left_out)
+    version = sd3_model_type(state_dict)
     models = {c: cls for c, cls in SD3_MODELS.items() if c not in left_out}
     if config is not None:
         folder = resolve_folder(config, revision, allow_patterns=checkpoint_files(
@@ -283,7 +284,7 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
                                            os.path.join(folder, t)) for t in tokenizer_names}
         source = f"the configs in {config}"
     else:
-        if missing := [sd3_names.PARTS[c] for c in ("text_encoder", "text_encoder_2", "vae") if c not in in_file]:
+        if missing := [SD3_PARTS[c] for c in ("text_encoder", "text_encoder_2", "vae") if c not in in_file]:
             raise SingleFileError(f"{where} holds no {', '.join(missing)}: pass config=<a diffusers SD 3 folder or "
                                   "hub id, e.g. stabilityai/stable-diffusion-3.5-medium> to load it from there")
         if version is None:
@@ -292,12 +293,12 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
         if "text_encoder_3" in in_file:
             raise SingleFileError(f"{where} holds T5 (text_encoders.t5xxl.*), but {T5_ADVICE}")
         models = {c: cls for c, cls in models.items() if c in in_file}
-        folder = bundled_config_folder(sd3_names.BUNDLED[version])
+        folder = bundled_config_folder(SD3_BUNDLED[version])
         tokenizers = {t: functools.partial(bundled_tokenizer, "sd3", t) for t in ("tokenizer", "tokenizer_2")}
-        source = f"sdflax's bundled {sd3_names.NAMES[version]} configs"
+        source = f"sdflax's bundled {SD3_NAMES[version]} configs"
     model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in models}
     if config is None:
-        model_configs["transformer"].update(sd3_names.TRANSFORMER_CHANGES.get(version, {}))
+        model_configs["transformer"].update(SD3_TRANSFORMER_CHANGES.get(version, {}))
     scheduler = load_scheduler(folder, scheduler, scheduler_config)
     components = {}
 
@@ -305,7 +306,7 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
         if component not in in_file:
             return f"{config} ({component})", read_weights(os.path.join(folder, component))
         if not components:
-            split, unknown = sd3_names.split_sd3(state_dict, {c: m.config for c, m in modules.items()}, in_file)
+            split, unknown = split_sd3(state_dict, {c: m.config for c, m in modules.items()}, in_file)
             if unknown:
                 raise SingleFileError(f"{len(unknown)} tensors that no table maps (is the config right for this "
                                       f"file?): {short_list(unknown)}")

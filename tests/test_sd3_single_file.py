@@ -19,14 +19,14 @@ from test_mmdit import torch_transformer
 from test_sd3_pipeline import TRANSFORMER, torch_sd3_pipeline
 from test_single_file import assert_same_params, vae_to_ldm
 
-from sdflax import StableDiffusion, StableDiffusion3, sd3_names, single_file
+from sdflax import StableDiffusion, StableDiffusion3, ldm_names, single_file
 from sdflax.models import SD3TransformerConfig, VAEConfig
 
 VARIANTS = {"sd35_medium": TRANSFORMER,  # MMDiT-X: qk RMSNorm, dual attention in block 0
             "sd3": {**TRANSFORMER, "qk_norm": None, "dual_attention_layers": ()}}
 
 # ---------------------------------------------------------------------------------------------------------------
-# diffusers names -> Stability's, written independently of sdflax/sd3_names.py's tables
+# diffusers names -> Stability's, written independently of sdflax/ldm_names.py's tables
 
 
 def swap(value):
@@ -194,8 +194,8 @@ def test_bundled_configs_path(checkpoint, monkeypatch):
             shutil.copytree(folder / part, bundled / part, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(single_file.SingleFileError, match="bundles no configs.*pass config="):
         single_file.load_sd3_single_file(path)  # the tiny MMDiT is no published size
-    monkeypatch.setattr(sd3_names, "model_type", lambda state_dict: "sd35_medium")
-    with pytest.raises(single_file.SingleFileError, match=r"holds T5 .*tokenizer_3/tokenizer.json.*text_encoder_3=None"):
+    monkeypatch.setattr(single_file, "sd3_model_type", lambda state_dict: "sd35_medium")
+    with pytest.raises(single_file.SingleFileError, match=r"holds T5 .*tokenizer_3/tokenizer.json.*=None"):
         single_file.load_sd3_single_file(path)
     monkeypatch.setattr(single_file, "bundled_config_folder", lambda version: str(bundled))
     parts, params = single_file.load_sd3_single_file(path, left_out=("text_encoder_3",))
@@ -204,7 +204,7 @@ def test_bundled_configs_path(checkpoint, monkeypatch):
     prompts = ["a photo of an astronaut", ""]  # CLIP-L pads with <|endoftext|>, CLIP-G with "!"
     np.testing.assert_array_equal(pipe.prepare_inputs(prompts)[:, :154], expected_pipe.prepare_inputs(prompts)[:, :154])
     monkeypatch.undo()
-    monkeypatch.setattr(sd3_names, "model_type", lambda state_dict: "sd35_medium")
+    monkeypatch.setattr(single_file, "sd3_model_type", lambda state_dict: "sd35_medium")
     with pytest.raises(single_file.SingleFileError, match="bundled stable-diffusion-3.5-medium configs.*pass config="):
         single_file.load_sd3_single_file(path, left_out=("text_encoder_3",))  # the real configs do not fit
 
@@ -252,9 +252,9 @@ def test_bundled_configs_map_a_full_size_checkpoint(version):
     from sdflax.models import AutoencoderKL as FlaxVAE
     from sdflax.models import SD3Transformer2DModel
 
-    folder = single_file.bundled_config_folder(sd3_names.BUNDLED[version])
+    folder = single_file.bundled_config_folder(ldm_names.SD3_BUNDLED[version])
     configs = {c: json.load(open(f"{folder}/{c}/config.json")) for c in ("transformer", "vae")}
-    configs["transformer"].update(sd3_names.TRANSFORMER_CHANGES.get(version, {}))
+    configs["transformer"].update(ldm_names.SD3_TRANSFORMER_CHANGES.get(version, {}))
     drop = ("_class_name", "_diffusers_version")
     with torch.device("meta"):
         models = {"transformer": TorchMMDiT(**{k: v for k, v in configs["transformer"].items() if k not in drop}),
@@ -262,10 +262,10 @@ def test_bundled_configs_map_a_full_size_checkpoint(version):
     states = {c: _meta_shapes(m) for c, m in models.items()}
     file_state = {**mmdit_to_stability(states["transformer"], configs["transformer"]),
                   **vae_to_ldm(states["vae"], configs["vae"])}
-    assert sd3_names.model_type(file_state) == version
+    assert ldm_names.sd3_model_type(file_state) == version
     sdflax_configs = {"transformer": SD3TransformerConfig.from_dict(configs["transformer"]),
                       "vae": VAEConfig.from_dict(configs["vae"])}
-    mapped, unknown = sd3_names.split_sd3(file_state, sdflax_configs, {"transformer", "vae"})
+    mapped, unknown = ldm_names.split_sd3(file_state, sdflax_configs, {"transformer", "vae"})
     assert not unknown
     for component, state in states.items():
         # The VAE's attention stays a 1x1 conv here; weights.py takes it as the linear layer it is.
