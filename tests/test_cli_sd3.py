@@ -19,8 +19,9 @@ STEPS = 6  # skip-layer guidance's default window (0.01 .. 0.2 of the steps) hol
 T5_LENGTH = 16
 SEED = 7
 PROMPT, PROMPT_3, NEGATIVE = "a lighthouse at dusk", "an oil painting, dramatic light", "blurry"
-COMMON = ["--height", str(SIZE), "--width", str(SIZE), "--steps", str(STEPS), "--seed", str(SEED), "--num-images",
-          "1", "--max-sequence-length", str(T5_LENGTH), "--no-progress"]
+SETTINGS = ["--height", str(SIZE), "--width", str(SIZE), "--steps", str(STEPS), "--seed", str(SEED),
+            "--max-sequence-length", str(T5_LENGTH), "--no-progress"]  # generate's and batch's
+COMMON = [*SETTINGS, "--num-images", "1"]
 TRANSFORMER = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=8,
                    num_attention_heads=4, joint_attention_dim=96, caption_projection_dim=32,
                    pooled_projection_dim=72, out_channels=16, pos_embed_max_size=16, qk_norm="rms_norm",
@@ -133,6 +134,19 @@ def test_no_t5_equals_the_library_without_t5(files, generated):
     assert text["t5"] == "off" and text["parameters"].endswith(f"Model: {files / 'sd3'}, T5: off")
 
 
+def test_batch_makes_the_image_generate_makes(files, generated):
+    """A prompt file's line n is `generate` with seed S + n - 1, the SD 3 flags as given (a second run: all done)."""
+    (files / "prompts.txt").write_text(f"{PROMPT}\n")
+    args = ["batch", str(files / "prompts.txt"), "--model", str(files / "sd3"), "--prompt-3", PROMPT_3,
+            "--negative-prompt", NEGATIVE, *SETTINGS, "--out",
+            str(files / "batch"), "--num-processes", "1"]
+    assert main(args) == 0
+    png = files / "batch" / "000001-a-lighthouse-at-dusk.png"
+    np.testing.assert_array_equal(pixels(png), pixels(generated["plain"]))
+    assert Image.open(png).text["prompt_3"] == PROMPT_3
+    assert main(args) == 0
+
+
 @pytest.mark.parametrize("command", ["img2img", "inpaint"])
 def test_img2img_and_inpaint_equal_the_library(files, command):
     from sdflax import StableDiffusion3Img2Img, StableDiffusion3Inpaint
@@ -198,7 +212,7 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
     (["--slg-scale", "2"], "--slg-scale applies with --slg-layers"),
     (["--slg-layers", "1", "--guider", "apg"], "--slg-layers runs with the pipeline's classifier-free guidance"),
     (["--max-sequence-length", "513"], "argument --max-sequence-length: must be at most 512 (T5's longest)"),
-    (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x samples with flow-matching Euler: use Euler"),
+    (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x's transformer samples with flow-matching Euler"),
     (["--scheduler", "EulerDiscreteScheduler"], "--scheduler EulerDiscreteScheduler: SD 3.x's transformer samples "
      "with flow-matching Euler"),
     (["--height", "18"], "--height 18 is not a multiple of 4, the VAE scale factor times the patch size of sd3"),

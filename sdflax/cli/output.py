@@ -227,13 +227,9 @@ def write_png(path, image, info):
 
 
 def a1111_sampler(scheduler):
-    """A1111's name of the sampler and its schedule type, else sdflax's name; flow-matching Euler is A1111's and
-    Forge's "Euler" on SD 3.x."""
-    from ..schedulers import FlowMatchEulerScheduler, a1111_name
+    """A1111's name of the sampler and its schedule type, else sdflax's name."""
+    from ..schedulers import a1111_name
 
-    if type(scheduler) is FlowMatchEulerScheduler:
-        schedule = next((name for name, field in sd3.FLOW_SCHEDULES.items() if getattr(scheduler.config, field)), None)
-        return "Euler" if schedule is None else f"Euler {schedule}"
     return a1111_name(scheduler) or scheduler_name(scheduler)
 
 

@@ -12,7 +12,7 @@ from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
 from .sd3 import (SD3_FILE_PREFIX, check_family_flags, check_guider, check_scheduler, check_sd3_size,
-                  check_transformer, family_of, folder_parts, read_transformer_config, scheduler_choice)
+                  check_transformer, family_of, folder_parts, read_transformer_config)
 from .t2i_adapter import adapter_class, check_t2i_adapters, fit_adapters, read_adapter_pictures
 
 
@@ -35,8 +35,6 @@ class Checkpoint:
     high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
     control_scales: tuple = ()  # one per --controlnet
     scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
-    scheduler_name: str | None = None  # the name it loads by (SD 3.x: A1111's Euler is flow-matching Euler) ...
-    scheduler_config: dict | None = dataclasses.field(default=None, compare=False)  # ... with these values
     guider: object = dataclasses.field(default=None, compare=False)  # --guider's, its scale the guidance
     adapters: object = dataclasses.field(default=None, compare=False)  # t2i_adapter.Adapters, at this size
 
@@ -84,8 +82,7 @@ def check_checkpoint(request, pictures, controls=None):
         check_family_flags(request, family)
         cls = pipeline_class(family, request.start, bool(request.controlnet))
         vae, denoiser = read_configs(folder, family)
-        scheduler_name, scheduler_config = scheduler_choice(family, request.scheduler)
-        scheduler = for_family(load_scheduler(folder, scheduler_name, scheduler_config), cls.text.ays_family)
+        scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
         check_scheduler(request, family, scheduler)
         request = dataclasses.replace(request, steps=request.steps or cls.defaults["num_inference_steps"])
         scheduler.check_steps(request.steps)
@@ -137,8 +134,7 @@ def check_checkpoint(request, pictures, controls=None):
     if family == "sd3":
         check_guider(request, guider)
     checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, single_file,
-                            strength, high_noise_frac, scales, scheduler, scheduler_name, scheduler_config, guider,
-                            adapters)
+                            strength, high_noise_frac, scales, scheduler, guider, adapters)
     return checkpoint, pictures, controls
 
 

@@ -137,9 +137,8 @@ def load(request, checkpoint, dtype):
         else:
             extra.update({"text_encoder_3": None} if request.no_t5 else {})
             pipeline, params = kind.from_pretrained(request.model, revision=request.revision, dtype=dtype,
-                                                    scheduler=checkpoint.scheduler_name,
-                                                    scheduler_config=checkpoint.scheduler_config,
-                                                    attention=request.attention, **extra)
+                                                    scheduler=request.scheduler, attention=request.attention,
+                                                    **extra)
     except (OSError, ValueError) as e:  # files missing, unreadable or not matching their config
         raise UserError(str(e)) from e
     if nets:

@@ -17,8 +17,6 @@ UNET_FLAGS = (("--controlnet", "controlnet"), ("--t2i-adapter", "t2i_adapter"), 
               ("--lora", "lora"), ("--embedding", "embedding"), ("--refiner", "refiner"))
 SD3_FILE_PREFIX = "model.diffusion_model.joint_blocks."  # an SD 3.x single file's transformer blocks
 DEFAULT_SLG_SCALE = 2.8  # diffusers' skip_layer_guidance_scale
-# A1111's schedule types that flow-matching Euler has (as σ schedules), and the field each sets
-FLOW_SCHEDULES = {"Karras": "use_karras_sigmas", "Exponential": "use_exponential_sigmas", "Beta": "use_beta_sigmas"}
 
 
 def family_of(index: dict) -> str:
@@ -55,9 +53,6 @@ def check_family_flags(request, family):
     if request.guider is not None and request.slg_layers:
         raise UserError("--slg-layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 pipeline: "
                         "drop --guider or --slg-layers")
-    if request.config is not None:
-        raise UserError("--config applies to a single-file --model; SD 3.x loads from a diffusers folder or hub id: "
-                        "drop --config")
 
 
 def check_guider(request, guider):
@@ -67,21 +62,6 @@ def check_guider(request, guider):
     if isinstance(guider, PerturbsLayers):
         raise UserError(f"--guider {request.guider} perturbs a UNet's layers; SD 3.x's transformer takes the guiders "
                         "that combine predictions (cfg, apg, ...): for skip-layer guidance use --slg-layers")
-
-
-def scheduler_choice(family, name) -> tuple[str | None, dict | None]:
-    """(the scheduler name to load, config values): for SD 3.x, A1111's "Euler" (with a σ schedule) is
-    flow-matching Euler, as A1111 and Forge run it on SD 3.x; other names are as given."""
-    from ..schedulers import names
-
-    parts = names.split(name) if family == "sd3" and name is not None else None
-    if parts is None:
-        return name, None
-    sampler, suffix = parts
-    if sampler != "Euler" or suffix not in (None, names.UNIFORM, *FLOW_SCHEDULES):
-        raise UserError(f"--scheduler {name}: SD 3.x samples with flow-matching Euler: use Euler (or Euler "
-                        f"{', Euler '.join(FLOW_SCHEDULES)}), or leave --scheduler out")
-    return "flow_match_euler", {field: schedule == suffix for schedule, field in FLOW_SCHEDULES.items()}
 
 
 def check_scheduler(request, family, scheduler):
