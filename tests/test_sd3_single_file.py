@@ -19,7 +19,7 @@ from test_mmdit import torch_transformer
 from test_sd3_pipeline import TRANSFORMER, torch_sd3_pipeline
 from test_single_file import assert_same_params, vae_to_ldm
 
-from sdflax import StableDiffusion, StableDiffusion3, ldm_names, single_file
+from sdflax import StableDiffusion, StableDiffusion3, StableDiffusion3Img2Img, ldm_names, single_file
 from sdflax.models import SD3TransformerConfig, VAEConfig
 
 VARIANTS = {"sd35_medium": TRANSFORMER,  # MMDiT-X: qk RMSNorm, dual attention in block 0
@@ -306,3 +306,20 @@ def test_bundled_text_encoder_configs():
     transformer = json.load(open(f"{medium}/transformer/config.json"))
     assert widths["text_encoder"] + widths["text_encoder_2"] == transformer["pooled_projection_dim"]
     assert widths["text_encoder_3"] == transformer["joint_attention_dim"]
+
+
+def test_pipelines_from_single_file(checkpoint):
+    """StableDiffusion3.from_single_file (and its image-to-image sibling) routes an SD 3 file to
+    load_sd3_single_file: the params and images of from_pretrained; text_encoder_3=None leaves T5 out."""
+    _, _, folder, path, (expected_pipe, expected) = checkpoint
+    pipe, params = StableDiffusion3.from_single_file(path, config=folder)
+    assert_same_params(params, expected)
+    assert pipe.scheduler_base_config == expected_pipe.scheduler_base_config
+    ids = pipe.prepare_inputs(["a red cat"], max_sequence_length=24)
+    kwargs = dict(num_inference_steps=2, height=64, width=64, latents=np.ones((1, 16, 8, 8), np.float32))
+    np.testing.assert_array_equal(pipe(ids, params, jax.random.PRNGKey(0), **kwargs).images,
+                                  expected_pipe(ids, expected, jax.random.PRNGKey(0), **kwargs).images)
+    pipe, params = StableDiffusion3Img2Img.from_single_file(path, config=folder, text_encoder_3=None)
+    assert pipe.text_encoder_3 is None and "text_encoder_3" not in params
+    with pytest.raises(ValueError, match="prediction_type"):
+        StableDiffusion3.from_single_file(path, config=folder, prediction_type="epsilon")

@@ -118,14 +118,24 @@ class Pipeline:
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
-                         scheduler_config=None, attention="auto", revision=None):
-        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout; configs from
-        `config` or bundled defaults (docs/checkpoints.md)."""
-        from ..single_file import bundled_config_folder, load_single_file
+                         scheduler_config=None, attention="auto", revision=None, **components):
+        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout (SD 3.x:
+        Stability's); configs from `config` or bundled defaults (docs/checkpoints.md); other components are passed
+        on (`text_encoder_3=None`: SD 3 without T5)."""
+        from ..single_file import bundled_config_folder, load_sd3_single_file, load_single_file
 
-        parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
-                                         attention, revision, family=cls.text, pipeline=cls.__name__)
-        pipeline = cls(**parts)
+        if cls.text.denoiser.flow:  # SD 3.x
+            if prediction_type is not None:
+                raise ValueError(f"prediction_type={prediction_type!r}: {cls.__name__}'s transformer predicts a "
+                                 "flow's velocity; prediction_type is for UNet checkpoints")
+            left_out = tuple(name for name in cls.text.optional if name.startswith("text_encoder") and
+                             name in components and components[name] is None)
+            parts, params = load_sd3_single_file(path, config, dtype, scheduler, scheduler_config, attention,
+                                                 revision, left_out)
+        else:
+            parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
+                                             attention, revision, family=cls.text, pipeline=cls.__name__)
+        pipeline = cls(**{**parts, **components})
         folder = config if config is not None else bundled_config_folder(bundled_version(parts))
         overrides = {**(scheduler_config or {}), **({"prediction_type": prediction_type} if prediction_type else {})}
         pipeline.scheduler_base_config = with_overrides(read_scheduler_config(folder, revision), overrides)
@@ -400,7 +410,10 @@ def with_overrides(config: dict | None, overrides) -> dict | None:
 
 def bundled_version(parts) -> str:
     """Which of sdflax's bundled configs a single file without `config=` was read with (`single_file.detect_version`
-    by its text encoders: two SDXL, the second alone a refiner, OpenCLIP ViT-H (1024 wide) SD 2.x)."""
+    by its text encoders: two SDXL, the second alone a refiner, OpenCLIP ViT-H (1024 wide) SD 2.x; SD 3.x by its
+    transformer's depth)."""
+    if parts.get("transformer") is not None:  # SD 3.x: SD 3 Medium reads with 3.5 Medium's configs
+        return "sd35_large" if parts["transformer"].config.num_layers == 38 else "sd35_medium"
     if parts.get("text_encoder_2") is not None:
         return "sdxl" if parts.get("text_encoder") is not None else "sdxl_refiner"
     return "sd2" if parts["text_encoder"].config.hidden_size == 1024 else "sd1"
