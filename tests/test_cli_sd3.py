@@ -1,8 +1,9 @@
-"""SD 3.x on the command line: `generate`, `img2img` and `inpaint --model <an SD 3 folder>`, `--prompt-3`,
-`--no-t5`, `--max-sequence-length`, skip-layer guidance (`--slg-layers`, `--slg-scale`), in process on a small
-random SD 3.5 Medium-shaped checkpoint written here by diffusers: each PNG equals the library's image for the same
-inputs and keys and records what made it; the defaults are the SD 3 pipelines'; the flags SD 3.x does not take,
-and the SD 3.x flags other models do not, are one line and status 2."""
+"""SD 3.x on the command line: `generate`, `img2img` and `inpaint --model <an SD 3 folder or single file>`,
+`--prompt-3`, `--no-t5`, `--max-sequence-length`, skip-layer guidance (`--slg-layers`, `--slg-scale`), `batch`, in
+process on a small random SD 3.5 Medium-shaped checkpoint written here by diffusers (and as one file in Stability's
+layout): each PNG equals the library's image for the same inputs and keys and records what made it; the defaults
+are the SD 3 pipelines'; the flags SD 3.x does not take, and the SD 3.x flags other models do not, are one line and
+status 2."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def files(tmp_path_factory):
     from builders import TOKENIZER, randomize_norms, t5_tokenizer_folder, torch_vae
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
     from safetensors.numpy import save_file
+    from safetensors.torch import save_file as save_torch_file
     from test_mmdit import torch_transformer
+    from test_sd3_single_file import to_single_file
     from test_sd3_text import CLIP, CLIP_G, T5
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
@@ -49,13 +52,18 @@ def files(tmp_path_factory):
     torch.manual_seed(0)
     encoders = [randomize_norms(CLIPTextModelWithProjection(CLIPTextConfig(**config)), seed).eval()
                 for seed, config in ((0, CLIP), (1, CLIP_G))]
+    with torch.no_grad():  # SD 3 pools CLIP-L unprojected: a single file's CLIP-L reads with an identity projection
+        projection = encoders[0].text_projection.weight
+        projection.copy_(torch.eye(*projection.shape))
     tokenizer_3 = t5_tokenizer_folder(tmp / "t5_tokenizer")
-    StableDiffusion3Pipeline(
+    theirs = StableDiffusion3Pipeline(
         transformer=torch_transformer(TRANSFORMER, seed=2), vae=torch_vae(VAE, seed=3),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=encoders[0], text_encoder_2=encoders[1],
         text_encoder_3=T5EncoderModel(T5Config(**T5)).eval(), tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER),
         tokenizer_2=CLIPTokenizer.from_pretrained(TOKENIZER, pad_token="!"),
-        tokenizer_3=T5TokenizerFast(tokenizer_file=str(tokenizer_3 / "tokenizer.json"))).save_pretrained(tmp / "sd3")
+        tokenizer_3=T5TokenizerFast(tokenizer_file=str(tokenizer_3 / "tokenizer.json")))
+    theirs.save_pretrained(tmp / "sd3")
+    save_torch_file(to_single_file(theirs), tmp / "sd3.safetensors")  # MMDiT, VAE, CLIP-L, CLIP-G and T5
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(tmp / "in.png")
     mask = np.zeros((SIZE, SIZE), np.uint8)
@@ -68,9 +76,9 @@ def files(tmp_path_factory):
     return tmp
 
 
-def cli(files, name, *args):
+def cli(files, name, *args, model="sd3"):
     """The command in process (on this session's devices: a row per device, seeds SEED, SEED + 1, ...); the PNG."""
-    assert main([*args, "--model", str(files / "sd3"), *COMMON, "--out", str(files / name)]) == 0
+    assert main([*args, "--model", str(files / model), *COMMON, "--out", str(files / name)]) == 0
     return files / name
 
 
@@ -211,6 +219,8 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
     (["--slg-layers", "1,x"], "argument --slg-layers: expected block indices separated by commas"),
     (["--slg-scale", "2"], "--slg-scale applies with --slg-layers"),
     (["--slg-layers", "1", "--guider", "apg"], "--slg-layers runs with the pipeline's classifier-free guidance"),
+    (["--guider", "pag", "--guider-arg", "config=transformer_blocks:0"], "--guider pag perturbs a UNet's layers; "
+     "SD 3.x's transformer takes the guiders that combine predictions"),
     (["--max-sequence-length", "513"], "argument --max-sequence-length: must be at most 512 (T5's longest)"),
     (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x's transformer samples with flow-matching Euler"),
     (["--scheduler", "EulerDiscreteScheduler"], "--scheduler EulerDiscreteScheduler: SD 3.x's transformer samples "
@@ -227,11 +237,29 @@ def test_bad_sd3_input_is_one_line_and_status_2(args, expected, files, tmp_path,
     assert expected in one_error_line(capsys)
 
 
-def test_sd3_single_files_and_flow_schedulers_for_unets_are_refused(files, tmp_path, capsys):
-    path = files / "sd3.5.safetensors"
-    assert main(["generate", "a fox", "--model", str(path), "--out", str(tmp_path / "out")]) == 2
-    assert f"--model {path} is an SD 3.x single file, which sdflax does not load yet: give a diffusers folder or " \
-           "hub id" in one_error_line(capsys)
+def test_a_single_file_makes_the_folders_image(files, generated):
+    """One file in Stability's layout (its tokenizers and configs from --config) holds the folder's weights."""
+    png = cli(files, "file.png", "generate", PROMPT, "--prompt-3", PROMPT_3, "--negative-prompt", NEGATIVE,
+              "--config", str(files / "sd3"), model="sd3.safetensors")
+    np.testing.assert_array_equal(pixels(png), pixels(generated["plain"]))
+    text = Image.open(png).text
+    assert (text["model"], text["config"]) == (str(files / "sd3.safetensors"), str(files / "sd3"))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "sd3.safetensors"], "--model sd3.safetensors: an MMDiT of a size sdflax bundles no configs for "
+     "(SD 3 Medium, SD 3.5 Medium and Large): pass --config <a diffusers folder or hub id of the same model>"),
+    (["--model", "sd3.5.safetensors"], "--model sd3.5.safetensors: an MMDiT of a size sdflax bundles no configs"),
+    (["--model", "sd3.safetensors", "--config", TINY], f"--config {TINY} is a StableDiffusionPipeline checkpoint, "
+     "but --model sd3.safetensors is an SD 3.x file: give the diffusers folder or hub id of the same model"),
+])
+def test_bad_single_file_input_is_one_line(args, expected, files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    assert main(["generate", "a fox", *args, "--out", str(tmp_path / "out")]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_flow_schedulers_for_unets_are_refused(tmp_path, capsys):
     assert main(["generate", "a fox", "--model", TINY, "--scheduler", "flow_match_euler", "--out",
                  str(tmp_path / "out")]) == 2
     assert "--scheduler flow_match_euler is flow-matching Euler, for SD 3.x" in one_error_line(capsys)

@@ -114,7 +114,7 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
     settings.update({key: value for key, value in (("prompt_2", request.prompt_2),
                                                    ("negative_prompt_2", request.negative_prompt_2))
                      if value is not None})
-    settings.update(sd3.settings(request))
+    settings.update(sd3.settings(request, checkpoint.without_t5))
     if checkpoint.high_noise_frac is not None:
         settings.update(refiner=request.refiner, high_noise_frac=checkpoint.high_noise_frac)
     if checkpoint.single_file and request.config:

@@ -237,12 +237,13 @@ def add_options(command, image=False, exclude=()):
     add("--negative-prompt-3", metavar="TEXT", help="SD 3.x: the negative prompt of T5 (default: the negative "
         "prompt)")
     add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
-        help=f"hub id or local diffusers folder (SD 1.x, 2.x, SDXL, SD 3.x), or one .safetensors/.ckpt file (SD 1.x, "
-             f"2.x or SDXL base, told apart by its tensor names) (default: {DEFAULT_MODEL})")
+        help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x, SDXL base or SD 3.x, told "
+             f"apart by its tensor names) (default: {DEFAULT_MODEL})")
     add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
     add("--config", metavar="ID_OR_DIR", help="with a single-file --model: a diffusers folder or hub id of the "
-        "same architecture, for the model, scheduler and tokenizer configs (default: sdflax's bundled SD 1.5, SD 2.1 "
-        "(768 px, v-prediction) or SDXL base configs)")
+        "same architecture, for the model, scheduler and tokenizer configs, and the models an SD 3.x file lacks "
+        "(default: sdflax's bundled SD 1.5, SD 2.1 (768 px, v-prediction), SDXL base, SD 3 / 3.5 Medium or 3.5 Large "
+        "configs)")
     add("--lora", action="append", default=[], type=lora_argument, metavar="PATH[:SCALE]",
         help="a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the model at SCALE (default: 1.0); repeat for "
              "several, merged in order. A file whose name ends in :NUMBER needs its :SCALE written out")

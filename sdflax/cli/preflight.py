@@ -11,8 +11,8 @@ from .ip_adapter import check_ip_adapter_width
 from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
-from .sd3 import (SD3_FILE_PREFIX, check_family_flags, check_guider, check_scheduler, check_sd3_size,
-                  check_transformer, family_of, folder_parts, read_transformer_config)
+from .sd3 import (check_family_flags, check_guider, check_scheduler, check_sd3_size, check_transformer, family_of,
+                  folder_parts, lacks_t5, read_transformer_config, sd3_file_configs)
 from .t2i_adapter import adapter_class, check_t2i_adapters, fit_adapters, read_adapter_pictures
 
 
@@ -30,6 +30,7 @@ class Checkpoint:
     height: int
     width: int
     steps: int  # --steps, or the pipeline's default
+    without_t5: bool = False  # SD 3.x: --no-t5, or a checkpoint without T5
     single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
     strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
     high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
@@ -43,14 +44,15 @@ class Checkpoint:
         return self.family == "sdxl"
 
 
-def read_configs(folder, family="sd"):
-    """(VAEConfig, the denoiser's config) of a checkpoint folder: a UNetConfig, or SD 3.x's transformer's."""
+def read_configs(folder, family="sd", transformer_changes=None):
+    """(VAEConfig, the denoiser's config) of a checkpoint folder: a UNetConfig, or SD 3.x's transformer's (with
+    `transformer_changes`)."""
     from ..models import UNetConfig, VAEConfig
     from ..models.config import read_config_file
 
     vae = VAEConfig.from_dict(read_config_file(os.path.join(folder, "vae", "config.json")))
     if family == "sd3":
-        return vae, read_transformer_config(folder)
+        return vae, read_transformer_config(folder, transformer_changes)
     return vae, UNetConfig.from_dict(read_config_file(os.path.join(folder, "unet", "config.json")))
 
 
@@ -73,15 +75,17 @@ def check_checkpoint(request, pictures, controls=None):
                         f"{request.model} is not a file: drop --config")
     try:
         if single_file:
-            folder, family = single_file_configs(request)
+            folder, family, transformer_changes, without_t5 = single_file_configs(request)
         else:
             folder = resolve_folder(request.model, request.revision, allow_patterns=CONFIG_FILES)
             index_file = os.path.join(folder, "model_index.json")
-            family = family_of(read_config_file(index_file)) if os.path.isfile(index_file) else "sd"
+            index = read_config_file(index_file) if os.path.isfile(index_file) else {}
+            family, transformer_changes = family_of(index), None
+            without_t5 = family == "sd3" and (request.no_t5 or lacks_t5(index))
             check_pipeline_folder(folder, request.model, *folder_parts(family, request))
         check_family_flags(request, family)
         cls = pipeline_class(family, request.start, bool(request.controlnet))
-        vae, denoiser = read_configs(folder, family)
+        vae, denoiser = read_configs(folder, family, transformer_changes)
         scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
         check_scheduler(request, family, scheduler)
         request = dataclasses.replace(request, steps=request.steps or cls.defaults["num_inference_steps"])
@@ -133,8 +137,8 @@ def check_checkpoint(request, pictures, controls=None):
     guider = make_guider(request, guidance)
     if family == "sd3":
         check_guider(request, guider)
-    checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, single_file,
-                            strength, high_noise_frac, scales, scheduler, guider, adapters)
+    checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, without_t5,
+                            single_file, strength, high_noise_frac, scales, scheduler, guider, adapters)
     return checkpoint, pictures, controls
 
 
@@ -225,12 +229,14 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     return fraction
 
 
-def single_file_configs(request) -> tuple[str, str]:
-    """(the folder of configs for a single-file --model, its family: "sd" or "sdxl"): the version is told from the
-    tensor names (a .safetensors header, a .ckpt's pickle: the tensors are memory-mapped, not read), the configs
-    are --config's or sdflax's bundled ones for that version."""
+def single_file_configs(request) -> tuple[str, str, dict | None, bool]:
+    """(the folder of configs for a single-file --model, its family, changes to an SD 3.x transformer's config,
+    whether it runs without T5): the version is told from the tensor names (a .safetensors header, a .ckpt's
+    pickle: the tensors are memory-mapped, not read), the configs are --config's or sdflax's bundled ones for that
+    version."""
     from ..checkpoint_files import read_checkpoint
     from ..hub import resolve_folder
+    from ..ldm_names import is_sd3_file, sd3_with_prefixes
     from ..loading import check_pipeline_folder
     from ..single_file import NAMES, bundled_config_folder, detect_version, file_contents
 
@@ -239,10 +245,10 @@ def single_file_configs(request) -> tuple[str, str]:
         raise UserError(f"--model {request.model} is a file but not a {' or '.join(SINGLE_FILE_SUFFIXES)} "
                         "checkpoint: give a single-file checkpoint, a diffusers folder or a hub id")
     try:
-        tensors = read_checkpoint(os.path.expanduser(request.model))
-        if any(name.startswith(SD3_FILE_PREFIX) for name in tensors):
-            raise UserError(f"--model {request.model} is an SD 3.x single file, which sdflax does not load yet: give "
-                            "a diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)")
+        tensors = sd3_with_prefixes(read_checkpoint(os.path.expanduser(request.model)))
+        if is_sd3_file(tensors):
+            folder, transformer_changes, without_t5 = sd3_file_configs(request, tensors)
+            return folder, "sd3", transformer_changes, without_t5
         version = detect_version(tensors)
     except ValueError as e:
         raise UserError(f"--model {request.model}: {e}") from e
@@ -252,11 +258,11 @@ def single_file_configs(request) -> tuple[str, str]:
                         "alone; give an SD 1.x, 2.x or SDXL base checkpoint")
     family = "sdxl" if version == "sdxl" else "sd"
     if request.config is None:
-        return bundled_config_folder(version), family
+        return bundled_config_folder(version), family, None, False
     contents = file_contents(version)
     folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
     check_pipeline_folder(folder, f"--config {request.config}", tuple(contents.models), contents.tokenizers)
-    return folder, family
+    return folder, family, None, False
 
 
 def controlnet_configs(request) -> tuple:

@@ -18,7 +18,7 @@ from .output import image_settings, output_target, save
 from .pictures import read_controls, read_pictures
 from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files, controlnet_configs
 from .request import UserError
-from .sd3 import guidance_arguments, prompt_arguments
+from .sd3 import guidance_arguments, load_sd3_file, prompt_arguments
 from .t2i_adapter import adapter_inputs, check_adapter_flags, load_t2i_adapters
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
@@ -132,7 +132,9 @@ def load(request, checkpoint, dtype):
         adapters = load_t2i_adapters(request, dtype)
         extra = {"controlnet": [net for net, _ in nets]} if nets else {}
         extra.update({"adapter": [adapter for adapter, _ in adapters]} if adapters else {})
-        if checkpoint.single_file:
+        if checkpoint.single_file and checkpoint.family == "sd3":
+            pipeline, params = load_sd3_file(request, kind, dtype)
+        elif checkpoint.single_file:
             pipeline, params = load_single_file(request, kind, dtype, extra)
         else:
             extra.update({"text_encoder_3": None} if request.no_t5 else {})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .request import UserError
+from .request import CONFIG_FILES, UserError
 
 FAMILY_NAMES = {"sd": "SD 1.x / 2.x", "sdxl": "SDXL", "sd3": "SD 3.x"}
 SD3_FLAGS = (("--prompt-3", "prompt_3"), ("--negative-prompt-3", "negative_prompt_3"), ("--no-t5", "no_t5"),
@@ -15,7 +15,6 @@ SD3_FLAGS = (("--prompt-3", "prompt_3"), ("--negative-prompt-3", "negative_promp
 # UNet-side additions that SD 3.x pipelines do not take (yet): refused in one line before anything loads
 UNET_FLAGS = (("--controlnet", "controlnet"), ("--t2i-adapter", "t2i_adapter"), ("--ip-adapter", "ip_adapter"),
               ("--lora", "lora"), ("--embedding", "embedding"), ("--refiner", "refiner"))
-SD3_FILE_PREFIX = "model.diffusion_model.joint_blocks."  # an SD 3.x single file's transformer blocks
 DEFAULT_SLG_SCALE = 2.8  # diffusers' skip_layer_guidance_scale
 
 
@@ -23,6 +22,40 @@ def family_of(index: dict) -> str:
     """"sd", "sdxl" or "sd3" from model_index.json's pipeline class name."""
     name = str(index.get("_class_name", ""))
     return "sd3" if name.startswith("StableDiffusion3") else "sdxl" if name.startswith("StableDiffusionXL") else "sd"
+
+
+def lacks_t5(index: dict) -> bool:
+    """Whether an SD 3.x folder's model_index.json has no T5 (saved with text_encoder_3=None)."""
+    from ..loading import is_null
+
+    return "text_encoder_3" not in index or is_null(index, "text_encoder_3")
+
+
+def sd3_file_configs(request, tensors) -> tuple[str, dict, bool]:
+    """(the folder of configs for an SD 3.x single file, changes to its transformer's config, whether it runs
+    without T5): --config's, else sdflax's bundled ones for the MMDiT's size (as `load_sd3_single_file` reads them).
+    """
+    from ..hub import resolve_folder
+    from ..ldm_names import SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type
+    from ..loading import check_pipeline_folder, read_index
+    from ..single_file import bundled_config_folder
+
+    t5_in_file = "text_encoder_3" in sd3_components_in(tensors)
+    if request.config is not None:
+        folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
+        check_pipeline_folder(folder, f"--config {request.config}", (), ())  # model_index.json, the scheduler's
+        index = read_index(folder)
+        if family_of(index) != "sd3":
+            raise UserError(f"--config {request.config} is a {index.get('_class_name')} checkpoint, but --model "
+                            f"{request.model} is an SD 3.x file: give the diffusers folder or hub id of the same model")
+        check_pipeline_folder(folder, f"--config {request.config}", ("transformer", "vae"), ())
+        return folder, {}, request.no_t5 or not t5_in_file and lacks_t5(index)
+    version = sd3_model_type(tensors)
+    if version is None:
+        raise UserError(f"--model {request.model}: an MMDiT of a size sdflax bundles no configs for (SD 3 Medium, "
+                        "SD 3.5 Medium and Large): pass --config <a diffusers folder or hub id of the same model>")
+    return bundled_config_folder(SD3_BUNDLED[version]), SD3_TRANSFORMER_CHANGES.get(version, {}), \
+        request.no_t5 or not t5_in_file
 
 
 def folder_parts(family, request) -> tuple[tuple, tuple]:
@@ -67,19 +100,22 @@ def check_guider(request, guider):
 def check_scheduler(request, family, scheduler):
     """A flow-matching scheduler for SD 3.x's transformer and for no UNet."""
     flow = getattr(scheduler.config, "prediction_type", None) == "flow"
+    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
     if family == "sd3" and not flow:
-        raise UserError(f"--scheduler {request.scheduler}: SD 3.x's transformer samples with flow-matching Euler "
-                        "(A1111's Euler, flow_match_euler): use one of them, or leave --scheduler out")
+        raise UserError(f"{given}: SD 3.x's transformer samples with flow-matching Euler (A1111's Euler, "
+                        "flow_match_euler): give --scheduler Euler")
     if family != "sd3" and flow:
         raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for SD 3.x; {request.model}'s UNet "
                         "predicts noise: choose another sampler")
 
 
-def read_transformer_config(folder):
+def read_transformer_config(folder, changes=None):
+    """The transformer's config, with `changes` (a single file's with bundled configs: SD 3 Medium's MMDiT)."""
     from ..models import SD3TransformerConfig
     from ..models.config import read_config_file
 
-    return SD3TransformerConfig.from_dict(read_config_file(os.path.join(folder, "transformer", "config.json")))
+    config = read_config_file(os.path.join(folder, "transformer", "config.json"))
+    return SD3TransformerConfig.from_dict({**config, **(changes or {})})
 
 
 def check_transformer(request, transformer, vae):
@@ -100,6 +136,22 @@ def check_sd3_size(request, height, width, transformer, vae):
     if max(height, width) > largest:
         raise UserError(f"{width}x{height} is larger than {request.model} makes: its position table covers "
                         f"{largest} pixels a side: give --height and --width of at most {largest}")
+
+
+def load_sd3_file(request, kind, dtype):
+    """(pipeline, params) of `kind` from an SD 3.x single file, the models it lacks from --config (as its configs;
+    else sdflax's bundled ones), T5 left out with --no-t5."""
+    from ..single_file import load_sd3_single_file
+
+    try:
+        parts, params = load_sd3_single_file(os.path.expanduser(request.model), request.config, dtype,
+                                             scheduler=request.scheduler, attention=request.attention,
+                                             left_out=("text_encoder_3",) if request.no_t5 else ())
+    except ValueError as e:  # the library's advice names its Python arguments: here they are flags
+        advice = str(e).replace("pass config=<", "pass --config <").replace("text_encoder_3=None", "--no-t5")
+        advice = advice.replace(f"config={request.config}", f"--config {request.config}")
+        raise UserError(f"--model {request.model}: {advice}") from e
+    return kind(**parts), params
 
 
 def prompt_arguments(rows, negative=False) -> dict:
@@ -127,12 +179,12 @@ def slg_scale(request) -> float:
     return request.slg_scale if request.slg_scale is not None else DEFAULT_SLG_SCALE
 
 
-def settings(request) -> dict:
-    """What a PNG records of SD 3.x's flags (those given)."""
+def settings(request, without_t5=False) -> dict:
+    """What a PNG records of SD 3.x's flags (those given), and a T5 left out (--no-t5, or a checkpoint without)."""
     values = {key: value for key, value in (("prompt_3", request.prompt_3),
                                             ("negative_prompt_3", request.negative_prompt_3),
                                             ("max_sequence_length", request.max_sequence_length)) if value is not None}
-    if request.no_t5:
+    if without_t5:
         values["t5"] = "off"
     if request.slg_layers:
         values.update(slg_layers=list(request.slg_layers), slg_scale=slg_scale(request))
