@@ -103,7 +103,7 @@ def grid_shape(n):
 
 def image_settings(request, scheduler, checkpoint, dtype) -> dict:
     """What a PNG records of the request that made it (`png_info`), all but the seed."""
-    settings = {"prompt": request.prompt, "negative_prompt": request.negative_prompt, "steps": request.steps,
+    settings = {"prompt": request.prompt, "negative_prompt": request.negative_prompt, "steps": checkpoint.steps,
                 "scheduler": request.scheduler or scheduler_name(scheduler), "sampler": a1111_sampler(scheduler),
                 "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
                 "model": request.model, "revision": request.revision or ("main" if not checkpoint.local else ""),
