@@ -301,6 +301,19 @@ T5_PIECES = ["<pad>", "</s>", "<unk>", "▁", *(f"▁{w}" for w in T5_WORDS), *"
              ","]
 
 
+# SD 3's text encoders, small: CLIP-L and CLIP-G with projections (72 pooled features), T5 of a given width.
+SD3_CLIP = dict(vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+                max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
+                pad_token_id=49407, projection_dim=32)
+SD3_CLIP_G = {**SD3_CLIP, "hidden_size": 48, "intermediate_size": 64, "hidden_act": "gelu", "projection_dim": 40,
+              "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def sd3_t5_config(width):
+    return dict(vocab_size=len(T5_PIECES), d_model=width, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
+
+
 def t5_tokenizer_folder(folder):
     """tokenizer.json as transformers' SentencePiece converter writes T5's (its Precompiled normalizer aside)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers

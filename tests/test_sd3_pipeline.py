@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 import torch
-from builders import T5_PIECES, TOKENIZER, randomize_norms, t5_tokenizer_folder, torch_vae
+from builders import (SD3_CLIP, SD3_CLIP_G, TOKENIZER, randomize_norms, sd3_t5_config, t5_tokenizer_folder,
+                      torch_vae)
 from PIL import Image
 from test_mmdit import torch_transformer
 
@@ -40,13 +41,7 @@ VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels
            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8,
            sample_size=SIZE, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
            use_post_quant_conv=False)
-CLIP = dict(vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
-            max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
-            pad_token_id=49407, projection_dim=32)
-CLIP_G = {**CLIP, "hidden_size": 48, "intermediate_size": 64, "hidden_act": "gelu", "projection_dim": 40,
-          "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}
-T5 = dict(vocab_size=len(T5_PIECES), d_model=JOINT, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
-          relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
+CLIP, CLIP_G, T5 = SD3_CLIP, SD3_CLIP_G, sd3_t5_config(JOINT)
 
 
 def torch_sd3_pipeline(folder):

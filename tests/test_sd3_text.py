@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from builders import T5_PIECES, TOKENIZER, randomize_norms, t5_tokenizer_folder
+from builders import SD3_CLIP, SD3_CLIP_G, TOKENIZER, randomize_norms, sd3_t5_config, t5_tokenizer_folder
 
 from sdflax.loading import load_tokenizer
 from sdflax.models import CLIPTextModelWithProjection, T5EncoderModel
@@ -18,13 +18,7 @@ from sdflax.t5_tokenizer import T5Tokenizer
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity
 T5_LENGTH, JOINT = 24, 96  # max_sequence_length; T5's width, wider than the two CLIPs' 32 + 48
-CLIP = dict(vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
-            max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
-            pad_token_id=49407, projection_dim=32)
-CLIP_G = {**CLIP, "hidden_size": 48, "intermediate_size": 64, "hidden_act": "gelu", "projection_dim": 40,
-          "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}
-T5 = dict(vocab_size=len(T5_PIECES), d_model=JOINT, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
-          relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
+CLIP, CLIP_G, T5 = SD3_CLIP, SD3_CLIP_G, sd3_t5_config(JOINT)
 PROMPTS = ["a photo of an astronaut riding a horse on mars", "a red cat"]
 
 

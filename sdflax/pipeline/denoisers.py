@@ -16,14 +16,8 @@ from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
-class UNetDenoiser:
-    model: Any  # models.UNet2DConditionModel
-
-    component = "unet"  # the pipeline attribute and params key
-    flow = False  # predicts ε or v (a flow-matching scheduler is refused)
-
-    def __call__(self, params, x, t, context, **extra):
-        return self.model.apply(params[self.component], x, t, context, **extra)
+class Denoiser:
+    model: Any
 
     @property
     def in_channels(self) -> int:
@@ -33,6 +27,17 @@ class UNetDenoiser:
     def sample_size(self) -> int:
         """The default latent side."""
         return self.model.config.sample_size
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetDenoiser(Denoiser):
+    model: Any  # models.UNet2DConditionModel
+
+    component = "unet"  # the pipeline attribute and params key
+    flow = False  # predicts ε or v (a flow-matching scheduler is refused)
+
+    def __call__(self, params, x, t, context, **extra):
+        return self.model.apply(params[self.component], x, t, context, **extra)
 
     @property
     def context_width(self) -> int:
@@ -48,7 +53,7 @@ class UNetDenoiser:
 
 
 @dataclasses.dataclass(frozen=True)
-class MMDiTDenoiser:
+class MMDiTDenoiser(Denoiser):
     model: Any  # models.SD3Transformer2DModel
 
     component = "transformer"
@@ -56,14 +61,6 @@ class MMDiTDenoiser:
 
     def __call__(self, params, x, t, context, pooled_projections, skip_layers=()):
         return self.model.apply(params[self.component], x, context, pooled_projections, t, skip_layers=skip_layers)
-
-    @property
-    def in_channels(self) -> int:
-        return self.model.config.in_channels
-
-    @property
-    def sample_size(self) -> int:
-        return self.model.config.sample_size
 
     @property
     def context_width(self) -> int:

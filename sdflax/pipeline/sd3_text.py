@@ -18,7 +18,7 @@ import numpy as np
 from ..models import AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, T5EncoderModel
 from ..t5_tokenizer import T5Tokenizer
 from .denoisers import MMDiTDenoiser
-from .text import frozen_ids, tokenize
+from .text import check_pooled_with_states, frozen_ids, tokenize
 from .types import Cond
 
 MAX_SEQUENCE_LENGTH = 512  # T5's longest, as diffusers' SD 3 pipelines allow
@@ -115,11 +115,7 @@ class SD3Text:
 
     @staticmethod
     def check_inputs(inputs):
-        for states, pooled in (("prompt_embeds", "pooled_prompt_embeds"),
-                               ("neg_prompt_embeds", "neg_pooled_prompt_embeds")):
-            if (getattr(inputs, states) is None) != (getattr(inputs, pooled) is None):
-                raise ValueError(f"SD 3 takes {states} and {pooled} together: (states, pooled) = "
-                                 "pipeline.encode_prompt(params, ids)")
+        check_pooled_with_states(inputs, "SD 3")
 
     def fill_inputs(self, inputs, height, width):
         """The empty prompt's ids as `neg_prompt_ids` where none are given (one program for calls with and without

@@ -176,11 +176,7 @@ class SDXLText:
 
     @staticmethod
     def check_inputs(inputs):
-        for states, pooled in (("prompt_embeds", "pooled_prompt_embeds"),
-                               ("neg_prompt_embeds", "neg_pooled_prompt_embeds")):
-            if (getattr(inputs, states) is None) != (getattr(inputs, pooled) is None):
-                raise ValueError(f"SDXL takes {states} and {pooled} together: (states, pooled) = "
-                                 "pipeline.encode_prompt(params, ids)")
+        check_pooled_with_states(inputs, "SDXL")
 
     def fill_inputs(self, inputs, height, width):
         """The size ids and aesthetic scores filled in before the compiled call, so that other values reuse the
@@ -250,6 +246,15 @@ class SDXLText:
             return ids, ids
         return (jnp.concatenate([original, crop, inputs.aesthetic_score.reshape(1)]),
                 jnp.concatenate([original, jnp.zeros_like(crop), inputs.negative_aesthetic_score.reshape(1)]))
+
+
+def check_pooled_with_states(inputs, family):
+    """Given text states come with their pooled embedding (SDXL, SD 3)."""
+    for states, pooled in (("prompt_embeds", "pooled_prompt_embeds"),
+                           ("neg_prompt_embeds", "neg_pooled_prompt_embeds")):
+        if (getattr(inputs, states) is None) != (getattr(inputs, pooled) is None):
+            raise ValueError(f"{family} takes {states} and {pooled} together: (states, pooled) = "
+                             "pipeline.encode_prompt(params, ids)")
 
 
 def fill_negative(inputs, empty_ids):
