@@ -2,8 +2,9 @@
 
 A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SDText`, `text.SDXLText`,
 `sd3_text.SD3Text`), a start (`starts.FromNoise`, `FromImage`, `FromImageMask`), UNet wrappers
-(`controlnet.ControlNet`), the denoiser (`denoisers`: a UNet or SD 3's transformer), the VAE and the scheduler. `generate_fn` is the computation; `runner.Runner` builds its jit, pmap and jit + NamedSharding
-programs, and `generate` (`sdflax.generate`) is its jit program.
+(`controlnet.ControlNet`), the denoiser (`denoisers`: a UNet or SD 3's transformer), the VAE and the scheduler.
+`generate_fn` is the computation; `runner.Runner` builds its jit, pmap and jit + NamedSharding programs, and
+`generate` (`sdflax.generate`) is its jit program.
 """
 
 from __future__ import annotations
