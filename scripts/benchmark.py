@@ -3,21 +3,28 @@
     python scripts/benchmark.py                                       # SD 1.5 architecture, random weights, 512x512
     python scripts/benchmark.py --height 256 --width 256 --steps 4 --compare torch
     python scripts/benchmark.py --model weights/tiny-sd --steps 2     # a checkpoint folder (or hub id)
+    python scripts/benchmark.py --model sd35-medium-random --no-t5 --height 256 --width 256 --steps 2 --compare torch
 
 Prints one JSON object on stdout (progress goes to stderr):
 - load_s: building the pipeline and its params (reading files, or drawing random weights);
 - compile_s: tracing, lowering and compiling the program (loading it when the disk cache is warm, see `cache`);
   first_call_s: its first run; first_image_s: the two together;
 - seconds_per_call (median of --repeats calls, each waited on with block_until_ready), seconds_per_image,
-  unet_steps_per_s (denoising steps, one UNet evaluation on the guidance batch each, per second of the whole call);
+  unet_steps_per_s (denoising steps, one UNet evaluation on the guidance batch each, per second of the whole call;
+  SD 3.5: its transformer's, as `unet_evals` and `unet_eval_flops_per_image` count them);
 - flops_per_image and tflops_per_s, from XLA's cost analysis. XLA counts a loop body once, so the scan's other
   `unet_evals - 1` iterations are added from the cost of one guided UNet evaluation (null without a cost analysis);
 - peak_memory_bytes: the devices' peak, where the backend reports one (null on the CPU).
-`--compare torch` adds `torch` (the same figures for diffusers' StableDiffusionPipeline on one device, with the
-same FLOP count) and `ratio` (sdflax / torch per figure: below 1 is faster for times, above 1 for rates).
+`--compare torch` adds `torch` (the same figures for diffusers' StableDiffusionPipeline or StableDiffusion3Pipeline
+on one device, with the same FLOP count) and `ratio` (sdflax / torch per figure: below 1 is faster for times, above
+1 for rates); sdflax and diffusers each run in a fresh process of their own, one after the other.
 
 `--model sd15-random` (the default) builds SD 1.5 from the configs below with random weights: no download, the
-same compute as the real weights. `--random-weights` does the same with a folder's configs.
+same compute as the real weights. `--model sd35-medium-random` does the same for SD 3.5 Medium (by default as
+diffusers' StableDiffusion3Pipeline runs it: 28 steps, guidance 7.0, 1024x1024, T5's 256 tokens), T5-XXL
+included unless `--no-t5`: its 4.7 B parameters are 19 GB in float32, so on a machine with less memory `--no-t5`
+runs SD 3.5 as diffusers does with `text_encoder_3=None` (T5's states zeros; the transformer's work is the same).
+`--random-weights` does the same with a folder's configs (SD 1.x / 2.x, or SD 3.x: a folder with a transformer).
 
 `--batch-prompts N` (with a checkpoint `--model`) times making N PNGs from N prompts two ways, each in a fresh
 process: `sdflax batch` (--batch images per device, the writer thread overlapping PNG writing with the next
@@ -72,6 +79,36 @@ SD15 = {
 }
 SD15_NAME = "sd15-random"
 COMPONENTS = ("text_encoder", "unet", "vae")
+SD3_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # T5 last
+
+# stable-diffusion-3.5-medium's config.json files, as published (the keys that differ from the classes' defaults).
+SD3_CLIP_L = {"hidden_act": "quick_gelu", "hidden_size": 768, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
+              "max_position_embeddings": 77, "num_attention_heads": 12, "num_hidden_layers": 12, "projection_dim": 768,
+              "vocab_size": 49408, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
+SD35_MEDIUM = {
+    "transformer": {
+        "attention_head_dim": 64, "caption_projection_dim": 1536, "dual_attention_layers": list(range(13)),
+        "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 24,
+        "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
+        "qk_norm": "rms_norm", "sample_size": 128,
+    },
+    "vae": {**SD15["vae"], "latent_channels": 16, "sample_size": 1024, "scaling_factor": 1.5305,
+            "shift_factor": 0.0609, "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False},
+    "text_encoder": SD3_CLIP_L,
+    "text_encoder_2": {**SD3_CLIP_L, "hidden_act": "gelu", "hidden_size": 1280, "intermediate_size": 5120,
+                       "num_attention_heads": 20, "num_hidden_layers": 32, "projection_dim": 1280},
+    "text_encoder_3": {"d_ff": 10240, "d_kv": 64, "d_model": 4096, "feed_forward_proj": "gated-gelu",
+                       "layer_norm_epsilon": 1e-06, "num_heads": 64, "num_layers": 24,
+                       "relative_attention_max_distance": 128, "relative_attention_num_buckets": 32,
+                       "vocab_size": 32128},
+    "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
+}
+SD35_NAME = "sd35-medium-random"
+RANDOM_MODELS = {SD15_NAME: SD15, SD35_NAME: SD35_MEDIUM}
+# a small SentencePiece (Unigram) vocabulary for T5's tokenizer: the compute depends on T5's embedding size and the
+# sequence length, not on the vocabulary
+T5_PIECES = ["<pad>", "</s>", "<unk>", "\u2581", *(f"\u2581{w}" for w in PROMPT.split()),
+             *"abcdefghijklmnopqrstuvwxyz"]
 RATIO_KEYS = ("load_s", "first_image_s", "seconds_per_call", "seconds_per_image", "unet_steps_per_s",
               "tflops_per_s", "peak_memory_bytes")
 
@@ -88,11 +125,14 @@ def build_parser():
     from sdflax.models.layers import ATTENTION_IMPLEMENTATIONS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=SD15_NAME, help=f"{SD15_NAME} (default), a diffusers folder or a hub id")
+    p.add_argument("--model", default=SD15_NAME, help=f"{SD15_NAME} (default), {SD35_NAME}, a diffusers folder or "
+                   "a hub id")
     p.add_argument("--random-weights", action="store_true", help="the model's configs with random weights")
-    p.add_argument("--height", type=int, help="pixels (default: the model's own, 512 for SD 1.5)")
+    p.add_argument("--no-t5", action="store_true", help=f"{SD35_NAME} (or an SD 3 folder's configs) without T5-XXL "
+                   "(default: with it, 19 GB in float32): T5's states zeros, as diffusers' text_encoder_3=None")
+    p.add_argument("--height", type=int, help="pixels (default: the model's own, 512 for SD 1.5, 1024 for SD 3.5)")
     p.add_argument("--width", type=int, help="pixels (default: the model's own)")
-    p.add_argument("--steps", type=int, default=50, help="denoising steps (default: 50)")
+    p.add_argument("--steps", type=int, help=f"denoising steps (default: 50; 28 with {SD35_NAME})")
     p.add_argument("--batch", type=int, default=1, help="images per device and call (default: 1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="default: bfloat16 on an accelerator, float32 on the CPU")
@@ -102,7 +142,8 @@ def build_parser():
     p.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
                    help="UNet attention: cuDNN flash attention where it runs, else XLA (auto, the default), or "
                         "either forced")
-    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default: 7.5)")
+    p.add_argument("--guidance", type=float,
+                   help=f"classifier-free guidance scale (default: 7.5; 7.0 with {SD35_NAME})")
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (default: 3)")
     p.add_argument("--compare", choices=("torch",), help="also time diffusers' PyTorch pipeline")
     p.add_argument("--cache-dir", help="JAX's compile cache (default: as `sdflax generate`)")
@@ -110,19 +151,30 @@ def build_parser():
     p.add_argument("--batch-prompts", type=int, metavar="N", help="time `sdflax batch` on N prompts against a loop "
                    "of pipeline(...) calls (needs a checkpoint --model)")
     p.add_argument("--loop-worker", metavar="FOLDER", help=argparse.SUPPRESS)  # the loop's own process
+    p.add_argument("--sdflax-worker", action="store_true", help=argparse.SUPPRESS)  # --compare's sdflax process
+    p.add_argument("--torch-worker", metavar="JSON", help=argparse.SUPPRESS)  # --compare's diffusers process
     return p
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    sd35 = args.model == SD35_NAME
+    args.steps = args.steps if args.steps is not None else 28 if sd35 else 50
+    args.guidance = args.guidance if args.guidance is not None else 7.0 if sd35 else 7.5
     for name in ("steps", "batch", "repeats"):
         if getattr(args, name) < 1:
             return fail(f"--{name} must be at least 1")
+    if args.no_t5 and not (sd35 or args.random_weights):
+        return fail(f"--no-t5 leaves out SD 3.5's T5 encoder: it goes with --model {SD35_NAME} or --random-weights")
+    if args.torch_worker:
+        print(json.dumps(benchmark_torch(args, **json.loads(args.torch_worker))))
+        return 0
     if args.loop_worker:
         return loop_worker(args)
     if args.batch_prompts is not None:
         return benchmark_batch(args)
-    if args.compare == "torch":
+    if args.compare == "torch" and not args.sdflax_worker:
         try:  # fail before minutes of JAX work
             import diffusers  # noqa: F401
             import torch  # noqa: F401
@@ -131,6 +183,7 @@ def main(argv=None):
                         "diffusers==0.39.0")
         # Both frameworks share the accelerator: JAX must not reserve most of its memory up front.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        return compare_torch(argv)
 
     import jax
 
@@ -152,10 +205,6 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         return fail(str(e))
     result["cache"] = {"enabled": cache_dir is not None, "dir": cache_dir, "warm": result.pop("cache_hits") > 0}
-    if args.compare == "torch":
-        result["torch"] = benchmark_torch(args, dtype, result)
-        result["ratio"] = {k: result[k] / result["torch"][k] for k in RATIO_KEYS
-                           if result.get(k) and result["torch"].get(k)}
     print(json.dumps(result, indent=2))
     return 0
 
@@ -179,7 +228,7 @@ def benchmark_batch(args):
 
     if args.batch_prompts < 1:
         return fail("--batch-prompts must be at least 1")
-    if args.model == SD15_NAME or args.random_weights:
+    if args.model in RANDOM_MODELS or args.random_weights:
         return fail("--batch-prompts runs `sdflax batch`, which reads a checkpoint: give --model a diffusers folder "
                     "or hub id (scripts/benchmark_load.py writes the SD 1.5 architecture with random weights)")
     common = ["--model", args.model, "--steps", str(args.steps), "--guidance", str(args.guidance),
@@ -254,9 +303,10 @@ def loop_worker(args):
 # ---- sdflax ---------------------------------------------------------------------------------------------------
 
 def model_configs(args):
-    """{"text_encoder", "unet", "vae", "scheduler"} config dicts and the tokenizer folder, or None for a checkpoint."""
-    if args.model == SD15_NAME:
-        return SD15, TOKENIZER
+    """{model name: config dict, "scheduler": ...} and the CLIP tokenizer folder, or None for a checkpoint."""
+    if args.model in RANDOM_MODELS:
+        configs = RANDOM_MODELS[args.model]
+        return {k: v for k, v in configs.items() if not (args.no_t5 and k == "text_encoder_3")}, TOKENIZER
     if not args.random_weights:
         return None, None
     from sdflax.cli import CONFIG_FILES
@@ -264,26 +314,55 @@ def model_configs(args):
     from sdflax.models.config import read_config_file
 
     folder = resolve_folder(args.model, allow_patterns=CONFIG_FILES)  # configs and tokenizer, no weights
-    configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in COMPONENTS}
+    sd3 = os.path.isfile(os.path.join(folder, "transformer", "config.json"))
+    names = SD3_COMPONENTS[:len(SD3_COMPONENTS) - args.no_t5] if sd3 else COMPONENTS
+    configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in names}
     configs["scheduler"] = read_config_file(os.path.join(folder, "scheduler", "scheduler_config.json"))
     return configs, os.path.join(folder, "tokenizer")
 
 
 def random_pipeline(configs, tokenizer_folder, dtype, scheduler=None, attention="auto", seed=0):
-    """(StableDiffusion, params) built from config dicts with random weights."""
-    from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
-    from sdflax import StableDiffusion
-    from sdflax.loading import load_tokenizer
-    from sdflax.schedulers import scheduler_from_config
+    """(StableDiffusion or StableDiffusion3, params) built from config dicts with random weights (SD 3 where they
+    have a transformer; T5 where they have a text_encoder_3)."""
+    import tempfile
 
-    modules = {"text_encoder": CLIPTextModel.from_config(configs["text_encoder"], dtype),
-               "unet": UNet2DConditionModel.from_config(configs["unet"], dtype, attention=attention),
-               "vae": AutoencoderKL.from_config(configs["vae"], dtype)}
+    from sdflax import StableDiffusion, StableDiffusion3
+    from sdflax.assemble import build_models
+    from sdflax.loading import load_tokenizer
+    from sdflax.models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, SD3Transformer2DModel,
+                               T5EncoderModel, UNet2DConditionModel)
+    from sdflax.schedulers import scheduler_from_config
+    from sdflax.t5_tokenizer import T5Tokenizer
+
+    sd3 = "transformer" in configs
+    classes = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
+               "text_encoder_3": T5EncoderModel, "transformer": SD3Transformer2DModel, "vae": AutoencoderKL} if sd3 \
+        else {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    modules = build_models({name: cls for name, cls in classes.items() if name in configs}, configs, dtype, attention)
     params = {name: random_params(module, seed + i, dtype) for i, (name, module) in enumerate(modules.items())}
-    pipeline = StableDiffusion(tokenizer=load_tokenizer(str(tokenizer_folder)),
-                               scheduler=scheduler_from_config(configs["scheduler"], scheduler), dtype=dtype,
-                               **modules)
+    tokenizers = {"tokenizer": load_tokenizer(str(tokenizer_folder))}
+    if sd3:
+        tokenizers["tokenizer_2"] = load_tokenizer(str(tokenizer_folder), pad_token="!")  # SD 3's CLIP-G pads so
+        if "text_encoder_3" in modules:
+            with tempfile.TemporaryDirectory() as folder:
+                tokenizers["tokenizer_3"] = T5Tokenizer.from_folder(write_t5_tokenizer(folder))
+    pipeline = (StableDiffusion3 if sd3 else StableDiffusion)(
+        scheduler=scheduler_from_config(configs["scheduler"], scheduler), dtype=dtype, **tokenizers, **modules)
     return pipeline, params
+
+
+def write_t5_tokenizer(folder):
+    """`folder` with a T5 tokenizer.json (a SentencePiece Unigram model, as transformers converts T5's) of a few
+    pieces, `T5_PIECES`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import Unigram
+
+    backend = Tokenizer(Unigram([(p, 0.0 if i < 3 else -1.0 - 0.1 * i) for i, p in enumerate(T5_PIECES)], unk_id=2))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in T5_PIECES[:3]])
+    backend.save(os.path.join(folder, "tokenizer.json"))
+    return folder
 
 
 def random_params(module, seed, dtype):
@@ -335,7 +414,9 @@ def benchmark_sdflax(args, dtype_name):
     key = jax.random.key(0)
     inputs = Inputs(prompt_ids=ids, prng_seed=key, guidance_scale=jnp.asarray(args.guidance, jnp.float32),
                     guidance_rescale=jnp.asarray(0.0, jnp.float32))
-    settings = Settings(num_inference_steps=args.steps, height=height, width=width)
+    f = pipeline.vae_scale_factor
+    settings = Settings(num_inference_steps=args.steps, height=height, width=width,
+                        image_seq_len=pipeline.denoiser.image_seq_len(height // f, width // f))
     if devices == 1:  # what pipeline(...) runs on one device
         program, call_args = pipeline._runner.jit, (params, inputs)
     else:  # pipeline(..., jit=True): pmap over the local devices, `b` images each
@@ -361,15 +442,16 @@ def benchmark_sdflax(args, dtype_name):
         times.append(time.perf_counter() - start)
     seconds_per_call = statistics.median(times)
 
-    latent_shape = (b, pipeline.unet.config.in_channels, height // pipeline.vae_scale_factor,
-                    width // pipeline.vae_scale_factor)
-    evals = int(pipeline.scheduler.set_timesteps(args.steps, shape=latent_shape).timesteps.shape[0])
+    latent_shape = (b, pipeline.denoiser.in_channels, height // f, width // f)
+    evals = int(settings.scheduler(pipeline.scheduler).set_timesteps(args.steps, shape=latent_shape)
+                .timesteps.shape[0])
     # FLOPs of one device's program: the scan body counted once by XLA, plus the other evals - 1 iterations.
-    program_flops, eval_flops = count_flops(pipeline, compiled, program, all_args, params, latent_shape, args)
+    program_flops, eval_flops = count_flops(pipeline, compiled, program, all_args, params, latent_shape)
     flops_per_call = program_flops + (evals - 1) * eval_flops if program_flops and eval_flops else None
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     return {
         "model": args.model, "weights": "random" if configs else "checkpoint",
+        "t5": "text_encoder_3" in params if pipeline.transformer is not None else None,
         "backend": jax.default_backend(), "device_kind": jax.local_devices()[0].device_kind, "devices": devices,
         "dtype": dtype_name, "attention": args.attention,
         "scheduler": args.scheduler or scheduler_name(pipeline.scheduler), "height": height, "width": width,
@@ -388,36 +470,41 @@ def benchmark_sdflax(args, dtype_name):
     }
 
 
-def count_flops(pipeline, compiled, program, all_args, params, latent_shape, args):
-    """(FLOPs of the compiled program with its loop body once, FLOPs of one guided UNet evaluation), per device.
+def count_flops(pipeline, compiled, program, all_args, params, latent_shape):
+    """(FLOPs of the compiled program with its loop body once, FLOPs of one guided denoiser evaluation: the UNet,
+    or SD 3's transformer), per device.
 
     cuDNN attention is a custom call XLA cannot count: then both come from the same program with XLA's attention,
     lowered but not compiled, so the figure is the model's work whatever the kernel."""
     import jax
     import jax.numpy as jnp
 
-    from sdflax import sampling
+    from sdflax import Inputs, sampling
 
     if "cudnn" not in compiled.as_text():  # no cuDNN custom call: XLA counts everything
         program_flops = flops(compiled.cost_analysis())
     else:
-        unet = pipeline.unet.clone(kernels=dataclasses.replace(pipeline.unet.kernels, attention="xla"))
-        twin = type(pipeline)(pipeline.text_encoder, unet, pipeline.vae, pipeline.tokenizer, pipeline.scheduler,
-                              pipeline.dtype)
+        model = pipeline.denoiser.model
+        twin = pipeline.replace(**{pipeline.denoiser.component: model.clone(
+            kernels=dataclasses.replace(model.kernels, attention="xla"))})
         program_flops = flops(getattr(twin._runner, "jit" if program is pipeline._runner.jit else "pmap")
                               .lower(twin.spec, *all_args[1:]).cost_analysis())
         pipeline = twin
+    spec, settings = pipeline.spec, all_args[-1]
+    # the text conditioning's shapes for one device's 2b guidance rows (states, and SD 3's pooled projections)
+    ids = pipeline.prepare_inputs([PROMPT] * latent_shape[0])
+    cond = jax.eval_shape(lambda p, ids: spec.text.encode(p, Inputs(prompt_ids=ids), settings), params, ids)
 
-    def unet_eval(unet_params, x, t, context, scale):
-        unet_fn = functools.partial(pipeline.unet.apply, unet_params)
-        return sampling.guided_model(unet_fn, context, scale)(x, t)
+    def denoiser_eval(denoiser_params, x, t, cond, scale):
+        def denoiser_fn(x, t, context):
+            return spec.denoiser(denoiser_params, x, t, context, **cond.unet_kwargs)
 
-    b = latent_shape[0]
-    context = jax.ShapeDtypeStruct((2 * b, pipeline.max_length, pipeline.unet.config.cross_attention_dim),
-                                   pipeline.dtype)
-    lowered = jax.jit(unet_eval).lower(params["unet"], jax.ShapeDtypeStruct(latent_shape, jnp.float32),
-                                       jax.ShapeDtypeStruct((), jnp.int32), context,
-                                       jax.ShapeDtypeStruct((), jnp.float32))
+        return sampling.guided_model(denoiser_fn, cond.context, scale)(x, t)
+
+    name = spec.denoiser.component
+    lowered = jax.jit(denoiser_eval).lower({name: params[name]}, jax.ShapeDtypeStruct(latent_shape, jnp.float32),
+                                           jax.ShapeDtypeStruct((), jnp.float32), cond,
+                                           jax.ShapeDtypeStruct((), jnp.float32))
     return program_flops, flops(lowered.cost_analysis())
 
 
@@ -443,7 +530,10 @@ def versions(*names):
 # ---- diffusers (PyTorch) --------------------------------------------------------------------------------------
 
 def torch_pipeline(args, dtype, device):
-    """diffusers' StableDiffusionPipeline for the same model: the checkpoint, or its configs with random weights."""
+    """diffusers' StableDiffusionPipeline (StableDiffusion3Pipeline) for the same model: the checkpoint, or its
+    configs with random weights."""
+    import tempfile
+
     import diffusers
     import torch
     import transformers
@@ -451,9 +541,26 @@ def torch_pipeline(args, dtype, device):
     from sdflax.schedulers import DIFFUSERS_NAMES, scheduler_from_config
 
     configs, tokenizer_folder = model_configs(args)
-    if configs:
+    strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+    if configs and "transformer" in configs:
         torch.manual_seed(0)
-        strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+        clip = lambda c: transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**strip(c)))  # noqa: E731
+        t5 = t5_tokenizer = None
+        if "text_encoder_3" in configs:
+            t5 = transformers.T5EncoderModel(transformers.T5Config(**strip(configs["text_encoder_3"])))
+            with tempfile.TemporaryDirectory() as folder:
+                t5_tokenizer = transformers.T5TokenizerFast(
+                    tokenizer_file=os.path.join(write_t5_tokenizer(folder), "tokenizer.json"))
+        pipe = diffusers.StableDiffusion3Pipeline(
+            transformer=diffusers.SD3Transformer2DModel(**strip(configs["transformer"])),
+            vae=diffusers.AutoencoderKL(**strip(configs["vae"])),
+            text_encoder=clip(configs["text_encoder"]), text_encoder_2=clip(configs["text_encoder_2"]),
+            text_encoder_3=t5, tokenizer=transformers.CLIPTokenizer.from_pretrained(str(tokenizer_folder)),
+            tokenizer_2=transformers.CLIPTokenizer.from_pretrained(str(tokenizer_folder), pad_token="!"),
+            tokenizer_3=t5_tokenizer,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(configs["scheduler"]))
+    elif configs:
+        torch.manual_seed(0)
         scheduler_class = getattr(diffusers, configs["scheduler"]["_class_name"])
         pipe = diffusers.StableDiffusionPipeline(
             vae=diffusers.AutoencoderKL(**strip(configs["vae"])),
@@ -476,7 +583,36 @@ def torch_pipeline(args, dtype, device):
     return pipe.to(device, dtype)
 
 
-def benchmark_torch(args, dtype_name, ours):
+def compare_torch(argv):
+    """sdflax's figures and diffusers', each from a fresh process of its own (one after the other: neither holds
+    the device, nor memory, while the other runs), and their ratios."""
+    ours = worker(argv + ["--sdflax-worker"], "sdflax")
+    if ours is None:
+        return 2
+    needed = {"dtype_name": ours["dtype"], **{k: ours[k] for k in ("height", "width", "flops_per_image")}}
+    theirs = worker(argv + ["--torch-worker", json.dumps(needed)], "diffusers")
+    if theirs is None:
+        return 2
+    ratio = {k: ours[k] / theirs[k] for k in RATIO_KEYS if ours.get(k) and theirs.get(k)}
+    print(json.dumps({**ours, "torch": theirs, "ratio": ratio}, indent=2))
+    return 0
+
+
+def worker(argv, name):
+    """The JSON a run of this script with `argv` prints, its progress shown; None after saying why it failed."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env, stdout=subprocess.PIPE,
+                          text=True)
+    if done.returncode:
+        fail(f"the {name} process failed (exit {done.returncode}): see its messages above")
+        return None
+    return json.loads(done.stdout)
+
+
+def benchmark_torch(args, dtype_name, height, width, flops_per_image):
+    import diffusers
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -488,8 +624,10 @@ def benchmark_torch(args, dtype_name, ours):
     load_s = time.perf_counter() - start
 
     b = args.batch  # what one sdflax device computes: torch runs on one device
-    call = functools.partial(pipe, [PROMPT] * b, height=ours["height"], width=ours["width"],
-                             num_inference_steps=args.steps, guidance_scale=args.guidance, output_type="np")
+    sd3 = isinstance(pipe, diffusers.StableDiffusion3Pipeline)
+    extra = {"max_sequence_length": 256} if sd3 else {}  # T5's tokens, as sdflax's prepare_inputs
+    call = functools.partial(pipe, [PROMPT] * b, height=height, width=width, num_inference_steps=args.steps,
+                             guidance_scale=args.guidance, output_type="np", **extra)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with torch.inference_mode():
@@ -514,7 +652,7 @@ def benchmark_torch(args, dtype_name, ours):
         "seconds_per_call": seconds_per_call, "seconds_per_call_all": times, "seconds_per_image": seconds_per_call / b,
         "unet_steps_per_s": evals / seconds_per_call,
         # sdflax's count: the same model
-        "tflops_per_s": ours["flops_per_image"] and ours["flops_per_image"] * b / seconds_per_call / 1e12,
+        "tflops_per_s": flops_per_image and flops_per_image * b / seconds_per_call / 1e12,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "versions": versions("torch", "diffusers", "transformers"),
     }
