@@ -445,8 +445,9 @@ def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_
     path = tmp_path / "prompts.txt"
     path.write_text("a red fox, watercolor\n\n  {not json}  \n")
     args = main_args()
-    assert read_prompts(str(path), args) == [Line(1, "a red fox, watercolor", "", None, None, 50, None, None),
-                                             Line(3, "{not json}", "", None, None, 50, None, None)]
+    # steps: the line's or --steps, else None: the pipeline's default, once the checkpoint is known
+    assert read_prompts(str(path), args) == [Line(1, "a red fox, watercolor", "", None, None, None, None, None),
+                                             Line(3, "{not json}", "", None, None, None, None, None)]
     assert read_prompts(str(path), args)[0].name == "000001-a-red-fox-watercolor.png"
 
 
