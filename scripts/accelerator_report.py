@@ -10,11 +10,11 @@ lack in `.whl/` (downloaded where pip works: `pip download --no-deps --only-bina
 
 It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
 working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 15 minutes of
-an H200's time; each part (`--part correctness|sd15|sdxl|compile|flags`) fits a 10-minute command, `--family
-sd15|sdxl` keeps one family's jobs of a part, `--batch N` its speed jobs at batch N, and `--deadline-s` stops
+an H200's time before SD 3.5 Medium's two jobs, which come last (a deadline may drop them: `--part sd35` runs them
+alone); each part (`--part correctness|sd15|sdxl|sd35|compile|flags`) fits a 10-minute command, `--family
+sd15|sdxl|sd35` keeps one family's jobs of a part, `--batch N` its speed jobs at batch N, and `--deadline-s` stops
 launching jobs once that many seconds have passed (and stops a running one there), so a run never outlasts its
-time limit. The report is rewritten after
-every job: a run cut short keeps what it finished.
+time limit. The report is rewritten after every job: a run cut short keeps what it finished.
 
 On a TPU VM (`pip install "jax[tpu]" flax tokenizers huggingface_hub ml_dtypes pillow tqdm diffusers==0.39.0
 transformers torch --extra-index-url https://download.pytorch.org/whl/cpu`, then the command above without
@@ -23,7 +23,7 @@ blocks fit (`Kernels.pallas_runs`), correctness compares it with PyTorch on the 
 jobs are skipped (PyTorch has no TPU without torch_xla), so the speed rows are sdflax's alone.
 
 On the CPU (`--size tiny`, the default there) the same code runs on small models of the same architectures, one
-job per code path, in about two minutes on two cores; tests/test_accelerator_report.py does that daily, so the GPU
+job per code path, in about three minutes on two cores; tests/test_accelerator_report.py does that daily, so the GPU
 path's code runs up to the device calls.
 
 What it measures. Random weights everywhere: the compute of the real checkpoints, no download.
@@ -36,10 +36,12 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   results against float64.
 - `speed`, each job in its own fresh process: sdflax (`auto`: cuDNN attention where it runs, or `xla`) and diffusers
   (SDPA, float16; `+compile`: its UNet through `torch.compile`) at the issue's settings (SD 1.5 512x512 50 PNDM
-  steps, SDXL 1024x1024 30 Euler steps, the MLPerf setting: SDXL 1024x1024, 20 Euler steps, guidance 8, batch 8).
+  steps, SDXL 1024x1024 30 Euler steps, the MLPerf setting: SDXL 1024x1024, 20 Euler steps, guidance 8, batch 8;
+  SD 3.5 Medium 1024x1024, 28 flow-matching Euler steps, guidance 7.0, T5-XXL's 256 tokens, batch 1).
   Per batch size: the first call (compiling included), the median of `--repeats` timed calls with their range,
   seconds per image, images per second, peak device memory, FLOPs per image from XLA's cost analysis (UNet
-  evaluations and the VAE decode; the same count is used for diffusers) and the achieved TFLOP/s. Per process:
+  evaluations (SD 3.5: its transformer's, under the same keys) and the VAE decode; the same count is used for
+  diffusers) and the achieved TFLOP/s. Per process:
   `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
   warm one); `import_s`, `build_s`. `--part flags` times SD 1.5 at batch 1 (and the MLPerf setting) under each of
   `XLA_FLAG_SETS` against XLA's defaults, the measurement behind sdflax setting no XLA flags.
@@ -110,6 +112,23 @@ FULL = {
                       "interpolation_type": "linear"},
         "size": 1024,
     },
+    # stable-diffusion-3.5-medium: MMDiT-X (dual attention in its first 13 blocks), CLIP-L, CLIP-G and T5-XXL
+    "sd35": {
+        "transformer": {"attention_head_dim": 64, "caption_projection_dim": 1536,
+                        "dual_attention_layers": list(range(13)), "in_channels": 16, "joint_attention_dim": 4096,
+                        "num_attention_heads": 24, "num_layers": 24, "out_channels": 16, "patch_size": 2,
+                        "pooled_projection_dim": 2048, "pos_embed_max_size": 384, "qk_norm": "rms_norm",
+                        "sample_size": 128},
+        "vae": {**VAE, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 1.5305, "shift_factor": 0.0609,
+                "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False},
+        "text_encoder": CLIP_L,
+        "text_encoder_2": {**CLIP_L, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                           "num_attention_heads": 20, "hidden_act": "gelu", "projection_dim": 1280},
+        "text_encoder_3": {"d_ff": 10240, "d_kv": 64, "d_model": 4096, "feed_forward_proj": "gated-gelu",
+                           "num_heads": 64, "num_layers": 24, "vocab_size": 32128},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
+        "size": 1024,
+    },
 }
 # The same block structure with few channels and layers, for the CPU run.
 TINY_CLIP = {**CLIP_L, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -127,6 +146,19 @@ TINY = {
                                       "layers_per_block": 1, "sample_size": 8},
              "vae": {**TINY_VAE, "sample_size": 64, "scaling_factor": 0.13025, "force_upcast": True},
              "text_encoder": TINY_CLIP, "text_encoder_2": {**TINY_CLIP, "hidden_act": "gelu"}, "size": 64},
+    "sd35": {**FULL["sd35"], "transformer": {**FULL["sd35"]["transformer"], "attention_head_dim": 8,
+                                             "caption_projection_dim": 32, "dual_attention_layers": [0],
+                                             "joint_attention_dim": 64, "num_attention_heads": 4, "num_layers": 2,
+                                             "pooled_projection_dim": 32 + 32, "pos_embed_max_size": 16,
+                                             "sample_size": 8},
+             "vae": {**TINY_VAE, **{k: FULL["sd35"]["vae"][k] for k in ("latent_channels", "scaling_factor",
+                                                                          "shift_factor", "use_quant_conv",
+                                                                          "use_post_quant_conv")},
+                     "sample_size": 64},
+             "text_encoder": TINY_CLIP, "text_encoder_2": {**TINY_CLIP, "hidden_act": "gelu"},
+             "text_encoder_3": {**FULL["sd35"]["text_encoder_3"], "d_ff": 48, "d_kv": 8, "d_model": 64,
+                                "num_heads": 4, "num_layers": 2, "vocab_size": 64},
+             "size": 64},
 }
 SIZES = {"full": FULL, "tiny": TINY}
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -152,8 +184,9 @@ def log(message):
 
 def settings(family, size):
     """The issue's settings for `family`: steps, guidance and the scheduler, (fewer steps for the tiny models)."""
-    steps = {"sd15": 50, "sdxl": 30}[family] if size == "full" else 2
-    return {"family": family, "steps": steps, "guidance": {"sd15": 7.5, "sdxl": 5.0}[family], "scheduler": None}
+    steps = {"sd15": 50, "sdxl": 30, "sd35": 28}[family] if size == "full" else 2
+    return {"family": family, "steps": steps, "guidance": {"sd15": 7.5, "sdxl": 5.0, "sd35": 7.0}[family],
+            "scheduler": None}
 
 
 def jobs(part: str, size: str, family: str | None = None, batch: int | None = None) -> list[dict]:
@@ -161,7 +194,7 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     size where `batch` is), most wanted first (a deadline drops the last)."""
     full = size == "full"
     big = [1, 8] if full else [1, 2]
-    sd15, sdxl = settings("sd15", size), settings("sdxl", size)
+    sd15, sdxl, sd35 = settings("sd15", size), settings("sdxl", size), settings("sd35", size)
     mlperf = {**sdxl, "steps": 20 if full else 2, "guidance": 8.0, "scheduler": "euler", "setting": "mlperf"}
     speed = lambda framework, s, batches, **extra: {"kind": "speed", "framework": framework, **s,  # noqa: E731
                                                     "batches": batches, **extra}
@@ -189,10 +222,13 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none"),
                  speed("diffusers", sdxl, [1]),
                  speed("diffusers", mlperf, [8] if full else [2])],
+        "sd35": [speed("sdflax", sd35, [1], attention="auto", cache="none"),
+                 speed("diffusers", sd35, [1])],
     }
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
-                 ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6)]
+                 ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
+                 ("sd35", 0), ("sd35", 1)]
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]
@@ -243,20 +279,31 @@ def random_params(module, dtype, seed=0):
 
 def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None):
     """(pipeline, params) of `family` with random weights."""
-    from sdflax import StableDiffusion, StableDiffusionXL
+    from sdflax import StableDiffusion, StableDiffusion3, StableDiffusionXL
     from sdflax.assemble import build_models
     from sdflax.loading import load_tokenizer
-    from sdflax.models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
+    from sdflax.models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, SD3Transformer2DModel,
+                               T5EncoderModel, UNet2DConditionModel)
     from sdflax.schedulers import scheduler_from_config
+    from sdflax.t5_tokenizer import T5Tokenizer
 
     configs = configs_for(family, size)
     classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
     if family == "sdxl":
         classes["text_encoder_2"] = CLIPTextModelWithProjection
+    if family == "sd35":
+        classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
+                   "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
+                   "text_encoder_3": T5EncoderModel}
     modules = build_models(classes, configs, dtype, attention)
     params = {name: random_params(module, dtype, seed=i) for i, (name, module) in enumerate(modules.items())}
-    extra = {"tokenizer_2": load_tokenizer(str(TOKENIZER), pad_token="!")} if family == "sdxl" else {}
-    cls = StableDiffusionXL if family == "sdxl" else StableDiffusion
+    extra = {"tokenizer_2": load_tokenizer(str(TOKENIZER), pad_token="!")} if family != "sd15" else {}
+    if family == "sd35":
+        from benchmark import write_t5_tokenizer  # scripts/benchmark.py's small vocabulary: the compute is T5's
+
+        with tempfile.TemporaryDirectory() as folder:
+            extra["tokenizer_3"] = T5Tokenizer.from_folder(write_t5_tokenizer(folder))
+    cls = {"sd15": StableDiffusion, "sdxl": StableDiffusionXL, "sd35": StableDiffusion3}[family]
     pipeline = cls(tokenizer=load_tokenizer(str(TOKENIZER)), dtype=dtype,
                    scheduler=scheduler_from_config(configs["scheduler"], scheduler), **modules, **extra)
     return pipeline, params
@@ -270,14 +317,21 @@ def torch_models(family, size, device, seed=0):
     import transformers
 
     configs = configs_for(family, size)
+    clip = lambda c: transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**c))  # noqa: E731
     with torch.device(device):
         torch.manual_seed(seed)
-        models = {"unet": diffusers.UNet2DConditionModel(**configs["unet"]),
-                  "vae": diffusers.AutoencoderKL(**configs["vae"]),
-                  "text_encoder": transformers.CLIPTextModel(transformers.CLIPTextConfig(**configs["text_encoder"]))}
+        if family == "sd35":
+            models = {"transformer": diffusers.SD3Transformer2DModel(**configs["transformer"]),
+                      "vae": diffusers.AutoencoderKL(**configs["vae"]), "text_encoder": clip(configs["text_encoder"]),
+                      "text_encoder_2": clip(configs["text_encoder_2"]), "text_encoder_3": transformers.T5EncoderModel(
+                          transformers.T5Config(**configs["text_encoder_3"]))}
+        else:
+            models = {"unet": diffusers.UNet2DConditionModel(**configs["unet"]),
+                      "vae": diffusers.AutoencoderKL(**configs["vae"]),
+                      "text_encoder": transformers.CLIPTextModel(
+                          transformers.CLIPTextConfig(**configs["text_encoder"]))}
         if family == "sdxl":
-            models["text_encoder_2"] = transformers.CLIPTextModelWithProjection(
-                transformers.CLIPTextConfig(**configs["text_encoder_2"]))
+            models["text_encoder_2"] = clip(configs["text_encoder_2"])
         g = torch.Generator(device).manual_seed(seed)
         with torch.no_grad():
             for model in models.values():
@@ -526,7 +580,7 @@ def speed_sdflax(job, size, repeats):
             try:
                 first, times = timed(call, repeats)
             except Exception as e:  # cuDNN refusing a shape: say so, and measure XLA's attention instead
-                if pipeline.unet.kernels.attention == "xla":
+                if pipeline.denoiser.model.kernels.attention == "xla":
                     raise
                 log(f"attention {job['attention']!r} failed ({type(e).__name__}: {e}); XLA's attention instead")
                 out["attention_fallback"] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
@@ -542,43 +596,58 @@ def speed_sdflax(job, size, repeats):
 
 def flop_count(job, size):
     """FLOPs per image of a speed setting from XLA's cost analysis, counted in a CPU-only process from the param
-    shapes (no weights, no device): the UNet lowered once with XLA's attention (cuDNN's is a custom call XLA
-    cannot count) on a guidance batch of two rows, times its evaluations, plus the VAE decode. The text encoders'
-    share is left out (under 0.1%). The count is the model's, whatever device or framework runs it."""
+    shapes (no weights, no device): the UNet (SD 3.5: the transformer, counted under the same keys) lowered once
+    with XLA's attention (cuDNN's is a custom call XLA cannot count) on a guidance batch of two rows, times its
+    evaluations, plus the VAE decode. The text encoders' share is left out (under 0.1%; SD 3.5's T5-XXL, about
+    0.4%). The count is the model's, whatever device or framework runs it."""
     import jax
     import jax.numpy as jnp
 
     from sdflax.assemble import build_models
-    from sdflax.models import AutoencoderKL, CLIPTextModelWithProjection, UNet2DConditionModel
+    from sdflax.models import (AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel,
+                               UNet2DConditionModel)
     from sdflax.models.layers import Kernels
     from sdflax.schedulers import scheduler_from_config
 
     configs = configs_for(job["family"], size)
     kernels = Kernels("gpu", None, "xla")  # a GPU's graph, XLA's attention
-    classes = {"unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    sd35 = job["family"] == "sd35"
+    classes = {"transformer" if sd35 else "unet": SD3Transformer2DModel if sd35 else UNet2DConditionModel,
+               "vae": AutoencoderKL}
     if job["family"] == "sdxl":
         classes["text_encoder_2"] = CLIPTextModelWithProjection
     modules = build_models(classes, configs, jnp.bfloat16, kernels=kernels)
-    unet, vae = modules["unet"], modules["vae"]
+    vae = modules["vae"]
     sds = jax.ShapeDtypeStruct
     h = configs["size"] // vae.config.scale_factor
-    extra = {}
-    if unet.config.addition_embed_type == "text_time":
-        pooled = modules["text_encoder_2"].config.projection_dim
-        n_ids = (unet.config.projection_class_embeddings_input_dim - pooled) // unet.config.addition_time_embed_dim
-        extra = {"text_embeds": sds((2, pooled), jnp.float32), "time_ids": sds((2, n_ids), jnp.float32)}
+    latents = (2, vae.config.latent_channels, h, h)
 
     def flops(lowered):
         cost = lowered.cost_analysis()
         return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
-    unet_flops = flops(jax.jit(unet.apply).lower(
-        unet.param_shapes(), sds((2, 4, h, h), jnp.float32), sds((), jnp.float32),
-        sds((2, 77, unet.config.cross_attention_dim), jnp.bfloat16), **extra))
+    if sd35:  # text states: CLIP's 77 tokens and T5's 256 (diffusers' max_sequence_length), the pooled projections
+        transformer = modules["transformer"]
+        cfg = transformer.config
+        unet_flops = flops(jax.jit(transformer.apply).lower(
+            transformer.param_shapes(), sds(latents, jnp.float32), sds((2, 77 + 256, cfg.joint_attention_dim),
+                                                                       jnp.bfloat16),
+            sds((2, cfg.pooled_projection_dim), jnp.bfloat16), sds((), jnp.float32)))
+    else:
+        unet = modules["unet"]
+        extra = {}
+        if unet.config.addition_embed_type == "text_time":
+            pooled = modules["text_encoder_2"].config.projection_dim
+            n_ids = (unet.config.projection_class_embeddings_input_dim - pooled) // \
+                unet.config.addition_time_embed_dim
+            extra = {"text_embeds": sds((2, pooled), jnp.float32), "time_ids": sds((2, n_ids), jnp.float32)}
+        unet_flops = flops(jax.jit(unet.apply).lower(
+            unet.param_shapes(), sds(latents, jnp.float32), sds((), jnp.float32),
+            sds((2, 77, unet.config.cross_attention_dim), jnp.bfloat16), **extra))
     vae_flops = flops(jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode)).lower(
-        vae.param_shapes(), sds((1, 4, h, h), jnp.float32)))
+        vae.param_shapes(), sds((1, *latents[1:]), jnp.float32)))
     scheduler = scheduler_from_config(configs["scheduler"], job["scheduler"])
-    evals = int(scheduler.set_timesteps(job["steps"], shape=(1, 4, h, h)).timesteps.shape[0])
+    evals = int(scheduler.set_timesteps(job["steps"], shape=(1, *latents[1:])).timesteps.shape[0])
     return {"flops_per_image": evals * unet_flops + vae_flops, "unet_evals": evals,
             "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops}
 
@@ -600,7 +669,16 @@ def speed_diffusers(job, size, repeats):
     scheduler_class = diffusers.EulerDiscreteScheduler if job["scheduler"] == "euler" else \
         getattr(diffusers, scheduler_config["_class_name"])
     scheduler = scheduler_class.from_config(scheduler_config)
-    if family == "sdxl":
+    if family == "sd35":
+        from benchmark import write_t5_tokenizer
+
+        with tempfile.TemporaryDirectory() as folder:  # T5's tokenizer (max_sequence_length: diffusers' 256)
+            tokenizer_3 = transformers.T5TokenizerFast(
+                tokenizer_file=os.path.join(write_t5_tokenizer(folder), "tokenizer.json"))
+        pipe = diffusers.StableDiffusion3Pipeline(
+            tokenizer_2=transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER), pad_token="!"), tokenizer=tokenizer,
+            tokenizer_3=tokenizer_3, scheduler=scheduler, **models)
+    elif family == "sdxl":
         pipe = diffusers.StableDiffusionXLPipeline(
             tokenizer_2=transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER), pad_token="!"), tokenizer=tokenizer,
             scheduler=scheduler, add_watermarker=False, **models)
@@ -752,8 +830,9 @@ def write(report, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the JSON report to write (a Markdown table beside it, .md)")
-    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "compile", "flags"), default="all")
-    p.add_argument("--family", choices=("sd15", "sdxl"), help="only the jobs of this family's models")
+    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "sd35", "compile", "flags"),
+                   default="all")
+    p.add_argument("--family", choices=("sd15", "sdxl", "sd35"), help="only the jobs of this family's models")
     p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "
                    "tiny (default on the CPU)")
     p.add_argument("--batch", type=int, help="only the speed jobs timing this batch size, at that size alone")

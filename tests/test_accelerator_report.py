@@ -113,7 +113,7 @@ def test_speed_runs_have_numbers_and_ratios(report):
 
 def test_flop_counts_add_up(report):
     counts = report[0]["speed"]["flops"]
-    assert {(c["family"], c["steps"]) for c in counts} == {("sd15", 2), ("sdxl", 2)}
+    assert {(c["family"], c["steps"]) for c in counts} == {("sd15", 2), ("sdxl", 2), ("sd35", 2)}
     for c in counts:
         assert c["unet_evals"] >= c["steps"] and c["unet_eval_flops"] > 0 and c["vae_decode_flops"] > 0
         assert c["flops_per_image"] == c["unet_evals"] * c["unet_eval_flops"] + c["vae_decode_flops"]
@@ -122,13 +122,34 @@ def test_flop_counts_add_up(report):
 def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
     full = script.jobs("all", "full")
     assert {script.code_path(j) for j in full} == {script.code_path(j) for j in script.jobs("all", "tiny")}
-    parts = [job for part in ("correctness", "sd15", "sdxl", "compile") for job in script.jobs(part, "full")]
+    parts = [job for part in ("correctness", "sd15", "sdxl", "sd35", "compile")
+             for job in script.jobs(part, "full")]
     assert all(job in parts for job in full)
     # the issue's settings
     settings = {(j["family"], j.get("setting"), j["steps"], j["guidance"], tuple(j.get("batches", ()))) for j in full
                 if j["kind"] == "speed"}
-    assert {("sd15", None, 50, 7.5, (1, 8)), ("sdxl", None, 30, 5.0, (1,)), ("sdxl", "mlperf", 20, 8.0, (8,))} \
-        <= settings
+    assert {("sd15", None, 50, 7.5, (1, 8)), ("sdxl", None, 30, 5.0, (1,)), ("sdxl", "mlperf", 20, 8.0, (8,)),
+            ("sd35", None, 28, 7.0, (1,))} <= settings
+    # SD 3.5 Medium: sdflax against diffusers, at 1024x1024 as the issue asks
+    assert [(j["framework"], j["batches"]) for j in script.jobs("sd35", "full")] == [("sdflax", [1]),
+                                                                                    ("diffusers", [1])]
+    assert script.FULL["sd35"]["size"] == 1024 and [j["family"] for j in script.jobs("all", "full", "sd35")] == \
+        ["sd35", "sd35"]
+
+
+def test_sd35_configs_are_sd35_mediums():
+    """The report's SD 3.5 Medium is scripts/benchmark.py's, the published configs: the same models, field by
+    field, wherever the report leaves a key to the class's default."""
+    import benchmark
+
+    from sdflax.models import AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, T5EncoderModel
+
+    for name, cls in (("transformer", SD3Transformer2DModel), ("vae", AutoencoderKL),
+                      ("text_encoder", CLIPTextModelWithProjection), ("text_encoder_2", CLIPTextModelWithProjection),
+                      ("text_encoder_3", T5EncoderModel)):
+        ours, published = (cls.config_class.from_dict(c[name]) for c in (script.FULL["sd35"], benchmark.SD35_MEDIUM))
+        assert ours == published, name
+    assert script.FULL["sd35"]["scheduler"] == benchmark.SD35_MEDIUM["scheduler"]
 
 
 def test_an_existing_report_is_never_overwritten(tmp_path):
