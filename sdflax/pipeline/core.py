@@ -146,16 +146,20 @@ class Pipeline:
         LoRAs stack by calling it again (`sdflax.lora.merge_lora` merges under jit with a traced `scale`)."""
         from ..lora import load_lora
 
-        if self.unet is None:
-            raise ValueError(f"{type(self).__name__}: LoRAs are merged into UNet checkpoints (SD 1.x, 2.x, SDXL); "
-                             "SD 3.x LoRAs are not supported yet")
+        self._unet_only("LoRAs")
         return load_lora(params, path, scale, self.unet.config)
+
+    def _unet_only(self, what):
+        if self.unet is None:
+            raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
+                             "are not supported yet")
 
     def load_textual_inversion(self, params, path, token=None):
         """(pipeline, params) with a textual-inversion embedding added (A1111 .pt/.safetensors, diffusers
         learned_embeds; SDXL's clip_l + clip_g): a new pipeline whose tokenizer(s) know the token. Pure."""
         from ..textual_inversion import load_textual_inversion
 
+        self._unet_only("textual-inversion embeddings")
         parts, params = load_textual_inversion(self.components(), params, path, token)
         return self.replace(**parts), params
 
@@ -167,6 +171,7 @@ class Pipeline:
         diffusers; None: only `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
         from .ip_adapter import load_ip_adapter
 
+        self._unet_only("IP-Adapters")
         piece, added = load_ip_adapter(self, pretrained_model_name_or_path, subfolder, weight_name,
                                        image_encoder_folder, revision)
         view = copy.copy(self)
