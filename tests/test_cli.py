@@ -34,6 +34,17 @@ def pixels(path):
     return np.asarray(Image.open(path).convert("RGB"))
 
 
+def rows(arrays, keys):
+    """One image's arrays repeated for each of the CLI's rows (one per device, a key each)."""
+    return [np.repeat(x, len(keys), 0) for x in arrays]
+
+
+def close_to(png, expected):
+    """uint8 PNG pixels against the library's float image: rounding (at most one level)."""
+    assert expected.std() > 0.05  # not a blank image: the comparison means something
+    assert np.abs(pixels(png).astype(np.float32) - np.round(expected * 255)).max() <= 1
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two runs with the same static settings: seeds 3, 4, then 4, 5 (the second loads the compiled program)."""

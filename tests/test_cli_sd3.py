@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from PIL import Image
-from test_cli import TINY, assert_help_lists, one_error_line, pixels
+from test_cli import TINY, assert_help_lists, close_to, one_error_line, pixels, rows
 from test_cli_controlnet import as_the_cli
 
 from sdflax.cli import main
@@ -80,17 +80,6 @@ def cli(files, name, *args, model="sd3"):
     """The command in process (on this session's devices: a row per device, seeds SEED, SEED + 1, ...); the PNG."""
     assert main([*args, "--model", str(files / model), *COMMON, "--out", str(files / name)]) == 0
     return files / name
-
-
-def rows(arrays, keys):
-    """One image's arrays repeated for each of the CLI's rows."""
-    return [np.repeat(x, len(keys), 0) for x in arrays]
-
-
-def close_to(png, expected):
-    """uint8 PNG pixels against the library's float image: rounding (at most one level)."""
-    assert expected.std() > 0.05  # not a blank image: the comparison means something
-    assert np.abs(pixels(png).astype(np.float32) - np.round(expected * 255)).max() <= 1
 
 
 def library_text_to_image(files, **load):

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
-from test_cli import TINY, assert_help_lists, one_error_line, pixels
+from test_cli import TINY, assert_help_lists, close_to, one_error_line, pixels, rows
 from test_cli_controlnet import as_the_cli, run_cli_here
 
 import jax
@@ -46,17 +46,6 @@ def cli(files, name, *args):
     result = run_cli_here([*args, "--model", "base", *COMMON, "--out", name], files, files)
     assert result.returncode == 0, result.stderr
     return files / name
-
-
-def rows(arrays, keys):
-    """The arrays of one image repeated for each of the CLI's rows (one per device, a key each)."""
-    return [np.repeat(x, len(keys), 0) for x in arrays]
-
-
-def close_to(png, expected):
-    """uint8 PNG pixels against the library's float image: rounding (at most one level)."""
-    assert expected.std() > 0.05  # not a blank image: the comparison means something
-    assert np.abs(pixels(png).astype(np.float32) - np.round(expected * 255)).max() <= 1
 
 
 def test_refiner_equals_the_library_two_stage_run(files):
