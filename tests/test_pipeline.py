@@ -101,8 +101,9 @@ def test_python_loop_mode_equals_scan(sd1):
     scanned = jit(denoise, static_argnums=1)(params["unet"], True)
     looped = denoise(params["unet"], False)
     # Eager ops and one compiled scan round differently (fusion), and guidance 7.5 amplifies the UNet's rounding
-    # 7.5x: equal to the float32 per-module tolerance.
-    np.testing.assert_allclose(looped, scanned, rtol=1e-4, atol=1e-5)
+    # 7.5x. Rounding scales with the latents' magnitude (|x| up to 12), not with each element's own value: near a
+    # zero crossing an element-wise rtol asks for more than float32 carries. Measured: 1.4e-6 of the largest |x|.
+    np.testing.assert_allclose(looped, scanned, rtol=0, atol=1e-5 * np.abs(scanned).max())
 
 
 def compile_events() -> list:
