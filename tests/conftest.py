@@ -1,7 +1,15 @@
 import os
 
+# pytest-xdist runs the suite on two workers (`-n 2`, README): torch's OpenMP threads would spin against the other
+# worker's on a small machine, so each worker's torch keeps to one thread (its results do not depend on it). Set
+# before torch loads (the builders import it).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from builders import xla_flags  # noqa: E402
+
 # Eight CPU devices for the pmap / sharding tests; set before jax starts. Single-device code runs on device 0.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the hub
 # sdflax's cache folder (compiled programs, parameter shapes): one per test session, never the user's.
 if "SDFLAX_CACHE_DIR" not in os.environ:
@@ -18,10 +26,6 @@ import sdflax  # noqa: E402
 
 sdflax.enable_compile_cache()
 
-# pytest-xdist runs the suite on two workers (`-n 2`, README): torch's OpenMP threads would spin against the other
-# worker's on a small machine, so each worker's torch keeps to one thread (its results do not depend on it).
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The slowest modules first (measured with two workers): pytest-xdist hands out whole files (`--dist loadfile`) in
 # collection order, so the two workers finish together only if the long files start early.
@@ -47,20 +51,25 @@ if _REPORT:
     import pytest
 
     _compiles = collections.defaultdict(lambda: [0.0, 0])
-    _module = ["(collection)"]
+    _module = ["(collection)", "(collection)"]  # the test's module and node id
 
-    def _listen(event, seconds, **_):
+    _programs = []  # each trace, lowering and compile: "<seconds> <event> <program> <test>"
+
+    def _listen(event, seconds, fun_name="?", **_):
         if event.startswith("/jax/core/compile/"):
             _compiles[_module[0]][0] += seconds
             _compiles[_module[0]][1] += event == "/jax/core/compile/jaxpr_trace_duration"
+            _programs.append(f"{seconds:.3f} {event.rsplit('/', 1)[1]} {fun_name} {_module[1]}\n")
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        _module[0] = item.nodeid.split("::")[0]
+        _module[:] = item.nodeid.split("::")[0], item.nodeid
         yield
 
     def pytest_sessionfinish(session):
         with open(_REPORT, "a") as report:
             report.writelines(f"{seconds:.1f} {count} {module}\n" for module, (seconds, count) in _compiles.items())
+        with open(_REPORT + ".programs", "a") as programs:
+            programs.writelines(_programs)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from builders import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "accelerator_report.py"
@@ -23,7 +24,7 @@ TIMES = ("first_call_s", "seconds_per_call", "seconds_per_call_min", "seconds_pe
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     folder = tmp_path_factory.mktemp("accelerator")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(folder / "report.json"), "--repeats", "1",
                            "--commit", "abc123"], env=env, cwd=folder, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

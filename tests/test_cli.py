@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from builders import xla_flags
 
 from sdflax.cli import StepBar, grid_shape, main, png_info, slug
 from sdflax.cli.output import OutputTarget
@@ -23,7 +24,7 @@ def run_cli(args, tmp, devices=2, cwd=None, env=None):
     """`python -m sdflax ...` of this checkout (not another one an editable install points at) on `devices` CPU
     devices, offline, with its compile cache in `tmp`."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
            "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"), "PYTHONPATH": path,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **(env or {})}  # cache every program: no timing
     return subprocess.run([sys.executable, "-m", "sdflax", *args], cwd=cwd or tmp, env=env, capture_output=True,

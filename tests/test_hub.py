@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 from PIL import Image
+from builders import xla_flags
 
 from sdflax import StableDiffusion
 from sdflax.hub import ModelNotFoundError, resolve_folder, snapshot_commit
@@ -121,7 +122,7 @@ def test_a_missing_tokenizer_is_named_before_the_weights_are_read(tmp_path):
 
 
 def run_cli(args, env, tmp):
-    env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+    env = {**env, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
            "SDFLAX_CACHE_DIR": str(tmp / "jax-cache")}
     return subprocess.run([sys.executable, "-m", "sdflax", "generate", *args], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from builders import REPO, torch_pipeline, torch_xl_pipeline
+from builders import REPO, torch_pipeline, torch_xl_pipeline, xla_flags
 
 KINDS = ("sd", "img2img", "inpaint", "xl")
 MODES = ("call", "pmap", "sharded")
@@ -29,7 +29,7 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("modes")
     torch_pipeline("sd1", "ddim").save_pretrained(folder / "sd")
     torch_xl_pipeline("euler").save_pretrained(folder / "xl")
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(DEVICES), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(REPO / "tests" / "run_modes_worker.py"), str(folder)], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
