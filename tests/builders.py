@@ -9,8 +9,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 # The suite's XLA: LLVM's optimisation level 0 for the CPU (the pipelines' own default is 1). The tiny models'
 # programs compile a fifth faster, their few steps of small tensors run slower by less, and the numbers move by
-# float32 rounding alone (parity holds at every level). The documentation's shell commands and the batch tests,
-# whose bit-exact and batch-invariant images are a promise under the user's flags, run without it.
+# float32 rounding alone (parity holds at every level). The documentation's shell commands, the batch tests and
+# the per-image noise test, whose bit-exact and batch-invariant images are a promise under the user's flags, run
+# without it.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
