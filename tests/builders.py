@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
+
 # The suite's XLA: LLVM's optimisation level 0 for the CPU. Programs under plain jax.jit (XLA's level 3) compile
 # about a third faster (a test UNet: 1.80 -> 1.14 s), the pipelines' own level-1 programs hardly
 # (scripts/benchmark_compile_levels.py); runs of small tensors are slower by less, and the numbers move by float32
@@ -20,7 +22,6 @@ def xla_flags(devices: int, *more: str) -> str:
     """XLA_FLAGS for a test process with `devices` CPU devices."""
     return " ".join((f"--xla_force_host_platform_device_count={devices}", FAST_COMPILE, *more))
 
-TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
 
 SD14_SCHEDULER = dict(
     beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000, steps_offset=1,

@@ -51,21 +51,22 @@ if _REPORT:
     import pytest
 
     _compiles = collections.defaultdict(lambda: [0.0, 0])
-    _module = ["(collection)", "(collection)"]  # the test's module and node id
+    _test = ["(collection)"]  # the running test's node id
 
     _programs = []  # each trace, lowering and compile: "<seconds> <event> <program> <test>"
 
     def _listen(event, seconds, fun_name="?", **_):
         if event.startswith("/jax/core/compile/"):
-            _compiles[_module[0]][0] += seconds
-            _compiles[_module[0]][1] += event == "/jax/core/compile/jaxpr_trace_duration"
-            _programs.append(f"{seconds:.3f} {event.rsplit('/', 1)[1]} {fun_name} {_module[1]}\n")
+            module = _compiles[_test[0].split("::")[0]]
+            module[0] += seconds
+            module[1] += event == "/jax/core/compile/jaxpr_trace_duration"
+            _programs.append(f"{seconds:.3f} {event.rsplit('/', 1)[1]} {fun_name} {_test[0]}\n")
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        _module[:] = item.nodeid.split("::")[0], item.nodeid
+        _test[0] = item.nodeid
         yield
 
     def pytest_sessionfinish(session):
