@@ -9,20 +9,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
 
-# The suite's XLA: LLVM's optimisation level 0 for the CPU. Programs under plain jax.jit (XLA's level 3) compile
-# about a third faster (a test UNet: 1.80 -> 1.14 s), the pipelines' own level-1 programs hardly
-# (scripts/benchmark_compile_levels.py); runs of small tensors are slower by less, and the numbers move by float32
-# rounding alone (parity holds at every level). The documentation's shell commands, the batch tests and
-# the per-image noise test, whose bit-exact and batch-invariant images are a promise under the user's flags, run
-# without it.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-
-
-def xla_flags(devices: int, *more: str) -> str:
-    """XLA_FLAGS for a test process with `devices` CPU devices."""
-    return " ".join((f"--xla_force_host_platform_device_count={devices}", FAST_COMPILE, *more))
-
-
 SD14_SCHEDULER = dict(
     beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000, steps_offset=1,
     skip_prk_steps=True, set_alpha_to_one=False, clip_sample=False,

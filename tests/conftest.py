@@ -6,7 +6,7 @@ import os
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from builders import xla_flags  # noqa: E402
+from compile_flags import xla_flags  # noqa: E402
 
 # Eight CPU devices for the pmap / sharding tests; set before jax starts. Single-device code runs on device 0.
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))

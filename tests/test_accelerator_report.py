@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from builders import xla_flags
+from compile_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "accelerator_report.py"

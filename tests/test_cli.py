@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from builders import xla_flags
+from compile_flags import xla_flags
 
 from sdflax.cli import StepBar, grid_shape, main, png_info, slug
 from sdflax.cli.output import OutputTarget

@@ -7,7 +7,8 @@ Conventions (what a page's author writes):
   mask.png, loras/..., ...) in the working folder.
 - ```bash / ```sh blocks of a page run after its Python blocks, all in one `bash -euo pipefail` process, in the same
   folder, in a fresh interpreter per command as a new user's shell has (one CPU device, `sdflax` and `python` of
-  this environment on PATH, `weights/` of the repository beside them).
+  this environment on PATH, `weights/` of the repository beside them), compiling as the suite does
+  (compile_flags.FAST_COMPILE).
 - A stated output is a `print(...)` line ending in a comment: `print(ids.shape)  # (1, 77)` fails unless the line
   prints exactly `(1, 77)`. In a shell block, a comment line `# writes PATH` (a glob) fails unless PATH exists after
   the page's commands ran.
@@ -31,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from builders import REPO
+from compile_flags import FAST_COMPILE
 from docs_standins import standins
 
 DOCS = REPO / "docs"
@@ -126,7 +128,7 @@ def test_page_runs(page, workdir):
         print(f"{page}:{line}: {time.perf_counter() - start:.1f} s")
     if shell:
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine has
+        env["XLA_FLAGS"] = FAST_COMPILE  # one CPU device, as a user's machine has; the suite's compiles
         script = "\n".join(f"# {page}:{line}\n{code}" for line, code in shell)
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
                                  capture_output=True, text=True)

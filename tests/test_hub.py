@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 from PIL import Image
-from builders import xla_flags
+from compile_flags import xla_flags
 
 from sdflax import StableDiffusion
 from sdflax.hub import ModelNotFoundError, resolve_folder, snapshot_commit

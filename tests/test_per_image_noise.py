@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_flags import XLA_DEFAULTS
 
 from sdflax import sampling
 from sdflax.schedulers import SCHEDULERS
@@ -28,11 +29,11 @@ def model(x, t):
 
 
 def sampler(scheduler):
-    """`sample(latents, key)`: 4 steps of `scheduler`, jitted once (one program per batch shape and kind of key), at
-    XLA's own optimisation level: the bits promised are those of a user's compile, not the suite's level 0
-    (builders.FAST_COMPILE), where LLVM leaves a batch of one and a batch of four rounding differently."""
+    """`sample(latents, key)`: 4 steps of `scheduler`, jitted once (one program per batch shape and kind of key), with
+    XLA's own options: the bits promised are those of a user's compile, not the suite's (compile_flags.FAST_COMPILE),
+    whose level 0 leaves a batch of one and a batch of four rounding differently."""
 
-    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 3})
+    @functools.partial(jax.jit, compiler_options=XLA_DEFAULTS)
     def run(latents, key):
         state = scheduler.set_timesteps(4, shape=latents.shape)
         return sampling.denoise(model, scheduler, latents * state.init_noise_sigma, 4, key)

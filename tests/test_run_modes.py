@@ -13,7 +13,8 @@ import sys
 
 import numpy as np
 import pytest
-from builders import REPO, torch_pipeline, torch_xl_pipeline, xla_flags
+from builders import REPO, torch_pipeline, torch_xl_pipeline
+from compile_flags import xla_flags
 
 KINDS = ("sd", "img2img", "inpaint", "xl")
 MODES = ("call", "pmap", "sharded")
