@@ -15,6 +15,7 @@ setting's medians over the first setting's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -29,9 +30,10 @@ FIGURES = ("first_call_s", "first_call_cpu_s", "run_s")
 
 def suite_flags() -> str:
     """tests/compile_flags.py's FAST_COMPILE, read without importing the tests' package (or torch)."""
-    namespace = {}
-    exec((REPO / "tests" / "compile_flags.py").read_text(), namespace)
-    return namespace["FAST_COMPILE"]
+    spec = importlib.util.spec_from_file_location("compile_flags", REPO / "tests" / "compile_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FAST_COMPILE
 
 
 def one_process(model: str, steps: int, size: int) -> dict:
