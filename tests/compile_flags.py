@@ -4,7 +4,8 @@
 # emitters, and each program's machine code made in one piece instead of split for parallel compilation (the two
 # pytest-xdist workers keep both cores busy already). Each shortens the CPU time of the suite's compiles, which is
 # most of its time (scripts/benchmark_compile_flags.py measures a pipeline's; the README gives the figures); runs
-# of small tensors are slower by less, and the numbers move by float32 rounding alone (parity holds under both).
+# of small tensors are slower by less, and the numbers move by float32 rounding alone (parity holds under these
+# options and under XLA's defaults).
 SUITE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
                  "xla_cpu_parallel_codegen_split_count": 1}
 # XLA's own values of those options: the compiles of the tests whose bit-exact or batch-invariant images are a
