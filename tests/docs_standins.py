@@ -212,9 +212,9 @@ STANDINS = {
 }
 
 
-def pictures(folder, size=64):
-    """photo.png (a colour gradient), mask.png (white square: repainted) and edges.png (a canny-like drawing),
-    and odd.png, whose sides are not multiples of 8."""
+def pictures(folder, size=32):
+    """photo.png (a colour gradient), mask.png (white square: repainted) and edges.png (a canny-like drawing), of
+    the stand-ins' default size (a picture's size is the image's: a larger one costs every step of its page)."""
     import numpy as np
     from PIL import Image
 
@@ -227,7 +227,6 @@ def pictures(folder, size=64):
     edges = np.zeros((size, size, 3), np.uint8)
     edges[size // 2, :] = edges[:, size // 3] = 255
     Image.fromarray(edges).save(folder / "edges.png")
-    Image.fromarray((photo[:45, :61] * 255).astype(np.uint8)).save(folder / "odd.png")
 
 
 def files(folder):
