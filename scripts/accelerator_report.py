@@ -260,6 +260,8 @@ def random_params(module, dtype, seed=0):
     import jax
     import numpy as np
 
+    from sdflax.cache import param_shapes
+
     pool = np.random.default_rng(seed).standard_normal(1 << 22, np.float32)
     offset = [0]
 
@@ -274,7 +276,7 @@ def random_params(module, dtype, seed=0):
         std = 1 / math.sqrt(math.prod(shape[:-1])) if name == "kernel" else 1.0
         return jax.device_put((value * np.float32(std)).astype(dtype))
 
-    return jax.tree_util.tree_map_with_path(draw, module.param_shapes())
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(module))
 
 
 def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None):
@@ -366,6 +368,7 @@ def correctness(job, size):
     import torch
 
     from sdflax.assemble import build_models
+    from sdflax.cache import param_shapes
     from sdflax.models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
     from sdflax.weights import convert_state_dict
 
@@ -423,7 +426,7 @@ def correctness(job, size):
         params = converted.setdefault(dtype, {})
         for name in modules:
             if name not in params:
-                params[name] = convert_state_dict(state[name], modules[name].param_shapes(), dtype)
+                params[name] = convert_state_dict(state[name], param_shapes(modules[name]), dtype)
         unet = modules["unet"]
         extra = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if family == "sdxl" else {}
         out = {"unet": jax.jit(unet.apply)(params["unet"], inputs["sample"], inputs["timesteps"], inputs["context"],
@@ -604,6 +607,7 @@ def flop_count(job, size):
     import jax.numpy as jnp
 
     from sdflax.assemble import build_models
+    from sdflax.cache import param_shapes
     from sdflax.models import (AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel,
                                UNet2DConditionModel)
     from sdflax.models.layers import Kernels
@@ -630,7 +634,7 @@ def flop_count(job, size):
         transformer = modules["transformer"]
         cfg = transformer.config
         unet_flops = flops(jax.jit(transformer.apply).lower(
-            transformer.param_shapes(), sds(latents, jnp.float32), sds((2, 77 + 256, cfg.joint_attention_dim),
+            param_shapes(transformer), sds(latents, jnp.float32), sds((2, 77 + 256, cfg.joint_attention_dim),
                                                                        jnp.bfloat16),
             sds((2, cfg.pooled_projection_dim), jnp.bfloat16), sds((), jnp.float32)))
     else:
@@ -642,10 +646,10 @@ def flop_count(job, size):
                 unet.config.addition_time_embed_dim
             extra = {"text_embeds": sds((2, pooled), jnp.float32), "time_ids": sds((2, n_ids), jnp.float32)}
         unet_flops = flops(jax.jit(unet.apply).lower(
-            unet.param_shapes(), sds(latents, jnp.float32), sds((), jnp.float32),
+            param_shapes(unet), sds(latents, jnp.float32), sds((), jnp.float32),
             sds((2, 77, unet.config.cross_attention_dim), jnp.bfloat16), **extra))
     vae_flops = flops(jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode)).lower(
-        vae.param_shapes(), sds((1, *latents[1:]), jnp.float32)))
+        param_shapes(vae), sds((1, *latents[1:]), jnp.float32)))
     scheduler = scheduler_from_config(configs["scheduler"], job["scheduler"])
     evals = int(scheduler.set_timesteps(job["steps"], shape=(1, *latents[1:])).timesteps.shape[0])
     return {"flops_per_image": evals * unet_flops + vae_flops, "unet_evals": evals,

@@ -366,11 +366,14 @@ def write_t5_tokenizer(folder):
 
 
 def random_params(module, seed, dtype):
-    """Random params of `module.param_shapes()`, drawn with numpy: `module.init_params` compiles one program per
-    model (half a minute for tiny-sd's UNet on a CPU), which would swamp the load time. Kernels N(0, 1/fan_in)
-    as flax's default (LeCun) init, norm scales 1, biases 0, embeddings N(0, 1); cast to `dtype` as loaded."""
+    """Random params of the module's parameter shapes (from sdflax's cache, as a loaded model's), drawn with numpy:
+    `module.init_params` compiles one program per model (half a minute for tiny-sd's UNet on a CPU), which would
+    swamp the load time. Kernels N(0, 1/fan_in) as flax's default (LeCun) init, norm scales 1, biases 0,
+    embeddings N(0, 1); cast to `dtype` as loaded."""
     import jax
     import numpy as np
+
+    from sdflax.cache import param_shapes
 
     rng = np.random.default_rng(seed)
 
@@ -383,7 +386,7 @@ def random_params(module, seed, dtype):
             value = rng.standard_normal(shape, np.float32) * np.float32(std)
         return jax.device_put(value.astype(dtype))
 
-    return jax.tree_util.tree_map_with_path(draw, module.param_shapes())
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(module))
 
 
 def benchmark_sdflax(args, dtype_name):
