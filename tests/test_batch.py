@@ -2,9 +2,10 @@
 (it fails before JAX starts).
 
 Every run shares one disk compile cache and the same static settings, so the batch program compiles once for one
-process and once for a process of a two-process mesh. XLA_FLAGS keep the CPU's reductions out of YNNPACK, whose
-order depends on the whole tensor (docs/batch.md, "One image, any batch"): images are then equal bit for bit whatever
-the batch they are made in."""
+process and once for a process of a two-process mesh, with the suite's compile options (compile_flags.py; the
+library's images under a user's are tests/test_batch_invariance.py's). XLA_FLAGS keep the CPU's reductions out of
+YNNPACK, whose order depends on the whole tensor (docs/batch.md, "One image, any batch"): images are then equal bit
+for bit whatever the batch they are made in."""
 
 import fnmatch
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from compile_flags import xla_flags
 from PIL import Image
 
 from sdflax.cli.batch import Line, read_prompts
@@ -42,7 +44,7 @@ NUMBERS = [n for n, line in enumerate(LINES, 1) if line]
 
 
 def env_for(tmp, devices):
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {BIT_EXACT}",
+    return {**os.environ, "XLA_FLAGS": xla_flags(devices, BIT_EXACT),
             "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # cache every program: no timing
             "PYTHONPATH": str(ROOT)}  # this checkout's sdflax, whatever is installed
