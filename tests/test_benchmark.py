@@ -1,4 +1,5 @@
-"""scripts/benchmark.py on weights/tiny-sd in subprocesses: every figure is there and sane (no timing thresholds)."""
+"""scripts/benchmark.py on weights/tiny-sd in subprocesses, compiling with the suite's options (compile_flags.py):
+every figure is there and sane (no timing thresholds)."""
 
 import importlib.util
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from compile_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "benchmark.py"
@@ -20,7 +22,7 @@ RATES = ("unet_steps_per_s", "flops_per_image", "unet_eval_flops_per_image", "tf
 
 
 def run_benchmark(args, tmp, env=None):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
            "HF_HUB_OFFLINE": "1", "SDFLAX_CACHE_DIR": str(tmp / "jax-cache"), **(env or {})}
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -168,7 +170,7 @@ def test_no_t5_is_for_sd3(tmp):
 
 def test_kernel_benchmark_reports_every_kernel(tmp):
     """scripts/benchmark_kernels.py on tiny shapes: both attention paths, both conv paths, every figure."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_kernels.py"), "--small",
                              "--repeats", "1"], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     out = parse(result)
