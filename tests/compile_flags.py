@@ -8,6 +8,9 @@
 # options and under XLA's defaults).
 SUITE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
                  "xla_cpu_parallel_codegen_split_count": 1}
+# LLVM's level 1 in place of 0, for the programs that run much longer than they compile: the gradients through the
+# sampler, whose runs level 0 slows most (the README's test section gives the figures).
+RUN_OPTIONS = {**SUITE_OPTIONS, "xla_backend_optimization_level": 1}
 # XLA's own values of those options: the compiles of the tests whose bit-exact or batch-invariant images are a
 # promise under a user's flags (the batch tests' processes run without FAST_COMPILE instead).
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True,

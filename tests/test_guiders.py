@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from builders import torch_pipeline, torch_xl_pipeline
+from compile_flags import RUN_OPTIONS
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from run_modes_worker import compiles_during
 
@@ -221,7 +222,7 @@ def test_the_gradient_through_a_guider_matches_central_differences(pipes):
         final = trajectory.latents[-1]
         return jnp.sum(weights * final) / final.size
 
-    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    value_and_grad = jax.jit(jax.value_and_grad(loss), compiler_options=RUN_OPTIONS)
     scale, h = 5.0, 0.1  # central differences: error O(h²) plus float32 rounding / h
     _, grad = value_and_grad(scale)
     numeric = (value_and_grad(scale + h)[0] - value_and_grad(scale - h)[0]) / (2 * h)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from builders import REPO, saved, torch_pipeline
+from compile_flags import RUN_OPTIONS
 
 import jax
 import jax.numpy as jnp
@@ -201,7 +202,7 @@ def gradients(sd1, inputs, models):
     @functools.cache
     def program(steps):
         value_and_grad = jax.value_and_grad(final_latents_fn(sd1.pipe, steps), argnums=(0, 1, 2), has_aux=True)
-        return jax.jit(value_and_grad, compiler_options=compiler_options()).lower(*args).compile()
+        return jax.jit(value_and_grad, compiler_options={**compiler_options(), **RUN_OPTIONS}).lower(*args).compile()
 
     return SimpleNamespace(program=program, args=args)
 
