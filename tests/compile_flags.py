@@ -12,7 +12,7 @@ SUITE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitte
 # sampler, whose runs level 0 slows most (the README's test section gives the figures).
 RUN_OPTIONS = {**SUITE_OPTIONS, "xla_backend_optimization_level": 1}
 # XLA's own values of those options: the compiles of the tests whose bit-exact or batch-invariant images are a
-# promise under a user's flags (the batch tests' processes run without FAST_COMPILE instead).
+# promise under a user's flags (the batch-invariance test's processes run without FAST_COMPILE instead).
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True,
                 "xla_cpu_parallel_codegen_split_count": 32}
 FAST_COMPILE = " ".join(f"--{name}={str(value).lower()}" for name, value in SUITE_OPTIONS.items())
