@@ -43,15 +43,19 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   evaluations (SD 3.5: its transformer's, under the same keys) and the VAE decode; the same count is used for
   diffusers) and the achieved TFLOP/s. Per process:
   `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
-  warm one); `import_s`, `build_s`. `--part flags` times SD 1.5 at batch 1 (and the MLPerf setting) under each of
-  `XLA_FLAG_SETS` against XLA's defaults, the measurement behind sdflax setting no XLA flags.
+  warm one); `import_s`, `build_s`. The cold- and warm-cache jobs load their weights as a user does
+  (`from_pretrained`) from an SD 1.5 checkpoint that the run writes first with diffusers' `save_pretrained`
+  (float32 safetensors, as on the hub: 4.3 GB, read from the page cache); the other jobs draw random weights.
+  `--part flags` times SD 1.5 at batch 1 (and the MLPerf setting) under each of `XLA_FLAG_SETS` against XLA's
+  defaults, the measurement behind sdflax setting no XLA flags.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
 "bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}},
-"speed": {"runs": [run, ...], "flops": [count, ...]}, "table": str, "errors": [str, ...]}; a check is {"rel_l2",
-"max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
+"speed": {"runs": [run, ...], "flops": [count, ...], "checkpoint": {"family", "bytes", "wall_s"}}, "table": str,
+"errors": [str, ...]} ("checkpoint" where a job loads one); a check is {"rel_l2", "max_abs", "bound", "ok",
+"finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
 [{"batch", "seconds_per_call", ..., "tflops_per_s"}]}; a count is a setting and {"flops_per_image", ...}.
 """
 
@@ -200,16 +204,16 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                                                     "batches": batches, **extra}
     table = {
         "correctness": [{"kind": "correctness", "family": "sd15"}, {"kind": "correctness", "family": "sdxl"}],
-        "sd15": [speed("sdflax", sd15, big, attention="auto", cache="cold"),
+        "sd15": [speed("sdflax", sd15, big, attention="auto", cache="cold", weights="checkpoint"),
                  speed("diffusers", sd15, big),
-                 speed("sdflax", sd15, [1], attention="auto", cache="warm"),
+                 speed("sdflax", sd15, [1], attention="auto", cache="warm", weights="checkpoint"),
                  speed("diffusers+compile", sd15, [1]),
                  speed("sdflax", sd15, [1], attention="xla", cache="none"),
                  speed("sdflax", sd15, [4], attention="auto", cache="none"),
                  speed("diffusers", sd15, [4])],
         # the second half of sd15's: a warm cache after a cold one, torch.compile and XLA's attention
-        "compile": [speed("sdflax", sd15, [1], attention="auto", cache="cold"),
-                    speed("sdflax", sd15, [1], attention="auto", cache="warm"),
+        "compile": [speed("sdflax", sd15, [1], attention="auto", cache="cold", weights="checkpoint"),
+                    speed("sdflax", sd15, [1], attention="auto", cache="warm", weights="checkpoint"),
                     speed("diffusers+compile", sd15, [1]),
                     speed("sdflax", sd15, [1], attention="xla", cache="none")],
         # XLA's defaults against each flag set, where launches weigh most (SD 1.5, batch 1) and at MLPerf's
@@ -309,6 +313,26 @@ def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None):
     pipeline = cls(tokenizer=load_tokenizer(str(TOKENIZER)), dtype=dtype,
                    scheduler=scheduler_from_config(configs["scheduler"], scheduler), **modules, **extra)
     return pipeline, params
+
+
+def write_checkpoint(job, size):
+    """SD 1.5's architecture with random weights (`torch_models`), saved in float32 by diffusers' own
+    `save_pretrained` into `job["folder"]`, as the hub's files are: what the cold and warm jobs load, so that their
+    `ready_s` counts a user's load from disk."""
+    import diffusers
+    import torch
+    import transformers
+
+    if job["family"] != "sd15":
+        raise ValueError(f"checkpoints are written for sd15 only, not {job['family']}")
+    models = torch_models("sd15", size, "cuda" if torch.cuda.is_available() else "cpu")
+    scheduler = configs_for("sd15", size)["scheduler"]
+    pipe = diffusers.StableDiffusionPipeline(
+        tokenizer=transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER)), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+        scheduler=getattr(diffusers, scheduler["_class_name"]).from_config(scheduler), **models)
+    pipe.save_pretrained(job["folder"])
+    return {"bytes": sum(f.stat().st_size for f in Path(job["folder"]).rglob("*.safetensors"))}
 
 
 def torch_models(family, size, device, seed=0):
@@ -564,7 +588,13 @@ def speed_sdflax(job, size, repeats):
 
     import_s = time.perf_counter() - _START
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    pipeline, params = sdflax_pipeline(job["family"], size, dtype, job["attention"], job["scheduler"])
+    if job.get("weights") == "checkpoint":  # a user's load: the files written by `write_checkpoint`
+        from sdflax import StableDiffusion
+
+        pipeline, params = StableDiffusion.from_pretrained(job["checkpoint"], dtype=dtype,
+                                                           attention=job["attention"])
+    else:
+        pipeline, params = sdflax_pipeline(job["family"], size, dtype, job["attention"], job["scheduler"])
     jax.block_until_ready(params)
     build_s = time.perf_counter() - _START - import_s
     side = configs_for(job["family"], size)["size"]
@@ -808,8 +838,10 @@ def markdown(report):
              "peak GiB | TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f="{:.3g}": "–" if x is None else f.format(x)  # noqa: E731
     for run in report["speed"]["runs"]:
-        name = run["framework"] + (f" ({run['attention']}, cache {run['cache']})" if run["framework"] == "sdflax"
-                                   else "") + (f" {run['xla_flags']}" if run.get("xla_flags") else "")
+        loaded = ", loaded" if run.get("weights") == "checkpoint" else ""
+        name = run["framework"] + (f" ({run['attention']}, cache {run['cache']}{loaded})"
+                                   if run["framework"] == "sdflax" else "") + \
+            (f" {run['xla_flags']}" if run.get("xla_flags") else "")
         setting = (f"{run['family']}{' MLPerf' if run.get('setting') == 'mlperf' else ''} {run.get('height', '?')}px "
                    f"{run['steps']} steps")
         if "error" in run:
@@ -848,7 +880,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         job = json.loads(args.worker)
-        worker = {"correctness": correctness, "flops": flop_count, "speed": None}[job["kind"]]
+        worker = {"correctness": correctness, "flops": flop_count, "checkpoint": write_checkpoint,
+                  "speed": None}[job["kind"]]
         if worker is None:
             worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
             result = worker(job, args.size, args.repeats)
@@ -870,9 +903,17 @@ def main(argv=None):
     report = {"schema": SCHEMA, "provenance": {**provenance(args), "platform": platform}, "correctness": {},
               "speed": {"runs": [], "flops": []}, "errors": []}
     counts = {}  # setting -> its FLOP count, counted once
-    with tempfile.TemporaryDirectory() as cache_dir:
+    with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as checkpoint:
         for job in jobs(args.part, args.size, args.family, args.batch):
             job = {**job, "cache_dir": cache_dir} if job.get("cache") in ("cold", "warm") else job
+            if job.get("weights") == "checkpoint":
+                job["checkpoint"] = checkpoint
+                if "checkpoint" not in report["speed"] and time.perf_counter() < deadline:
+                    log(f"job: checkpoint {job['family']} ...")
+                    written = {"kind": "checkpoint", "family": job["family"], "folder": checkpoint}
+                    report["speed"]["checkpoint"] = {"family": job["family"], **run_job(written, args, deadline)}
+                    if "error" in report["speed"]["checkpoint"]:
+                        report["errors"].append(f"checkpoint: {report['speed']['checkpoint']['error']}")
             name = " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches", "xla_flags")
                             if k in job)
             if time.perf_counter() > deadline:
@@ -892,7 +933,8 @@ def main(argv=None):
             if job["kind"] == "correctness":
                 report["correctness"][job["family"]] = result
             else:
-                report["speed"]["runs"].append({**{k: v for k, v in job.items() if k != "cache_dir"}, **result})
+                report["speed"]["runs"].append({**{k: v for k, v in job.items()
+                                                   if k not in ("cache_dir", "checkpoint")}, **result})
                 if setting_key(job) not in counts and time.perf_counter() < deadline:
                     flop_job = {"kind": "flops", **{k: job[k] for k in ("family", "setting", "steps", "scheduler")
                                                     if k in job}}
