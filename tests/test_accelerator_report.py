@@ -109,6 +109,11 @@ def test_speed_runs_have_numbers_and_ratios(report):
                 assert x["speedup_vs_diffusers"] == 1
     cache = {run["cache"]: run["cache_hits"] for run in runs if run["framework"] == "sdflax"}
     assert cache["cold"] == 0 and cache["warm"] > 0 and cache["none"] == 0
+    # the cold and warm processes load the checkpoint the run wrote, as a user's would; the others draw weights
+    assert {run["cache"]: run.get("weights") for run in runs if run["framework"] == "sdflax"} == \
+        {"cold": "checkpoint", "warm": "checkpoint", "none": None}
+    written = r["speed"]["checkpoint"]
+    assert written["family"] == "sd15" and written["bytes"] > 0 and written["wall_s"] > 0
     assert len(r["table"].splitlines()) == 4 + sum(len(run["results"]) for run in runs)
 
 
