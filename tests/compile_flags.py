@@ -15,10 +15,6 @@ RUN_OPTIONS = {**SUITE_OPTIONS, "xla_backend_optimization_level": 1}
 # promise under a user's flags (the batch-invariance test's processes run without FAST_COMPILE instead).
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True,
                 "xla_cpu_parallel_codegen_split_count": 32}
-# The simulated CPU devices of the suite's process: enough for the pmap and sharding paths to split a batch over
-# several devices; every image of a batch over them is computed, by sdflax and by the diffusers oracle, on the two
-# cores, so each device more costs the every-mode tests a run.
-DEVICES = 4
 FAST_COMPILE = " ".join(f"--{name}={str(value).lower()}" for name, value in SUITE_OPTIONS.items())
 
 

@@ -6,10 +6,10 @@ import os
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from compile_flags import DEVICES, xla_flags  # noqa: E402
+from compile_flags import xla_flags  # noqa: E402
 
-# Simulated CPU devices for the pmap / sharding tests; set before jax starts. Single-device code runs on device 0.
-os.environ.setdefault("XLA_FLAGS", xla_flags(DEVICES))
+# Eight CPU devices for the pmap / sharding tests; set before jax starts. Single-device code runs on device 0.
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the hub
 # sdflax's cache folder (compiled programs, parameter shapes): one per test session, never the user's.
 if "SDFLAX_CACHE_DIR" not in os.environ:

@@ -1,12 +1,10 @@
-"""The walkthrough on the suite's CPU devices (compile_flags.DEVICES): pmap with replicate/shard, pmap(_generate),
-and jit + NamedSharding."""
+"""The walkthrough on eight CPU devices: pmap with replicate/shard, pmap(_generate), and jit + NamedSharding."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from builders import torch_pipeline
-from compile_flags import DEVICES
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ from sdflax import StableDiffusion, replicate, shard, unshard
 
 STEPS = 2  # test_pipeline.py's, on the same checkpoint: the batch of one is one program per suite (compile cache)
 PROMPTS = [f"a painting of a {thing}" for thing in
-           ("cat", "dog", "ship", "tree", "house", "mountain", "river", "city at night")][:DEVICES]
+           ("cat", "dog", "ship", "tree", "house", "mountain", "river", "city at night")]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +26,7 @@ def pipeline(tmp_path_factory):
 @pytest.fixture(scope="module")
 def walkthrough(pipeline):
     pipe, params = pipeline
-    assert jax.local_device_count() == DEVICES
+    assert jax.local_device_count() == 8
     prompt_ids = shard(pipe.prepare_inputs(PROMPTS))
     rng = jax.random.split(jax.random.key(0), jax.local_device_count())
     p_params = replicate(params)
@@ -39,9 +37,9 @@ def walkthrough(pipeline):
 def test_each_device_equals_a_single_device_call(pipeline, walkthrough):
     pipe, params = pipeline
     _, _, rng, images = walkthrough
-    assert images.shape == (DEVICES, 1, 32, 32, 3)
+    assert images.shape == (8, 1, 32, 32, 3)
     ids = pipe.prepare_inputs(PROMPTS)
-    for i in range(DEVICES):
+    for i in range(8):
         single = pipe(ids[i:i + 1], params, rng[i], STEPS).images
         np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
     assert np.abs(images[0] - images[1]).max() > 1e-3  # different prompts and keys, different images
@@ -58,24 +56,24 @@ def test_jit_with_named_sharding_equals_pmap(pipeline, walkthrough):
     pipe, params = pipeline
     _, _, rng, images = walkthrough
     sharded = pipe.generate_sharded(pipe.prepare_inputs(PROMPTS), params, rng, STEPS)
-    assert sharded.shape == (DEVICES, 32, 32, 3)
+    assert sharded.shape == (8, 32, 32, 3)
     np.testing.assert_allclose(sharded, unshard(images), rtol=0, atol=1e-5)
 
 
 def test_shard_and_unshard_round_trip():
-    x = np.arange(2 * DEVICES * 3).reshape(2 * DEVICES, 3)
+    x = np.arange(16 * 3).reshape(16, 3)
     sharded = shard(x)
-    assert sharded.shape == (DEVICES, 2, 3)
-    assert len(sharded.sharding.device_set) == DEVICES
+    assert sharded.shape == (8, 2, 3)
+    assert len(sharded.sharding.device_set) == 8
     np.testing.assert_array_equal(unshard(sharded), x)
-    with pytest.raises(ValueError, match=f"batch of {DEVICES + 2} does not split over {DEVICES} devices"):
-        shard(np.zeros((DEVICES + 2, 77)))
+    with pytest.raises(ValueError, match="batch of 12 does not split over 8 devices"):
+        shard(np.zeros((12, 77)))
     replicated = replicate({"w": jnp.ones((2, 2))})
-    assert replicated["w"].shape == (DEVICES, 2, 2) and len(replicated["w"].sharding.device_set) == DEVICES
+    assert replicated["w"].shape == (8, 2, 2) and len(replicated["w"].sharding.device_set) == 8
 
 
 def test_jit_true_rejects_unsharded_or_wrong_shapes(pipeline, walkthrough):
     pipe, _ = pipeline
     _, p_params, rng, _ = walkthrough
-    with pytest.raises(ValueError, match=rf"prompt_ids has shape \({DEVICES}, 77\); expected \(devices, batch, 77\)"):
+    with pytest.raises(ValueError, match=r"prompt_ids has shape \(8, 77\); expected \(devices, batch, 77\)"):
         pipe(pipe.prepare_inputs(PROMPTS), p_params, rng, STEPS, jit=True)

@@ -10,7 +10,6 @@ import pytest
 import torch
 from builders import SDXL, saved, torch_text_encoder_2, torch_unet, torch_xl_pipeline
 
-from compile_flags import DEVICES
 import jax
 import jax.numpy as jnp
 
@@ -233,22 +232,22 @@ def test_pmap_and_sharded_paths_equal_single_device_calls(euler):
     (the static settings of the parity test's call without a negative prompt: its program)."""
     _, pipe, params = euler
     devices = jax.local_device_count()
-    assert devices == DEVICES
+    assert devices == 8
     things = ("cat", "dog", "ship", "tree", "house", "hill", "river", "city")
-    prompts = [f"a {style} of a {thing}" for thing in things for style in ("painting", "photo")][:2 * devices]
+    prompts = [f"a {style} of a {thing}" for thing in things for style in ("painting", "photo")]
     ids = pipe.prepare_inputs(prompts)
     latents = latents_for(pipe, 2 * devices)
     rng = jax.random.split(jax.random.key(0), devices)
     images = pipe(shard(ids), replicate(params), rng, STEPS, jit=True, latents=shard(latents),
                   original_size=(48, 40)).images
-    assert images.shape == (devices, 2, 32, 32, 3)
-    for i in (0, devices - 1):
+    assert images.shape == (8, 2, 32, 32, 3)
+    for i in (0, 5):
         rows = slice(2 * i, 2 * i + 2)
         single = pipe(ids[rows], params, rng[i], STEPS, latents=latents[rows], original_size=(48, 40)).images
         np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
     assert np.abs(images[0] - images[1]).max() > 1e-3
     sharded = pipe.generate_sharded(ids, params, rng, STEPS, latents=latents, original_size=(48, 40))
-    assert sharded.shape == (2 * devices, 32, 32, 3)
+    assert sharded.shape == (16, 32, 32, 3)
     np.testing.assert_allclose(sharded, unshard(images), rtol=0, atol=1e-5)
 
 
