@@ -591,7 +591,7 @@ def speed_sdflax(job, size, repeats):
     if job.get("weights") == "checkpoint":  # a user's load: the files written by `write_checkpoint`
         from sdflax import StableDiffusion
 
-        pipeline, params = StableDiffusion.from_pretrained(job["checkpoint"], dtype=dtype,
+        pipeline, params = StableDiffusion.from_pretrained(job["checkpoint"], dtype=dtype, scheduler=job["scheduler"],
                                                            attention=job["attention"])
     else:
         pipeline, params = sdflax_pipeline(job["family"], size, dtype, job["attention"], job["scheduler"])
