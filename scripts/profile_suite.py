@@ -116,7 +116,7 @@ def show(summary: dict, top: int = 12) -> str:
     c = summary["compile_s"]
     lines = [f"wall {summary['wall_s']:.0f} s, CPU {summary['cpu_s']:.0f} s on {summary['cores']} cores, "
              f"{summary['python_processes']} Python processes (pytest exit {summary['pytest_exit']})",
-             f"compiling {c['total']:.0f} s of the CPU's (tracing {c['tracing']:.0f}, lowering {c['lowering']:.0f}, "
+             f"of which compiling {c['total']:.0f} s (tracing {c['tracing']:.0f}, lowering {c['lowering']:.0f}, "
              f"XLA {c['XLA']:.0f}): a compile floor of {summary['compile_floor_s']:.0f} s on {summary['cores']} "
              "cores",
              "", "compile seconds of the test modules in the pytest processes:"]
@@ -130,10 +130,11 @@ def show(summary: dict, top: int = 12) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else ["-q", "-n", "2"]
+    split = argv.index("--") if "--" in argv else len(argv)
+    pytest_args = argv[split + 1:] or ["-q", "-n", "2"]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="also write the figures to this JSON file (never overwritten)")
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(argv[:split])
     if args.out and Path(args.out).exists():
         p.error(f"{args.out} exists: give a new file")
     with tempfile.TemporaryDirectory() as tmp:
