@@ -186,3 +186,37 @@ def test_the_flags_part_times_each_flag_set_against_xlas_defaults(monkeypatch):
     args = script.argparse.Namespace(size="full", repeats=1)
     script.run_job({**jobs[1], "kind": "speed"}, args, deadline=float("inf"))
     assert seen["XLA_FLAGS"] == "--mine " + script.XLA_FLAG_SETS[jobs[1]["xla_flags"]]
+
+
+def test_a_forked_job_reports_its_error_and_stops_at_the_deadline():
+    """The CPU run's forked jobs: a job that raises comes back as its traceback's tail; one that outlasts the
+    deadline is stopped there; a result comes from a process of its own. Forked from a fresh process, as the script
+    forks from its own (never from a test worker whose JAX may have started its threads)."""
+    code = """if True:
+        import json, os, sys, time
+        sys.path.insert(0, sys.argv[1])
+        import accelerator_report as script
+
+        args = script.argparse.Namespace(size="tiny", repeats=1)
+        job = {"kind": "flops", "family": "sd15"}
+
+        def fail(job, args):
+            raise ValueError("no such model")
+
+        results = []
+        for work, seconds in ((fail, 60), (lambda job, args: time.sleep(60), 1.5),
+                              (lambda job, args: {"pid": os.getpid()}, 60)):
+            script.work = work
+            start = time.perf_counter()
+            results.append({**script.run_job(job, args, deadline=start + seconds, fork=True),
+                            "took_s": time.perf_counter() - start})
+        print(json.dumps({"parent": os.getpid(), "results": results}))
+    """
+    done = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    failed, stopped, ran = out["results"]
+    assert failed["error"].startswith("exit 1: ") and "ValueError: no such model" in failed["error"]
+    assert stopped["error"] == "stopped at the deadline" and stopped["took_s"] < 30
+    assert ran["pid"] != out["parent"] and ran["wall_s"] > 0
