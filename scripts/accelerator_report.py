@@ -47,8 +47,10 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   warm one); `import_s`, `build_s`. The cold- and warm-cache jobs load their weights as a user does
   (`from_pretrained`) from an SD 1.5 checkpoint that the run writes first with diffusers' `save_pretrained`
   (float32 safetensors, as on the hub: 4.3 GB, read from the page cache); the other jobs draw random weights.
-  `--part flags` times SD 1.5 at batch 1 (and the MLPerf setting) under each of `XLA_FLAG_SETS` against XLA's
-  defaults, the measurement behind sdflax setting no XLA flags.
+  `--part flags` times SD 1.5 at batch 1 and the MLPerf setting under XLA's defaults and each of `XLA_FLAG_SETS`,
+  the measurement behind sdflax setting no XLA flags; each run's `compile_s` is a cold compile (no cache), so
+  `--part flags --family sdxl` (the MLPerf setting alone, the compile-time sets first; about 2 minutes a job on an
+  H100) says what the autotuning and Triton GEMM flags save of SDXL's compile and cost of its speed.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
@@ -172,13 +174,18 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 # Bounds of the relative L2 error. float32: the modules' test tolerance. bfloat16: ours against float32 may be
 # off by at most twice diffusers' own bfloat16 error against float32, or 1e-2, whichever is larger.
 FLOAT32_BOUND = 1e-4
-# XLA GPU flag sets measured against XLA's defaults (part "flags"), to choose which the runner should set.
+# XLA GPU flag sets measured against XLA's defaults (part "flags"), to choose which the runner should set: for
+# speed, and for the cold compile (autotuning without its buffer re-initialisation and result checks; cuBLAS for
+# every GEMM instead of a search over Triton tilings).
 XLA_FLAG_SETS = {
     "latency_hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
     "command_buffer_while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
                             "CONDITIONAL",
+    "autotune_1": "--xla_gpu_autotune_level=1",
+    "no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
 }
+COMPILE_FLAG_SETS = ("autotune_1", "no_triton_gemm")
 BFLOAT16_FLOOR = 1e-2
 
 
@@ -218,12 +225,14 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                     speed("sdflax", sd15, [1], attention="auto", cache="warm", weights="checkpoint"),
                     speed("diffusers+compile", sd15, [1]),
                     speed("sdflax", sd15, [1], attention="xla", cache="none")],
-        # XLA's defaults against each flag set, where launches weigh most (SD 1.5, batch 1) and at MLPerf's
+        # XLA's defaults, then each flag set: where launches weigh most (SD 1.5, batch 1), and at MLPerf's setting,
+        # whose compile is the longest (the compile-time sets first)
         "flags": [speed("sdflax", sd15, [1], attention="auto", cache="none"),
                   *(speed("sdflax", sd15, [1], attention="auto", cache="none", xla_flags=name)
                     for name in XLA_FLAG_SETS),
-                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none",
-                        xla_flags="latency_hiding")],
+                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none"),
+                  *(speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none", xla_flags=name)
+                    for name in sorted(XLA_FLAG_SETS, key=lambda name: name not in COMPILE_FLAG_SETS))],
         "sdxl": [speed("sdflax", sdxl, [1], attention="auto", cache="none"),
                  speed("sdflax", mlperf, [8] if full else [2], attention="auto", cache="none"),
                  speed("diffusers", sdxl, [1]),

@@ -177,7 +177,10 @@ def test_batch_keeps_the_speed_jobs_timing_that_batch_size_at_that_size_alone():
 def test_the_flags_part_times_each_flag_set_against_xlas_defaults(monkeypatch):
     jobs = script.jobs("flags", "full")
     assert [j.get("xla_flags") for j in jobs if j["family"] == "sd15"] == [None, *script.XLA_FLAG_SETS]
-    assert all(j["family"] == "sdxl" for j in script.jobs("flags", "full", "sdxl"))
+    mlperf = script.jobs("flags", "full", "sdxl")  # the longest compile: the compile-time flag sets first
+    assert all(j["setting"] == "mlperf" and j["batches"] == [8] for j in mlperf)
+    assert [j.get("xla_flags") for j in mlperf][:3] == [None, *script.COMPILE_FLAG_SETS]
+    assert sorted(j.get("xla_flags") or "" for j in mlperf) == sorted(["", *script.XLA_FLAG_SETS])
     # a job's flags are added to the user's XLA_FLAGS in its process's environment, never replacing them
     seen = {}
     monkeypatch.setenv("XLA_FLAGS", "--mine")
