@@ -47,6 +47,8 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   warm one); `import_s`, `build_s`. The cold- and warm-cache jobs load their weights as a user does
   (`from_pretrained`) from an SD 1.5 checkpoint that the run writes first with diffusers' `save_pretrained`
   (float32 safetensors, as on the hub: 4.3 GB, read from the page cache); the other jobs draw random weights.
+  Each sdflax job ends with one more call of its last batch under JAX's profiler (`profile`): its kernels' device
+  seconds in all, by category (attention, convolution, matmul, memory, XLA's other fusions) and the top kernels.
   `--part flags` times SD 1.5 at batch 1 and the MLPerf setting under XLA's defaults and each of `XLA_FLAG_SETS`,
   the measurement behind sdflax setting no XLA flags; each run's `compile_s` is a cold compile (no cache), so
   `--part flags --family sdxl` (the MLPerf setting alone, the compile-time sets first; about 2 minutes a job on an
@@ -59,7 +61,9 @@ JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {fami
 "speed": {"runs": [run, ...], "flops": [count, ...], "checkpoint": {"family", "bytes", "wall_s"}}, "table": str,
 "errors": [str, ...]} ("checkpoint" where a job loads one); a check is {"rel_l2", "max_abs", "bound", "ok",
 "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
-[{"batch", "seconds_per_call", ..., "tflops_per_s"}]}; a count is a setting and {"flops_per_image", ...}.
+[{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
+"device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
+or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...}.
 """
 
 from __future__ import annotations
@@ -638,7 +642,74 @@ def speed_sdflax(job, size, repeats):
             out["cache_hits"] = clock.cache_hits
         peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
         out["results"].append({**figures(batch, first, times, peak), "compile_s": clock.seconds})
+    log(f"sdflax {job['family']} batch {batch}: one more call, profiled ...")
+    out["profile"] = {"batch": batch, **device_profile(lambda: call(repeats + 1))}  # the last batch's
     return out
+
+
+# Kernel categories of a device profile, the first whose words a kernel's name or HLO op holds (lower case).
+PROFILE_CATEGORIES = (("attention", ("fmha", "flash", "attention", "sdpa")),
+                      ("convolution", ("convolution", "convolve", "conv_general", "cudnn-conv", "cudnn$conv", "fprop",
+                                       "dgrad", "wgrad")),
+                      ("matmul", ("gemm", "nvjet", "cublas", "dot", "matmul")),
+                      ("memory", ("memcpy", "memset", "copy")))
+
+
+# The CPU's events that hold others: the executor's, and a loop's or a call's thunk around its body's.
+CPU_WRAPPERS = ("ThunkExecutor", "while.", "conditional.", "call.")
+
+
+def kernel_category(name: str) -> str:
+    name = name.lower()
+    return next((category for category, words in PROFILE_CATEGORIES if any(w in name for w in words)), "other")
+
+
+def device_profile(run, top=25):
+    """Where one call's device time goes: `run()` under JAX's profiler, its kernels' seconds summed by kernel (with
+    XLA's HLO op where the trace names it), by category (`PROFILE_CATEGORIES`; "other" is XLA's own fusions:
+    norms, activations, elementwise) and in all (`device_busy_s`, against the call's `wall_s`: the rest is the
+    device waiting on launches or the host). A GPU's kernels are its streams' events; a TPU's, its "XLA Ops"
+    line's; the CPU's, XLA's thunks on its threads. Never fails its job: a trace it cannot read is an error
+    here."""
+    import glob
+    import jax
+
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            with jax.profiler.trace(folder):
+                start = time.perf_counter()
+                run()
+                wall_s = time.perf_counter() - start
+            data = jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+            devices = [plane for plane in data.planes if plane.name.startswith("/device:")]
+            if devices:
+                lines = [line for line in devices[0].lines if line.name.startswith("Stream")] or \
+                    [line for line in devices[0].lines if line.name == "XLA Ops"]
+            else:
+                lines = [line for plane in data.planes if plane.name == "/host:CPU" for line in plane.lines
+                         if line.name.startswith("tf_XLA")]
+            if not lines:
+                raise ValueError(f"no kernel events in the trace (planes: {[plane.name for plane in data.planes]})")
+            kernels = {}
+            for line in lines:
+                for event in line.events:
+                    if event.name.startswith(CPU_WRAPPERS):  # their thunks are counted themselves
+                        continue
+                    stats = dict(event.stats)
+                    key = (event.name, str(stats.get("hlo_op", "")))
+                    count, ns = kernels.get(key, (0, 0))
+                    kernels[key] = (count + 1, ns + event.duration_ns)
+    except Exception as e:  # a profiler without its device tracer (CUPTI), an unreadable trace
+        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+    categories = dict.fromkeys([category for category, _ in PROFILE_CATEGORIES] + ["other"], 0.0)
+    for (name, op), (_, ns) in kernels.items():
+        categories[kernel_category(f"{name} {op}")] += ns / 1e9
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
+    return {"wall_s": wall_s, "device_busy_s": sum(ns for _, ns in kernels.values()) / 1e9,
+            "kernel_launches": sum(count for count, _ in kernels.values()), "lines": sorted({l.name for l in lines}),
+            "categories_s": categories,
+            "top": [{"name": name[:160], "hlo_op": op, "count": count, "seconds": ns / 1e9}
+                    for (name, op), (count, ns) in ranked[:top]]}
 
 
 def flop_count(job, size):

@@ -107,6 +107,14 @@ def test_speed_runs_have_numbers_and_ratios(report):
             assert (x["speedup_vs_diffusers"] is not None) == bool(plain)
             if run["framework"] == "diffusers":
                 assert x["speedup_vs_diffusers"] == 1
+        if run["framework"] == "sdflax":  # one more call of the last batch, profiled: where its time went
+            profile = run["profile"]
+            assert profile["batch"] == run["batches"][-1] and profile["kernel_launches"] > 0, profile
+            assert 0 < profile["device_busy_s"] and profile["wall_s"] > 0 and profile["lines"]
+            assert sum(profile["categories_s"].values()) == pytest.approx(profile["device_busy_s"], rel=1e-6)
+            assert profile["categories_s"]["convolution"] > 0  # the UNet's and the VAE's, named by XLA here
+            top = [k["seconds"] for k in profile["top"]]
+            assert top == sorted(top, reverse=True) and top[-1] > 0 and all(k["count"] > 0 for k in profile["top"])
     cache = {run["cache"]: run["cache_hits"] for run in runs if run["framework"] == "sdflax"}
     assert cache["cold"] == 0 and cache["warm"] > 0 and cache["none"] == 0
     # the cold and warm processes load the checkpoint the run wrote, as a user's would; the others draw weights
@@ -223,3 +231,20 @@ def test_a_forked_job_reports_its_error_and_stops_at_the_deadline():
     assert failed["error"].startswith("exit 1: ") and "ValueError: no such model" in failed["error"]
     assert stopped["error"] == "stopped at the deadline" and stopped["took_s"] < 30
     assert ran["pid"] != out["parent"] and ran["wall_s"] > 0
+
+
+@pytest.mark.parametrize("name, category", [
+    # cuDNN's flash attention, convolution and cuBLAS kernels on an H100, XLA's custom calls and fusions
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "convolution"),
+    ("cudnn-conv-bias-activation.12", "convolution"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matmul"),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+    ("gemm_fusion_dot.3", "matmul"),
+    ("loop_convert_fusion_4", "other"),  # "convert" is no convolution
+    ("input_reduce_fusion_12", "other"),
+    ("MemcpyD2H", "memory"),
+    ("conv_general_dilated.123", "convolution"),  # the CPU's
+])
+def test_profile_categories(name, category):
+    assert script.kernel_category(name) == category
