@@ -179,17 +179,18 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 # off by at most twice diffusers' own bfloat16 error against float32, or 1e-2, whichever is larger.
 FLOAT32_BOUND = 1e-4
 # XLA GPU flag sets measured against XLA's defaults (part "flags"), to choose which the runner should set: for
-# speed, and for the cold compile (autotuning without its buffer re-initialisation and result checks; cuBLAS for
-# every GEMM instead of a search over Triton tilings).
+# speed, and for the cold compile (no autotuning, which bounds what autotuning costs; autotuning without its buffer
+# re-initialisation and result checks; cuBLAS for every GEMM instead of a search over Triton tilings).
 XLA_FLAG_SETS = {
     "latency_hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
     "command_buffer_while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
                             "CONDITIONAL",
+    "autotune_0": "--xla_gpu_autotune_level=0",
     "autotune_1": "--xla_gpu_autotune_level=1",
     "no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
 }
-COMPILE_FLAG_SETS = ("autotune_1", "no_triton_gemm")
+COMPILE_FLAG_SETS = ("autotune_0", "autotune_1", "no_triton_gemm")
 BFLOAT16_FLOOR = 1e-2
 
 
