@@ -675,9 +675,13 @@ def device_profile(run, top=25):
     import glob
     import jax
 
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # the device's kernels and XLA's ops, not every Python call
+    options.raise_error_on_start_failure = True  # a device tracer that does not start is this profile's error
+    options.enable_hlo_proto = False
     try:
         with tempfile.TemporaryDirectory() as folder:
-            with jax.profiler.trace(folder):
+            with jax.profiler.trace(folder, profiler_options=options):
                 start = time.perf_counter()
                 run()
                 wall_s = time.perf_counter() - start
