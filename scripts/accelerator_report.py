@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -672,7 +673,6 @@ def device_profile(run, top=25):
     device waiting on launches or the host). A GPU's kernels are its streams' events; a TPU's, its "XLA Ops"
     line's; the CPU's, XLA's thunks on its threads. Never fails its job: a trace it cannot read is an error
     here."""
-    import glob
     import jax
 
     options = jax.profiler.ProfileOptions()
@@ -711,7 +711,8 @@ def device_profile(run, top=25):
         categories[kernel_category(f"{name} {op}")] += ns / 1e9
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     return {"wall_s": wall_s, "device_busy_s": sum(ns for _, ns in kernels.values()) / 1e9,
-            "kernel_launches": sum(count for count, _ in kernels.values()), "lines": sorted({l.name for l in lines}),
+            "kernel_launches": sum(count for count, _ in kernels.values()),
+            "lines": sorted({line.name for line in lines}),
             "categories_s": categories,
             "top": [{"name": name[:160], "hlo_op": op, "count": count, "seconds": ns / 1e9}
                     for (name, op), (count, ns) in ranked[:top]]}
@@ -912,6 +913,11 @@ def preload():
         getattr(diffusers, name)
 
 
+def job_xla_flags(job, env) -> str:
+    """XLA_FLAGS for a job's process: the user's (`env`'s), then the job's flag set, which XLA reads last."""
+    return f"{env.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[job['xla_flags']]}".strip()
+
+
 def run_job(job, args, deadline, fork=False):
     """Run one job in a process of its own -> its result (or {"error": ...}): forked from this one where `fork`
     (the CPU run, after `preload`) and the job does not measure its process's start, else a fresh interpreter."""
@@ -921,7 +927,7 @@ def run_job(job, args, deadline, fork=False):
     if job["kind"] == "flops":
         env["JAX_PLATFORMS"] = "cpu"
     if job.get("xla_flags"):
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[job['xla_flags']]}".strip()
+        env["XLA_FLAGS"] = job_xla_flags(job, env)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size", args.size,
                "--repeats", str(args.repeats)]
     start = time.perf_counter()
@@ -948,7 +954,7 @@ def run_forked(job, args, deadline):
         global _JOB_START
         _JOB_START = time.perf_counter()
         if job.get("xla_flags"):
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[job['xla_flags']]}".strip()
+            os.environ["XLA_FLAGS"] = job_xla_flags(job, os.environ)
         try:
             connection.send({"result": work(job, args)})
         except BaseException:  # as a Python process ends on one: its traceback's tail, and status 1
