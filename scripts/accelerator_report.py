@@ -694,7 +694,8 @@ def device_profile(run, top=25):
                 lines = [line for plane in data.planes if plane.name == "/host:CPU" for line in plane.lines
                          if line.name.startswith("tf_XLA")]
             if not lines:
-                raise ValueError(f"no kernel events in the trace (planes: {[plane.name for plane in data.planes]})")
+                seen = {plane.name: [line.name for line in plane.lines][:8] for plane in data.planes}
+                raise ValueError(f"no kernel events in the trace; its planes and their lines: {seen}")
             kernels = {}
             for line in lines:
                 for event in line.events:
@@ -705,7 +706,7 @@ def device_profile(run, top=25):
                     count, ns = kernels.get(key, (0, 0))
                     kernels[key] = (count + 1, ns + event.duration_ns)
     except Exception as e:  # a profiler without its device tracer (CUPTI), an unreadable trace
-        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:1000]}"}
     categories = dict.fromkeys([category for category, _ in PROFILE_CATEGORIES] + ["other"], 0.0)
     for (name, op), (_, ns) in kernels.items():
         categories[kernel_category(f"{name} {op}")] += ns / 1e9
