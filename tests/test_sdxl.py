@@ -1,5 +1,5 @@
 """Stable Diffusion XL: the UNet and second text encoder against diffusers / transformers, the pipeline against
-diffusers' StableDiffusionXLPipeline (PyTorch), the pmap and sharded paths, bfloat16 and the float32 VAE."""
+diffusers' StableDiffusionXLPipeline (PyTorch), the pmap and sharded paths, bfloat16 and the force_upcast VAE."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from sdflax import CLIPTextModel, CLIPTextModelWithProjection, StableDiffusionXL, UNet2DConditionModel
 from sdflax import replicate, shard, unshard
 from sdflax.models import AutoencoderKL
+from sdflax.pipeline.vae import VAE
 from sdflax.weights import CheckpointMismatchError
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 module parity
@@ -268,7 +269,9 @@ def conv_dtypes(fn, *args):
     return {eqn.outvars[0].aval.dtype for eqn in walk(jaxpr) if eqn.primitive.name == "conv_general_dilated"}
 
 
-def test_bfloat16_runs_and_the_vae_decodes_in_float32(euler, tmp_path):
+def test_bfloat16_runs_and_only_a_float16_vae_decodes_in_float32(euler, tmp_path):
+    """force_upcast as diffusers' SDXL pipelines read it at the decode (`needs_upcasting`): a float16 VAE decodes
+    in float32, a bfloat16 one (float32's range: it does not overflow) in bfloat16."""
     theirs, pipe32, params32 = euler
     theirs.save_pretrained(tmp_path)
     pipe, params = StableDiffusionXL.from_pretrained(tmp_path, dtype=jnp.bfloat16)
@@ -277,15 +280,26 @@ def test_bfloat16_runs_and_the_vae_decodes_in_float32(euler, tmp_path):
 
     latents = latents_for(pipe, 1)
     scaled = jnp.asarray(latents) * pipe.vae.config.scaling_factor
-    # force_upcast: every VAE conv of the decode runs in float32 on the upcast bfloat16 weights ...
-    assert conv_dtypes(pipe.decode_latents, params, scaled) == {jnp.dtype(jnp.float32)}
-    assert conv_dtypes(lambda p, x: pipe.vae.apply(p["vae"], x, method="decode"), params, scaled) == {
-        jnp.dtype(jnp.bfloat16)}  # (the VAE alone, as SD's decode runs it, stays in bfloat16)
-    vae32 = AutoencoderKL(pipe.vae.config, jnp.float32)
+    to_images = lambda x: np.clip(np.asarray(x, np.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)  # noqa: E731
     upcast = lambda p: jax.tree.map(lambda w: w.astype(jnp.float32), p)  # noqa: E731
-    expected = jax.jit(lambda p, x: vae32.apply(upcast(p), x, method="decode"))(params["vae"], latents)
-    expected = np.clip(np.asarray(expected) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
-    np.testing.assert_allclose(jax.jit(pipe.decode_latents)(params, scaled), expected, rtol=0, atol=1e-5)
+    vae32 = AutoencoderKL(pipe.vae.config, jnp.float32)
+    decode32 = jax.jit(lambda p, x: vae32.apply(upcast(p), x, method="decode"))
+
+    # bfloat16: every VAE conv of the decode in bfloat16, the VAE's own program ...
+    assert conv_dtypes(pipe.decode_latents, params, scaled) == {jnp.dtype(jnp.bfloat16)}
+    ours = jax.jit(pipe.decode_latents)(params, scaled)
+    alone = to_images(jax.jit(lambda p, x: pipe.vae.apply(p["vae"], x, method="decode"))(params, latents))
+    np.testing.assert_allclose(ours, alone, rtol=0, atol=1e-6)
+    float32_decode = to_images(decode32(params["vae"], latents))
+    assert np.abs(ours - float32_decode).max() > 1e-4  # (which a float32 decode is not)
+
+    # ... float16: every conv in float32, on the float16 weights cast inside the program
+    vae16 = AutoencoderKL(pipe.vae.config, jnp.float16)
+    params16 = {"vae": jax.tree.map(lambda w: w.astype(jnp.float16), params["vae"])}
+    decode16 = VAE(vae16, in_float32=True).decode
+    assert conv_dtypes(decode16, params16, scaled) == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(jax.jit(decode16)(params16, scaled), to_images(decode32(params16["vae"], latents)),
+                               rtol=0, atol=1e-5)
 
     # ... and the whole bfloat16 pipeline stays near the float32 one (8 mantissa bits over 3 steps).
     ids = pipe.prepare_inputs(PROMPTS)

@@ -171,7 +171,7 @@ class SDXLText:
 
     @staticmethod
     def upcast_vae(vae) -> bool:
-        """SDXL's VAE overflows in half precision: diffusers runs it in float32 when its config says force_upcast."""
+        """SDXL's VAE overflows in float16: float32 where its config says force_upcast (`VAE` says when)."""
         return bool(vae.config.force_upcast)
 
     @staticmethod
