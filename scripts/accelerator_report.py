@@ -42,8 +42,9 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   Per batch size: the first call (compiling included), the median of `--repeats` timed calls with their range,
   seconds per image, images per second, peak device memory, FLOPs per image from XLA's cost analysis (UNet
   evaluations (SD 3.5: its transformer's, under the same keys) and the VAE decode; the same count is used for
-  diffusers) and the achieved TFLOP/s. Per process:
-  `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
+  diffusers) and the achieved TFLOP/s; the flops job also traces and lowers the setting's whole program from
+  the param shapes (`program`: the host's seconds of a cold compile, the size of the StableHLO module).
+  Per process: `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
   warm one); `import_s`, `build_s`. The cold- and warm-cache jobs load their weights as a user does
   (`from_pretrained`) from an SD 1.5 checkpoint that the run writes first with diffusers' `save_pretrained`
   (float32 safetensors, as on the hub: 4.3 GB, read from the page cache); the other jobs draw random weights.
@@ -63,7 +64,8 @@ JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {fami
 "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
 [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
 "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
-or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...}.
+or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch", "trace_s", "lower_s",
+"stablehlo_bytes", "stablehlo_lines"}}.
 """
 
 from __future__ import annotations
@@ -300,8 +302,11 @@ def random_params(module, dtype, seed=0):
     return jax.tree_util.tree_map_with_path(draw, param_shapes(module))
 
 
-def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None):
-    """(pipeline, params) of `family` with random weights."""
+def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None, kernels=None, weights=True):
+    """(pipeline, params) of `family` with random weights, or their shapes alone (`weights=False`: params of
+    jax.ShapeDtypeStruct, for tracing); `kernels` as `build_models` takes them."""
+    import jax
+
     from sdflax import StableDiffusion, StableDiffusion3, StableDiffusionXL
     from sdflax.assemble import build_models
     from sdflax.loading import load_tokenizer
@@ -318,8 +323,14 @@ def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None):
         classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
                    "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
                    "text_encoder_3": T5EncoderModel}
-    modules = build_models(classes, configs, dtype, attention)
-    params = {name: random_params(module, dtype, seed=i) for i, (name, module) in enumerate(modules.items())}
+    modules = build_models(classes, configs, dtype, attention, kernels)
+    if weights:
+        params = {name: random_params(module, dtype, seed=i) for i, (name, module) in enumerate(modules.items())}
+    else:
+        from sdflax.cache import param_shapes
+
+        params = {name: jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), param_shapes(module))
+                  for name, module in modules.items()}
     extra = {"tokenizer_2": load_tokenizer(str(TOKENIZER), pad_token="!")} if family != "sd15" else {}
     if family == "sd35":
         from benchmark import write_t5_tokenizer  # scripts/benchmark.py's small vocabulary: the compute is T5's
@@ -775,7 +786,30 @@ def flop_count(job, size):
     scheduler = scheduler_from_config(configs["scheduler"], job["scheduler"])
     evals = int(scheduler.set_timesteps(job["steps"], shape=(1, *latents[1:])).timesteps.shape[0])
     return {"flops_per_image": evals * unet_flops + vae_flops, "unet_evals": evals,
-            "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops}
+            "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops, "program": program_size(job, size, kernels)}
+
+
+def program_size(job, size, kernels):
+    """The whole generate program of a speed setting (batch 1, the GPU's graph with XLA's attention), traced and
+    lowered from the param shapes: the seconds of the host's part of a cold compile, and the size of the StableHLO
+    module XLA then compiles."""
+    import jax
+    import jax.numpy as jnp
+
+    pipeline, params = sdflax_pipeline(job["family"], size, jnp.bfloat16, scheduler=job["scheduler"], kernels=kernels,
+                                       weights=False)
+    side = configs_for(job["family"], size)["size"]
+
+    def generate(params, ids, key):
+        return pipeline._generate(ids, params, key, num_inference_steps=job["steps"], height=side, width=side,
+                                  guidance_scale=job["guidance"])
+
+    start = time.perf_counter()
+    traced = jax.jit(generate).trace(params, pipeline.prepare_inputs([PROMPT]), jax.random.key(0))
+    trace_s = time.perf_counter() - start
+    text = traced.lower().as_text()
+    return {"batch": 1, "trace_s": trace_s, "lower_s": time.perf_counter() - start - trace_s,
+            "stablehlo_bytes": len(text.encode()), "stablehlo_lines": text.count("\n")}
 
 
 def speed_diffusers(job, size, repeats):
@@ -1103,8 +1137,8 @@ def main(argv=None):
                 report["speed"]["runs"].append({**{k: v for k, v in job.items()
                                                    if k not in ("cache_dir", "checkpoint")}, **result})
                 if setting_key(job) not in counts and time.perf_counter() < deadline:
-                    flop_job = {"kind": "flops", **{k: job[k] for k in ("family", "setting", "steps", "scheduler")
-                                                    if k in job}}
+                    flop_job = {"kind": "flops", **{k: job[k] for k in ("family", "setting", "steps", "guidance",
+                                                                        "scheduler") if k in job}}
                     counts[setting_key(job)] = run_job(flop_job, args, deadline, fork)
                     report["speed"]["flops"].append({**flop_job, **counts[setting_key(job)]})
                 add_ratios(report["speed"]["runs"], counts)

@@ -131,6 +131,9 @@ def test_flop_counts_add_up(report):
     for c in counts:
         assert c["unet_evals"] >= c["steps"] and c["unet_eval_flops"] > 0 and c["vae_decode_flops"] > 0
         assert c["flops_per_image"] == c["unet_evals"] * c["unet_eval_flops"] + c["vae_decode_flops"]
+        program = c["program"]  # the whole generate program, traced and lowered from the param shapes
+        assert program["batch"] == 1 and program["trace_s"] > 0 and program["lower_s"] > 0
+        assert program["stablehlo_bytes"] > program["stablehlo_lines"] > 1000
 
 
 def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
