@@ -44,8 +44,8 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   evaluations (SD 3.5: its transformer's, under the same keys) and the VAE decode; the same count is used for
   diffusers) and the achieved TFLOP/s; the flops job also traces and lowers the setting's whole program from
   the param shapes (`program`: the host's seconds of a cold compile, the size of the StableHLO module).
-  Per process: `ready_s`, from the process's start to the first program compiled and run once (a cold compile cache, then a
-  warm one); `import_s`, `build_s`. The cold- and warm-cache jobs load their weights as a user does
+  Per process: `ready_s`, from the process's start to the first program compiled and run once (a cold compile
+  cache, then a warm one); `import_s`, `build_s`. The cold- and warm-cache jobs load their weights as a user does
   (`from_pretrained`) from an SD 1.5 checkpoint that the run writes first with diffusers' `save_pretrained`
   (float32 safetensors, as on the hub: 4.3 GB, read from the page cache); the other jobs draw random weights.
   Each sdflax job ends with one more call of its last batch under JAX's profiler (`profile`): its kernels' device
@@ -64,8 +64,8 @@ JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {fami
 "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
 [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
 "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
-or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch", "trace_s", "lower_s",
-"stablehlo_bytes", "stablehlo_lines"}}.
+or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch",
+"trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}.
 """
 
 from __future__ import annotations
