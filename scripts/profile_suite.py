@@ -15,7 +15,7 @@ CPU). Then it prints:
 
 Usage: python scripts/profile_suite.py [--out FILE.json] [-- PYTEST ARGS...]
 Each process reports through a sitecustomize module put first on PYTHONPATH (it shadows any other sitecustomize
-for the run); a process killed by a test reports nothing, its CPU time still counts in the tree's.
+for the run), a forked one too; a process killed by a test reports nothing, its CPU time still counts in the tree's.
 """
 
 from __future__ import annotations
@@ -82,6 +82,21 @@ if _OUT:
             f.write(json.dumps(line) + "\\n")
 
     atexit.register(_report)
+
+    class _Token:  # what multiprocessing's after-fork registry holds on to
+        pass
+
+    _token = _Token()
+
+    def _forked():
+        """A forked child counts its own compiles; one of multiprocessing's ends in os._exit, which skips atexit,
+        after running its finalizers (the accelerator report's jobs on the CPU)."""
+        _sums.clear()
+        util = sys.modules.get("multiprocessing.util")
+        if util is not None:
+            util.register_after_fork(_token, lambda _: util.Finalize(None, _report, exitpriority=0))
+
+    os.register_at_fork(after_in_child=_forked)
 '''
 
 
