@@ -25,7 +25,8 @@ jobs are skipped (PyTorch has no TPU without torch_xla), so the speed rows are s
 On the CPU (`--size tiny`, the default there) the same code runs on small models of the same architectures, one
 job per code path; tests/test_accelerator_report.py does that daily, so the GPU path's code runs up to the device
 calls. There the jobs that do not time their own start-up are forked from the parent, which imports the libraries
-once: the tiny models cost less than importing torch and diffusers in every job.
+once (the tiny models cost less than importing torch and diffusers in every job), and two jobs run at once, each
+after the jobs whose files it reads; an accelerator's jobs run one at a time, in order, so that none times another.
 
 What it measures. Random weights everywhere: the compute of the real checkpoints, no download.
 - `correctness`, for the SD 1.5 and SDXL architectures (one fresh process each): the UNet, the VAE decoder and the
@@ -948,72 +949,164 @@ def preload():
         getattr(diffusers, name)
 
 
-def job_xla_flags(job, env) -> str:
-    """XLA_FLAGS for a job's process: the user's (`env`'s), then the job's flag set, which XLA reads last."""
-    return f"{env.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[job['xla_flags']]}".strip()
-
-
-def run_job(job, args, deadline, fork=False):
-    """Run one job in a process of its own -> its result (or {"error": ...}): forked from this one where `fork`
-    (the CPU run, after `preload`) and the job does not measure its process's start, else a fresh interpreter."""
-    if fork and not measures_start_up(job):
-        return run_forked(job, args, deadline)
+def job_environment(job) -> dict:
+    """The environment of a job's fresh interpreter: this one's, sdflax from this checkout, the CPU for a FLOP
+    count, and the job's XLA flag set after the user's XLA_FLAGS (XLA reads the last)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     if job["kind"] == "flops":
         env["JAX_PLATFORMS"] = "cpu"
     if job.get("xla_flags"):
-        env["XLA_FLAGS"] = job_xla_flags(job, env)
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size", args.size,
-               "--repeats", str(args.repeats)]
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True,
-                              timeout=max(1.0, deadline - time.perf_counter()))
-    except subprocess.TimeoutExpired:
-        return {"error": "stopped at the deadline", "wall_s": time.perf_counter() - start}
-    wall_s = time.perf_counter() - start
-    if done.returncode:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall_s}
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall_s}
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[job['xla_flags']]}".strip()
+    return env
 
 
-def run_forked(job, args, deadline):
-    """`run_job` in a child forked from this process: the job's own JAX backend and caches, this process's
-    imports. The CPU's only: JAX_PLATFORMS is already "cpu" there, and a job's XLA flags are read when its
-    backend starts, after the fork."""
-    import multiprocessing
-    import traceback
+class JobProcess:
+    """One job running in a process of its own: forked from this one where `fork` (the CPU run, after `preload`)
+    and the job does not measure its process's start, else a fresh interpreter. A forked job has its own JAX
+    backend and caches and this process's imports; it is the CPU's only: JAX_PLATFORMS is already "cpu" there, and
+    a job's XLA flags are read when its backend starts, after the fork."""
 
-    def child(connection):
+    def __init__(self, job, args, fork=False):
+        self.start = time.perf_counter()
+        if fork and not measures_start_up(job):
+            import multiprocessing
+
+            self.receive, send = multiprocessing.Pipe(duplex=False)
+            self.process = multiprocessing.get_context("fork").Process(target=self._forked, args=(job, args, send))
+            self.process.start()
+            send.close()
+        else:
+            self.receive = None
+            self.output, self.errors = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # never a full pipe
+            command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size",
+                       args.size, "--repeats", str(args.repeats)]
+            self.process = subprocess.Popen(command, env=job_environment(job), stdout=self.output,
+                                            stderr=self.errors, text=True)
+
+    @staticmethod
+    def _forked(job, args, connection):
+        import traceback
+
         global _JOB_START
         _JOB_START = time.perf_counter()
         if job.get("xla_flags"):
-            os.environ["XLA_FLAGS"] = job_xla_flags(job, os.environ)
+            os.environ["XLA_FLAGS"] = job_environment(job)["XLA_FLAGS"]
         try:
             connection.send({"result": work(job, args)})
         except BaseException:  # as a Python process ends on one: its traceback's tail, and status 1
             connection.send({"error": "\n".join(traceback.format_exc().strip().splitlines()[-15:])})
             sys.exit(1)
 
-    start = time.perf_counter()
-    receive, send = multiprocessing.Pipe(duplex=False)
-    process = multiprocessing.get_context("fork").Process(target=child, args=(send,))
-    process.start()
-    send.close()
-    try:
-        if not receive.poll(max(1.0, deadline - time.perf_counter())):
-            process.kill()
-            process.join()
-            return {"error": "stopped at the deadline", "wall_s": time.perf_counter() - start}
-        message = receive.recv()
-    except EOFError:  # the child died without a word (a signal, a crash in native code)
-        message = {"error": "the job's process ended without a result"}
-    process.join()
-    wall_s = time.perf_counter() - start
-    if "error" in message:
-        return {"error": f"exit {process.exitcode}: {message['error']}", "wall_s": wall_s}
-    return {**message["result"], "wall_s": wall_s}
+    def done(self) -> bool:
+        return self.receive.poll() if self.receive else self.process.poll() is not None
+
+    def result(self) -> dict:
+        """The job's result, or {"error": ...}, once `done`."""
+        if self.receive:
+            try:
+                message = self.receive.recv()
+            except EOFError:  # the child died without a word (a signal, a crash in native code)
+                message = {"error": "the job's process ended without a result"}
+            self.process.join()
+            status = self.process.exitcode
+        else:
+            status = self.process.wait()
+            with self.output, self.errors:
+                self.output.seek(0)
+                self.errors.seek(0)
+                message = {"result": json.loads(self.output.read().strip().splitlines()[-1])} if status == 0 else \
+                    {"error": "\n".join(self.errors.read().strip().splitlines()[-15:])}
+        wall_s = time.perf_counter() - self.start
+        if "error" in message:
+            return {"error": f"exit {status}: {message['error']}", "wall_s": wall_s}
+        return {**message["result"], "wall_s": wall_s}
+
+    def stop(self) -> dict:
+        self.process.kill()
+        if self.receive:
+            self.process.join()
+        else:
+            self.process.wait()
+            self.output.close()
+            self.errors.close()
+        return {"error": "stopped at the deadline", "wall_s": time.perf_counter() - self.start}
+
+
+def needs(job, earlier) -> list[int]:
+    """Which of the `earlier` jobs (a list) a job reads what they write of: a checkpoint its loader's, a cold
+    compile cache its warm process's."""
+    return [i for i, e in enumerate(earlier)
+            if (e["kind"] == "checkpoint" and job.get("weights") == "checkpoint")
+            or (e.get("cache") == "cold" and job.get("cache") == "warm" and e["family"] == job["family"])]
+
+
+def run_jobs(jobs, args, deadline, fork=False, lanes=1):
+    """Run `jobs` in processes of their own, up to `lanes` at once, each in order once the jobs it `needs` have
+    ended -> yields (index, result) as each ends. One lane runs them in order. At the deadline a running job is
+    stopped, and the ones not yet started are not run."""
+    waiting, running = list(range(len(jobs))), {}
+    while waiting or running:
+        for i in [i for i in waiting if time.perf_counter() < deadline and
+                  not set(needs(jobs[i], jobs[:i])) & {*waiting, *running}][:lanes - len(running)]:
+            waiting.remove(i)
+            log(f"job: {job_name(jobs[i])} ...")
+            running[i] = JobProcess(jobs[i], args, fork)
+        if not running:
+            yield from ((i, {"error": "not run, past the deadline"}) for i in waiting)
+            return
+        for i, process in list(running.items()):
+            if process.done() or time.perf_counter() > deadline:
+                del running[i]
+                yield i, process.result() if process.done() else process.stop()
+        time.sleep(0.01)
+
+
+def plan(chosen, cache_dir, checkpoint) -> list[dict]:
+    """The chosen jobs and what they need, in the order one lane runs them: the checkpoint written before its
+    first loader, each speed setting's FLOP count after its first job. The cold- and warm-cache jobs share one
+    compile cache."""
+    tasks = []
+    for job in chosen:
+        if job.get("cache") in ("cold", "warm"):
+            job = {**job, "cache_dir": cache_dir}
+        if job.get("weights") == "checkpoint":
+            job = {**job, "checkpoint": checkpoint}
+            if not any(task["kind"] == "checkpoint" for task in tasks):
+                tasks.append({"kind": "checkpoint", "family": job["family"], "folder": checkpoint})
+        tasks.append(job)
+        if job["kind"] == "speed" and not any(task["kind"] == "flops" and setting_key(task) == setting_key(job)
+                                              for task in tasks):
+            tasks.append({"kind": "flops", **{k: job[k] for k in ("family", "setting", "steps", "guidance",
+                                                                  "scheduler") if k in job}})
+    return tasks
+
+
+def job_name(job) -> str:
+    return " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches", "xla_flags")
+                    if k in job)
+
+
+def assemble(tasks, results, provenance_) -> dict:
+    """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
+    report = {"schema": SCHEMA, "provenance": provenance_, "correctness": {}, "speed": {"runs": [], "flops": []},
+              "errors": []}
+    counts = {}  # setting -> its FLOP count
+    for i in sorted(results):
+        task, result = tasks[i], results[i]
+        if "error" in result:
+            report["errors"].append(f"{job_name(task)}: {result['error']}")
+        if task["kind"] == "correctness":
+            report["correctness"][task["family"]] = result
+        elif task["kind"] == "checkpoint":
+            report["speed"]["checkpoint"] = {"family": task["family"], **result}
+        elif task["kind"] == "flops":
+            counts[setting_key(task)] = result
+            report["speed"]["flops"].append({**task, **result})
+        else:
+            report["speed"]["runs"].append({**{k: v for k, v in task.items() if k not in ("cache_dir", "checkpoint")},
+                                            **result})
+    add_ratios(report["speed"]["runs"], counts)
+    return report
 
 
 def setting_key(job):
@@ -1101,48 +1194,23 @@ def main(argv=None):
     if fork:
         log("importing the jobs' libraries once, for the jobs forked from here ...")
         preload()
-    report = {"schema": SCHEMA, "provenance": {**provenance(args), "platform": platform}, "correctness": {},
-              "speed": {"runs": [], "flops": []}, "errors": []}
-    counts = {}  # setting -> its FLOP count, counted once
+    provenance_ = {**provenance(args), "platform": platform}
     with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as checkpoint:
-        for job in jobs(args.part, args.size, args.family, args.batch):
-            job = {**job, "cache_dir": cache_dir} if job.get("cache") in ("cold", "warm") else job
-            if job.get("weights") == "checkpoint":
-                job["checkpoint"] = checkpoint
-                if "checkpoint" not in report["speed"] and time.perf_counter() < deadline:
-                    log(f"job: checkpoint {job['family']} ...")
-                    written = {"kind": "checkpoint", "family": job["family"], "folder": checkpoint}
-                    report["speed"]["checkpoint"] = {"family": job["family"], **run_job(written, args, deadline, fork)}
-                    if "error" in report["speed"]["checkpoint"]:
-                        report["errors"].append(f"checkpoint: {report['speed']['checkpoint']['error']}")
-            name = " ".join(str(job[k]) for k in ("kind", "framework", "family", "setting", "batches", "xla_flags")
-                            if k in job)
-            if time.perf_counter() > deadline:
-                report["errors"].append(f"{name}: not run, past the deadline")
-                write(report, out)
-                continue
-            if platform == "tpu" and job.get("framework", "").startswith("diffusers"):
-                report["errors"].append(f"{name}: not run on a TPU (PyTorch has none here; its correctness "
-                                        "reference runs on the host's CPU)")
-                write(report, out)
-                continue
-            log(f"job: {name} ...")
-            result = run_job(job, args, deadline, fork)
+        tasks, results = plan(jobs(args.part, args.size, args.family, args.batch), cache_dir, checkpoint), {}
+        if platform == "tpu":
+            results = {i: {"error": "not run on a TPU (PyTorch has none here; its correctness reference runs on "
+                                    "the host's CPU)"} for i, task in enumerate(tasks)
+                       if task.get("framework", "").startswith("diffusers")}
+        # the CPU's timings are no figures: two jobs at once there
+        lanes = min(2, os.cpu_count() or 1) if platform == "cpu" else 1
+        started = [i for i in range(len(tasks)) if i not in results]
+        for i, result in run_jobs([tasks[i] for i in started], args, deadline, fork, lanes):
+            results[started[i]] = result
             if "error" in result:
-                report["errors"].append(f"{name}: {result['error']}")
-                log(f"  error: {result['error']}")
-            if job["kind"] == "correctness":
-                report["correctness"][job["family"]] = result
-            else:
-                report["speed"]["runs"].append({**{k: v for k, v in job.items()
-                                                   if k not in ("cache_dir", "checkpoint")}, **result})
-                if setting_key(job) not in counts and time.perf_counter() < deadline:
-                    flop_job = {"kind": "flops", **{k: job[k] for k in ("family", "setting", "steps", "guidance",
-                                                                        "scheduler") if k in job}}
-                    counts[setting_key(job)] = run_job(flop_job, args, deadline, fork)
-                    report["speed"]["flops"].append({**flop_job, **counts[setting_key(job)]})
-                add_ratios(report["speed"]["runs"], counts)
-            write(report, out)
+                log(f"  {job_name(tasks[started[i]])}: {result['error']}")
+            write(assemble(tasks, results, provenance_), out)
+    report = assemble(tasks, results, provenance_)
+    write(report, out)
     out.with_suffix(".md").write_text(report["table"] + "\n")
     print(report["table"])
     return 0

@@ -193,47 +193,97 @@ def test_the_flags_part_times_each_flag_set_against_xlas_defaults(monkeypatch):
     assert [j.get("xla_flags") for j in mlperf][:4] == [None, *script.COMPILE_FLAG_SETS]
     assert sorted(j.get("xla_flags") or "" for j in mlperf) == sorted(["", *script.XLA_FLAG_SETS])
     # a job's flags are added to the user's XLA_FLAGS in its process's environment, never replacing them
-    seen = {}
     monkeypatch.setenv("XLA_FLAGS", "--mine")
-    monkeypatch.setattr(script.subprocess, "run", lambda command, env, **kw: seen.update(env) or
-                        subprocess.CompletedProcess(command, 0, stdout='{"results": []}\n', stderr=""))
-    args = script.argparse.Namespace(size="full", repeats=1)
-    script.run_job({**jobs[1], "kind": "speed"}, args, deadline=float("inf"))
-    assert seen["XLA_FLAGS"] == "--mine " + script.XLA_FLAG_SETS[jobs[1]["xla_flags"]]
+    assert script.job_environment(jobs[1])["XLA_FLAGS"] == "--mine " + script.XLA_FLAG_SETS[jobs[1]["xla_flags"]]
+    assert script.job_environment(jobs[0])["XLA_FLAGS"] == "--mine"
+    assert script.job_environment({"kind": "flops"})["JAX_PLATFORMS"] == "cpu"  # a FLOP count needs no device
 
 
-def test_a_forked_job_reports_its_error_and_stops_at_the_deadline():
-    """The CPU run's forked jobs: a job that raises comes back as its traceback's tail; one that outlasts the
-    deadline is stopped there; a result comes from a process of its own. Forked from a fresh process, as the script
-    forks from its own (never from a test worker whose JAX may have started its threads)."""
+def test_jobs_run_in_order_on_one_lane_and_after_what_they_need_on_two(monkeypatch):
+    """The scheduling alone (processes that end on their third look): one lane runs the plan in order; two run
+    at most two at once, each job after the jobs whose files it reads (the checkpoint, the cold compile cache)."""
+    tasks = script.plan(script.jobs("all", "tiny"), "cache", "checkpoint")
+    kinds = [(t["kind"], t.get("cache")) for t in tasks]
+    checkpoint, cold, warm = (kinds.index(k) for k in (("checkpoint", None), ("speed", "cold"), ("speed", "warm")))
+    assert checkpoint < cold < warm and script.needs(tasks[cold], tasks[:cold]) == [checkpoint]
+    assert script.needs(tasks[warm], tasks[:warm]) == [checkpoint, cold]
+    assert {t["cache_dir"] for t in tasks if "cache_dir" in t} == {"cache"}
+    assert sorted((t["family"], t["steps"]) for t in tasks if t["kind"] == "flops") == \
+        [("sd15", 2), ("sd35", 2), ("sdxl", 2)]  # one FLOP count a setting
+    events = []
+
+    class Ends:
+        def __init__(self, job, args, fork):
+            self.index, self.looks = tasks.index(job), 0
+            events.append(("start", self.index))
+
+        def done(self):
+            self.looks += 1
+            return self.looks >= 3
+
+        def result(self):
+            events.append(("end", self.index))
+            return {"index": self.index}
+
+    monkeypatch.setattr(script, "JobProcess", Ends)
+    monkeypatch.setattr(script.time, "sleep", lambda s: None)
+    for lanes in (1, 2):
+        events.clear()
+        results = dict(script.run_jobs(tasks, None, deadline=float("inf"), lanes=lanes))
+        assert results == {i: {"index": i} for i in range(len(tasks))}
+        started = [i for event, i in events if event == "start"]
+        assert sorted(started) == list(range(len(tasks)))
+        running = most = 0
+        for event, i in events:
+            running += 1 if event == "start" else -1
+            most = max(most, running)
+            if event == "start":
+                ended = {j for e, j in events[:events.index((event, i))] if e == "end"}
+                assert set(script.needs(tasks[i], tasks[:i])) <= ended
+        assert most == lanes
+        if lanes == 1:
+            assert started == list(range(len(tasks))) and events[1::2] == [("end", i) for i in started]
+
+
+def test_forked_jobs_report_errors_run_two_at_once_and_stop_at_the_deadline():
+    """The CPU run's forked jobs, two at once: a job that raises comes back as its traceback's tail; one that
+    outlasts the deadline is stopped there, and the job that needs its files is not run; a result comes from a
+    process of its own, while the slow job still runs; a fresh interpreter's error comes back as a fork's. Forked from a fresh process, as the script forks from its
+    own (never from a test worker whose JAX may have started its threads)."""
     code = """if True:
         import json, os, sys, time
         sys.path.insert(0, sys.argv[1])
         import accelerator_report as script
 
+        def work(job, args):
+            if job["kind"] == "fail":
+                raise ValueError("no such model")
+            if job["kind"] == "checkpoint":
+                time.sleep(60)
+            return {"pid": os.getpid()}
+
+        script.work = work
         args = script.argparse.Namespace(size="tiny", repeats=1)
-        job = {"kind": "flops", "family": "sd15"}
-
-        def fail(job, args):
-            raise ValueError("no such model")
-
-        results = []
-        for work, seconds in ((fail, 60), (lambda job, args: time.sleep(60), 1.5),
-                              (lambda job, args: {"pid": os.getpid()}, 60)):
-            script.work = work
-            start = time.perf_counter()
-            results.append({**script.run_job(job, args, deadline=start + seconds, fork=True),
-                            "took_s": time.perf_counter() - start})
-        print(json.dumps({"parent": os.getpid(), "results": results}))
+        jobs = [{"kind": "fail"}, {"kind": "checkpoint", "family": "sd15"}, {"kind": "pid"},
+                {"kind": "pid", "weights": "checkpoint"}, {"kind": "unknown", "cache": "cold"}]
+        start = time.perf_counter()
+        ended = [(i, result, time.perf_counter() - start)
+                 for i, result in script.run_jobs(jobs, args, deadline=start + 3, fork=True, lanes=2)]
+        print(json.dumps({"parent": os.getpid(), "ended": ended}))
     """
     done = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    failed, stopped, ran = out["results"]
+    ended = {i: (result, seconds) for i, result, seconds in out["ended"]}
+    assert [i for i, _, _ in out["ended"] if i != 4] == [0, 2, 1, 3]
+    (failed, _), (stopped, stopped_at), (ran, ran_at), (not_run, _), (fresh, _) = (ended[i] for i in range(5))
     assert failed["error"].startswith("exit 1: ") and "ValueError: no such model" in failed["error"]
-    assert stopped["error"] == "stopped at the deadline" and stopped["took_s"] < 30
-    assert ran["pid"] != out["parent"] and ran["wall_s"] > 0
+    assert stopped["error"] == "stopped at the deadline" and 3 <= stopped_at < 30
+    assert ran["pid"] != out["parent"] and ran["wall_s"] > 0 and ran_at < 3
+    assert not_run == {"error": "not run, past the deadline"}
+    # a job that times its process's start runs in a fresh interpreter, the real script's: its traceback's tail
+    assert fresh["error"].startswith("exit 1: ") and "KeyError: 'unknown'" in fresh["error"]
 
 
 @pytest.mark.parametrize("name, category", [
