@@ -1086,9 +1086,9 @@ def job_name(job) -> str:
                     if k in job)
 
 
-def assemble(tasks, results, provenance_) -> dict:
+def assemble(tasks, results, run_provenance) -> dict:
     """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
-    report = {"schema": SCHEMA, "provenance": provenance_, "correctness": {}, "speed": {"runs": [], "flops": []},
+    report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {}, "speed": {"runs": [], "flops": []},
               "errors": []}
     counts = {}  # setting -> its FLOP count
     for i in sorted(results):
@@ -1194,7 +1194,7 @@ def main(argv=None):
     if fork:
         log("importing the jobs' libraries once, for the jobs forked from here ...")
         preload()
-    provenance_ = {**provenance(args), "platform": platform}
+    run_provenance = {**provenance(args), "platform": platform}
     with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as checkpoint:
         tasks, results = plan(jobs(args.part, args.size, args.family, args.batch), cache_dir, checkpoint), {}
         if platform == "tpu":
@@ -1203,13 +1203,13 @@ def main(argv=None):
                        if task.get("framework", "").startswith("diffusers")}
         # the CPU's timings are no figures: two jobs at once there
         lanes = min(2, os.cpu_count() or 1) if platform == "cpu" else 1
-        started = [i for i in range(len(tasks)) if i not in results]
-        for i, result in run_jobs([tasks[i] for i in started], args, deadline, fork, lanes):
-            results[started[i]] = result
+        to_run = [i for i in range(len(tasks)) if i not in results]
+        for i, result in run_jobs([tasks[i] for i in to_run], args, deadline, fork, lanes):
+            results[to_run[i]] = result
             if "error" in result:
-                log(f"  {job_name(tasks[started[i]])}: {result['error']}")
-            write(assemble(tasks, results, provenance_), out)
-    report = assemble(tasks, results, provenance_)
+                log(f"  {job_name(tasks[to_run[i]])}: {result['error']}")
+            write(assemble(tasks, results, run_provenance), out)
+    report = assemble(tasks, results, run_provenance)
     write(report, out)
     out.with_suffix(".md").write_text(report["table"] + "\n")
     print(report["table"])
