@@ -960,6 +960,12 @@ def job_environment(job) -> dict:
     return env
 
 
+def worker_command(job, args) -> list[str]:
+    """The command line of a job's fresh interpreter: this script, given the job."""
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size", args.size,
+            "--repeats", str(args.repeats)]
+
+
 class JobProcess:
     """One job running in a process of its own: forked from this one where `fork` (the CPU run, after `preload`)
     and the job does not measure its process's start, else a fresh interpreter. A forked job has its own JAX
@@ -978,9 +984,7 @@ class JobProcess:
         else:
             self.receive = None
             self.output, self.errors = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # never a full pipe
-            command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--size",
-                       args.size, "--repeats", str(args.repeats)]
-            self.process = subprocess.Popen(command, env=job_environment(job), stdout=self.output,
+            self.process = subprocess.Popen(worker_command(job, args), env=job_environment(job), stdout=self.output,
                                             stderr=self.errors, text=True)
 
     @staticmethod

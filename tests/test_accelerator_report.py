@@ -248,7 +248,7 @@ def test_jobs_run_in_order_on_one_lane_and_after_what_they_need_on_two(monkeypat
 def test_forked_jobs_report_errors_run_two_at_once_and_stop_at_the_deadline():
     """The CPU run's forked jobs, two at once: a job that raises comes back as its traceback's tail; one that
     outlasts the deadline is stopped there, and the job that needs its files is not run; a result comes from a
-    process of its own, while the slow job still runs; a fresh interpreter's error comes back as a fork's. Forked from a fresh process, as the script forks from its
+    process of its own, while the slow job still runs; a fresh interpreter's error and deadline are a fork's. Forked from a fresh process, as the script forks from its
     own (never from a test worker whose JAX may have started its threads)."""
     code = """if True:
         import json, os, sys, time
@@ -263,12 +263,16 @@ def test_forked_jobs_report_errors_run_two_at_once_and_stop_at_the_deadline():
             return {"pid": os.getpid()}
 
         script.work = work
+        command = script.worker_command
+        script.worker_command = lambda job, args: [sys.executable, "-c", "import time; time.sleep(60)"] \
+            if job["kind"] == "slow" else command(job, args)
         args = script.argparse.Namespace(size="tiny", repeats=1)
         jobs = [{"kind": "fail"}, {"kind": "checkpoint", "family": "sd15"}, {"kind": "pid"},
-                {"kind": "pid", "weights": "checkpoint"}, {"kind": "unknown", "cache": "cold"}]
+                {"kind": "pid", "weights": "checkpoint"}, {"kind": "unknown", "cache": "cold"},
+                {"kind": "slow", "cache": "cold"}]
         start = time.perf_counter()
         ended = [(i, result, time.perf_counter() - start)
-                 for i, result in script.run_jobs(jobs, args, deadline=start + 3, fork=True, lanes=2)]
+                 for i, result in script.run_jobs(jobs, args, deadline=start + 4, fork=True, lanes=2)]
         print(json.dumps({"parent": os.getpid(), "ended": ended}))
     """
     done = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True,
@@ -276,14 +280,16 @@ def test_forked_jobs_report_errors_run_two_at_once_and_stop_at_the_deadline():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     ended = {i: (result, seconds) for i, result, seconds in out["ended"]}
-    assert [i for i, _, _ in out["ended"] if i != 4] == [0, 2, 1, 3]
-    (failed, _), (stopped, stopped_at), (ran, ran_at), (not_run, _), (fresh, _) = (ended[i] for i in range(5))
+    assert [i for i, _, _ in out["ended"] if i in (0, 1, 2, 3)] == [0, 2, 1, 3]
+    (failed, _), (stopped, stopped_at), (ran, ran_at), (not_run, _), (fresh, _), (slow, slow_at) = \
+        (ended[i] for i in range(6))
     assert failed["error"].startswith("exit 1: ") and "ValueError: no such model" in failed["error"]
-    assert stopped["error"] == "stopped at the deadline" and 3 <= stopped_at < 30
-    assert ran["pid"] != out["parent"] and ran["wall_s"] > 0 and ran_at < 3
+    assert stopped["error"] == "stopped at the deadline" and 4 <= stopped_at < 30
+    assert ran["pid"] != out["parent"] and ran["wall_s"] > 0 and ran_at < 4
     assert not_run == {"error": "not run, past the deadline"}
     # a job that times its process's start runs in a fresh interpreter, the real script's: its traceback's tail
     assert fresh["error"].startswith("exit 1: ") and "KeyError: 'unknown'" in fresh["error"]
+    assert slow["error"] == "stopped at the deadline" and 4 <= slow_at < 30  # and stopped as a fork is
 
 
 @pytest.mark.parametrize("name, category", [
