@@ -248,8 +248,9 @@ def test_jobs_run_in_order_on_one_lane_and_after_what_they_need_on_two(monkeypat
 def test_forked_jobs_report_errors_run_two_at_once_and_stop_at_the_deadline():
     """The CPU run's forked jobs, two at once: a job that raises comes back as its traceback's tail; one that
     outlasts the deadline is stopped there, and the job that needs its files is not run; a result comes from a
-    process of its own, while the slow job still runs; a fresh interpreter's error and deadline are a fork's. Forked from a fresh process, as the script forks from its
-    own (never from a test worker whose JAX may have started its threads)."""
+    process of its own, while the slow job still runs; a fresh interpreter's error and deadline are a fork's.
+    Forked from a fresh process, as the script forks from its own (never from a test worker whose JAX may have
+    started its threads)."""
     code = """if True:
         import json, os, sys, time
         sys.path.insert(0, sys.argv[1])
