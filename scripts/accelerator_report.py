@@ -55,18 +55,22 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   the measurement behind sdflax setting no XLA flags; each run's `compile_s` is a cold compile (no cache), so
   `--part flags --family sdxl` (the MLPerf setting alone, the compile-time sets first; about 2 minutes a job on an
   H100) says what the autotuning and Triton GEMM flags save of SDXL's compile and cost of its speed.
+- `compile_split` (`--part compile --family sdxl` alone): the MLPerf setting's models (the UNet's one evaluation on
+  the guidance batch, the VAE decode, each text encoder) each lowered and compiled cold on the device from the
+  param shapes: which model's compile the speed job's `compile_s` is made of.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
 "bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}},
-"speed": {"runs": [run, ...], "flops": [count, ...], "checkpoint": {"family", "bytes", "wall_s"}}, "table": str,
-"errors": [str, ...]} ("checkpoint" where a job loads one); a check is {"rel_l2", "max_abs", "bound", "ok",
+"speed": {"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "checkpoint": {"family",
+"bytes", "wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a check is {"rel_l2", "max_abs", "bound", "ok",
 "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
 [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
 "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
 or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch",
-"trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}.
+"trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and {"batch", "dtype",
+"device", "models": {model: {"lower_s", "compile_s"}}}.
 """
 
 from __future__ import annotations
@@ -233,7 +237,9 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
         "compile": [speed("sdflax", sd15, [1], attention="auto", cache="cold", weights="checkpoint"),
                     speed("sdflax", sd15, [1], attention="auto", cache="warm", weights="checkpoint"),
                     speed("diffusers+compile", sd15, [1]),
-                    speed("sdflax", sd15, [1], attention="xla", cache="none")],
+                    speed("sdflax", sd15, [1], attention="xla", cache="none"),
+                    # the longest cold compile, model by model
+                    {"kind": "compile_split", **mlperf, "batches": [8] if full else [2]}],
         # XLA's defaults, then each flag set: where launches weigh most (SD 1.5, batch 1), and at MLPerf's setting,
         # whose compile is the longest (the compile-time sets first)
         "flags": [speed("sdflax", sd15, [1], attention="auto", cache="none"),
@@ -252,7 +258,7 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
                  ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
-                 ("sd35", 0), ("sd35", 1)]
+                 ("sd35", 0), ("sd35", 1), ("compile", 4)]
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]
@@ -303,6 +309,63 @@ def random_params(module, dtype, seed=0):
     return jax.tree_util.tree_map_with_path(draw, param_shapes(module))
 
 
+def model_classes(family) -> dict:
+    """{name: sdflax class} of a family's pipeline."""
+    from sdflax.models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, SD3Transformer2DModel,
+                               T5EncoderModel, UNet2DConditionModel)
+
+    if family == "sd35":
+        return {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
+                "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
+                "text_encoder_3": T5EncoderModel}
+    classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+    if family == "sdxl":
+        classes["text_encoder_2"] = CLIPTextModelWithProjection
+    return classes
+
+
+def model_calls(modules, configs, batch) -> dict:
+    """The models of a setting's program, each as {name: (function of its params and inputs, input shapes, keyword
+    input shapes)}: the denoiser's one evaluation (the sampling loop's body) on the guidance batch of 2·`batch` rows
+    (SD 3.5's transformer under "transformer", its text states CLIP's 77 tokens and T5's 256, diffusers'
+    max_sequence_length), the VAE decode of `batch` latents, and each text encoder on 2·`batch` prompts (negatives
+    and prompts in one call, as the pipelines encode them)."""
+    import jax
+    import jax.numpy as jnp
+
+    sds = jax.ShapeDtypeStruct
+    vae = modules["vae"]
+    h = configs["size"] // vae.config.scale_factor
+    rows = 2 * batch
+    latents = sds((rows, vae.config.latent_channels, h, h), jnp.float32)
+    calls = {}
+    if "transformer" in modules:
+        cfg = modules["transformer"].config
+        calls["transformer"] = (modules["transformer"].apply, (
+            latents, sds((rows, 77 + 256, cfg.joint_attention_dim), jnp.bfloat16),
+            sds((rows, cfg.pooled_projection_dim), jnp.bfloat16), sds((), jnp.float32)), {})
+    else:
+        unet = modules["unet"]
+        extra = {}
+        if unet.config.addition_embed_type == "text_time":
+            pooled = modules["text_encoder_2"].config.projection_dim
+            n_ids = (unet.config.projection_class_embeddings_input_dim - pooled) // \
+                unet.config.addition_time_embed_dim
+            extra = {"text_embeds": sds((rows, pooled), jnp.float32), "time_ids": sds((rows, n_ids), jnp.float32)}
+        calls["unet"] = (unet.apply, (latents, sds((), jnp.float32),
+                                      sds((rows, 77, unet.config.cross_attention_dim), jnp.bfloat16)), extra)
+    calls["vae"] = (lambda p, z: vae.apply(p, z, method=vae.decode),
+                    (sds((batch, *latents.shape[1:]), jnp.float32),), {})
+    for name in ("text_encoder", "text_encoder_2"):  # CLIP's: the pipelines read its hidden states
+        if name in modules:
+            encoder = modules[name]
+            calls[name] = (lambda p, ids, encoder=encoder: encoder.apply(p, ids, output_hidden_states=True),
+                           (sds((rows, 77), jnp.int32),), {})
+    if "text_encoder_3" in modules:  # T5's
+        calls["text_encoder_3"] = (modules["text_encoder_3"].apply, (sds((rows, 256), jnp.int32),), {})
+    return calls
+
+
 def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None, kernels=None, weights=True):
     """(pipeline, params) of `family` with random weights, or their shapes alone (`weights=False`: params of
     jax.ShapeDtypeStruct, for tracing); `kernels` as `build_models` takes them."""
@@ -311,20 +374,11 @@ def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None, kerne
     from sdflax import StableDiffusion, StableDiffusion3, StableDiffusionXL
     from sdflax.assemble import build_models
     from sdflax.loading import load_tokenizer
-    from sdflax.models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, SD3Transformer2DModel,
-                               T5EncoderModel, UNet2DConditionModel)
     from sdflax.schedulers import scheduler_from_config
     from sdflax.t5_tokenizer import T5Tokenizer
 
     configs = configs_for(family, size)
-    classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
-    if family == "sdxl":
-        classes["text_encoder_2"] = CLIPTextModelWithProjection
-    if family == "sd35":
-        classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
-                   "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
-                   "text_encoder_3": T5EncoderModel}
-    modules = build_models(classes, configs, dtype, attention, kernels)
+    modules = build_models(model_classes(family), configs, dtype, attention, kernels)
     if weights:
         params = {name: random_params(module, dtype, seed=i) for i, (name, module) in enumerate(modules.items())}
     else:
@@ -742,52 +796,53 @@ def flop_count(job, size):
 
     from sdflax.assemble import build_models
     from sdflax.cache import param_shapes
-    from sdflax.models import (AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel,
-                               UNet2DConditionModel)
     from sdflax.models.layers import Kernels
     from sdflax.schedulers import scheduler_from_config
 
     configs = configs_for(job["family"], size)
     kernels = Kernels("gpu", None, "xla")  # a GPU's graph, XLA's attention
-    sd35 = job["family"] == "sd35"
-    classes = {"transformer" if sd35 else "unet": SD3Transformer2DModel if sd35 else UNet2DConditionModel,
-               "vae": AutoencoderKL}
-    if job["family"] == "sdxl":
-        classes["text_encoder_2"] = CLIPTextModelWithProjection
-    modules = build_models(classes, configs, jnp.bfloat16, kernels=kernels)
-    vae = modules["vae"]
-    sds = jax.ShapeDtypeStruct
-    h = configs["size"] // vae.config.scale_factor
-    latents = (2, vae.config.latent_channels, h, h)
+    modules = build_models(model_classes(job["family"]), configs, jnp.bfloat16, kernels=kernels)
+    calls = model_calls(modules, configs, batch=1)
 
-    def flops(lowered):
-        cost = lowered.cost_analysis()
+    def flops(name):
+        function, inputs, keywords = calls[name]
+        cost = jax.jit(function).lower(param_shapes(modules[name]), *inputs, **keywords).cost_analysis()
         return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
-    if sd35:  # text states: CLIP's 77 tokens and T5's 256 (diffusers' max_sequence_length), the pooled projections
-        transformer = modules["transformer"]
-        cfg = transformer.config
-        unet_flops = flops(jax.jit(transformer.apply).lower(
-            param_shapes(transformer), sds(latents, jnp.float32), sds((2, 77 + 256, cfg.joint_attention_dim),
-                                                                       jnp.bfloat16),
-            sds((2, cfg.pooled_projection_dim), jnp.bfloat16), sds((), jnp.float32)))
-    else:
-        unet = modules["unet"]
-        extra = {}
-        if unet.config.addition_embed_type == "text_time":
-            pooled = modules["text_encoder_2"].config.projection_dim
-            n_ids = (unet.config.projection_class_embeddings_input_dim - pooled) // \
-                unet.config.addition_time_embed_dim
-            extra = {"text_embeds": sds((2, pooled), jnp.float32), "time_ids": sds((2, n_ids), jnp.float32)}
-        unet_flops = flops(jax.jit(unet.apply).lower(
-            param_shapes(unet), sds(latents, jnp.float32), sds((), jnp.float32),
-            sds((2, 77, unet.config.cross_attention_dim), jnp.bfloat16), **extra))
-    vae_flops = flops(jax.jit(lambda p, z: vae.apply(p, z, method=vae.decode)).lower(
-        param_shapes(vae), sds((1, *latents[1:]), jnp.float32)))
+    unet_flops = flops("transformer" if job["family"] == "sd35" else "unet")
+    vae_flops = flops("vae")
     scheduler = scheduler_from_config(configs["scheduler"], job["scheduler"])
-    evals = int(scheduler.set_timesteps(job["steps"], shape=(1, *latents[1:])).timesteps.shape[0])
+    evals = int(scheduler.set_timesteps(job["steps"], shape=calls["vae"][1][0].shape).timesteps.shape[0])
     return {"flops_per_image": evals * unet_flops + vae_flops, "unet_evals": evals,
             "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops, "program": program_size(job, size, kernels)}
+
+
+def compile_split(job, size):
+    """Where a setting's cold compile goes: each model's call of `model_calls` at the job's batch, lowered and
+    compiled alone on this device from the param shapes (no weights, no compile cache) with the kernels the speed
+    jobs pick, as the pipeline's dtype. Beside a speed job's `compile_s` (the whole program, the sampling loop and
+    the guidance around them included) they say which model's compile to shorten."""
+    import jax
+    import jax.numpy as jnp
+
+    from sdflax.assemble import build_models
+    from sdflax.cache import param_shapes
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    configs = configs_for(job["family"], size)
+    modules = build_models(model_classes(job["family"]), configs, dtype, "auto")
+    batch = job["batches"][0]
+    out = {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "models": {}}
+    for name, (function, inputs, keywords) in model_calls(modules, configs, batch).items():
+        log(f"compile split {job['family']}: {name} ...")
+        params = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), param_shapes(modules[name]))
+        start = time.perf_counter()
+        lowered = jax.jit(function).lower(params, *inputs, **keywords)
+        lowered_at = time.perf_counter()
+        lowered.compile()
+        out["models"][name] = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
+    return out
 
 
 def program_size(job, size, kernels):
@@ -921,8 +976,8 @@ def work(job, args):
     if job["kind"] == "speed":
         worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
         return worker(job, args.size, args.repeats)
-    return {"correctness": correctness, "flops": flop_count, "checkpoint": write_checkpoint}[job["kind"]](
-        job, args.size)
+    return {"correctness": correctness, "flops": flop_count, "checkpoint": write_checkpoint,
+            "compile_split": compile_split}[job["kind"]](job, args.size)
 
 
 def measures_start_up(job) -> bool:
@@ -1092,8 +1147,8 @@ def job_name(job) -> str:
 
 def assemble(tasks, results, run_provenance) -> dict:
     """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
-    report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {}, "speed": {"runs": [], "flops": []},
-              "errors": []}
+    report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {},
+              "speed": {"runs": [], "flops": [], "compile_split": []}, "errors": []}
     counts = {}  # setting -> its FLOP count
     for i in sorted(results):
         task, result = tasks[i], results[i]
@@ -1103,6 +1158,8 @@ def assemble(tasks, results, run_provenance) -> dict:
             report["correctness"][task["family"]] = result
         elif task["kind"] == "checkpoint":
             report["speed"]["checkpoint"] = {"family": task["family"], **result}
+        elif task["kind"] == "compile_split":
+            report["speed"]["compile_split"].append({**task, **result})
         elif task["kind"] == "flops":
             counts[setting_key(task)] = result
             report["speed"]["flops"].append({**task, **result})

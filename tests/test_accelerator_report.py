@@ -136,6 +136,35 @@ def test_flop_counts_add_up(report):
         assert program["stablehlo_bytes"] > program["stablehlo_lines"] > 1000
 
 
+def test_the_compile_split_compiles_each_model_of_the_mlperf_setting(report):
+    splits = report[0]["speed"]["compile_split"]
+    assert [(s["family"], s["setting"], s["batch"]) for s in splits] == [("sdxl", "mlperf", 2)]
+    models = splits[0]["models"]
+    assert set(models) == {"unet", "vae", "text_encoder", "text_encoder_2"}
+    assert all(m["lower_s"] > 0 and m["compile_s"] > 0 for m in models.values()), models
+    # on a GPU: the MLPerf batch, alone with `--part compile --family sdxl`
+    assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8])]
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35"])
+def test_model_calls_are_the_pipelines_calls(family):
+    """Each family's models as `compile_split` compiles them (and `flop_count` counts two of them): every model of
+    the pipeline, on its inputs' shapes at a batch of three (six guidance rows), lowered from the param shapes."""
+    import jax
+
+    from sdflax.assemble import build_models
+    from sdflax.cache import param_shapes
+
+    configs = script.configs_for(family, "tiny")
+    modules = build_models(script.model_classes(family), configs, np.float32)
+    calls = script.model_calls(modules, configs, batch=3)
+    assert set(calls) == set(modules)
+    for name, (function, inputs, keywords) in calls.items():
+        assert jax.jit(function).lower(param_shapes(modules[name]), *inputs, **keywords).as_text(), name
+        rows = [x.shape[0] for x in (*inputs, *keywords.values()) if x.shape]
+        assert set(rows) == ({3} if name == "vae" else {6}), (name, rows)
+
+
 def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
     full = script.jobs("all", "full")
     assert {script.code_path(j) for j in full} == {script.code_path(j) for j in script.jobs("all", "tiny")}
