@@ -68,9 +68,9 @@ JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {fami
 {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s",
 "results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch",
 "wall_s", "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count",
-"seconds"}, ...]}}, or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch",
-"trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and {"batch", "dtype",
-"device", "models": {model: {"lower_s", "compile_s"}}}.
+"seconds"}, ...]}}, or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...,
+"program": {"batch", "trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and
+{"batch", "dtype", "device", "models": {model: {"lower_s", "compile_s"}}}.
 """
 
 from __future__ import annotations
