@@ -205,31 +205,28 @@ class SDXLText:
         """Text states and pooled embeddings from ids, or given (`prompt_embeds` with `pooled_prompt_embeds`, as
         `encode_prompt` returns them). Without a negative prompt the unconditional embeddings are zeros if the
         checkpoint says `force_zeros_for_empty_prompt`, else those of the empty prompt."""
-        both_ids = inputs.prompt_embeds is None and inputs.neg_prompt_embeds is None and \
-            inputs.neg_prompt_ids is not None
-        if both_ids:
+        negatives_from_ids = inputs.neg_prompt_embeds is None and inputs.neg_prompt_ids is not None
+        if negatives_from_ids and inputs.prompt_embeds is None:
             # One call of each encoder on [negative; prompt] ids, 2B rows for any B, as SD's: the encoders are in
             # the program once, and a batch of one runs the kernels of any other
             ids = inputs.prompt_ids
             states, pooled = self.encode_prompt(params, jnp.concatenate([jnp.broadcast_to(inputs.neg_prompt_ids,
                                                                                           ids.shape), ids]))
             (neg_context, context), (neg_pooled, pooled) = jnp.split(states, 2), jnp.split(pooled, 2)
-        elif inputs.prompt_embeds is None:
-            context, pooled = self.encode_prompt(params, inputs.prompt_ids)
         else:
-            context, pooled = inputs.prompt_embeds, inputs.pooled_prompt_embeds
-        if inputs.neg_prompt_embeds is not None:
-            neg_context, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
-        elif inputs.neg_prompt_ids is None:
-            neg_context, neg_pooled = self.default_negative(params, context, pooled)
-        else:
-            if not both_ids:
+            context, pooled = (self.encode_prompt(params, inputs.prompt_ids) if inputs.prompt_embeds is None
+                               else (inputs.prompt_embeds, inputs.pooled_prompt_embeds))
+            if negatives_from_ids:
                 neg_context, neg_pooled = self.encode_prompt(params, inputs.neg_prompt_ids)
-            if inputs.no_negative_prompt is not None:  # chosen in the program: one for both kinds of call
-                default_context, default_pooled = self.default_negative(params, context, pooled)
-                absent = inputs.no_negative_prompt
-                neg_context = jnp.where(absent[:, None, None], default_context, neg_context)
-                neg_pooled = jnp.where(absent[:, None], default_pooled, neg_pooled)
+            elif inputs.neg_prompt_embeds is not None:
+                neg_context, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
+            else:
+                neg_context, neg_pooled = self.default_negative(params, context, pooled)
+        if negatives_from_ids and inputs.no_negative_prompt is not None:  # chosen in the program: one for both calls
+            default_context, default_pooled = self.default_negative(params, context, pooled)
+            absent = inputs.no_negative_prompt
+            neg_context = jnp.where(absent[:, None, None], default_context, neg_context)
+            neg_pooled = jnp.where(absent[:, None], default_pooled, neg_pooled)
         ids, neg_ids = self.time_ids(inputs)
         batch = context.shape[0]
         unet_kwargs = {"text_embeds": jnp.concatenate([neg_pooled, pooled]),
