@@ -57,7 +57,9 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   H100) says what the autotuning and Triton GEMM flags save of SDXL's compile and cost of its speed.
 - `compile_split` (`--part compile --family sdxl` alone): the MLPerf setting's models (the UNet's one evaluation on
   the guidance batch, the VAE decode, each text encoder) each lowered and compiled cold on the device from the
-  param shapes: which model's compile the speed job's `compile_s` is made of.
+  param shapes: which model's compile the speed job's `compile_s` is made of; then the UNet and the text encoders
+  again with each stack of repeated layers cut to one (`one_layer`): how much of that compile scanning over the
+  repeated layers (one loop body instead of SDXL's stacks of ten, CLIP-G's 32 layers) could save.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
@@ -70,7 +72,8 @@ JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {fami
 "wall_s", "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count",
 "seconds"}, ...]}}, or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...,
 "program": {"batch", "trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and
-{"batch", "dtype", "device", "models": {model: {"lower_s", "compile_s"}}}.
+{"batch", "dtype", "device", "models": {model: times}, "one_layer": {model: times}}, times being {"lower_s",
+"compile_s", "stablehlo_lines"}.
 """
 
 from __future__ import annotations
@@ -818,11 +821,29 @@ def flop_count(job, size):
             "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops, "program": program_size(job, size, kernels)}
 
 
+def one_layer_configs(configs) -> dict:
+    """{model: config} of the models whose layers repeat, each stack cut to one layer: the UNet's transformer
+    stacks (SDXL's ten), CLIP's encoder layers. What a model whose repeated layers were one `lax.scan` body would
+    compile, so its compile beside the whole model's bounds what scanning them could save."""
+    cut = {}
+    unet = configs.get("unet")
+    if unet:
+        layers = unet.get("transformer_layers_per_block", 1)
+        per_block = layers if isinstance(layers, list) else [layers] * len(unet["block_out_channels"])
+        if max(per_block) > 1:
+            cut["unet"] = {**unet, "transformer_layers_per_block": [min(n, 1) for n in per_block]}
+    for name in TEXT_ENCODERS:
+        if name in configs and configs[name]["num_hidden_layers"] > 1:
+            cut[name] = {**configs[name], "num_hidden_layers": 1}
+    return cut
+
+
 def compile_split(job, size):
     """Where a setting's cold compile goes: each model's call of `model_calls` at the job's batch, lowered and
     compiled alone on this device from the param shapes (no weights, no compile cache) with the kernels the speed
     jobs pick, as the pipeline's dtype. Beside a speed job's `compile_s` (the whole program, the sampling loop and
-    the guidance around them included) they say which model's compile to shorten."""
+    the guidance around them included) they say which model's compile to shorten; `one_layer`, the same for the
+    models of `one_layer_configs`, says how much of that their repeated layers are."""
     import jax
     import jax.numpy as jnp
 
@@ -831,19 +852,28 @@ def compile_split(job, size):
 
     jax.config.update("jax_enable_compilation_cache", False)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    classes, batch = model_classes(job["family"]), job["batches"][0]
+
+    def compile_each(configs, names=None):
+        modules = build_models(classes, configs, dtype, "auto")
+        times = {}
+        for name, (function, inputs, keywords) in model_calls(modules, configs, batch).items():
+            if names is not None and name not in names:
+                continue
+            log(f"compile split {job['family']}: {name}{'' if names is None else ', one layer a stack'} ...")
+            params = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), param_shapes(modules[name]))
+            start = time.perf_counter()
+            lowered = jax.jit(function).lower(params, *inputs, **keywords)
+            lowered_at = time.perf_counter()
+            lowered.compile()
+            times[name] = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at,
+                           "stablehlo_lines": lowered.as_text().count("\n")}
+        return times
+
     configs = configs_for(job["family"], size)
-    modules = build_models(model_classes(job["family"]), configs, dtype, "auto")
-    batch = job["batches"][0]
-    out = {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "models": {}}
-    for name, (function, inputs, keywords) in model_calls(modules, configs, batch).items():
-        log(f"compile split {job['family']}: {name} ...")
-        params = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), param_shapes(modules[name]))
-        start = time.perf_counter()
-        lowered = jax.jit(function).lower(params, *inputs, **keywords)
-        lowered_at = time.perf_counter()
-        lowered.compile()
-        out["models"][name] = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
-    return out
+    cut = one_layer_configs(configs)
+    return {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind,
+            "models": compile_each(configs), "one_layer": compile_each({**configs, **cut}, names=set(cut))}
 
 
 def program_size(job, size, kernels):

@@ -139,11 +139,20 @@ def test_flop_counts_add_up(report):
 def test_the_compile_split_compiles_each_model_of_the_mlperf_setting(report):
     splits = report[0]["speed"]["compile_split"]
     assert [(s["family"], s["setting"], s["batch"]) for s in splits] == [("sdxl", "mlperf", 2)]
-    models = splits[0]["models"]
+    models, one_layer = splits[0]["models"], splits[0]["one_layer"]
     assert set(models) == {"unet", "vae", "text_encoder", "text_encoder_2"}
-    assert all(m["lower_s"] > 0 and m["compile_s"] > 0 for m in models.values()), models
+    # the tiny UNet's deepest stack has two transformer layers, each CLIP two encoder layers: each cut to one
+    assert set(one_layer) == {"unet", "text_encoder", "text_encoder_2"}
+    for times in (*models.values(), *one_layer.values()):
+        assert times["lower_s"] > 0 and times["compile_s"] > 0 and times["stablehlo_lines"] > 100, splits
+    assert all(one_layer[name]["stablehlo_lines"] < models[name]["stablehlo_lines"] for name in one_layer), splits
     # on a GPU: the MLPerf batch, alone with `--part compile --family sdxl`
     assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8])]
+    # SDXL's stacks of 2 and 10 transformer layers and CLIP's 12 and 32 encoder layers, one each
+    cut = script.one_layer_configs(script.configs_for("sdxl", "full"))
+    assert cut["unet"]["transformer_layers_per_block"] == [1, 1, 1]
+    assert (cut["text_encoder"]["num_hidden_layers"], cut["text_encoder_2"]["num_hidden_layers"]) == (1, 1)
+    assert "unet" not in script.one_layer_configs(script.configs_for("sd15", "full"))  # one layer a stack already
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35"])
