@@ -60,20 +60,25 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   param shapes: which model's compile the speed job's `compile_s` is made of; then the UNet and the text encoders
   again with each stack of repeated layers cut to one (`one_layer`): how much of that compile scanning over the
   repeated layers (one loop body instead of SDXL's stacks of ten, CLIP-G's 32 layers) could save.
+- `layer_scan` (after it): the UNet's deepest stack of transformer layers (SDXL's ten) with random weights, run
+  layer after layer as sdflax runs it and as one `lax.scan` over their stacked params: each one's cold compile and
+  median seconds a call, and their outputs' difference: what scanning would save of the compile and cost of speed.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
 "bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}},
-"speed": {"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "checkpoint": {"family",
-"bytes", "wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a check is
-{"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s",
+"speed": {"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "layer_scan": [scan, ...],
+"checkpoint": {"family", "bytes", "wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads
+one); a check is {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s",
 "results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch",
 "wall_s", "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count",
 "seconds"}, ...]}}, or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...,
 "program": {"batch", "trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and
 {"batch", "dtype", "device", "models": {model: times}, "one_layer": {model: times}}, times being {"lower_s",
-"compile_s", "stablehlo_lines"}.
+"compile_s", "stablehlo_lines"}; a layer scan is a setting and {"batch", "layers", "tokens", "channels", "dtype",
+"device", "layer_after_layer": way, "scan": way, "scan_rel_l2", "output_std"}, a way being {"lower_s",
+"compile_s", "stablehlo_lines", "first_call_s", "seconds_per_call", "seconds_per_call_min", "seconds_per_call_max"}.
 """
 
 from __future__ import annotations
@@ -243,7 +248,9 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                     speed("diffusers+compile", sd15, [1]),
                     speed("sdflax", sd15, [1], attention="xla", cache="none"),
                     # the longest cold compile, model by model
-                    {"kind": "compile_split", **mlperf, "batches": [8] if full else [2]}],
+                    {"kind": "compile_split", **mlperf, "batches": [8] if full else [2]},
+                    # its deepest stack of repeated layers, layer after layer and as one scan
+                    {"kind": "layer_scan", **mlperf, "batches": [8] if full else [2]}],
         # XLA's defaults, then each flag set: where launches weigh most (SD 1.5, batch 1), and at MLPerf's setting,
         # whose compile is the longest (the compile-time sets first)
         "flags": [speed("sdflax", sd15, [1], attention="auto", cache="none"),
@@ -262,7 +269,7 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
                  ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
-                 ("sd35", 0), ("sd35", 1), ("compile", 4)]
+                 ("sd35", 0), ("sd35", 1), ("compile", 4), ("compile", 5)]
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]
@@ -876,6 +883,65 @@ def compile_split(job, size):
             "models": compile_each(configs), "one_layer": compile_each({**configs, **cut}, names=set(cut))}
 
 
+def layer_scan(job, size, repeats):
+    """The deepest stack of transformer layers of a setting's UNet (SDXL's: ten of 1280 channels over the 32x32
+    latent tokens of the guidance batch, attending to 77 text tokens) with random weights, run as sdflax runs it,
+    layer after layer each with its own params, and as one `lax.scan` over the layers' stacked params: each one's
+    cold compile, StableHLO lines and median seconds a call, and the scan's output against the layers'. Beside
+    `compile_split`'s `one_layer`, it says what scanning the repeated layers would save of the compile, and cost
+    of the speed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sdflax.models.layers import resolve_kernels
+    from sdflax.models.unet import BasicTransformerBlock, UNetConfig
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    configs = configs_for(job["family"], size)
+    cfg = UNetConfig.from_dict(configs["unet"])
+    per_block = cfg.per_block(cfg.transformer_layers_per_block)
+    deepest = per_block.index(max(per_block))
+    layers, channels, heads = per_block[deepest], cfg.block_out_channels[deepest], cfg.heads[deepest]
+    side = configs["size"] // 2 ** (len(configs["vae"]["block_out_channels"]) - 1) // 2 ** deepest
+    rows = 2 * job["batches"][0]
+    block = BasicTransformerBlock(heads, channels // heads, cfg.upcast_attention, dtype, resolve_kernels("auto"))
+    x, context = (jax.random.normal(jax.random.key(i), shape, dtype) for i, shape in
+                  enumerate([(rows, side * side, channels), (rows, 77, cfg.cross_attention_dim)]))
+    init = jax.jit(jax.vmap(lambda key: block.init(key, x[:1], context[:1])["params"]))
+    stacked = jax.tree.map(lambda p: p.astype(dtype), init(jax.random.split(jax.random.key(2), layers)))
+    each = [jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(layers)]  # arrays of their own
+
+    def layer_after_layer(each, x, context):
+        for params in each:
+            x = block.apply({"params": params}, x, context)
+        return x
+
+    def scanned(stacked, x, context):
+        return jax.lax.scan(lambda h, params: (block.apply({"params": params}, h, context), None), x, stacked)[0]
+
+    out = {"batch": job["batches"][0], "layers": layers, "tokens": side * side, "channels": channels,
+           "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind}
+    outputs = {}
+    for name, function, params in (("layer_after_layer", layer_after_layer, each), ("scan", scanned, stacked)):
+        log(f"layer scan {job['family']}: {name} ...")
+        start = time.perf_counter()
+        lowered = jax.jit(function).lower(params, x, context)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - lowered_at
+        first, times = timed(lambda i: outputs.__setitem__(name, compiled(params, x, context).block_until_ready()),
+                             repeats)
+        out[name] = {"lower_s": lowered_at - start, "compile_s": compile_s,
+                     "stablehlo_lines": lowered.as_text().count("\n"), "first_call_s": first,
+                     "seconds_per_call": statistics.median(times), "seconds_per_call_min": min(times),
+                     "seconds_per_call_max": max(times)}
+    out["scan_rel_l2"] = compare(outputs["scan"], outputs["layer_after_layer"], math.inf)["rel_l2"]
+    out["output_std"] = float(np.asarray(outputs["layer_after_layer"], np.float64).std())
+    return out
+
+
 def program_size(job, size, kernels):
     """The whole generate program of a speed setting (batch 1, the GPU's graph with XLA's attention), traced and
     lowered from the param shapes: the seconds of the host's part of a cold compile, and the size of the StableHLO
@@ -1007,6 +1073,8 @@ def work(job, args):
     if job["kind"] == "speed":
         worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
         return worker(job, args.size, args.repeats)
+    if job["kind"] == "layer_scan":
+        return layer_scan(job, args.size, args.repeats)
     return {"correctness": correctness, "flops": flop_count, "checkpoint": write_checkpoint,
             "compile_split": compile_split}[job["kind"]](job, args.size)
 
@@ -1179,7 +1247,8 @@ def job_name(job) -> str:
 def assemble(tasks, results, run_provenance) -> dict:
     """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
     report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {},
-              "speed": {"runs": [], "flops": [], "compile_split": []}, "errors": []}
+              "speed": {"runs": [], "flops": [], "compile_split": [], "layer_scan": []},
+              "errors": []}
     counts = {}  # setting -> its FLOP count
     for i in sorted(results):
         task, result = tasks[i], results[i]
@@ -1189,8 +1258,8 @@ def assemble(tasks, results, run_provenance) -> dict:
             report["correctness"][task["family"]] = result
         elif task["kind"] == "checkpoint":
             report["speed"]["checkpoint"] = {"family": task["family"], **result}
-        elif task["kind"] == "compile_split":
-            report["speed"]["compile_split"].append({**task, **result})
+        elif task["kind"] in ("compile_split", "layer_scan"):
+            report["speed"][task["kind"]].append({**task, **result})
         elif task["kind"] == "flops":
             counts[setting_key(task)] = result
             report["speed"]["flops"].append({**task, **result})

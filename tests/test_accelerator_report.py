@@ -147,12 +147,27 @@ def test_the_compile_split_compiles_each_model_of_the_mlperf_setting(report):
         assert times["lower_s"] > 0 and times["compile_s"] > 0 and times["stablehlo_lines"] > 100, splits
     assert all(one_layer[name]["stablehlo_lines"] < models[name]["stablehlo_lines"] for name in one_layer), splits
     # on a GPU: the MLPerf batch, alone with `--part compile --family sdxl`
-    assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8])]
+    assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8]),
+                                                                                            ("layer_scan", [8])]
     # SDXL's stacks of 2 and 10 transformer layers and CLIP's 12 and 32 encoder layers, one each
     cut = script.one_layer_configs(script.configs_for("sdxl", "full"))
     assert cut["unet"]["transformer_layers_per_block"] == [1, 1, 1]
     assert (cut["text_encoder"]["num_hidden_layers"], cut["text_encoder_2"]["num_hidden_layers"]) == (1, 1)
     assert "unet" not in script.one_layer_configs(script.configs_for("sd15", "full"))  # one layer a stack already
+
+
+def test_the_layer_scan_runs_the_deepest_stack_both_ways_to_the_same_output(report):
+    scans = report[0]["speed"]["layer_scan"]
+    assert [(s["family"], s["setting"], s["batch"]) for s in scans] == [("sdxl", "mlperf", 2)]
+    scan = scans[0]
+    # the tiny UNet's deepest stack: two transformer layers of 32 channels over its 2x2 latent tokens
+    assert (scan["layers"], scan["channels"], scan["tokens"]) == (2, 32, 4)
+    for way in (scan["layer_after_layer"], scan["scan"]):
+        assert all(way[k] > 0 for k in ("lower_s", "compile_s", "first_call_s", "seconds_per_call")), scan
+        assert way["seconds_per_call_min"] <= way["seconds_per_call"] <= way["seconds_per_call_max"]
+    assert scan["scan"]["stablehlo_lines"] < scan["layer_after_layer"]["stablehlo_lines"], scan
+    # the same float32 products in the same order on the CPU; an output that varies, so the two agree on numbers
+    assert scan["scan_rel_l2"] <= 1e-6 and scan["output_std"] > 0.1, scan
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35"])
