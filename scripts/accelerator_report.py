@@ -60,30 +60,31 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   param shapes: which model's compile the speed job's `compile_s` is made of; then the UNet and the text encoders
   again with each stack of repeated layers cut to one (`one_layer`): how much of that compile scanning over the
   repeated layers (one loop body instead of SDXL's stacks of ten, CLIP-G's 32 layers) could save.
-- `layer_scan` (after it): the UNet's deepest stack of transformer layers (SDXL's ten) with random weights, run
-  layer after layer as sdflax runs it and as one `lax.scan` over their stacked params: each one's cold compile and
-  median seconds a call, and their outputs' difference: what scanning would save of the compile and cost of speed.
+- `unet_scan` (after it): the UNet's one evaluation with random weights, as sdflax builds it and with each stack
+  of transformer layers run as one `lax.scan` over the layers' stacked params: each one's cold compile and median
+  seconds an evaluation, and their outputs' difference: what scanning would save of the compile and cost of speed.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
-"bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}},
-"speed": {"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "layer_scan": [scan, ...],
-"checkpoint": {"family", "bytes", "wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads
-one); a check is {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s",
-"results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch",
-"wall_s", "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count",
-"seconds"}, ...]}}, or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...,
-"program": {"batch", "trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and
-{"batch", "dtype", "device", "models": {model: times}, "one_layer": {model: times}}, times being {"lower_s",
-"compile_s", "stablehlo_lines"}; a layer scan is a setting and {"batch", "layers", "tokens", "channels", "dtype",
-"device", "layer_after_layer": way, "scan": way, "scan_rel_l2", "output_std"}, a way being {"lower_s",
-"compile_s", "stablehlo_lines", "first_call_s", "seconds_per_call", "seconds_per_call_min", "seconds_per_call_max"}.
+"bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}}, "speed":
+{"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "unet_scan": [scan, ...], "checkpoint":
+{"family", "bytes", "wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a check is
+{"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s",
+"results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
+"device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
+or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch",
+"trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and {"batch", "dtype", "device",
+"models": {model: times}, "one_layer": {model: times}}, times being {"lower_s", "compile_s", "stablehlo_lines"}; a
+UNet scan is a setting and {"batch", "dtype", "device", "plain": way, "scanned": way, "scanned_rel_l2",
+"output_std"}, a way being {"lower_s", "compile_s", "stablehlo_lines", "first_call_s", "seconds_per_call",
+"seconds_per_call_min", "seconds_per_call_max"}.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import glob
@@ -249,8 +250,8 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                     speed("sdflax", sd15, [1], attention="xla", cache="none"),
                     # the longest cold compile, model by model
                     {"kind": "compile_split", **mlperf, "batches": [8] if full else [2]},
-                    # its deepest stack of repeated layers, layer after layer and as one scan
-                    {"kind": "layer_scan", **mlperf, "batches": [8] if full else [2]}],
+                    # its UNet as sdflax runs it and with the transformer stacks scanned
+                    {"kind": "unet_scan", **mlperf, "batches": [8] if full else [2]}],
         # XLA's defaults, then each flag set: where launches weigh most (SD 1.5, batch 1), and at MLPerf's setting,
         # whose compile is the longest (the compile-time sets first)
         "flags": [speed("sdflax", sd15, [1], attention="auto", cache="none"),
@@ -883,62 +884,88 @@ def compile_split(job, size):
             "models": compile_each(configs), "one_layer": compile_each({**configs, **cut}, names=set(cut))}
 
 
-def layer_scan(job, size, repeats):
-    """The deepest stack of transformer layers of a setting's UNet (SDXL's: ten of 1280 channels over the 32x32
-    latent tokens of the guidance batch, attending to 77 text tokens) with random weights, run as sdflax runs it,
-    layer after layer each with its own params, and as one `lax.scan` over the layers' stacked params: each one's
-    cold compile, StableHLO lines and median seconds a call, and the scan's output against the layers'. Beside
-    `compile_split`'s `one_layer`, it says what scanning the repeated layers would save of the compile, and cost
-    of the speed."""
+@contextlib.contextmanager
+def scanned_transformer_stacks():
+    """Within, the UNets built run each stack of transformer layers as one `lax.scan` over the layers' params,
+    stacked in the program (the params tree, and so loading, stay as they are): sdflax's `Transformer2DModel` with
+    its loop of layers replaced, for `unet_scan` to measure. Hooks, which address layers by name, would not see
+    the layers inside the scan: an experiment, not a way sdflax runs."""
+    import flax.linen as nn
+    import jax
+
+    from sdflax.models import unet
+
+    class ScannedTransformer2DModel(unet.Transformer2DModel):
+        @nn.compact
+        def __call__(self, x, context):
+            b, h, w, c = x.shape
+            linear = self.config.use_linear_projection
+            project = lambda name: (unet.Dense(c, dtype=self.dtype, name=name) if linear  # noqa: E731
+                                    else unet.conv(c, kernel=1, name=name, dtype=self.dtype, kernels=self.kernels))
+            hidden = unet.GroupNorm(self.config.norm_num_groups, 1e-6, self.dtype, name="norm")(x)
+            hidden = project("proj_in")(hidden).reshape(b, h * w, c)
+            block = lambda **where: unet.BasicTransformerBlock(  # noqa: E731
+                self.heads, c // self.heads, self.config.upcast_attention, self.dtype, self.kernels, **where)
+            names = [f"transformer_blocks_{i}" for i in range(self.layers)]
+            if self.is_initializing():  # the params, one tree a layer, as the loaders fill them
+                for name in names:
+                    hidden = block(name=name)(hidden, context)
+            else:
+                stacked = jax.tree.map(lambda *layers: jax.numpy.stack(layers),
+                                       *(self.variables["params"][name] for name in names))
+                step = lambda h, params: (block(parent=None).apply({"params": params}, h, context), None)  # noqa
+                hidden = jax.lax.scan(step, hidden, stacked)[0]
+            return x + project("proj_out")(hidden.reshape(b, h, w, c))
+
+    plain = unet.Transformer2DModel
+    unet.Transformer2DModel = ScannedTransformer2DModel
+    try:
+        yield
+    finally:
+        unet.Transformer2DModel = plain
+
+
+def unet_scan(job, size, repeats):
+    """The UNet's one evaluation at a setting's guidance batch with random weights, built as sdflax builds it and
+    with each stack of transformer layers scanned (`scanned_transformer_stacks`; SDXL's stacks of ten): each one's
+    cold compile, StableHLO lines and median seconds an evaluation, and the scanned output against the plain one.
+    What scanning the repeated layers would save of the compile, and cost of the speed."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from sdflax.models.layers import resolve_kernels
-    from sdflax.models.unet import BasicTransformerBlock, UNetConfig
+    from sdflax.assemble import build_models
 
     jax.config.update("jax_enable_compilation_cache", False)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    configs = configs_for(job["family"], size)
-    cfg = UNetConfig.from_dict(configs["unet"])
-    per_block = cfg.per_block(cfg.transformer_layers_per_block)
-    deepest = per_block.index(max(per_block))
-    layers, channels, heads = per_block[deepest], cfg.block_out_channels[deepest], cfg.heads[deepest]
-    side = configs["size"] // 2 ** (len(configs["vae"]["block_out_channels"]) - 1) // 2 ** deepest
-    rows = 2 * job["batches"][0]
-    block = BasicTransformerBlock(heads, channels // heads, cfg.upcast_attention, dtype, resolve_kernels("auto"))
-    x, context = (jax.random.normal(jax.random.key(i), shape, dtype) for i, shape in
-                  enumerate([(rows, side * side, channels), (rows, 77, cfg.cross_attention_dim)]))
-    init = jax.jit(jax.vmap(lambda key: block.init(key, x[:1], context[:1])["params"]))
-    stacked = jax.tree.map(lambda p: p.astype(dtype), init(jax.random.split(jax.random.key(2), layers)))
-    each = [jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(layers)]  # arrays of their own
-
-    def layer_after_layer(each, x, context):
-        for params in each:
-            x = block.apply({"params": params}, x, context)
-        return x
-
-    def scanned(stacked, x, context):
-        return jax.lax.scan(lambda h, params: (block.apply({"params": params}, h, context), None), x, stacked)[0]
-
-    out = {"batch": job["batches"][0], "layers": layers, "tokens": side * side, "channels": channels,
-           "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind}
-    outputs = {}
-    for name, function, params in (("layer_after_layer", layer_after_layer, each), ("scan", scanned, stacked)):
-        log(f"layer scan {job['family']}: {name} ...")
-        start = time.perf_counter()
-        lowered = jax.jit(function).lower(params, x, context)
-        lowered_at = time.perf_counter()
-        compiled = lowered.compile()
-        compile_s = time.perf_counter() - lowered_at
-        first, times = timed(lambda i: outputs.__setitem__(name, compiled(params, x, context).block_until_ready()),
-                             repeats)
+    configs, batch = configs_for(job["family"], size), job["batches"][0]
+    out = {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind}
+    params = outputs = None
+    for name in ("plain", "scanned"):
+        with scanned_transformer_stacks() if name == "scanned" else contextlib.nullcontext():
+            modules = build_models(model_classes(job["family"]), configs, dtype, "auto")
+            function, shapes, keyword_shapes = model_calls(modules, configs, batch)["unet"]
+            log(f"unet scan {job['family']}: {name} ...")
+            if params is None:  # the same weights and inputs both ways
+                params = random_params(modules["unet"], dtype)
+                keys = iter(jax.random.split(jax.random.key(0), len(shapes) + len(keyword_shapes)))
+                draw = lambda shape: jax.random.normal(next(keys), shape.shape).astype(shape.dtype)  # noqa: E731
+                inputs = [draw(shape) for shape in shapes]
+                keywords = {k: draw(shape) for k, shape in keyword_shapes.items()}
+                outputs = {}
+            start = time.perf_counter()
+            lowered = jax.jit(function).lower(params, *inputs, **keywords)
+            lowered_at = time.perf_counter()
+            compiled = lowered.compile()
+            compile_s = time.perf_counter() - lowered_at
+        call = lambda i: outputs.__setitem__(name, compiled(params, *inputs, **keywords).block_until_ready())  # noqa
+        first, times = timed(call, repeats)
         out[name] = {"lower_s": lowered_at - start, "compile_s": compile_s,
                      "stablehlo_lines": lowered.as_text().count("\n"), "first_call_s": first,
                      "seconds_per_call": statistics.median(times), "seconds_per_call_min": min(times),
                      "seconds_per_call_max": max(times)}
-    out["scan_rel_l2"] = compare(outputs["scan"], outputs["layer_after_layer"], math.inf)["rel_l2"]
-    out["output_std"] = float(np.asarray(outputs["layer_after_layer"], np.float64).std())
+    out["scanned_rel_l2"] = compare(outputs["scanned"], outputs["plain"], math.inf)["rel_l2"]
+    out["output_std"] = float(np.asarray(outputs["plain"], np.float64).std())
     return out
 
 
@@ -1073,8 +1100,8 @@ def work(job, args):
     if job["kind"] == "speed":
         worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
         return worker(job, args.size, args.repeats)
-    if job["kind"] == "layer_scan":
-        return layer_scan(job, args.size, args.repeats)
+    if job["kind"] == "unet_scan":
+        return unet_scan(job, args.size, args.repeats)
     return {"correctness": correctness, "flops": flop_count, "checkpoint": write_checkpoint,
             "compile_split": compile_split}[job["kind"]](job, args.size)
 
@@ -1247,7 +1274,7 @@ def job_name(job) -> str:
 def assemble(tasks, results, run_provenance) -> dict:
     """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
     report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {},
-              "speed": {"runs": [], "flops": [], "compile_split": [], "layer_scan": []},
+              "speed": {"runs": [], "flops": [], "compile_split": [], "unet_scan": []},
               "errors": []}
     counts = {}  # setting -> its FLOP count
     for i in sorted(results):
@@ -1258,7 +1285,7 @@ def assemble(tasks, results, run_provenance) -> dict:
             report["correctness"][task["family"]] = result
         elif task["kind"] == "checkpoint":
             report["speed"]["checkpoint"] = {"family": task["family"], **result}
-        elif task["kind"] in ("compile_split", "layer_scan"):
+        elif task["kind"] in ("compile_split", "unet_scan"):
             report["speed"][task["kind"]].append({**task, **result})
         elif task["kind"] == "flops":
             counts[setting_key(task)] = result

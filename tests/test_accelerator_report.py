@@ -148,7 +148,7 @@ def test_the_compile_split_compiles_each_model_of_the_mlperf_setting(report):
     assert all(one_layer[name]["stablehlo_lines"] < models[name]["stablehlo_lines"] for name in one_layer), splits
     # on a GPU: the MLPerf batch, alone with `--part compile --family sdxl`
     assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8]),
-                                                                                            ("layer_scan", [8])]
+                                                                                            ("unet_scan", [8])]
     # SDXL's stacks of 2 and 10 transformer layers and CLIP's 12 and 32 encoder layers, one each
     cut = script.one_layer_configs(script.configs_for("sdxl", "full"))
     assert cut["unet"]["transformer_layers_per_block"] == [1, 1, 1]
@@ -156,18 +156,52 @@ def test_the_compile_split_compiles_each_model_of_the_mlperf_setting(report):
     assert "unet" not in script.one_layer_configs(script.configs_for("sd15", "full"))  # one layer a stack already
 
 
-def test_the_layer_scan_runs_the_deepest_stack_both_ways_to_the_same_output(report):
-    scans = report[0]["speed"]["layer_scan"]
+def test_the_unet_with_its_transformer_stacks_scanned_gives_the_plain_unets_output(report):
+    scans = report[0]["speed"]["unet_scan"]
     assert [(s["family"], s["setting"], s["batch"]) for s in scans] == [("sdxl", "mlperf", 2)]
     scan = scans[0]
-    # the tiny UNet's deepest stack: two transformer layers of 32 channels over its 2x2 latent tokens
-    assert (scan["layers"], scan["channels"], scan["tokens"]) == (2, 32, 4)
-    for way in (scan["layer_after_layer"], scan["scan"]):
+    for way in (scan["plain"], scan["scanned"]):
         assert all(way[k] > 0 for k in ("lower_s", "compile_s", "first_call_s", "seconds_per_call")), scan
         assert way["seconds_per_call_min"] <= way["seconds_per_call"] <= way["seconds_per_call_max"]
-    assert scan["scan"]["stablehlo_lines"] < scan["layer_after_layer"]["stablehlo_lines"], scan
-    # the same float32 products in the same order on the CPU; an output that varies, so the two agree on numbers
-    assert scan["scan_rel_l2"] <= 1e-6 and scan["output_std"] > 0.1, scan
+    # the tiny UNet's deepest stack, of two layers, is one loop body: a smaller program
+    assert scan["scanned"]["stablehlo_lines"] < scan["plain"]["stablehlo_lines"], scan
+    # the same float32 products on the CPU; an output that varies, so the two agree on numbers
+    assert scan["scanned_rel_l2"] <= 1e-6 and scan["output_std"] > 0.1, scan
+
+
+def test_scanned_stacks_keep_the_params_tree_and_the_unets_output():
+    """The scanned UNet (an experiment of the report) reads the params the loaders fill, layer by layer, and
+    computes what the UNet computes; outside its `with`, sdflax's UNet is back."""
+    import jax
+    from flax import traverse_util
+
+    from sdflax.assemble import build_models
+    from sdflax.cache import param_shapes
+    from sdflax.models import unet
+
+    configs = script.configs_for("sdxl", "tiny")
+    configs["unet"]["transformer_layers_per_block"] = [1, 3, 2]  # every stack of layers scanned, of two sizes
+    classes = {"unet": script.model_classes("sdxl")["unet"]}
+    plain = build_models(classes, configs, np.float32)["unet"]
+    with script.scanned_transformer_stacks():
+        scanned = build_models(classes, configs, np.float32)["unet"]
+        shapes = param_shapes(scanned)
+        params = script.random_params(scanned, np.float32)
+        args = [jax.random.normal(jax.random.key(i), (2, *shape[1:])) for i, shape in
+                enumerate([(1, 4, 8, 8), (1, 77, 64)])]
+        extra = {"text_embeds": jax.random.normal(jax.random.key(3), (2, 32)),
+                 "time_ids": jax.random.normal(jax.random.key(4), (2, 6)) * 100}
+        lowered = jax.jit(scanned.apply).lower(params, args[0], np.float32(500.0), args[1], **extra)
+        ours = lowered.compile()(params, args[0], np.float32(500.0), args[1], **extra)
+    lines = lowered.as_text()
+    assert unet.Transformer2DModel.__name__ == "Transformer2DModel"
+    flat = lambda tree: {k: v.shape for k, v in traverse_util.flatten_dict(tree).items()}  # noqa: E731
+    assert flat(shapes) == flat(param_shapes(plain))
+    stacks = {k[:-2] for k in traverse_util.flatten_dict(shapes) if "proj_in" in k}
+    assert lines.count("stablehlo.while") == len(stacks) == 7  # one loop a stack (the CPU's attention has none here)
+    theirs = jax.jit(plain.apply)(params, args[0], np.float32(500.0), args[1], **extra)
+    assert float(np.std(theirs)) > 0.1
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35"])
