@@ -57,28 +57,26 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   H100) says what the autotuning and Triton GEMM flags save of SDXL's compile and cost of its speed.
 - `compile_split` (`--part compile --family sdxl` alone): the MLPerf setting's models (the UNet's one evaluation on
   the guidance batch, the VAE decode, each text encoder) each lowered and compiled cold on the device from the
-  param shapes: which model's compile the speed job's `compile_s` is made of; then the UNet and the text encoders
-  again with each stack of repeated layers cut to one (`one_layer`): how much of that compile scanning over the
-  repeated layers (one loop body instead of SDXL's stacks of ten, CLIP-G's 32 layers) could save.
-- `unet_scan` (after it): the UNet's one evaluation with random weights, as sdflax builds it and with each stack
-  of transformer layers run as one `lax.scan` over the layers' stacked params: each one's cold compile and median
-  seconds an evaluation, and their outputs' difference: what scanning would save of the compile and cost of speed.
+  param shapes: which model's compile the speed job's `compile_s` is made of. Then what scanning over the repeated
+  layers (one loop body instead of SDXL's stacks of ten, CLIP-G's 32 layers) would save of it: the UNet and the
+  text encoders with each stack cut to one layer (`one_layer`, a bound), the UNet with each stack one `lax.scan`
+  over its layers' stacked params (`scanned`), and both UNets run on the same random weights (`unet_runs`): what
+  scanning would cost of the speed, and the scanned output against the plain one.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
 "bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}}, "speed":
-{"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "unet_scan": [scan, ...], "checkpoint":
-{"family", "bytes", "wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a check is
-{"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s",
-"results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
+{"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "checkpoint": {"family", "bytes",
+"wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a check is {"rel_l2",
+"max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
+[{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
 "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
 or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch",
 "trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and {"batch", "dtype", "device",
-"models": {model: times}, "one_layer": {model: times}}, times being {"lower_s", "compile_s", "stablehlo_lines"}; a
-UNet scan is a setting and {"batch", "dtype", "device", "plain": way, "scanned": way, "scanned_rel_l2",
-"output_std"}, a way being {"lower_s", "compile_s", "stablehlo_lines", "first_call_s", "seconds_per_call",
-"seconds_per_call_min", "seconds_per_call_max"}.
+"models": {model: times}, "one_layer": {model: times}, "scanned": {"unet": times}, "unet_runs": {"plain": run,
+"scanned": run, "scanned_rel_l2", "output_std"}}, times being {"lower_s", "compile_s", "stablehlo_lines"} and a UNet
+run {"first_call_s", "seconds_per_call", "seconds_per_call_min", "seconds_per_call_max"}.
 """
 
 from __future__ import annotations
@@ -249,9 +247,7 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                     speed("diffusers+compile", sd15, [1]),
                     speed("sdflax", sd15, [1], attention="xla", cache="none"),
                     # the longest cold compile, model by model
-                    {"kind": "compile_split", **mlperf, "batches": [8] if full else [2]},
-                    # its UNet as sdflax runs it and with the transformer stacks scanned
-                    {"kind": "unet_scan", **mlperf, "batches": [8] if full else [2]}],
+                    {"kind": "compile_split", **mlperf, "batches": [8] if full else [2]}],
         # XLA's defaults, then each flag set: where launches weigh most (SD 1.5, batch 1), and at MLPerf's setting,
         # whose compile is the longest (the compile-time sets first)
         "flags": [speed("sdflax", sd15, [1], attention="auto", cache="none"),
@@ -269,8 +265,8 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     }
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
-                 ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
-                 ("sd35", 0), ("sd35", 1), ("compile", 4), ("compile", 5)]
+                 ("compile", 4), ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
+                 ("sd35", 0), ("sd35", 1)]
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]
@@ -846,14 +842,18 @@ def one_layer_configs(configs) -> dict:
     return cut
 
 
-def compile_split(job, size):
+def compile_split(job, size, repeats):
     """Where a setting's cold compile goes: each model's call of `model_calls` at the job's batch, lowered and
     compiled alone on this device from the param shapes (no weights, no compile cache) with the kernels the speed
     jobs pick, as the pipeline's dtype. Beside a speed job's `compile_s` (the whole program, the sampling loop and
-    the guidance around them included) they say which model's compile to shorten; `one_layer`, the same for the
-    models of `one_layer_configs`, says how much of that their repeated layers are."""
+    the guidance around them included) they say which model's compile to shorten. Then what scanning over the
+    repeated layers would save: `one_layer`, the same for the models of `one_layer_configs` (a bound); `scanned`,
+    for the UNet with each stack of transformer layers one `lax.scan` (`scanned_transformer_stacks`); and
+    `unet_runs`, both UNets run with the same random weights: seconds an evaluation, what scanning costs of the
+    speed, and the scanned output against the plain one."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from sdflax.assemble import build_models
     from sdflax.cache import param_shapes
@@ -861,35 +861,57 @@ def compile_split(job, size):
     jax.config.update("jax_enable_compilation_cache", False)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     classes, batch = model_classes(job["family"]), job["batches"][0]
+    configs = configs_for(job["family"], size)
 
-    def compile_each(configs, names=None):
+    def compile_each(configs, names, what=""):
+        """({name: module}, {name: times}, {name: compiled call}) of the models `names`."""
         modules = build_models(classes, configs, dtype, "auto")
-        times = {}
+        times, compiled = {}, {}
         for name, (function, inputs, keywords) in model_calls(modules, configs, batch).items():
-            if names is not None and name not in names:
+            if name not in names:
                 continue
-            log(f"compile split {job['family']}: {name}{'' if names is None else ', one layer a stack'} ...")
+            log(f"compile split {job['family']}: {name}{what} ...")
             params = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), param_shapes(modules[name]))
             start = time.perf_counter()
             lowered = jax.jit(function).lower(params, *inputs, **keywords)
             lowered_at = time.perf_counter()
-            lowered.compile()
+            compiled[name] = lowered.compile()
             times[name] = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at,
                            "stablehlo_lines": lowered.as_text().count("\n")}
-        return times
+        return modules, times, compiled
 
-    configs = configs_for(job["family"], size)
+    modules, times, plain = compile_each(configs, set(model_classes(job["family"])))
     cut = one_layer_configs(configs)
-    return {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind,
-            "models": compile_each(configs), "one_layer": compile_each({**configs, **cut}, names=set(cut))}
+    out = {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "models": times,
+           "one_layer": compile_each({**configs, **cut}, set(cut), ", one layer a stack")[1]}
+    if "unet" not in modules:
+        return out
+    with scanned_transformer_stacks():
+        _, out["scanned"], scanned = compile_each(configs, {"unet"}, ", its stacks scanned")
+    # both UNets on the same random weights and inputs
+    _, shapes, keyword_shapes = model_calls(modules, configs, batch)["unet"]
+    params = random_params(modules["unet"], dtype)
+    keys = iter(jax.random.split(jax.random.key(0), len(shapes) + len(keyword_shapes)))
+    draw = lambda shape: jax.random.normal(next(keys), shape.shape).astype(shape.dtype)  # noqa: E731
+    inputs, keywords = [draw(shape) for shape in shapes], {k: draw(shape) for k, shape in keyword_shapes.items()}
+    runs, outputs = {}, {}
+    for name, call in (("plain", plain["unet"]), ("scanned", scanned["unet"])):
+        log(f"compile split {job['family']}: the {name} UNet runs ...")
+        first, seconds = timed(lambda i: outputs.__setitem__(name, call(params, *inputs, **keywords)
+                                                             .block_until_ready()), repeats)
+        runs[name] = {"first_call_s": first, "seconds_per_call": statistics.median(seconds),
+                      "seconds_per_call_min": min(seconds), "seconds_per_call_max": max(seconds)}
+    out["unet_runs"] = {**runs, "scanned_rel_l2": compare(outputs["scanned"], outputs["plain"], math.inf)["rel_l2"],
+                        "output_std": float(np.asarray(outputs["plain"], np.float64).std())}
+    return out
 
 
 @contextlib.contextmanager
 def scanned_transformer_stacks():
-    """Within, the UNets built run each stack of transformer layers as one `lax.scan` over the layers' params,
-    stacked in the program (the params tree, and so loading, stay as they are): sdflax's `Transformer2DModel` with
-    its loop of layers replaced, for `unet_scan` to measure. Hooks, which address layers by name, would not see
-    the layers inside the scan: an experiment, not a way sdflax runs."""
+    """Within, the UNets built run each stack of two or more transformer layers as one `lax.scan` over the layers'
+    params, stacked in the program (the params tree, and so loading, stay as they are): sdflax's `Transformer2DModel`
+    with its loop of layers replaced, for `compile_split` to measure. Hooks, which address layers by name, would not
+    see the layers inside the scan: an experiment, not a way sdflax runs."""
     import flax.linen as nn
     import jax
 
@@ -907,7 +929,7 @@ def scanned_transformer_stacks():
             block = lambda **where: unet.BasicTransformerBlock(  # noqa: E731
                 self.heads, c // self.heads, self.config.upcast_attention, self.dtype, self.kernels, **where)
             names = [f"transformer_blocks_{i}" for i in range(self.layers)]
-            if self.is_initializing():  # the params, one tree a layer, as the loaders fill them
+            if self.is_initializing() or self.layers == 1:  # the params, one tree a layer, as the loaders fill them
                 for name in names:
                     hidden = block(name=name)(hidden, context)
             else:
@@ -923,50 +945,6 @@ def scanned_transformer_stacks():
         yield
     finally:
         unet.Transformer2DModel = plain
-
-
-def unet_scan(job, size, repeats):
-    """The UNet's one evaluation at a setting's guidance batch with random weights, built as sdflax builds it and
-    with each stack of transformer layers scanned (`scanned_transformer_stacks`; SDXL's stacks of ten): each one's
-    cold compile, StableHLO lines and median seconds an evaluation, and the scanned output against the plain one.
-    What scanning the repeated layers would save of the compile, and cost of the speed."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from sdflax.assemble import build_models
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    configs, batch = configs_for(job["family"], size), job["batches"][0]
-    out = {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind}
-    params = outputs = None
-    for name in ("plain", "scanned"):
-        with scanned_transformer_stacks() if name == "scanned" else contextlib.nullcontext():
-            modules = build_models(model_classes(job["family"]), configs, dtype, "auto")
-            function, shapes, keyword_shapes = model_calls(modules, configs, batch)["unet"]
-            log(f"unet scan {job['family']}: {name} ...")
-            if params is None:  # the same weights and inputs both ways
-                params = random_params(modules["unet"], dtype)
-                keys = iter(jax.random.split(jax.random.key(0), len(shapes) + len(keyword_shapes)))
-                draw = lambda shape: jax.random.normal(next(keys), shape.shape).astype(shape.dtype)  # noqa: E731
-                inputs = [draw(shape) for shape in shapes]
-                keywords = {k: draw(shape) for k, shape in keyword_shapes.items()}
-                outputs = {}
-            start = time.perf_counter()
-            lowered = jax.jit(function).lower(params, *inputs, **keywords)
-            lowered_at = time.perf_counter()
-            compiled = lowered.compile()
-            compile_s = time.perf_counter() - lowered_at
-        call = lambda i: outputs.__setitem__(name, compiled(params, *inputs, **keywords).block_until_ready())  # noqa
-        first, times = timed(call, repeats)
-        out[name] = {"lower_s": lowered_at - start, "compile_s": compile_s,
-                     "stablehlo_lines": lowered.as_text().count("\n"), "first_call_s": first,
-                     "seconds_per_call": statistics.median(times), "seconds_per_call_min": min(times),
-                     "seconds_per_call_max": max(times)}
-    out["scanned_rel_l2"] = compare(outputs["scanned"], outputs["plain"], math.inf)["rel_l2"]
-    out["output_std"] = float(np.asarray(outputs["plain"], np.float64).std())
-    return out
 
 
 def program_size(job, size, kernels):
@@ -1100,10 +1078,10 @@ def work(job, args):
     if job["kind"] == "speed":
         worker = speed_sdflax if job["framework"] == "sdflax" else speed_diffusers
         return worker(job, args.size, args.repeats)
-    if job["kind"] == "unet_scan":
-        return unet_scan(job, args.size, args.repeats)
-    return {"correctness": correctness, "flops": flop_count, "checkpoint": write_checkpoint,
-            "compile_split": compile_split}[job["kind"]](job, args.size)
+    if job["kind"] == "compile_split":
+        return compile_split(job, args.size, args.repeats)
+    return {"correctness": correctness, "flops": flop_count,
+            "checkpoint": write_checkpoint}[job["kind"]](job, args.size)
 
 
 def measures_start_up(job) -> bool:
@@ -1274,8 +1252,7 @@ def job_name(job) -> str:
 def assemble(tasks, results, run_provenance) -> dict:
     """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
     report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {},
-              "speed": {"runs": [], "flops": [], "compile_split": [], "unet_scan": []},
-              "errors": []}
+              "speed": {"runs": [], "flops": [], "compile_split": []}, "errors": []}
     counts = {}  # setting -> its FLOP count
     for i in sorted(results):
         task, result = tasks[i], results[i]
@@ -1285,8 +1262,8 @@ def assemble(tasks, results, run_provenance) -> dict:
             report["correctness"][task["family"]] = result
         elif task["kind"] == "checkpoint":
             report["speed"]["checkpoint"] = {"family": task["family"], **result}
-        elif task["kind"] in ("compile_split", "unet_scan"):
-            report["speed"][task["kind"]].append({**task, **result})
+        elif task["kind"] == "compile_split":
+            report["speed"]["compile_split"].append({**task, **result})
         elif task["kind"] == "flops":
             counts[setting_key(task)] = result
             report["speed"]["flops"].append({**task, **result})

@@ -146,27 +146,22 @@ def test_the_compile_split_compiles_each_model_of_the_mlperf_setting(report):
     for times in (*models.values(), *one_layer.values()):
         assert times["lower_s"] > 0 and times["compile_s"] > 0 and times["stablehlo_lines"] > 100, splits
     assert all(one_layer[name]["stablehlo_lines"] < models[name]["stablehlo_lines"] for name in one_layer), splits
+    # the UNet with its stacks scanned: the deepest, of two layers, one loop body; both UNets run to one output
+    scanned, runs = splits[0]["scanned"]["unet"], splits[0]["unet_runs"]
+    assert scanned["lower_s"] > 0 and scanned["compile_s"] > 0, splits
+    assert one_layer["unet"]["stablehlo_lines"] < scanned["stablehlo_lines"] < models["unet"]["stablehlo_lines"]
+    for run in (runs["plain"], runs["scanned"]):
+        assert run["first_call_s"] > 0 and run["seconds_per_call_min"] <= run["seconds_per_call"] <= \
+            run["seconds_per_call_max"], runs
+    # the same float32 products on the CPU; an output that varies, so the two agree on numbers
+    assert runs["scanned_rel_l2"] <= 1e-6 and runs["output_std"] > 0.1, runs
     # on a GPU: the MLPerf batch, alone with `--part compile --family sdxl`
-    assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8]),
-                                                                                            ("unet_scan", [8])]
+    assert [(j["kind"], j["batches"]) for j in script.jobs("compile", "full", "sdxl")] == [("compile_split", [8])]
     # SDXL's stacks of 2 and 10 transformer layers and CLIP's 12 and 32 encoder layers, one each
     cut = script.one_layer_configs(script.configs_for("sdxl", "full"))
     assert cut["unet"]["transformer_layers_per_block"] == [1, 1, 1]
     assert (cut["text_encoder"]["num_hidden_layers"], cut["text_encoder_2"]["num_hidden_layers"]) == (1, 1)
     assert "unet" not in script.one_layer_configs(script.configs_for("sd15", "full"))  # one layer a stack already
-
-
-def test_the_unet_with_its_transformer_stacks_scanned_gives_the_plain_unets_output(report):
-    scans = report[0]["speed"]["unet_scan"]
-    assert [(s["family"], s["setting"], s["batch"]) for s in scans] == [("sdxl", "mlperf", 2)]
-    scan = scans[0]
-    for way in (scan["plain"], scan["scanned"]):
-        assert all(way[k] > 0 for k in ("lower_s", "compile_s", "first_call_s", "seconds_per_call")), scan
-        assert way["seconds_per_call_min"] <= way["seconds_per_call"] <= way["seconds_per_call_max"]
-    # the tiny UNet's deepest stack, of two layers, is one loop body: a smaller program
-    assert scan["scanned"]["stablehlo_lines"] < scan["plain"]["stablehlo_lines"], scan
-    # the same float32 products on the CPU; an output that varies, so the two agree on numbers
-    assert scan["scanned_rel_l2"] <= 1e-6 and scan["output_std"] > 0.1, scan
 
 
 def test_scanned_stacks_keep_the_params_tree_and_the_unets_output():
