@@ -880,7 +880,7 @@ def compile_split(job, size, repeats):
                            "stablehlo_lines": lowered.as_text().count("\n")}
         return modules, times, compiled
 
-    modules, times, plain = compile_each(configs, set(model_classes(job["family"])))
+    modules, times, plain = compile_each(configs, set(classes))
     cut = one_layer_configs(configs)
     out = {"batch": batch, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "models": times,
            "one_layer": compile_each({**configs, **cut}, set(cut), ", one layer a stack")[1]}

@@ -182,19 +182,20 @@ def test_scanned_stacks_keep_the_params_tree_and_the_unets_output():
         scanned = build_models(classes, configs, np.float32)["unet"]
         shapes = param_shapes(scanned)
         params = script.random_params(scanned, np.float32)
-        args = [jax.random.normal(jax.random.key(i), (2, *shape[1:])) for i, shape in
-                enumerate([(1, 4, 8, 8), (1, 77, 64)])]
+        latents = jax.random.normal(jax.random.key(1), (2, 4, 8, 8))
+        text = jax.random.normal(jax.random.key(2), (2, 77, 64))
+        args = (params, latents, np.float32(500.0), text)
         extra = {"text_embeds": jax.random.normal(jax.random.key(3), (2, 32)),
                  "time_ids": jax.random.normal(jax.random.key(4), (2, 6)) * 100}
-        lowered = jax.jit(scanned.apply).lower(params, args[0], np.float32(500.0), args[1], **extra)
-        ours = lowered.compile()(params, args[0], np.float32(500.0), args[1], **extra)
+        lowered = jax.jit(scanned.apply).lower(*args, **extra)
+        ours = lowered.compile()(*args, **extra)
     lines = lowered.as_text()
     assert unet.Transformer2DModel.__name__ == "Transformer2DModel"
     flat = lambda tree: {k: v.shape for k, v in traverse_util.flatten_dict(tree).items()}  # noqa: E731
     assert flat(shapes) == flat(param_shapes(plain))
     stacks = {k[:-2] for k in traverse_util.flatten_dict(shapes) if "proj_in" in k}
     assert lines.count("stablehlo.while") == len(stacks) == 7  # one loop a stack (the CPU's attention has none here)
-    theirs = jax.jit(plain.apply)(params, args[0], np.float32(500.0), args[1], **extra)
+    theirs = jax.jit(plain.apply)(*args, **extra)
     assert float(np.std(theirs)) > 0.1
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
