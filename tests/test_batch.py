@@ -454,11 +454,12 @@ def test_a_text_file_is_one_prompt_a_line_and_blank_lines_keep_their_number(tmp_
 
 
 def test_lines_end_at_newlines_only(tmp_path):
-    """Form feeds, U+2028 and U+0085 inside a line made three images of two lines and shifted later seeds."""
+    """Form feeds, U+2028 and U+0085 inside a line made three images of two lines and shifted later seeds; so did
+    a lone carriage return, which Python's universal newlines read as a line end."""
     path = tmp_path / "prompts.txt"
-    path.write_text("a fox\u2028in snow\r\na cat\x0cby\u0085night\n", encoding="utf-8")
+    path.write_text("a fox\u2028in snow\r\na cat\x0cby\u0085night\n\ra dog\rat dawn\n", encoding="utf-8")
     assert [(line.number, line.prompt) for line in read_prompts(str(path), main_args())] == [
-        (1, "a fox\u2028in snow"), (2, "a cat\x0cby\u0085night")]
+        (1, "a fox\u2028in snow"), (2, "a cat\x0cby\u0085night"), (3, "a dog\rat dawn")]
 
 
 def test_prompt_files_and_lines_are_bounded(tmp_path, monkeypatch):

@@ -101,7 +101,8 @@ def read_prompts(path, defaults, ip_adapters=0) -> list[Line]:
     `defaults`: the command's negative_prompt, guidance, steps, height and width; `ip_adapters`: its --ip-adapter
     count, the image prompts a line's ip_image names."""
     try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
+        # newline="": the text as written, so that a lone "\r" stays in its line (see the split below)
+        with open(os.path.expanduser(path), encoding="utf-8", newline="") as f:
             text = f.read(MAX_PROMPTS_BYTES + 1)  # characters: at least as many bytes
     except (OSError, UnicodeDecodeError) as e:
         reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror or e
