@@ -1,0 +1,364 @@
+"""`Trainer`: one compiled optimizer update over a pipeline's own models and params.
+
+The trained weights are a pytree beside the frozen params (a LoRA's down / up, the UNet's weights, a new token's
+embedding rows); `apply` puts them into the params inside the loss, so gradients reach only them and the modules
+are the pipeline's, unchanged. An update is one program: the micro-batches of a gradient accumulation are a
+`lax.scan`, their gradients averaged (accelerate divides each loss by their number), then clipped and applied.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..lora import merge_lora
+from ..checkpoint_files import fsync_folder, read_safetensors, write_safetensors
+from ..pipeline.core import config_dict
+from ..pipeline.vae import VAE
+from ..textual_inversion import _add_rows
+from . import lora as lora_lib
+from .config import TrainConfig
+from .objective import NoiseSchedule, denoising_loss
+from .optim import ema_decay_at, ema_update, learning_rate_schedule, optimizer
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+SIZE_IDS = ("original_size", "crops_coords_top_left", "target_size")  # SDXL's micro-conditioning, per row
+CHECKPOINT_VERSION = 1
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jnp.ndarray  # int32: optimizer updates done
+    trainable: Any  # what `apply` puts into the params
+    opt_state: Any
+    ema: Any  # the trainable's exponential moving average (use_ema), else None
+    key: jnp.ndarray  # uint32 (2,): the draws of the next update come from it
+
+
+class Trainer:
+    """Trains `pipeline`'s model from `params` as `config` says (`TrainConfig`). `initial_lora`: a LoRA file whose
+    down and up weights start a LoRA training (else A random from `seed`, B zero)."""
+
+    def __init__(self, pipeline, params, config: TrainConfig, initial_lora=None, seed: int = 0):
+        if pipeline.unet is None:
+            raise ValueError(f"{type(pipeline).__name__}: training is for UNet checkpoints (SD 1.x, 2.x, SDXL); "
+                             "SD 3.x's transformer is not supported yet")
+        if initial_lora is not None and config.method != "lora":
+            raise ValueError(f"initial_lora is for method='lora', not {config.method!r}")
+        self.config = config
+        self.sdxl = pipeline.text_encoder_2 is not None
+        self.encoders = tuple(name for name in TEXT_ENCODERS if getattr(pipeline, name) is not None)
+        self.schedule = NoiseSchedule.from_config(pipeline.scheduler_base_config or config_dict(pipeline.scheduler),
+                                                  config.prediction_type)
+        key = jax.random.PRNGKey(seed)
+        if config.method == "textual_inversion":
+            pipeline, params, self.token_ids, trainable = _add_placeholder(pipeline, params, config, self.encoders)
+        elif config.method == "full":
+            trainable = {name: params[name] for name in ("unet", *(self.encoders if config.train_text_encoder
+                                                                    else ()))}
+        elif initial_lora is not None:
+            trainable, self.alphas = lora_lib.read_initial_lora(initial_lora, params, pipeline.unet.config)
+            self.lora_targets = None
+        else:
+            targets = {"unet": lora_lib.find_targets(params["unet"], config.lora_targets)}
+            if config.train_text_encoder:
+                targets.update({name: lora_lib.find_targets(params[name], config.text_encoder_lora_targets)
+                                for name in self.encoders})
+            empty = [name for name, paths in targets.items() if not paths]
+            if empty:
+                raise ValueError(f"no module of {empty[0]} matches the LoRA targets "
+                                 f"{config.lora_targets if empty[0] == 'unet' else config.text_encoder_lora_targets}")
+            key, sub = jax.random.split(key)
+            trainable = lora_lib.init_lora(params, targets, config.rank, sub, config.init_lora_weights)
+            self.alphas = {c: {name: config.alpha for name in modules} for c, modules in trainable.items()}
+            self.lora_targets = {"unet": config.lora_targets,
+                                 **{name: config.text_encoder_lora_targets for name in self.encoders}}
+        self.pipeline, self.base_params = pipeline, params
+        trainable = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trainable)  # float32 master weights
+        self.compute_dtype = jnp.bfloat16 if config.mixed_precision == "bf16" else jnp.float32
+        # the frozen weights the loss reads: in the compute dtype, and without what the trainable replaces
+        frozen = {name: part for name, part in params.items()
+                  if config.method != "full" or name not in trainable}
+        self.frozen = jax.tree.map(lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                                   else x, frozen)
+        self.unet = pipeline.unet.clone(dtype=self.compute_dtype)
+        text = pipeline.spec.text
+        self.text = dataclasses.replace(text, dtype=self.compute_dtype, **{
+            name: getattr(text, name).clone(dtype=self.compute_dtype) for name in self.encoders})
+        self.vae = VAE(pipeline.vae.clone(dtype=self.compute_dtype), pipeline.text.upcast_vae(pipeline.vae))
+        self.tx = optimizer(config)
+        self.learning_rate = learning_rate_schedule(config)
+        self.state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=self.tx.init(trainable),
+                                ema=trainable if config.use_ema else None, key=key)
+        self._step = jax.jit(self._update, donate_argnums=(0,))
+        self._loss = jax.jit(self._mean_loss)
+
+    # ---- the computation ----------------------------------------------------------------------------------
+    def apply(self, params, trainable):
+        """`params` with the trained weights put in."""
+        method = self.config.method
+        if method == "full":
+            return {**params, **jax.tree.map(lambda t, p: t.astype(p.dtype), trainable,
+                                             {name: params[name] for name in trainable})}
+        if method == "lora":
+            return merge_lora(params, lora_lib.with_alphas(trainable, self.alphas))
+        params = dict(params)
+        for name, rows in trainable.items():
+            encoder = params[name]
+            table = encoder["embeddings_token_embedding"]["embedding"]
+            table = table.at[self.token_ids[name]].set(rows.astype(table.dtype))
+            params[name] = {**encoder, "embeddings_token_embedding": {"embedding": table}}
+        return params
+
+    def _model_params(self, frozen, trainable):
+        if self.config.method == "full":
+            return {**frozen, **jax.tree.map(lambda x: x.astype(self.compute_dtype), trainable)}
+        return self.apply(frozen, trainable)
+
+    def _batch_loss(self, trainable, frozen, batch, draws):
+        """The loss of one micro-batch (its rows as diffusers' scripts collate them)."""
+        params = self._model_params(frozen, trainable)
+        if "latents" in batch:
+            latents = batch["latents"].astype(jnp.float32)
+        else:
+            latents = self.vae.encode(params, batch["pixel_values"], draws["latent_noise"])
+        noise = draws["noise"] + self.config.noise_offset * draws["offset_noise"]
+        timesteps = draws["timesteps"]
+        noisy = self.schedule.add_noise(latents, noise, timesteps)
+        ids = batch["input_ids"]
+        if self.sdxl:
+            context, pooled = self.text.encode_prompt(params, ids)
+            time_ids = jnp.concatenate([jnp.asarray(batch[name], jnp.float32).reshape(ids.shape[0], -1)
+                                        for name in SIZE_IDS], axis=-1)
+            extra = {"text_embeds": pooled, "time_ids": time_ids}
+        else:
+            context, extra = self.text.encode_prompt(params, ids), {}
+        prediction = self.unet.apply(params["unet"], noisy.astype(self.compute_dtype), timesteps,
+                                     context.astype(self.compute_dtype), **extra)
+        prior = self.config.prior_loss_weight if self.config.with_prior_preservation else None
+        return denoising_loss(prediction, self.schedule.target(latents, noise, timesteps), timesteps, self.schedule,
+                              self.config.snr_gamma, prior)
+
+    def _draws(self, key, batch, given):
+        """Each micro-batch's noise, timesteps, per-channel offset noise and VAE posterior noise: `given` ones as
+        they are, the others from `key`."""
+        shape = self._latent_shape(batch)
+        keys = jax.random.split(key, 4)
+        draws = {
+            "noise": lambda k: jax.random.normal(k, shape, jnp.float32),
+            "timesteps": lambda k: jax.random.randint(k, shape[:2], 0, self.schedule.num_train_timesteps),
+            "offset_noise": lambda k: jax.random.normal(k, (*shape[:3], 1, 1), jnp.float32),
+            "latent_noise": lambda k: jax.random.normal(k, shape, jnp.float32),
+        }
+        return {name: given[name] if given.get(name) is not None else draw(k)
+                for (name, draw), k in zip(draws.items(), keys)}
+
+    def _latent_shape(self, batch):
+        """(micro-batches, rows, C, h, w) of the latents."""
+        if "latents" in batch:
+            return batch["latents"].shape
+        *lead, _, height, width = batch["pixel_values"].shape
+        factor = self.pipeline.vae_scale_factor
+        return (*lead, self.pipeline.vae.config.latent_channels, height // factor, width // factor)
+
+    def _mean_loss(self, trainable, frozen, batch, given, key):
+        draws = self._draws(key, batch, given)
+
+        def micro(total, xs):
+            return total + self._batch_loss(trainable, frozen, *xs), None
+
+        total, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), (batch, draws))
+        return total / self.config.gradient_accumulation_steps
+
+    def _update(self, state: TrainState, frozen, batch, given):
+        key, step_key = jax.random.split(state.key)
+        loss, grads = jax.value_and_grad(self._mean_loss)(state.trainable, frozen, batch, given, step_key)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.trainable)
+        trainable = optax.apply_updates(state.trainable, updates)
+        step = state.step + 1
+        ema = None if state.ema is None else ema_update(state.ema, trainable, ema_decay_at(self.config, step))
+        return (TrainState(step=step, trainable=trainable, opt_state=opt_state, ema=ema, key=key),
+                {"loss": loss, "learning_rate": self.learning_rate(state.step)})
+
+    # ---- the public calls ---------------------------------------------------------------------------------
+    def _inputs(self, batch, noise, timesteps, offset_noise):
+        """(batch, given draws) as arrays of (micro-batches, rows, ...)."""
+        k = self.config.gradient_accumulation_steps
+        batch = dict(batch)
+        if ("latents" in batch) == ("pixel_values" in batch):
+            raise ValueError("a training batch has latents (already scaled by the VAE's factor) or pixel_values "
+                             "(B, 3, H, W) in [-1, 1], one of the two")
+        if "input_ids" not in batch:
+            raise ValueError("a training batch needs input_ids: pipeline.prepare_inputs(captions)")
+        if self.sdxl:
+            rows = len(batch["input_ids"])
+            for name in SIZE_IDS:
+                if name not in batch:
+                    raise ValueError(f"an SDXL training batch needs {name} per row (B, 2): "
+                                     "original_size, crops_coords_top_left and target_size")
+                batch[name] = np.broadcast_to(np.asarray(batch[name], np.float32), (rows, 2))
+        rows = {name: len(value) for name, value in batch.items()}
+        if len(set(rows.values())) != 1 or next(iter(rows.values())) % k:
+            raise ValueError(f"the batch's rows {rows} must agree and divide into gradient_accumulation_steps={k} "
+                             "micro-batches")
+        n = next(iter(rows.values()))
+        if self.config.with_prior_preservation and (n // k) % 2:
+            raise ValueError(f"with_prior_preservation: each micro-batch is [instance rows; class rows], an even "
+                             f"number of rows; got {n // k}")
+        split = lambda x: None if x is None else jnp.asarray(x).reshape(k, n // k, *np.shape(x)[1:])  # noqa: E731
+        if offset_noise is not None:
+            offset_noise = np.asarray(offset_noise, np.float32).reshape(n, -1, 1, 1)
+        given = {"noise": split(noise), "timesteps": split(None if timesteps is None else
+                                                           np.asarray(timesteps, np.int32)),
+                 "offset_noise": split(offset_noise)}
+        return {name: split(value) for name, value in batch.items()}, given
+
+    def loss(self, batch, noise=None, timesteps=None, offset_noise=None):
+        """The loss of `batch` at the current weights, without an update (the draws not given come from the
+        trainer's key, which this does not advance)."""
+        batch, given = self._inputs(batch, noise, timesteps, offset_noise)
+        return self._loss(self.state.trainable, self.frozen, batch, given, self.state.key)
+
+    def step(self, batch, noise=None, timesteps=None, offset_noise=None) -> dict:
+        """One optimizer update on `batch` (a dict: "latents" or "pixel_values", "input_ids"; SDXL's size ids; all
+        gradient_accumulation_steps micro-batches, one after the other) -> {"loss", "learning_rate"}. `noise`
+        (B, C, h, w), `timesteps` (B,) and `offset_noise` (B, C) given make the update reproducible elsewhere."""
+        batch, given = self._inputs(batch, noise, timesteps, offset_noise)
+        self.state, metrics = self._step(self.state, self.frozen, batch, given)
+        return metrics
+
+    @property
+    def params(self):
+        """The pipeline's params with the training applied (the EMA weights with use_ema): sample with
+        `trainer.pipeline(ids, trainer.params, key)`."""
+        trained = self.state.ema if self.config.use_ema else self.state.trainable
+        return self.apply(self.base_params, trained)
+
+    # ---- files --------------------------------------------------------------------------------------------
+    def save_lora(self, path, format="diffusers", overwrite=False):
+        """The trained LoRA as a .safetensors file: "diffusers" (PEFT's names, for load_lora_weights) or "kohya"
+        (A1111, ComfyUI). sdflax reads both (`pipeline.load_lora`)."""
+        if self.config.method != "lora":
+            raise ValueError(f"save_lora: this trainer trains method={self.config.method!r}, not a LoRA")
+        trained = jax.device_get(self.state.ema if self.config.use_ema else self.state.trainable)
+        lora_lib.save_lora(path, trained, self.alphas, format, self.sdxl, self.lora_targets, overwrite)
+
+    def save_embedding(self, path, format="diffusers", overwrite=False):
+        """The learned token as a file: diffusers' learned_embeds.safetensors ({token: (n, D)}), or A1111's
+        ({"emb_params": (n, D)}; SDXL: {"clip_l", "clip_g"}) with format="a1111"."""
+        if self.config.method != "textual_inversion":
+            raise ValueError(f"save_embedding: this trainer trains method={self.config.method!r}, not an embedding")
+        rows = {name: np.asarray(jax.device_get(v), np.float32) for name, v in
+                (self.state.ema if self.config.use_ema else self.state.trainable).items()}
+        if self.sdxl:
+            tensors = {"clip_l": rows["text_encoder"], "clip_g": rows["text_encoder_2"]}
+        elif format == "a1111":
+            tensors = {"emb_params": rows["text_encoder"]}
+        elif format == "diffusers":
+            tensors = {self.config.placeholder_token: rows["text_encoder"]}
+        else:
+            raise ValueError(f"save_embedding: format={format!r}; choose 'diffusers' or 'a1111'")
+        write_safetensors(path, tensors, {"format": "pt"}, overwrite=overwrite)
+
+    def save_checkpoint(self, folder, overwrite=False):
+        """The whole training state (trained weights, optimizer state, EMA, step, key) in `folder`, written beside
+        it and renamed into place, so a killed save leaves no folder that loads. `restore_checkpoint` reads it."""
+        folder = os.fspath(folder)
+        if os.path.lexists(folder) and not overwrite:
+            raise FileExistsError(f"{folder} exists: choose another folder, or pass overwrite=True")
+        arrays = _flat_state(self.state)
+        staging = f"{folder}.partial-{os.getpid()}"
+        os.makedirs(staging)
+        write_safetensors(os.path.join(staging, "state.safetensors"), arrays)
+        info = {"version": CHECKPOINT_VERSION, "step": int(self.state.step), "config": _jsonable(self.config)}
+        with open(os.path.join(staging, "trainer.json"), "w") as f:
+            json.dump(info, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.lexists(folder):  # overwrite: the old one goes only once the new one is complete
+            old = f"{folder}.old-{os.getpid()}"
+            os.rename(folder, old)
+            os.rename(staging, folder)
+            _remove_tree(old)
+        else:
+            os.rename(staging, folder)
+        fsync_folder(os.path.dirname(os.path.abspath(folder)))
+
+    def restore_checkpoint(self, folder):
+        """The training state `save_checkpoint` wrote, bit for bit; the trainer must be made as the saving one
+        was (the same pipeline, config and method)."""
+        folder = os.fspath(folder)
+        info_path, state_path = os.path.join(folder, "trainer.json"), os.path.join(folder, "state.safetensors")
+        if not (os.path.isfile(info_path) and os.path.isfile(state_path)):
+            raise FileNotFoundError(f"{folder} is not a training checkpoint (it needs trainer.json and "
+                                    "state.safetensors, as Trainer.save_checkpoint writes them)")
+        with open(info_path) as f:
+            info = json.load(f)
+        if info.get("config") != _jsonable(self.config):
+            changed = sorted(k for k in _jsonable(self.config) if info.get("config", {}).get(k) !=
+                             _jsonable(self.config)[k])
+            raise ValueError(f"{folder} was saved by a trainer with other settings ({', '.join(changed[:5])}): "
+                             "restore it into a trainer made with the same TrainConfig")
+        stored = read_safetensors(state_path)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(self.state)
+        names = [jax.tree_util.keystr(path) for path, _ in leaves]
+        if sorted(stored) != sorted(names):
+            raise ValueError(f"{folder} holds another training state (its arrays differ from this trainer's): "
+                             "restore it into a trainer made as the saving one was")
+        arrays = []
+        for name, (_, leaf) in zip(names, leaves):
+            value = stored[name]
+            if value.shape != leaf.shape or value.dtype != leaf.dtype:
+                raise ValueError(f"{folder}: {name} is {value.dtype}{list(value.shape)}, this trainer's "
+                                 f"{leaf.dtype}{list(leaf.shape)}")
+            arrays.append(jnp.array(value))
+        self.state = jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _flat_state(state) -> dict:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf)) for path, leaf in leaves}
+
+
+def _jsonable(config) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def _remove_tree(folder):
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _add_placeholder(pipeline, params, config, encoders):
+    """(pipeline, params, {encoder: new ids}, {encoder: rows}) with the placeholder token(s) added to the
+    tokenizer(s) and the text encoders' tables grown by rows that start as the initializer token's embedding, as
+    diffusers' textual_inversion.py does."""
+    tokens = [config.placeholder_token] + [f"{config.placeholder_token}_{i}" for i in range(1, config.num_vectors)]
+    parts, params, ids, rows = {}, dict(params), {}, {}
+    for encoder in encoders:
+        tokenizer_name = encoder.replace("text_encoder", "tokenizer")
+        tokenizer = copy.deepcopy(getattr(pipeline, tokenizer_name))
+        if tokenizer.add_tokens(tokens) != len(tokens):
+            raise ValueError(f"the tokenizer already has {config.placeholder_token!r}: choose another "
+                             "placeholder_token")
+        initializer = tokenizer.tokenize(config.initializer_token)
+        if len(initializer) != 1:
+            raise ValueError(f"initializer_token {config.initializer_token!r} is {len(initializer)} tokens "
+                             f"({initializer}); it must be one token")
+        token_ids = np.asarray(tokenizer.convert_tokens_to_ids(tokens))
+        table = params[encoder]["embeddings_token_embedding"]["embedding"]
+        start = np.repeat(np.asarray(table[tokenizer.convert_tokens_to_ids(initializer[0])], np.float32)[None],
+                          len(tokens), axis=0)
+        parts[encoder], params[encoder] = _add_rows(getattr(pipeline, encoder), params[encoder], token_ids, start)
+        parts[tokenizer_name], ids[encoder], rows[encoder] = tokenizer, token_ids, start
+    return pipeline.replace(**parts), params, ids, rows
