@@ -110,3 +110,79 @@ def test_lora_sd1_from_an_initial_lora_matches_the_scripts(sd1, tmp_path):
         assert relative(got[name]["up"], up) < WEIGHT_RTOL, module
     moved = max(relative(lora_weights(unet)[m][1], initial[m][1]) for m in initial)
     assert moved > 1e-3  # the updates changed the weights
+
+
+def oracle_first_loss(models, scheduler, steps, config, k=1):
+    """The scripts' loss of the first update's first micro-batch under `config`."""
+    batches, draws = torch_updates(steps[:1], k)
+    with torch.no_grad():
+        noise, timesteps, offset = draws[0][0]
+        return script_loss(models, scheduler, batches[0][0], noise, timesteps, config, offset).item()
+
+
+def fresh_lora(trainer, models, initial):
+    """PEFT LoRA layers on copies of `models` holding `initial` (the trainer's LoRA before its updates) -> (models,
+    their LoRA tensors)."""
+    import copy
+
+    models = {name: copy.deepcopy(m).requires_grad_(False) for name, m in models.items()}
+    trained = []
+    for component, modules in initial.items():
+        init = {torch_name(component, n.split("/")): (w["down"], w["up"]) for n, w in modules.items()}
+        targets = trainer.lora_targets[component]
+        trained += add_peft_lora(models[component], targets, trainer.config.rank, trainer.config.alpha, init)
+    return models, trained
+
+
+def assert_lora_matches(trainer, models):
+    """Each model's trained LoRA (all its A and B as one vector) equal to PEFT's at WEIGHT_RTOL. Per tensor, a few
+    fresh B (zero at the start) differ more: Adam steps every element by about ±lr whatever its gradient's size, so an
+    element whose gradient is float32 rounding in both frameworks can step either way."""
+    for component, modules in trainer.state.trainable.items():
+        theirs = lora_weights(models[component])
+        assert len(theirs) == len(modules)
+        pairs = [(w[part], theirs[torch_name(component, name.split("/"))][i]) for name, w in modules.items()
+                 for i, part in enumerate(("down", "up"))]
+        flat = lambda arrays: np.concatenate([np.ravel(a) for a in arrays])  # noqa: E731
+        assert relative(flat(a for a, _ in pairs), flat(b for _, b in pairs)) < WEIGHT_RTOL, component
+
+
+@pytest.fixture(scope="module")
+def sd2_zero_snr(tmp_path_factory):
+    """SD 2.x predicting v, its schedule rescaled to zero terminal SNR."""
+    folder = tmp_path_factory.mktemp("sd2")
+    theirs = torch_pipeline("sd2", scheduler="ddim", prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                            timestep_spacing="trailing")
+    theirs.save_pretrained(folder)
+    return theirs, *StableDiffusion.from_pretrained(folder)
+
+
+def test_lora_sd2_v_prediction_with_min_snr_and_the_text_encoder(sd2_zero_snr):
+    """LoRA on the UNet and the text encoder of a v-predicting SD 2.x with a zero-terminal-SNR schedule, min-SNR-γ
+    weighted (γ = 5), linear decay."""
+    theirs, pipe, params = sd2_zero_snr
+    config = TrainConfig(method="lora", learning_rate=2e-3, rank=2, snr_gamma=5.0, train_text_encoder=True,
+                         lr_scheduler="linear", lr_warmup_steps=0, max_train_steps=UPDATES,
+                         init_lora_weights="gaussian")
+    trainer = Trainer(pipe, params, config, seed=3)
+    steps = data(pipe, rows=3, seed=1)
+    steps[0][1]["timesteps"][:] = [999, 500, 20]  # zero SNR, the middle, a high SNR that γ clips
+    first = float(trainer.loss(*steps[0][:1], **steps[0][1]))
+    initial = jax.device_get(trainer.state.trainable)
+    ours = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+
+    models, trained = fresh_lora(trainer, {"unet": theirs.unet, "text_encoder": theirs.text_encoder}, initial)
+    scheduler = ddpm(theirs)
+    oracle_first = oracle_first_loss(models, scheduler, steps, config)
+    assert abs(first - oracle_first) <= LOSS_RTOL * abs(oracle_first)
+    losses = train(models, scheduler, trained, *torch_updates(steps, 1), config)
+    np.testing.assert_allclose(ours, losses, rtol=1e-4)
+    assert_lora_matches(trainer, models)
+    # the settings under test change the oracle
+    assert abs(oracle_first_loss(models, ddpm(theirs), steps, dataclasses.replace(config, snr_gamma=None)) -
+               losses[0]) > 1e-3 * abs(losses[0])
+    plain = ddpm(theirs)
+    plain.register_to_config(rescale_betas_zero_snr=False)
+    from diffusers import DDPMScheduler
+    plain = DDPMScheduler.from_config(plain.config)
+    assert abs(oracle_first_loss(models, plain, steps, config) - losses[0]) > 1e-3 * abs(losses[0])

@@ -107,6 +107,7 @@ def add_peft_lora(model, targets, rank, alpha, init=None):
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, (down, up) in (init or {}).items():
+            name = name if name in modules else name.removeprefix("text_model.")  # transformers 5's CLIP
             modules[name].lora_A["default"].weight.copy_(torch.from_numpy(np.array(down)))
             modules[name].lora_B["default"].weight.copy_(torch.from_numpy(np.array(up)))
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
@@ -119,5 +120,6 @@ def add_peft_lora(model, targets, rank, alpha, init=None):
 
 def lora_weights(model) -> dict:
     """{module name: (down, up)} of a PEFT-injected model, as numpy."""
-    return {name: (m.lora_A["default"].weight.detach().numpy(), m.lora_B["default"].weight.detach().numpy())
+    clip = lambda name: name.startswith(("encoder.", "embeddings.", "final_layer_norm"))  # noqa: E731
+    return {"text_model." * clip(name) + name: (m.lora_A["default"].weight.detach().numpy(), m.lora_B["default"].weight.detach().numpy())
             for name, m in model.named_modules() if hasattr(m, "lora_A")}
