@@ -186,3 +186,101 @@ def test_lora_sd2_v_prediction_with_min_snr_and_the_text_encoder(sd2_zero_snr):
     from diffusers import DDPMScheduler
     plain = DDPMScheduler.from_config(plain.config)
     assert abs(oracle_first_loss(models, plain, steps, config) - losses[0]) > 1e-3 * abs(losses[0])
+
+
+def test_dreambooth_prior_preservation_matches_the_script(sd1):
+    """DreamBooth (train_dreambooth_lora.py): each micro-batch is [instance rows; class rows], the class rows'
+    error added at prior_loss_weight."""
+    theirs, pipe, params = sd1
+    config = TrainConfig(method="lora", learning_rate=1e-3, rank=2, with_prior_preservation=True,
+                         prior_loss_weight=0.5, init_lora_weights="gaussian")
+    trainer = Trainer(pipe, params, config, seed=5)
+    steps = data(pipe, rows=4, seed=2)
+    first = float(trainer.loss(steps[0][0], **steps[0][1]))
+    initial = jax.device_get(trainer.state.trainable)
+    ours = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+
+    models, trained = fresh_lora(trainer, {"unet": theirs.unet, "text_encoder": theirs.text_encoder}, initial)
+    oracle_first = oracle_first_loss(models, ddpm(theirs), steps, config)
+    assert abs(first - oracle_first) <= LOSS_RTOL * abs(oracle_first)
+    losses = train(models, ddpm(theirs), trained, *torch_updates(steps, 1), config)
+    np.testing.assert_allclose(ours, losses, rtol=1e-4)
+    assert_lora_matches(trainer, models)
+    without = oracle_first_loss(models, ddpm(theirs), steps, dataclasses.replace(config, with_prior_preservation=False))
+    assert abs(without - losses[0]) > 1e-3 * abs(losses[0])
+
+
+def flax_layout(module, torch_model):
+    from sdflax.weights import convert_state_dict
+
+    state = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    return convert_state_dict(state, module.param_shapes())
+
+
+def flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def test_full_fine_tuning_with_ema_matches_the_script(sd1):
+    """Every UNet weight trained (train_text_to_image.py) with EMAModel's averages, linear warmup."""
+    import copy
+
+    from diffusers.training_utils import EMAModel
+
+    theirs, pipe, params = sd1
+    config = TrainConfig(method="full", learning_rate=1e-3, use_ema=True, lr_scheduler="constant_with_warmup",
+                         lr_warmup_steps=2)
+    trainer = Trainer(pipe, params, config)
+    steps = data(pipe, rows=2, seed=3)
+    ours = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+
+    unet, text_encoder = copy.deepcopy(theirs.unet), copy.deepcopy(theirs.text_encoder).requires_grad_(False)
+    unet.requires_grad_(True)
+    ema = EMAModel(unet.parameters(), decay=config.ema_decay)
+    losses = train({"unet": unet, "text_encoder": text_encoder}, ddpm(theirs), list(unet.parameters()),
+                   *torch_updates(steps, 1), config, ema_model=ema)
+    np.testing.assert_allclose(ours, losses, rtol=1e-4)
+    start = flat(params["unet"])
+    trained = flat(flax_layout(pipe.unet, unet))
+    assert relative(flat(trainer.state.trainable["unet"]) - start, trained - start) < WEIGHT_RTOL
+    ema.copy_to(unet.parameters())
+    averaged = flat(flax_layout(pipe.unet, unet))
+    assert relative(flat(trainer.params["unet"]) - start, averaged - start) < WEIGHT_RTOL  # params: the EMA's
+    assert relative(averaged - start, trained - start) > 1e-3  # the average is not the last weights
+
+
+def test_textual_inversion_matches_the_script(sd1):
+    """textual_inversion.py: a new token starting from the initializer's embedding; only its row changes."""
+    import copy
+
+    theirs, pipe, params = sd1
+    config = TrainConfig(method="textual_inversion", learning_rate=5e-2, placeholder_token="<cat-toy>",
+                         initializer_token="toy", max_grad_norm=None)
+    trainer = Trainer(pipe, params, config)
+    steps = data(trainer.pipeline, rows=2, seed=4)
+    for i, (batch, _) in enumerate(steps):
+        batch["input_ids"] = np.asarray(trainer.pipeline.prepare_inputs([f"a photo of a <cat-toy> {i}",
+                                                                         "a <cat-toy> on a beach"]))
+    ours = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+
+    tokenizer = copy.deepcopy(theirs.tokenizer)
+    tokenizer.add_tokens(["<cat-toy>"])
+    token, initializer = tokenizer.convert_tokens_to_ids(["<cat-toy>", "toy</w>"])
+    assert (token,) == tuple(trainer.token_ids["text_encoder"])
+    text_encoder, unet = copy.deepcopy(theirs.text_encoder), copy.deepcopy(theirs.unet).requires_grad_(False)
+    text_encoder.resize_token_embeddings(len(tokenizer))
+    text_encoder.requires_grad_(False)
+    weight = text_encoder.get_input_embeddings().weight
+    with torch.no_grad():
+        weight[token] = weight[initializer]
+    weight.requires_grad_(True)
+    original = weight.detach().clone()
+    losses = train({"unet": unet, "text_encoder": text_encoder}, ddpm(theirs), [weight], *torch_updates(steps, 1),
+                   config, restore_rows=(weight, [token], original))
+    np.testing.assert_allclose(ours, losses, rtol=1e-4)
+    row = trainer.state.trainable["text_encoder"][0]
+    assert relative(row - original[token].numpy(), weight[token].detach().numpy() - original[token].numpy()) \
+        < WEIGHT_RTOL
+    table = np.asarray(trainer.params["text_encoder"]["embeddings_token_embedding"]["embedding"])
+    np.testing.assert_array_equal(table[:token], params["text_encoder"]["embeddings_token_embedding"]["embedding"])
+    assert relative(row, original[token].numpy()) > 1e-3

@@ -83,7 +83,8 @@ class Trainer:
             self.lora_targets = {"unet": config.lora_targets,
                                  **{name: config.text_encoder_lora_targets for name in self.encoders}}
         self.pipeline, self.base_params = pipeline, params
-        trainable = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trainable)  # float32 master weights
+        # float32 master weights, copies: the update donates its state's buffers, never the caller's params
+        trainable = jax.tree.map(lambda x: jnp.array(x, jnp.float32), trainable)
         self.compute_dtype = jnp.bfloat16 if config.mixed_precision == "bf16" else jnp.float32
         # the frozen weights the loss reads: in the compute dtype, and without what the trainable replaces
         frozen = {name: part for name, part in params.items()
@@ -98,7 +99,7 @@ class Trainer:
         self.tx = optimizer(config)
         self.learning_rate = learning_rate_schedule(config)
         self.state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=self.tx.init(trainable),
-                                ema=trainable if config.use_ema else None, key=key)
+                                ema=jax.tree.map(jnp.copy, trainable) if config.use_ema else None, key=key)
         self._step = jax.jit(self._update, donate_argnums=(0,))
         self._loss = jax.jit(self._mean_loss)
 
