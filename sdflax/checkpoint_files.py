@@ -179,7 +179,8 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None, overwri
     codes = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
     header, arrays, offset = {}, [], 0
     for key in sorted(tensors):
-        array = np.ascontiguousarray(np.asarray(tensors[key]))
+        array = np.asarray(tensors[key])
+        array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
         if array.dtype not in codes:
             raise TypeError(f"{key}: dtype {array.dtype} has no safetensors code")
         header[key] = {"dtype": codes[array.dtype], "shape": list(array.shape),

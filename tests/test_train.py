@@ -356,3 +356,39 @@ def test_lora_sdxl_unet_and_both_text_encoders_matches_the_script(tmp_path_facto
                   for b, d in steps]
     reference = oracle_first_loss(models, ddpm(theirs), steps, config)
     assert abs(oracle_first_loss(models, ddpm(theirs), same_sizes, config) - reference) > 1e-3 * abs(reference)
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(sd1, tmp_path):
+    """Save after two updates, restore in a fresh process, update once more: the same weights as going on, to the
+    bit (the draws come from the saved key; EMA and Adam's moments from the saved state)."""
+    import os
+    import subprocess
+    import sys
+
+    from train_resume_worker import RESUME_CONFIG
+
+    theirs, pipe, params = sd1
+    model = tmp_path / "model"
+    theirs.save_pretrained(model)
+    trainer = Trainer(pipe, params, TrainConfig(**RESUME_CONFIG), seed=11)
+    steps = data(pipe, rows=4, seed=6)
+    for batch, _ in steps[:2]:
+        trainer.step(batch)
+    trainer.save_checkpoint(tmp_path / "step-2")
+    with pytest.raises(FileExistsError, match="exists"):
+        trainer.save_checkpoint(tmp_path / "step-2")
+    trainer.step(steps[2][0])
+    np.savez(tmp_path / "batch.npz", **steps[2][0])
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "train_resume_worker.py"), str(model),
+                    str(tmp_path / "step-2"), str(tmp_path / "batch.npz"), str(tmp_path / "out.npz")],
+                   check=True, env={**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
+    resumed = np.load(tmp_path / "out.npz")
+    going_on = traverse_util.flatten_dict(jax.device_get(trainer.state.trainable), sep="|")
+    assert sorted(resumed.files) == sorted(going_on)
+    for name, value in going_on.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+    assert relative(going_on[next(iter(going_on))], 0 * going_on[next(iter(going_on))]) > 0
+
+    other = Trainer(pipe, params, TrainConfig(**{**RESUME_CONFIG, "rank": 4}), seed=11)
+    with pytest.raises(ValueError, match="other settings.*rank"):
+        other.restore_checkpoint(tmp_path / "step-2")
