@@ -392,3 +392,31 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(sd1, tmp_path):
     other = Trainer(pipe, params, TrainConfig(**{**RESUME_CONFIG, "rank": 4}), seed=11)
     with pytest.raises(ValueError, match="other settings.*rank"):
         other.restore_checkpoint(tmp_path / "step-2")
+
+
+def test_data_parallel_and_fsdp_meshes_train_as_one_device(sd1):
+    """Full fine-tuning of the same global batch on one device, on eight ("data") with gradient checkpointing, and
+    on 2 x 4 ("data", "fsdp": weights and Adam's moments sharded): the same weights after three updates."""
+    from jax.sharding import Mesh
+
+    theirs, pipe, params = sd1
+    config = TrainConfig(method="full", learning_rate=1e-3, noise_offset=0.1)
+    steps = data(pipe, rows=8, seed=8)
+    devices = np.array(jax.devices()[:8])
+    runs = {}
+    for name, mesh, checkpointing in (("one device", None, False),
+                                      ("data", Mesh(devices, ("data",)), True),
+                                      ("data x fsdp", Mesh(devices.reshape(2, 4), ("data", "fsdp")), False)):
+        trainer = Trainer(pipe, params, dataclasses.replace(config, gradient_checkpointing=checkpointing), mesh=mesh)
+        losses = [float(trainer.step(batch)["loss"]) for batch, _ in steps]  # the draws from the trainer's key
+        runs[name] = (losses, flat(jax.device_get(trainer.state.trainable)), trainer)
+    start = flat(params["unet"])
+    base_losses, base_weights, _ = runs["one device"]
+    assert relative(base_weights, start) > 1e-3  # the updates moved the weights
+    for name in ("data", "data x fsdp"):
+        losses, weights, trainer = runs[name]
+        np.testing.assert_allclose(losses, base_losses, rtol=1e-5, err_msg=name)
+        assert relative(weights, base_weights) < 1e-5, name
+    kernel = runs["data x fsdp"][2].state.trainable["unet"]["conv_in"]["kernel"]
+    assert len({shard.device for shard in kernel.addressable_shards}) == 8
+    assert kernel.addressable_shards[0].data.shape[-1] == kernel.shape[-1] // 4  # sharded over "fsdp"

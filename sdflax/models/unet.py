@@ -177,9 +177,14 @@ class UNetEncoder:
             inputs += (jnp.zeros((1, text_dim)), jnp.zeros((1, 1)))
         return inputs
 
+    def block(self, cls):
+        """`cls`, or its `nn.remat` when the model checkpoints gradients (training): each block's activations are
+        recomputed in the backward pass instead of kept. The params tree is the same."""
+        return nn.remat(cls) if getattr(self, "gradient_checkpointing", False) else cls
+
     def resnet(self, out, name):
         cfg = self.config
-        return ResnetBlock2D(out, cfg.norm_num_groups, cfg.norm_eps, self.dtype, kernels=self.kernels, name=name)
+        return self.block(ResnetBlock2D)(out, cfg.norm_num_groups, cfg.norm_eps, self.dtype, kernels=self.kernels, name=name)
 
     def embed_time(self, timesteps, batch, text_embeds=None, time_ids=None):
         """(B,) or () timesteps -> (B, 4 * C0): MLP(sinusoidal(t)), plus SDXL's text_time embedding."""
@@ -232,7 +237,7 @@ class UNetEncoder:
                     return x, skips
                 x = self.resnet(out, f"down_blocks_{i}_resnets_{j}")(x, temb)
                 if kind == "CrossAttnDownBlock2D":
-                    x = Transformer2DModel(heads[i], depths[i], cfg, self.dtype, self.kernels,
+                    x = self.block(Transformer2DModel)(heads[i], depths[i], cfg, self.dtype, self.kernels,
                                            name=f"down_blocks_{i}_attentions_{j}")(x, context)
                     if j == cfg.layers_per_block - 1 and intrablock:
                         x = x + _residual(intrablock.pop(0), x, "down_intrablock_additional_residuals")
@@ -252,7 +257,7 @@ class UNetEncoder:
         cfg = self.config
         depth = cfg.per_block(cfg.transformer_layers_per_block)[-1]
         x = self.resnet(cfg.block_out_channels[-1], "mid_block_resnets_0")(x, temb)
-        x = Transformer2DModel(cfg.heads[-1], depth, cfg, self.dtype, self.kernels, name="mid_block_attentions_0")(
+        x = self.block(Transformer2DModel)(cfg.heads[-1], depth, cfg, self.dtype, self.kernels, name="mid_block_attentions_0")(
             x, context)
         return self.resnet(cfg.block_out_channels[-1], "mid_block_resnets_1")(x, temb)
 
@@ -273,6 +278,7 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
     config: UNetConfig
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
+    gradient_checkpointing: bool = False  # `block`: sdflax.train's TrainConfig.gradient_checkpointing
     config_class = UNetConfig
 
     def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None,
@@ -346,7 +352,7 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
                 x, skip = self.up_inputs(x, skips.pop(), i)
                 x = self.resnet(out, f"up_blocks_{i}_resnets_{j}")(jnp.concatenate([x, skip], axis=-1), temb)
                 if kind == "CrossAttnUpBlock2D":
-                    x = Transformer2DModel(up_heads[i], up_depths[i], cfg, dtype, kernels,
+                    x = self.block(Transformer2DModel)(up_heads[i], up_depths[i], cfg, dtype, kernels,
                                            name=f"up_blocks_{i}_attentions_{j}")(x, context)
             if i < len(channels) - 1 and not (shallow and k - 1 < entry):
                 x = Upsample2D(out, dtype, kernels=kernels, name=f"up_blocks_{i}_upsamplers_0")(x, skips[-1].shape[1:3])

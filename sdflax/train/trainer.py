@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..lora import merge_lora
 from ..checkpoint_files import fsync_folder, read_safetensors, write_safetensors
@@ -33,6 +34,7 @@ from .optim import ema_decay_at, ema_update, learning_rate_schedule, optimizer
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 SIZE_IDS = ("original_size", "crops_coords_top_left", "target_size")  # SDXL's micro-conditioning, per row
 CHECKPOINT_VERSION = 1
+MESH_AXES = ("data", "fsdp")
 
 
 @flax.struct.dataclass
@@ -46,9 +48,15 @@ class TrainState:
 
 class Trainer:
     """Trains `pipeline`'s model from `params` as `config` says (`TrainConfig`). `initial_lora`: a LoRA file whose
-    down and up weights start a LoRA training (else A random from `seed`, B zero)."""
+    down and up weights start a LoRA training (else A random from `seed`, B zero).
 
-    def __init__(self, pipeline, params, config: TrainConfig, initial_lora=None, seed: int = 0):
+    `mesh`: a `jax.sharding.Mesh` over the devices to train on (None: the default device), with a "data" axis, an
+    "fsdp" axis or both. The batch's rows are split over all its devices; the gradients of the global batch are
+    averaged inside the program. On an "fsdp" axis the weights, trained and frozen, and the optimizer state are
+    sharded too (each array along its largest dimension that the axis divides), so that a full SDXL fine-tune fits.
+    Over several processes (`jax.distributed`), each passes its own rows."""
+
+    def __init__(self, pipeline, params, config: TrainConfig, initial_lora=None, seed: int = 0, mesh=None):
         if pipeline.unet is None:
             raise ValueError(f"{type(pipeline).__name__}: training is for UNet checkpoints (SD 1.x, 2.x, SDXL); "
                              "SD 3.x's transformer is not supported yet")
@@ -91,17 +99,54 @@ class Trainer:
                   if config.method != "full" or name not in trainable}
         self.frozen = jax.tree.map(lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                                    else x, frozen)
-        self.unet = pipeline.unet.clone(dtype=self.compute_dtype)
+        self.unet = pipeline.unet.clone(dtype=self.compute_dtype, gradient_checkpointing=config.gradient_checkpointing)
         text = pipeline.spec.text
         self.text = dataclasses.replace(text, dtype=self.compute_dtype, **{
             name: getattr(text, name).clone(dtype=self.compute_dtype) for name in self.encoders})
         self.vae = VAE(pipeline.vae.clone(dtype=self.compute_dtype), pipeline.text.upcast_vae(pipeline.vae))
         self.tx = optimizer(config)
         self.learning_rate = learning_rate_schedule(config)
-        self.state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=self.tx.init(trainable),
-                                ema=jax.tree.map(jnp.copy, trainable) if config.use_ema else None, key=key)
-        self._step = jax.jit(self._update, donate_argnums=(0,))
+        state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=self.tx.init(trainable),
+                           ema=jax.tree.map(jnp.copy, trainable) if config.use_ema else None, key=key)
+        self.mesh = mesh
+        if mesh is None:
+            self.state = state
+            self._step = jax.jit(self._update, donate_argnums=(0,))
+        else:
+            unknown = set(mesh.axis_names) - set(MESH_AXES)
+            if unknown:
+                raise ValueError(f"the training mesh's axes are {MESH_AXES} (or one of them), not {mesh.axis_names}")
+            state_shardings = self._shardings(state)
+            self.state = jax.device_put(state, state_shardings)
+            self.frozen = jax.device_put(self.frozen, self._shardings(self.frozen))
+            self._step = jax.jit(self._update, donate_argnums=(0,),
+                                 out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())))
         self._loss = jax.jit(self._mean_loss)
+
+    def _shardings(self, tree):
+        """Each array's sharding on the mesh: along its largest dimension the "fsdp" axis divides, else replicated."""
+        mesh = self.mesh
+        size = mesh.shape.get("fsdp", 1)
+
+        def sharding(x):
+            spec = [None] * np.ndim(x)
+            for dim in sorted(range(np.ndim(x)), key=lambda d: -np.shape(x)[d]):
+                if size > 1 and np.shape(x)[dim] % size == 0:
+                    spec[dim] = "fsdp"
+                    break
+            return NamedSharding(mesh, PartitionSpec(*spec))
+
+        return jax.tree.map(sharding, tree)
+
+    def _place(self, tree):
+        """(micro-batches, rows, ...) arrays with their rows split over the mesh's devices; over several processes
+        each gives its own rows, which make the global batch in process order."""
+        if self.mesh is None or tree is None:
+            return tree
+        sharding = NamedSharding(self.mesh, PartitionSpec(None, tuple(self.mesh.axis_names)))
+        if jax.process_count() > 1:
+            return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+        return jax.device_put(tree, sharding)
 
     # ---- the computation ----------------------------------------------------------------------------------
     def apply(self, params, trainable):
@@ -215,13 +260,13 @@ class Trainer:
         if self.config.with_prior_preservation and (n // k) % 2:
             raise ValueError(f"with_prior_preservation: each micro-batch is [instance rows; class rows], an even "
                              f"number of rows; got {n // k}")
-        split = lambda x: None if x is None else jnp.asarray(x).reshape(k, n // k, *np.shape(x)[1:])  # noqa: E731
+        split = lambda x: None if x is None else np.asarray(x).reshape(k, n // k, *np.shape(x)[1:])  # noqa: E731
         if offset_noise is not None:
             offset_noise = np.asarray(offset_noise, np.float32).reshape(n, -1, 1, 1)
         given = {"noise": split(noise), "timesteps": split(None if timesteps is None else
                                                            np.asarray(timesteps, np.int32)),
                  "offset_noise": split(offset_noise)}
-        return {name: split(value) for name, value in batch.items()}, given
+        return self._place({name: split(value) for name, value in batch.items()}), self._place(given)
 
     def loss(self, batch, noise=None, timesteps=None, offset_noise=None):
         """The loss of `batch` at the current weights, without an update (the draws not given come from the
@@ -242,6 +287,8 @@ class Trainer:
         """The pipeline's params with the training applied (the EMA weights with use_ema): sample with
         `trainer.pipeline(ids, trainer.params, key)`."""
         trained = self.state.ema if self.config.use_ema else self.state.trainable
+        if self.mesh is not None:  # sharded over the mesh; the params are where the pipeline put them
+            trained = _gathered(trained)
         return self.apply(self.base_params, trained)
 
     # ---- files --------------------------------------------------------------------------------------------
@@ -272,11 +319,14 @@ class Trainer:
 
     def save_checkpoint(self, folder, overwrite=False):
         """The whole training state (trained weights, optimizer state, EMA, step, key) in `folder`, written beside
-        it and renamed into place, so a killed save leaves no folder that loads. `restore_checkpoint` reads it."""
+        it and renamed into place, so a killed save leaves no folder that loads. `restore_checkpoint` reads it.
+        Over several processes every one calls it (the sharded state is gathered) and the first writes."""
         folder = os.fspath(folder)
+        arrays = _flat_state(self.state)
+        if jax.process_index() != 0:
+            return
         if os.path.lexists(folder) and not overwrite:
             raise FileExistsError(f"{folder} exists: choose another folder, or pass overwrite=True")
-        arrays = _flat_state(self.state)
         staging = f"{folder}.partial-{os.getpid()}"
         os.makedirs(staging)
         write_safetensors(os.path.join(staging, "state.safetensors"), arrays)
@@ -321,13 +371,23 @@ class Trainer:
             if value.shape != leaf.shape or value.dtype != leaf.dtype:
                 raise ValueError(f"{folder}: {name} is {value.dtype}{list(value.shape)}, this trainer's "
                                  f"{leaf.dtype}{list(leaf.shape)}")
-            arrays.append(jnp.array(value))
-        self.state = jax.tree_util.tree_unflatten(treedef, arrays)
+            arrays.append(np.array(value))
+        state = jax.tree_util.tree_unflatten(treedef, arrays)
+        self.state = jax.tree.map(jnp.array, state) if self.mesh is None else jax.device_put(
+            state, self._shardings(state))
+
+
+def _gathered(tree):
+    """Host copies of arrays, whole even where they are sharded over other processes' devices."""
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x) if x.is_fully_addressable else
+                                             multihost_utils.process_allgather(x, tiled=True)), tree)
 
 
 def _flat_state(state) -> dict:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
-    return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf)) for path, leaf in leaves}
+    leaves, _ = jax.tree_util.tree_flatten_with_path(_gathered(state))
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
 
 def _jsonable(config) -> dict:
