@@ -420,3 +420,75 @@ def test_data_parallel_and_fsdp_meshes_train_as_one_device(sd1):
     kernel = runs["data x fsdp"][2].state.trainable["unet"]["conv_in"]["kernel"]
     assert len({shard.device for shard in kernel.addressable_shards}) == 8
     assert kernel.addressable_shards[0].data.shape[-1] == kernel.shape[-1] // 4  # sharded over "fsdp"
+
+
+def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_script(sd1):
+    """mixed_precision="bf16": the models compute in bfloat16, the LoRA and Adam's moments stay float32; the loss and
+    the trained LoRA follow the float32 oracle to bfloat16's precision (8 bits of mantissa: 2e-2)."""
+    import copy
+
+    theirs, pipe, params = sd1
+    config = TrainConfig(method="lora", learning_rate=1e-3, rank=4, mixed_precision="bf16")
+    trainer = Trainer(pipe, params, config, seed=9)
+    g = np.random.default_rng(9)  # B away from zero, so that the weights are more than Adam's first ±lr steps
+    trainer.state = trainer.state.replace(trainable=jax.tree.map(
+        lambda x: x + 0.1 * g.standard_normal(x.shape).astype(np.float32), trainer.state.trainable))
+    initial = jax.device_get(trainer.state.trainable)
+    steps = data(pipe, rows=2, seed=9)
+    ours = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+    assert {x.dtype for x in jax.tree.leaves((trainer.state.trainable, trainer.state.opt_state))} >= {
+        np.dtype(np.float32)}
+    assert all(x.dtype != np.dtype("bfloat16") for x in jax.tree.leaves(trainer.state))
+    assert trainer.frozen["unet"]["conv_in"]["kernel"].dtype == np.dtype("bfloat16")
+
+    unet, text_encoder = copy.deepcopy(theirs.unet), copy.deepcopy(theirs.text_encoder).requires_grad_(False)
+    init = {torch_name("unet", n.split("/")): (w["down"], w["up"]) for n, w in initial["unet"].items()}
+    trained = add_peft_lora(unet, config.lora_targets, 4, 4, init)
+    losses = train({"unet": unet, "text_encoder": text_encoder}, ddpm(theirs), trained, *torch_updates(steps, 1),
+                   config)
+    np.testing.assert_allclose(ours, losses, rtol=2e-2)
+    theirs_lora = lora_weights(unet)
+    pairs = [(w[part], theirs_lora[torch_name("unet", n.split("/"))][i])
+             for n, w in trainer.state.trainable["unet"].items() for i, part in enumerate(("down", "up"))]
+    ours_flat, theirs_flat = (np.concatenate([np.ravel(p[i]) for p in pairs]) for i in (0, 1))
+    start = np.concatenate([np.ravel(w[part]) for w in initial["unet"].values() for part in ("down", "up")])
+    assert relative(ours_flat, theirs_flat) < 2e-2
+    assert relative(theirs_flat, start) > 1e-3  # ... and the updates moved them more than that
+
+
+def test_bad_settings_are_refused_in_one_line(sd1):
+    theirs, pipe, params = sd1
+    cases = [
+        (dict(method="dora"), "method='dora' is not one of"),
+        (dict(mixed_precision="fp16"), "float16 needs loss scaling"),
+        (dict(lr_scheduler="cosine"), "give max_train_steps"),
+        (dict(learning_rate=float("nan")), "learning_rate=nan must be a finite number"),
+        (dict(adam_beta2=1.0), "adam_beta2=1.0 must be a finite number in \\[0.0, 1.0\\)"),
+        (dict(rank=0), "rank=0 must be an integer >= 1"),
+        (dict(lora_targets="to_q"), "must be a tuple of module names"),
+        (dict(method="textual_inversion", placeholder_token="<x>"), "needs placeholder_token .* and initializer"),
+        (dict(placeholder_token="<x>"), "are for method='textual_inversion'"),
+        (dict(prediction_type="sample"), "prediction_type='sample' is not one of"),
+    ]
+    for settings, message in cases:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**settings)
+    with pytest.raises(ValueError, match="no module of unet matches the LoRA targets"):
+        Trainer(pipe, params, TrainConfig(lora_targets=("no_such_layer",)))
+    with pytest.raises(ValueError, match="initializer_token 'a red' is 2 tokens"):
+        Trainer(pipe, params, TrainConfig(method="textual_inversion", placeholder_token="<y>", initializer_token="a red"))
+    with pytest.raises(ValueError, match="already has '<\\|endoftext\\|>'"):
+        Trainer(pipe, params, TrainConfig(method="textual_inversion", placeholder_token="<|endoftext|>",
+                                          initializer_token="toy"))
+    trainer = Trainer(pipe, params, TrainConfig(gradient_accumulation_steps=2, with_prior_preservation=True))
+    batch = data(pipe, rows=4)[0][0]
+    with pytest.raises(ValueError, match="latents .* or pixel_values"):
+        trainer.step({"input_ids": batch["input_ids"]})
+    with pytest.raises(ValueError, match="divide into gradient_accumulation_steps=2"):
+        trainer.step({"latents": batch["latents"][:3], "input_ids": batch["input_ids"][:3]})
+    with pytest.raises(ValueError, match="an even number of rows; got 1"):
+        trainer.step({"latents": batch["latents"][:2], "input_ids": batch["input_ids"][:2]})
+    with pytest.raises(ValueError, match="not an embedding"):
+        trainer.save_embedding("never-written.safetensors")
+    with pytest.raises(FileNotFoundError, match="is not a training checkpoint"):
+        trainer.restore_checkpoint("no-such-folder")

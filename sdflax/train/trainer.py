@@ -409,7 +409,7 @@ def _add_placeholder(pipeline, params, config, encoders):
     for encoder in encoders:
         tokenizer_name = encoder.replace("text_encoder", "tokenizer")
         tokenizer = copy.deepcopy(getattr(pipeline, tokenizer_name))
-        if tokenizer.add_tokens(tokens) != len(tokens):
+        if any(token in tokenizer.get_vocab() for token in tokens) or tokenizer.add_tokens(tokens) != len(tokens):
             raise ValueError(f"the tokenizer already has {config.placeholder_token!r}: choose another "
                              "placeholder_token")
         initializer = tokenizer.tokenize(config.initializer_token)
