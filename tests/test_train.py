@@ -284,7 +284,7 @@ def test_full_fine_tuning_with_ema_matches_the_script(sd1):
     assert relative(averaged - start, trained - start) > 1e-3  # the average is not the last weights
 
 
-def test_textual_inversion_matches_the_script(sd1):
+def test_textual_inversion_matches_the_script(sd1, tmp_path):
     """textual_inversion.py: a new token starting from the initializer's embedding; only its row changes."""
     import copy
 
@@ -319,6 +319,18 @@ def test_textual_inversion_matches_the_script(sd1):
     table = np.asarray(trainer.params["text_encoder"]["embeddings_token_embedding"]["embedding"])
     np.testing.assert_array_equal(table[:token], params["text_encoder"]["embeddings_token_embedding"]["embedding"])
     assert relative(row, original[token].numpy()) > 1e-3
+
+    # the saved embedding: sdflax and diffusers load the learned row
+    trainer.save_embedding(tmp_path / "learned_embeds.safetensors")
+    trainer.save_embedding(tmp_path / "cat-toy.safetensors", format="a1111")
+    for name, token_name in (("learned_embeds.safetensors", None), ("cat-toy.safetensors", "<cat-toy>")):
+        loaded_pipe, loaded = pipe.load_textual_inversion(params, tmp_path / name, token=token_name)
+        new_id = loaded_pipe.tokenizer.convert_tokens_to_ids("<cat-toy>")
+        np.testing.assert_array_equal(loaded["text_encoder"]["embeddings_token_embedding"]["embedding"][new_id], row)
+    reference = copy.deepcopy(theirs)
+    reference.load_textual_inversion(str(tmp_path / "learned_embeds.safetensors"))
+    new_id = reference.tokenizer.convert_tokens_to_ids("<cat-toy>")
+    np.testing.assert_array_equal(reference.text_encoder.get_input_embeddings().weight[new_id].detach().numpy(), row)
 
 
 def test_lora_sdxl_unet_and_both_text_encoders_matches_the_script(tmp_path_factory):
