@@ -256,7 +256,7 @@ def flat(tree):
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
-def test_full_fine_tuning_with_ema_matches_the_script(sd1):
+def test_full_fine_tuning_with_ema_matches_the_script(sd1, tmp_path):
     """Every UNet weight trained (train_text_to_image.py) with EMAModel's averages, linear warmup."""
     import copy
 
@@ -282,6 +282,23 @@ def test_full_fine_tuning_with_ema_matches_the_script(sd1):
     averaged = flat(flax_layout(pipe.unet, unet))
     assert relative(flat(trainer.params["unet"]) - start, averaged - start) < WEIGHT_RTOL  # params: the EMA's
     assert relative(averaged - start, trained - start) > 1e-3  # the average is not the last weights
+
+    # the trained pipeline as a diffusers folder: diffusers and sdflax load every weight as trainer.params has it
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    theirs.save_pretrained(tmp_path / "base")
+    trainer.save_pretrained(tmp_path / "trained", base=tmp_path / "base")
+    with pytest.raises(FileExistsError, match="exists"):
+        trainer.save_pretrained(tmp_path / "trained", base=tmp_path / "base")
+    expected = jax.device_get(trainer.params)
+    for name, cls, module in (("unet", UNet2DConditionModel, pipe.unet), ("vae", AutoencoderKL, pipe.vae),
+                              ("text_encoder", CLIPTextModel, pipe.text_encoder)):
+        model, info = cls.from_pretrained(tmp_path / "trained" / name, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (name, info)
+        np.testing.assert_array_equal(flat(flax_layout(module, model)), flat(expected[name]), err_msg=name)
+    _, reloaded = StableDiffusion.from_pretrained(tmp_path / "trained")
+    np.testing.assert_array_equal(flat(reloaded), flat(expected))
 
 
 def test_textual_inversion_matches_the_script(sd1, tmp_path):
@@ -368,6 +385,16 @@ def test_lora_sdxl_unet_and_both_text_encoders_matches_the_script(tmp_path_facto
                   for b, d in steps]
     reference = oracle_first_loss(models, ddpm(theirs), steps, config)
     assert abs(oracle_first_loss(models, ddpm(theirs), same_sizes, config) - reference) > 1e-3 * abs(reference)
+
+    # the merged model as a diffusers folder: the second encoder's projection at the top level, as transformers has it
+    from transformers import CLIPTextModelWithProjection
+
+    trainer.save_pretrained(folder / "trained", base=folder)
+    encoder, info = CLIPTextModelWithProjection.from_pretrained(folder / "trained" / "text_encoder_2",
+                                                                output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    _, reloaded = StableDiffusionXL.from_pretrained(folder / "trained")
+    np.testing.assert_array_equal(flat(reloaded), flat(jax.device_get(trainer.params)))
 
 
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(sd1, tmp_path):

@@ -29,6 +29,7 @@ from ..textual_inversion import _add_rows
 from . import lora as lora_lib
 from .config import TrainConfig
 from .objective import NoiseSchedule, denoising_loss
+from .pretrained import save_pretrained
 from .optim import ema_decay_at, ema_update, learning_rate_schedule, optimizer
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -316,6 +317,15 @@ class Trainer:
         else:
             raise ValueError(f"save_embedding: format={format!r}; choose 'diffusers' or 'a1111'")
         write_safetensors(path, tensors, {"format": "pt"}, overwrite=overwrite)
+
+    def save_pretrained(self, folder, base, revision=None):
+        """The trained pipeline as a diffusers folder (`trainer.params`: the EMA weights with use_ema, a LoRA
+        merged): `base`'s configs, tokenizers and scheduler, where `base` is the folder or hub id the pipeline was
+        loaded from, with every model's weights. diffusers' and sdflax's `from_pretrained` load it."""
+        if self.config.method == "textual_inversion":
+            raise ValueError("save_pretrained: a textual inversion's result is its embedding: save_embedding(path) "
+                             "(pipeline.load_textual_inversion loads it)")
+        save_pretrained(folder, base, jax.device_get(self.params), revision)
 
     def save_checkpoint(self, folder, overwrite=False):
         """The whole training state (trained weights, optimizer state, EMA, step, key) in `folder`, written beside
