@@ -22,7 +22,7 @@ from sdflax.train.lora import torch_name
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4
 UPDATES = 3
-LATENT = (4, 8, 8)  # the latents' (C, h, w): 64x64 pictures for these VAEs
+LATENT = (4, 8, 8)  # the latents' (C, h, w): 16x16 pictures for these two-level VAEs
 CAPTIONS = ["a photo of a red fox", "a watercolour of a lighthouse", "a cat on a sofa", "mountains at dawn"]
 
 
@@ -336,6 +336,22 @@ def test_textual_inversion_matches_the_script(sd1, tmp_path):
     table = np.asarray(trainer.params["text_encoder"]["embeddings_token_embedding"]["embedding"])
     np.testing.assert_array_equal(table[:token], params["text_encoder"]["embeddings_token_embedding"]["embedding"])
     assert relative(row, original[token].numpy()) > 1e-3
+
+    # pictures instead of latents: encoded by the VAE, its posterior sampled as diffusers' latent_dist.sample()
+    g = np.random.default_rng(10)
+    pixels = np.clip(g.standard_normal((2, 3, 16, 16)), -1, 1).astype(np.float32)  # this VAE halves the side once
+    eps = g.standard_normal((2, *LATENT)).astype(np.float32)
+    batch, draws = steps[0]
+    ours = float(trainer.loss({"pixel_values": pixels, "input_ids": batch["input_ids"]}, latent_noise=eps, **draws))
+    with torch.no_grad():
+        posterior = theirs.vae.encode(torch.from_numpy(pixels)).latent_dist
+        latents = (posterior.mean + posterior.std * torch.from_numpy(eps)) * theirs.vae.config.scaling_factor
+    embeds = text_encoder.get_input_embeddings().weight
+    with torch.no_grad():
+        embeds[token] = torch.from_numpy(np.asarray(row))
+    expected = oracle_first_loss({"unet": unet, "text_encoder": text_encoder}, ddpm(theirs),
+                                 [(dict(batch, latents=latents.numpy()), draws)], config)
+    assert abs(ours - expected) <= LOSS_RTOL * abs(expected)
 
     # the saved embedding: sdflax and diffusers load the learned row
     trainer.save_embedding(tmp_path / "learned_embeds.safetensors")

@@ -237,7 +237,7 @@ class Trainer:
                 {"loss": loss, "learning_rate": self.learning_rate(state.step)})
 
     # ---- the public calls ---------------------------------------------------------------------------------
-    def _inputs(self, batch, noise, timesteps, offset_noise):
+    def _inputs(self, batch, noise, timesteps, offset_noise, latent_noise):
         """(batch, given draws) as arrays of (micro-batches, rows, ...)."""
         k = self.config.gradient_accumulation_steps
         batch = dict(batch)
@@ -266,20 +266,21 @@ class Trainer:
             offset_noise = np.asarray(offset_noise, np.float32).reshape(n, -1, 1, 1)
         given = {"noise": split(noise), "timesteps": split(None if timesteps is None else
                                                            np.asarray(timesteps, np.int32)),
-                 "offset_noise": split(offset_noise)}
+                 "offset_noise": split(offset_noise), "latent_noise": split(latent_noise)}
         return self._place({name: split(value) for name, value in batch.items()}), self._place(given)
 
-    def loss(self, batch, noise=None, timesteps=None, offset_noise=None):
+    def loss(self, batch, noise=None, timesteps=None, offset_noise=None, latent_noise=None):
         """The loss of `batch` at the current weights, without an update (the draws not given come from the
         trainer's key, which this does not advance)."""
-        batch, given = self._inputs(batch, noise, timesteps, offset_noise)
+        batch, given = self._inputs(batch, noise, timesteps, offset_noise, latent_noise)
         return self._loss(self.state.trainable, self.frozen, batch, given, self.state.key)
 
-    def step(self, batch, noise=None, timesteps=None, offset_noise=None) -> dict:
+    def step(self, batch, noise=None, timesteps=None, offset_noise=None, latent_noise=None) -> dict:
         """One optimizer update on `batch` (a dict: "latents" or "pixel_values", "input_ids"; SDXL's size ids; all
         gradient_accumulation_steps micro-batches, one after the other) -> {"loss", "learning_rate"}. `noise`
-        (B, C, h, w), `timesteps` (B,) and `offset_noise` (B, C) given make the update reproducible elsewhere."""
-        batch, given = self._inputs(batch, noise, timesteps, offset_noise)
+        (B, C, h, w), `timesteps` (B,), `offset_noise` (B, C) and, for pixel_values, `latent_noise` (B, C, h, w:
+        the VAE posterior's sample is mean + std * latent_noise) given make the update reproducible elsewhere."""
+        batch, given = self._inputs(batch, noise, timesteps, offset_noise, latent_noise)
         self.state, metrics = self._step(self.state, self.frozen, batch, given)
         return metrics
 
