@@ -547,3 +547,41 @@ def test_bad_settings_are_refused_in_one_line(sd1):
         trainer.save_embedding("never-written.safetensors")
     with pytest.raises(FileNotFoundError, match="is not a training checkpoint"):
         trainer.restore_checkpoint("no-such-folder")
+
+
+def test_two_processes_train_as_one(sd1, tmp_path):
+    """Full fine-tuning by two processes joined with jax.distributed (two CPU devices each, each passing half of
+    every batch's rows) against one device with the whole batch: the same weights after three updates; the
+    checkpoint the first process writes of the sharded state restores into a one-device trainer."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from train_multihost_worker import MULTIHOST_CONFIG
+
+    theirs, pipe, params = sd1
+    model = tmp_path / "model"
+    theirs.save_pretrained(model)
+    steps = data(pipe, rows=4, seed=12)
+    np.savez(tmp_path / "data.npz", **{f"{i}.{name}": value for i, (batch, draws) in enumerate(steps)
+                                       for name, value in {**batch, **draws}.items()})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(__file__), "train_multihost_worker.py")
+    processes = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(model), str(tmp_path / "data.npz"),
+                                   str(tmp_path / "checkpoint")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for i in range(2)]
+    one = Trainer(pipe, params, TrainConfig(**MULTIHOST_CONFIG))
+    for batch, draws in steps:
+        one.step(batch, **draws)
+    for p in processes:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err.decode()[-3000:]
+    joined = Trainer(pipe, params, TrainConfig(**MULTIHOST_CONFIG))
+    joined.restore_checkpoint(tmp_path / "checkpoint")
+    assert int(joined.state.step) == 3
+    weights = flat(jax.device_get(one.state.trainable))
+    assert relative(weights, flat(params["unet"])) > 1e-3
+    assert relative(flat(jax.device_get(joined.state.trainable)), weights) < 1e-5
