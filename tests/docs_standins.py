@@ -232,6 +232,7 @@ def pictures(folder, size=32):
 def files(folder):
     """Everything the pages read from their working folder."""
     import torch
+    from PIL import Image
     from safetensors.torch import save_file
 
     from test_controlnet_model import controlnet_to_ldm
@@ -242,6 +243,9 @@ def files(folder):
 
     folder.mkdir(parents=True)
     pictures(folder)
+    (folder / "pictures").mkdir()  # a folder of pictures to train on (docs/training.md)
+    for i, angle in enumerate((0, 90, 180, 270)):
+        Image.open(folder / "photo.png").rotate(angle).save(folder / "pictures" / f"{i}.png")
     tiny = torch_sd15()
     for sub in ("loras", "embeddings", "models"):
         (folder / sub).mkdir()
