@@ -17,6 +17,17 @@ from .utils import make_image_grid
 from . import hooks
 from . import loading, single_file  # noqa: F401  (they give the models their from_pretrained / from_single_file)
 
+
+
+def __getattr__(name):
+    """`sdflax.train` on first use: sampling never imports optax."""
+    if name == "train":
+        import importlib
+
+        return importlib.import_module(".train", __name__)
+    raise AttributeError(f"module 'sdflax' has no attribute {name!r}")
+
+
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
            "ControlNetModel", "Inputs", "SD3Transformer2DModel", "Settings", "StableDiffusion",
            "StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
