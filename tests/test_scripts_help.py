@@ -23,6 +23,7 @@ def without_torch(script, *args):
 
 
 @pytest.mark.parametrize("script", ["benchmark.py", "benchmark_kernels.py", "make_tiny_checkpoint.py",
+                                    "benchmark_train.py",
                                     "accelerator_report.py", "benchmark_compile_flags.py", "profile_suite.py"])
 def test_help_runs_without_torch(script):
     """Friction: `benchmark_kernels.py --help` and `make_tiny_checkpoint.py --help` failed without torch."""

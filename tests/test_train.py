@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from builders import torch_pipeline
-from train_oracle import add_peft_lora, lora_weights, script_loss, to_torch, train
+from train_oracle import add_peft_lora, lora_weights, script_loss, train
 
 import jax
 from flax import traverse_util
@@ -531,7 +531,8 @@ def test_bad_settings_are_refused_in_one_line(sd1):
     with pytest.raises(ValueError, match="no module of unet matches the LoRA targets"):
         Trainer(pipe, params, TrainConfig(lora_targets=("no_such_layer",)))
     with pytest.raises(ValueError, match="initializer_token 'a red' is 2 tokens"):
-        Trainer(pipe, params, TrainConfig(method="textual_inversion", placeholder_token="<y>", initializer_token="a red"))
+        Trainer(pipe, params, TrainConfig(method="textual_inversion", placeholder_token="<y>",
+                                          initializer_token="a red"))
     with pytest.raises(ValueError, match="already has '<\\|endoftext\\|>'"):
         Trainer(pipe, params, TrainConfig(method="textual_inversion", placeholder_token="<|endoftext|>",
                                           initializer_token="toy"))

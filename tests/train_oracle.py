@@ -94,10 +94,6 @@ def train(models, scheduler, trained, batches, draws, config, ema_model=None, re
     return losses
 
 
-def to_torch(tree):
-    return {k: torch.from_numpy(np.array(v)) for k, v in tree.items()}
-
-
 def add_peft_lora(model, targets, rank, alpha, init=None):
     """PEFT's LoRA layers (the scripts' LoraConfig) on `model`; `init` {module name: (down, up)} sets A and B."""
     from peft import LoraConfig, inject_adapter_in_model
@@ -121,5 +117,6 @@ def add_peft_lora(model, targets, rank, alpha, init=None):
 def lora_weights(model) -> dict:
     """{module name: (down, up)} of a PEFT-injected model, as numpy."""
     clip = lambda name: name.startswith(("encoder.", "embeddings.", "final_layer_norm"))  # noqa: E731
-    return {"text_model." * clip(name) + name: (m.lora_A["default"].weight.detach().numpy(), m.lora_B["default"].weight.detach().numpy())
+    return {"text_model." * clip(name) + name: (m.lora_A["default"].weight.detach().numpy(),
+                                                m.lora_B["default"].weight.detach().numpy())
             for name, m in model.named_modules() if hasattr(m, "lora_A")}

@@ -184,7 +184,8 @@ class UNetEncoder:
 
     def resnet(self, out, name):
         cfg = self.config
-        return self.block(ResnetBlock2D)(out, cfg.norm_num_groups, cfg.norm_eps, self.dtype, kernels=self.kernels, name=name)
+        return self.block(ResnetBlock2D)(out, cfg.norm_num_groups, cfg.norm_eps, self.dtype, kernels=self.kernels,
+                                         name=name)
 
     def embed_time(self, timesteps, batch, text_embeds=None, time_ids=None):
         """(B,) or () timesteps -> (B, 4 * C0): MLP(sinusoidal(t)), plus SDXL's text_time embedding."""
@@ -238,7 +239,7 @@ class UNetEncoder:
                 x = self.resnet(out, f"down_blocks_{i}_resnets_{j}")(x, temb)
                 if kind == "CrossAttnDownBlock2D":
                     x = self.block(Transformer2DModel)(heads[i], depths[i], cfg, self.dtype, self.kernels,
-                                           name=f"down_blocks_{i}_attentions_{j}")(x, context)
+                                                       name=f"down_blocks_{i}_attentions_{j}")(x, context)
                     if j == cfg.layers_per_block - 1 and intrablock:
                         x = x + _residual(intrablock.pop(0), x, "down_intrablock_additional_residuals")
                 skips.append(x)
@@ -257,8 +258,8 @@ class UNetEncoder:
         cfg = self.config
         depth = cfg.per_block(cfg.transformer_layers_per_block)[-1]
         x = self.resnet(cfg.block_out_channels[-1], "mid_block_resnets_0")(x, temb)
-        x = self.block(Transformer2DModel)(cfg.heads[-1], depth, cfg, self.dtype, self.kernels, name="mid_block_attentions_0")(
-            x, context)
+        x = self.block(Transformer2DModel)(cfg.heads[-1], depth, cfg, self.dtype, self.kernels,
+                                           name="mid_block_attentions_0")(x, context)
         return self.resnet(cfg.block_out_channels[-1], "mid_block_resnets_1")(x, temb)
 
 
@@ -353,7 +354,7 @@ class UNet2DConditionModel(UNetEncoder, Pretrained, nn.Module):
                 x = self.resnet(out, f"up_blocks_{i}_resnets_{j}")(jnp.concatenate([x, skip], axis=-1), temb)
                 if kind == "CrossAttnUpBlock2D":
                     x = self.block(Transformer2DModel)(up_heads[i], up_depths[i], cfg, dtype, kernels,
-                                           name=f"up_blocks_{i}_attentions_{j}")(x, context)
+                                                       name=f"up_blocks_{i}_attentions_{j}")(x, context)
             if i < len(channels) - 1 and not (shallow and k - 1 < entry):
                 x = Upsample2D(out, dtype, kernels=kernels, name=f"up_blocks_{i}_upsamplers_0")(x, skips[-1].shape[1:3])
 

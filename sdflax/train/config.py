@@ -103,5 +103,6 @@ def _number(field, value, low=None, high=None, low_open=False, high_open=False):
     ok = ok and (low is None or (value > low if low_open else value >= low))
     ok = ok and (high is None or (value < high if high_open else value <= high))
     if not ok:
-        bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{')' if high_open or high is None else ']'}"
+        opening, closing = "(" if low_open else "[", ")" if high_open or high is None else "]"
+        bounds = f"{opening}{low}, {'inf' if high is None else high}{closing}"
         raise ValueError(f"TrainConfig: {field}={value!r} must be a finite number in {bounds}")
