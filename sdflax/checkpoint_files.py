@@ -31,7 +31,6 @@ __all__ = [
     "read_flax_msgpack",
     "read_safetensors",
     "read_torch_bin",
-    "write_safetensors",
 ]
 
 
@@ -66,7 +65,7 @@ def read_checkpoint(path) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------------------------------------
 # safetensors
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
@@ -143,7 +142,7 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     tensors = {}
     for key, info in header.items():
         try:
-            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
             shape, offsets = info["shape"], info["data_offsets"]
             # Strictly lists of ints: int() would also accept "12", 1.5 and true.
             if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
@@ -167,62 +166,6 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
         array = np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
         tensors[key] = array.reshape(shape)
     return tensors
-
-
-def write_safetensors(path, tensors: dict, metadata: dict | None = None, overwrite: bool = False) -> None:
-    """Write `tensors` ({name: array}, any numpy-convertible arrays) as a .safetensors file, atomically: the data
-    goes to a temporary file beside `path`, is flushed to disk and renamed onto `path`, so a killed write never
-    leaves a truncated file under the name. An existing `path` is an error unless `overwrite`."""
-    name = os.fspath(path)
-    if os.path.lexists(name) and not overwrite:
-        raise FileExistsError(f"{name} exists: choose another path, or pass overwrite=True to replace it")
-    codes = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
-    header, arrays, offset = {}, [], 0
-    for key in sorted(tensors):
-        array = np.asarray(tensors[key])
-        array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
-        if array.dtype not in codes:
-            raise TypeError(f"{key}: dtype {array.dtype} has no safetensors code")
-        header[key] = {"dtype": codes[array.dtype], "shape": list(array.shape),
-                       "data_offsets": [offset, offset + array.nbytes]}
-        arrays.append(array)
-        offset += array.nbytes
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
-    atomic_write(name, [struct.pack("<Q", len(encoded)), encoded, *(a.data for a in arrays)])
-
-
-def atomic_write(path: str, chunks) -> None:
-    """Write `chunks` (bytes-like) to `path` through a temporary file in the same folder, fsync'd and renamed."""
-    folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "xb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.lexists(temporary):
-            os.unlink(temporary)
-    fsync_folder(folder)
-
-
-def fsync_folder(folder: str) -> None:
-    """Make a rename in `folder` durable (where the platform lets a folder be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -151,11 +151,11 @@ def load_textual_inversion(parts, params, path, token=None) -> tuple[dict, dict]
             copies[id(original)].add_tokens(tokens)
         new_parts[tokenizer] = copies[id(original)]
         ids = np.asarray(new_parts[tokenizer].convert_tokens_to_ids(tokens))
-        new_parts[encoder], params[encoder] = _add_rows(parts[encoder], params[encoder], ids, vectors)
+        new_parts[encoder], params[encoder] = add_rows(parts[encoder], params[encoder], ids, vectors)
     return new_parts, params
 
 
-def _add_rows(module, params, ids, vectors):
+def add_rows(module, params, ids, vectors):
     """(module, params) of a text encoder with `vectors` as the embedding table's rows `ids`."""
     table = params["embeddings_token_embedding"]["embedding"]
     rows, width = table.shape

@@ -15,7 +15,7 @@ import jax
 from flax import traverse_util
 
 from sdflax import StableDiffusion
-from sdflax.checkpoint_files import write_safetensors
+from sdflax.train.files import write_safetensors
 from sdflax.train import TrainConfig, Trainer
 from sdflax.train.lora import torch_name
 

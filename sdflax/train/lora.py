@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from ..checkpoint_files import write_safetensors
+from .files import write_safetensors
 from ..lora import read_lora
 
 # Joined-name pieces whose PyTorch path is not "_" -> "." at the numbers: {component: [(pattern, replacement)]}

@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 from flax import traverse_util
 
-from ..checkpoint_files import write_safetensors
+from .files import write_safetensors
 from ..hub import resolve_folder
 
 # The attribute names of diffusers' UNet2DConditionModel and AutoencoderKL and transformers' CLIP text models

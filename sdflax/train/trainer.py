@@ -21,16 +21,17 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..checkpoint_files import read_safetensors
 from ..lora import merge_lora
-from ..checkpoint_files import fsync_folder, read_safetensors, write_safetensors
 from ..pipeline.core import config_dict
 from ..pipeline.vae import VAE
-from ..textual_inversion import _add_rows
+from ..textual_inversion import add_rows
 from . import lora as lora_lib
 from .config import TrainConfig
+from .files import fsync_folder, write_safetensors
 from .objective import NoiseSchedule, denoising_loss
-from .pretrained import save_pretrained
 from .optim import ema_decay_at, ema_update, learning_rate_schedule, optimizer
+from .pretrained import save_pretrained
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 SIZE_IDS = ("original_size", "crops_coords_top_left", "target_size")  # SDXL's micro-conditioning, per row
@@ -68,38 +69,18 @@ class Trainer:
         self.encoders = tuple(name for name in TEXT_ENCODERS if getattr(pipeline, name) is not None)
         self.schedule = NoiseSchedule.from_config(pipeline.scheduler_base_config or config_dict(pipeline.scheduler),
                                                   config.prediction_type)
-        key = jax.random.PRNGKey(seed)
-        if config.method == "textual_inversion":
-            pipeline, params, self.token_ids, trainable = _add_placeholder(pipeline, params, config, self.encoders)
-        elif config.method == "full":
-            trainable = {name: params[name] for name in ("unet", *(self.encoders if config.train_text_encoder
-                                                                    else ()))}
-        elif initial_lora is not None:
-            trainable, self.alphas = lora_lib.read_initial_lora(initial_lora, params, pipeline.unet.config)
-            self.lora_targets = None
-        else:
-            targets = {"unet": lora_lib.find_targets(params["unet"], config.lora_targets)}
-            if config.train_text_encoder:
-                targets.update({name: lora_lib.find_targets(params[name], config.text_encoder_lora_targets)
-                                for name in self.encoders})
-            empty = [name for name, paths in targets.items() if not paths]
-            if empty:
-                raise ValueError(f"no module of {empty[0]} matches the LoRA targets "
-                                 f"{config.lora_targets if empty[0] == 'unet' else config.text_encoder_lora_targets}")
-            key, sub = jax.random.split(key)
-            trainable = lora_lib.init_lora(params, targets, config.rank, sub, config.init_lora_weights)
-            self.alphas = {c: {name: config.alpha for name in modules} for c, modules in trainable.items()}
-            self.lora_targets = {"unet": config.lora_targets,
-                                 **{name: config.text_encoder_lora_targets for name in self.encoders}}
-        self.pipeline, self.base_params = pipeline, params
+        key, lora_key = jax.random.split(jax.random.PRNGKey(seed))
+        pipeline, params, trainable = self._trainable(pipeline, params, initial_lora, lora_key)
+        self.pipeline = pipeline
+        # the params `trainer.params` puts the training into: a full fine-tune's trained models are not kept twice
+        self.base_params = {name: part for name, part in params.items()
+                            if config.method != "full" or name not in trainable}
         # float32 master weights, copies: the update donates its state's buffers, never the caller's params
         trainable = jax.tree.map(lambda x: jnp.array(x, jnp.float32), trainable)
         self.compute_dtype = jnp.bfloat16 if config.mixed_precision == "bf16" else jnp.float32
-        # the frozen weights the loss reads: in the compute dtype, and without what the trainable replaces
-        frozen = {name: part for name, part in params.items()
-                  if config.method != "full" or name not in trainable}
+        # the frozen weights the loss reads, in the compute dtype
         self.frozen = jax.tree.map(lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                                   else x, frozen)
+                                   else x, self.base_params)
         self.unet = pipeline.unet.clone(dtype=self.compute_dtype, gradient_checkpointing=config.gradient_checkpointing)
         text = pipeline.spec.text
         self.text = dataclasses.replace(text, dtype=self.compute_dtype, **{
@@ -123,6 +104,30 @@ class Trainer:
             self._step = jax.jit(self._update, donate_argnums=(0,),
                                  out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())))
         self._loss = jax.jit(self._mean_loss)
+
+    def _trainable(self, pipeline, params, initial_lora, key):
+        """(pipeline, params, what the method trains): a textual inversion's pipeline and params gain the token."""
+        config = self.config
+        if config.method == "textual_inversion":
+            pipeline, params, self.token_ids, trainable = _add_placeholder(pipeline, params, config, self.encoders)
+            return pipeline, params, trainable
+        if config.method == "full":
+            return pipeline, params, {name: params[name] for name in
+                                      ("unet", *(self.encoders if config.train_text_encoder else ()))}
+        if initial_lora is not None:
+            trainable, self.alphas = lora_lib.read_initial_lora(initial_lora, params, pipeline.unet.config)
+            self.lora_targets = None  # the saved file names its modules
+            return pipeline, params, trainable
+        names = {"unet": config.lora_targets, **{name: config.text_encoder_lora_targets for name in self.encoders
+                                                 if config.train_text_encoder}}
+        targets = {component: lora_lib.find_targets(params[component], wanted) for component, wanted in names.items()}
+        for component, paths in targets.items():
+            if not paths:
+                raise ValueError(f"no module of {component} matches the LoRA targets {names[component]}")
+        trainable = lora_lib.init_lora(params, targets, config.rank, key, config.init_lora_weights)
+        self.alphas = {c: {name: config.alpha for name in modules} for c, modules in trainable.items()}
+        self.lora_targets = names
+        return pipeline, params, trainable
 
     def _shardings(self, tree):
         """Each array's sharding on the mesh: along its largest dimension the "fsdp" axis divides, else replicated."""
@@ -154,8 +159,7 @@ class Trainer:
         """`params` with the trained weights put in."""
         method = self.config.method
         if method == "full":
-            return {**params, **jax.tree.map(lambda t, p: t.astype(p.dtype), trainable,
-                                             {name: params[name] for name in trainable})}
+            return {**params, **jax.tree.map(lambda t: t.astype(self.pipeline.dtype), trainable)}
         if method == "lora":
             return merge_lora(params, lora_lib.with_alphas(trainable, self.alphas))
         params = dict(params)
@@ -431,6 +435,6 @@ def _add_placeholder(pipeline, params, config, encoders):
         table = params[encoder]["embeddings_token_embedding"]["embedding"]
         start = np.repeat(np.asarray(table[tokenizer.convert_tokens_to_ids(initializer[0])], np.float32)[None],
                           len(tokens), axis=0)
-        parts[encoder], params[encoder] = _add_rows(getattr(pipeline, encoder), params[encoder], token_ids, start)
+        parts[encoder], params[encoder] = add_rows(getattr(pipeline, encoder), params[encoder], token_ids, start)
         parts[tokenizer_name], ids[encoder], rows[encoder] = tokenizer, token_ids, start
     return pipeline.replace(**parts), params, ids, rows
