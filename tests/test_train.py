@@ -449,32 +449,37 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(sd1, tmp_path):
         other.restore_checkpoint(tmp_path / "step-2")
 
 
-def test_data_parallel_and_fsdp_meshes_train_as_one_device(sd1):
-    """Full fine-tuning of the same global batch on one device, on eight ("data") with gradient checkpointing, and
-    on 2 x 4 ("data", "fsdp": weights and Adam's moments sharded): the same weights after three updates."""
-    from jax.sharding import Mesh
+@pytest.fixture(scope="module")
+def one_device(sd1):
+    """Full fine-tuning on one device: three updates of eight rows with given draws -> (steps, trainer), the
+    reference of the mesh and the two-process runs."""
+    from train_multihost_worker import MULTIHOST_CONFIG
 
     theirs, pipe, params = sd1
-    config = TrainConfig(method="full", learning_rate=1e-3, noise_offset=0.1)
     steps = data(pipe, rows=8, seed=8)
-    devices = np.array(jax.devices()[:8])
-    runs = {}
-    for name, mesh, checkpointing in (("one device", None, False),
-                                      ("data", Mesh(devices, ("data",)), True),
-                                      ("data x fsdp", Mesh(devices.reshape(2, 4), ("data", "fsdp")), False)):
-        trainer = Trainer(pipe, params, dataclasses.replace(config, gradient_checkpointing=checkpointing), mesh=mesh)
-        losses = [float(trainer.step(batch)["loss"]) for batch, _ in steps]  # the draws from the trainer's key
-        runs[name] = (losses, flat(jax.device_get(trainer.state.trainable)), trainer)
-    start = flat(params["unet"])
-    base_losses, base_weights, _ = runs["one device"]
-    assert relative(base_weights, start) > 1e-3  # the updates moved the weights
-    for name in ("data", "data x fsdp"):
-        losses, weights, trainer = runs[name]
-        np.testing.assert_allclose(losses, base_losses, rtol=1e-5, err_msg=name)
-        assert relative(weights, base_weights) < 1e-5, name
-    kernel = runs["data x fsdp"][2].state.trainable["unet"]["conv_in"]["kernel"]
+    trainer = Trainer(pipe, params, TrainConfig(**MULTIHOST_CONFIG))
+    losses = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+    assert relative(flat(jax.device_get(trainer.state.trainable)), flat(params["unet"])) > 1e-3  # they moved
+    return steps, losses, trainer
+
+
+def test_a_data_by_fsdp_mesh_trains_as_one_device(sd1, one_device):
+    """The same updates on eight devices, a 2 x 4 ("data", "fsdp") mesh (weights and Adam's moments sharded on
+    "fsdp", the rows over all eight), with gradient checkpointing: the one-device losses and weights at 1e-5."""
+    from jax.sharding import Mesh
+    from train_multihost_worker import MULTIHOST_CONFIG
+
+    theirs, pipe, params = sd1
+    steps, base_losses, base = one_device
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    trainer = Trainer(pipe, params, TrainConfig(**MULTIHOST_CONFIG, gradient_checkpointing=True), mesh=mesh)
+    losses = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
+    np.testing.assert_allclose(losses, base_losses, rtol=1e-5)
+    assert relative(flat(jax.device_get(trainer.state.trainable)), flat(jax.device_get(base.state.trainable))) < 1e-5
+    kernel = trainer.state.trainable["unet"]["conv_in"]["kernel"]
     assert len({shard.device for shard in kernel.addressable_shards}) == 8
     assert kernel.addressable_shards[0].data.shape[-1] == kernel.shape[-1] // 4  # sharded over "fsdp"
+    assert relative(flat(trainer.params["unet"]), flat(base.params["unet"])) < 1e-5
 
 
 def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_script(sd1):
@@ -550,7 +555,7 @@ def test_bad_settings_are_refused_in_one_line(sd1):
         trainer.restore_checkpoint("no-such-folder")
 
 
-def test_two_processes_train_as_one(sd1, tmp_path):
+def test_two_processes_train_as_one(sd1, one_device, tmp_path):
     """Full fine-tuning by two processes joined with jax.distributed (two CPU devices each, each passing half of
     every batch's rows) against one device with the whole batch: the same weights after three updates; the
     checkpoint the first process writes of the sharded state restores into a one-device trainer."""
@@ -562,9 +567,9 @@ def test_two_processes_train_as_one(sd1, tmp_path):
     from train_multihost_worker import MULTIHOST_CONFIG
 
     theirs, pipe, params = sd1
+    steps, _, one = one_device
     model = tmp_path / "model"
     theirs.save_pretrained(model)
-    steps = data(pipe, rows=4, seed=12)
     np.savez(tmp_path / "data.npz", **{f"{i}.{name}": value for i, (batch, draws) in enumerate(steps)
                                        for name, value in {**batch, **draws}.items()})
     with socket.socket() as s:
@@ -574,15 +579,10 @@ def test_two_processes_train_as_one(sd1, tmp_path):
     processes = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(model), str(tmp_path / "data.npz"),
                                    str(tmp_path / "checkpoint")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for i in range(2)]
-    one = Trainer(pipe, params, TrainConfig(**MULTIHOST_CONFIG))
-    for batch, draws in steps:
-        one.step(batch, **draws)
     for p in processes:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err.decode()[-3000:]
     joined = Trainer(pipe, params, TrainConfig(**MULTIHOST_CONFIG))
     joined.restore_checkpoint(tmp_path / "checkpoint")
     assert int(joined.state.step) == 3
-    weights = flat(jax.device_get(one.state.trainable))
-    assert relative(weights, flat(params["unet"])) > 1e-3
-    assert relative(flat(jax.device_get(joined.state.trainable)), weights) < 1e-5
+    assert relative(flat(jax.device_get(joined.state.trainable)), flat(jax.device_get(one.state.trainable))) < 1e-5
