@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any
 
 import flax
@@ -155,11 +156,11 @@ class Trainer:
         return jax.device_put(tree, sharding)
 
     # ---- the computation ----------------------------------------------------------------------------------
-    def apply(self, params, trainable):
-        """`params` with the trained weights put in."""
+    def apply(self, params, trainable, dtype=None):
+        """`params` with the trained weights put in (a full fine-tune's in `dtype`: the pipeline's by default)."""
         method = self.config.method
         if method == "full":
-            return {**params, **jax.tree.map(lambda t: t.astype(self.pipeline.dtype), trainable)}
+            return {**params, **jax.tree.map(lambda t: t.astype(dtype or self.pipeline.dtype), trainable)}
         if method == "lora":
             return merge_lora(params, lora_lib.with_alphas(trainable, self.alphas))
         params = dict(params)
@@ -170,14 +171,9 @@ class Trainer:
             params[name] = {**encoder, "embeddings_token_embedding": {"embedding": table}}
         return params
 
-    def _model_params(self, frozen, trainable):
-        if self.config.method == "full":
-            return {**frozen, **jax.tree.map(lambda x: x.astype(self.compute_dtype), trainable)}
-        return self.apply(frozen, trainable)
-
     def _batch_loss(self, trainable, frozen, batch, draws):
         """The loss of one micro-batch (its rows as diffusers' scripts collate them)."""
-        params = self._model_params(frozen, trainable)
+        params = self.apply(frozen, trainable, self.compute_dtype)
         if "latents" in batch:
             latents = batch["latents"].astype(jnp.float32)
         else:
@@ -354,7 +350,7 @@ class Trainer:
             old = f"{folder}.old-{os.getpid()}"
             os.rename(folder, old)
             os.rename(staging, folder)
-            _remove_tree(old)
+            shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(staging, folder)
         fsync_folder(os.path.dirname(os.path.abspath(folder)))
@@ -407,12 +403,6 @@ def _flat_state(state) -> dict:
 
 def _jsonable(config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config)))
-
-
-def _remove_tree(folder):
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _add_placeholder(pipeline, params, config, encoders):
