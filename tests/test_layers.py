@@ -65,7 +65,8 @@ def test_attention_of_an_image_does_not_depend_on_its_batch(tokens, keys):
     (32, 16, 3, 1, 1),   # 1024 output pixels an image: XLA's convolution
     (9, 24, 3, 2, 1),    # odd side, stride 2
     (10, 24, 3, 2, 0),   # the VAE's downsampling (its (0, 1) pad happens before the conv)
-    (8, 48, 1, 1, 0),    # 1x1
+    (8, 48, 1, 1, 0),    # 1x1: XLA's convolution
+    (32, 4, 1, 1, 0),    # 1x1 over 4 channels, the VAE's post_quant_conv: a matmul on the CPU
 ])
 def test_conv_matches_torch(size, channels, kernel, stride, padding):
     rng = np.random.default_rng(0)
@@ -82,8 +83,11 @@ def test_conv_matches_torch(size, channels, kernel, stride, padding):
 
     out_pixels = ours.shape[1] * ours.shape[2]  # per image: the batch does not change the path
     as_matmul = "convolution(" not in compiled_text(module.apply, params, x)
-    assert as_matmul == (kernel > 1 and out_pixels <= layers.CPU_PATCH_MATMUL_PIXELS
-                         and channels >= layers.CPU_PATCH_MATMUL_MIN_CHANNELS)
+    if kernel == 1:
+        assert as_matmul == (channels <= layers.CPU_NARROW_1X1_CHANNELS)
+    else:
+        assert as_matmul == (out_pixels <= layers.CPU_PATCH_MATMUL_PIXELS
+                             and channels >= layers.CPU_PATCH_MATMUL_MIN_CHANNELS)
 
 
 def test_bfloat16_conv_and_attention_stay_in_bfloat16():

@@ -35,6 +35,9 @@ CPU_ATTENTION_BLOCK_BYTES = 8 << 20
 # batch: the two paths sum in different orders, and an image must not change with the batch it is made in.
 CPU_PATCH_MATMUL_PIXELS = 64
 CPU_PATCH_MATMUL_MIN_CHANNELS = 256
+# Up to this many input channels a 1x1 convolution is a matmul on the CPU (`patch_matmul_pays`); wider ones are
+# faster as XLA's convolution (SD 1.5's 320 -> 640 shortcuts).
+CPU_NARROW_1X1_CHANNELS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +286,12 @@ class Conv2d(ReadsParams, nn.Module):
 
 
 def patch_matmul_pays(out_pixels: int, in_channels: int, kernel: int) -> bool:
-    """Whether a CPU convolution runs as one matmul over its patches: small images (per image), wide channels."""
-    return kernel > 1 and out_pixels <= CPU_PATCH_MATMUL_PIXELS and in_channels >= CPU_PATCH_MATMUL_MIN_CHANNELS
+    """Whether a CPU convolution runs as one matmul over its patches: small images (per image) with wide channels,
+    and the 1x1 convolutions over the latents' few channels (the VAE's quant convs), which YNNPACK's convolution
+    sums in an order that depends on the batch (docs/batch.md, "One image, any batch")."""
+    if kernel == 1:
+        return in_channels <= CPU_NARROW_1X1_CHANNELS
+    return out_pixels <= CPU_PATCH_MATMUL_PIXELS and in_channels >= CPU_PATCH_MATMUL_MIN_CHANNELS
 
 
 class Attention(nn.Module):
