@@ -11,7 +11,7 @@ lack in `.whl/` (downloaded where pip works: `pip download --no-deps --only-bina
 It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
 working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 15 minutes of
 an H200's time before SD 3.5 Medium's two jobs, which come last (a deadline may drop them: `--part sd35` runs them
-alone); each part (`--part correctness|sd15|sdxl|sd35|compile|flags`) fits a 10-minute command, `--family
+alone); each part (`--part correctness|sd15|sdxl|sd35|compile|flags|train`) fits a 10-minute command, `--family
 sd15|sdxl|sd35` keeps one family's jobs of a part, `--batch N` its speed jobs at batch N, and `--deadline-s` stops
 launching jobs once that many seconds have passed (and stops a running one there), so a run never outlasts its
 time limit. The report is rewritten after every job: a run cut short keeps what it finished.
@@ -62,21 +62,32 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   text encoders with each stack cut to one layer (`one_layer`, a bound), the UNet with each stack one `lax.scan`
   over its layers' stacked params (`scanned`), and both UNets run on the same random weights (`unet_runs`): what
   scanning would cost of the speed, and the scanned output against the plain one.
+- `training` (`--part train`; last in `all`): a LoRA update (rank 4 on the UNet's attention projections, cached
+  latents, the text encoders run in the step, bfloat16 compute with the LoRA and Adam in float32) of
+  `sdflax.train` against diffusers' LoRA scripts' update with PEFT (`train_text_to_image_lora.py`, its SDXL twin),
+  each in its own process: SD 1.5 at 512² batch 8 and SDXL at 1024² batch 2. The first step (compiling included),
+  the median of `--repeats` steps with their range, steps and images per second, peak device memory, and both
+  against diffusers'. diffusers' side needs peft: add `peft==0.21.2 accelerate==1.15.0 psutil pyyaml` to the
+  wheels downloaded above where the image lacks them.
 - `provenance`: the devices, the driver, package versions, the command, the commit (`--commit`, else git's).
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
 "bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}}, "speed":
 {"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "checkpoint": {"family", "bytes",
-"wall_s"}}, "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a check is {"rel_l2",
-"max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s", "ready_s", "results":
-[{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile": {"batch", "wall_s",
-"device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count", "seconds"}, ...]}},
-or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ..., "program": {"batch",
-"trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and {"batch", "dtype", "device",
-"models": {model: times}, "one_layer": {model: times}, "scanned": {"unet": times}, "unet_runs": {"plain": run,
-"scanned": run, "scanned_rel_l2", "output_std"}}, times being {"lower_s", "compile_s", "stablehlo_lines"} and a UNet
-run {"first_call_s", "seconds_per_call", "seconds_per_call_min", "seconds_per_call_max"}.
+"wall_s"}}, "training": [run, ...], "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a
+check is {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s",
+"ready_s", "results": [{"batch", "seconds_per_call", ..., "tflops_per_s"}]} (an sdflax run also {"profile":
+{"batch", "wall_s", "device_busy_s", "kernel_launches", "categories_s": {...}, "top": [{"name", "hlo_op", "count",
+"seconds"}, ...]}}, or {"profile": {"batch", "error"}}); a count is a setting and {"flops_per_image", ...,
+"program": {"batch", "trace_s", "lower_s", "stablehlo_bytes", "stablehlo_lines"}}; a split is a setting and
+{"batch", "dtype", "device", "models": {model: times}, "one_layer": {model: times}, "scanned": {"unet": times},
+"unet_runs": {"plain": run, "scanned": run, "scanned_rel_l2", "output_std"}}, times being {"lower_s", "compile_s",
+"stablehlo_lines"} and a UNet run {"first_call_s", "seconds_per_call", "seconds_per_call_min",
+"seconds_per_call_max"}. A training run is the job ({"framework", "family", "batches", "rank", "mixed_precision"})
+and {"import_s", "build_s", "dtype", "device", "wall_s", "results": [{"batch", "first_step_s", "seconds_per_step",
+"seconds_per_step_min", "seconds_per_step_max", "steps_per_s", "images_per_s", "peak_memory_bytes",
+"speedup_vs_diffusers", "memory_vs_diffusers"}]}.
 """
 
 from __future__ import annotations
@@ -208,6 +219,7 @@ XLA_FLAG_SETS = {
 }
 COMPILE_FLAG_SETS = ("autotune_0", "no_triton_gemm", "autotune_1")
 BFLOAT16_FLOOR = 1e-2
+TRAIN_RANK = 4  # diffusers' LoRA scripts' default --rank
 
 
 def log(message):
@@ -232,6 +244,9 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     mlperf = {**sdxl, "steps": 20 if full else 2, "guidance": 8.0, "scheduler": "euler", "setting": "mlperf"}
     speed = lambda framework, s, batches, **extra: {"kind": "speed", "framework": framework, **s,  # noqa: E731
                                                     "batches": batches, **extra}
+    train = lambda framework, family: {"kind": "train", "framework": framework, "family": family,  # noqa: E731
+                                       "batches": [{"sd15": 8, "sdxl": 2}[family] if full else 2],
+                                       "rank": TRAIN_RANK, "mixed_precision": "bf16"}
     table = {
         "correctness": [{"kind": "correctness", "family": "sd15"}, {"kind": "correctness", "family": "sdxl"}],
         "sd15": [speed("sdflax", sd15, big, attention="auto", cache="cold", weights="checkpoint"),
@@ -262,11 +277,14 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                  speed("diffusers", mlperf, [8] if full else [2])],
         "sd35": [speed("sdflax", sd35, [1], attention="auto", cache="none"),
                  speed("diffusers", sd35, [1])],
+        # a LoRA update of sdflax.train against diffusers' LoRA scripts' step, bf16: SD 1.5 512² batch 8, SDXL 1024²
+        # batch 2
+        "train": [train(framework, family) for family in ("sd15", "sdxl") for framework in ("sdflax", "diffusers")],
     }
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
                  ("compile", 4), ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
-                 ("sd35", 0), ("sd35", 1)]
+                 ("sd35", 0), ("sd35", 1), ("train", 0), ("train", 1), ("train", 2), ("train", 3)]
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]
@@ -1034,6 +1052,137 @@ def speed_diffusers(job, size, repeats):
     return out
 
 
+# ---- training ---------------------------------------------------------------------------------------------------
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the LoRA scripts' UNet targets
+
+
+def train_batches(job, size, count):
+    """`count` batches of one LoRA update each, the same for both frameworks: cached latents (the scripts'
+    --cache_latents), random caption ids (SDXL: both tokenizers' and the size ids of a 1024² picture), the noise
+    and the timesteps."""
+    import numpy as np
+
+    configs, batch = configs_for(job["family"], size), job["batches"][0]
+    side = configs["size"] // 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
+    g = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        shape = (batch, configs["vae"]["latent_channels"], side, side)
+        ids = (batch, 2, 77) if job["family"] == "sdxl" else (batch, 77)
+        step = {"latents": g.standard_normal(shape, dtype=np.float32), "input_ids": g.integers(0, 49407, ids),
+                "noise": g.standard_normal(shape, dtype=np.float32), "timesteps": g.integers(0, 1000, batch)}
+        if job["family"] == "sdxl":
+            step.update(original_size=np.full((batch, 2), configs["size"]), target_size=np.full((batch, 2),
+                        configs["size"]), crops_coords_top_left=np.zeros((batch, 2), np.int64))
+        out.append(step)
+    return out
+
+
+def train_figures(job, first, times, peak):
+    median, batch = statistics.median(times), job["batches"][0]
+    return {"batch": batch, "first_step_s": first, "seconds_per_step": median, "seconds_per_step_min": min(times),
+            "seconds_per_step_max": max(times), "steps_per_s": 1 / median, "images_per_s": batch / median,
+            "peak_memory_bytes": peak}
+
+
+def train_sdflax(job, size, repeats):
+    """sdflax.train's LoRA update (one compiled program): the UNet's frozen weights in bfloat16, the LoRA and
+    Adam's state in float32, the text encoders run in the step."""
+    import jax
+    import jax.numpy as jnp
+
+    from sdflax.train import TrainConfig, Trainer
+
+    import_s = time.perf_counter() - _JOB_START
+    bf16 = jax.default_backend() != "cpu"
+    pipeline, params = sdflax_pipeline(job["family"], size, jnp.bfloat16 if bf16 else jnp.float32)
+    trainer = Trainer(pipeline, params, TrainConfig(method="lora", rank=job["rank"], lora_targets=LORA_TARGETS,
+                                                    mixed_precision="bf16" if bf16 else "no"))
+    del params
+    jax.block_until_ready(trainer.state)
+    build_s = time.perf_counter() - _JOB_START - import_s
+    batches = train_batches(job, size, repeats + 1)
+
+    def call(i):
+        step = dict(batches[i])
+        draws = {k: step.pop(k) for k in ("noise", "timesteps")}
+        trainer.step(step, **draws)
+        jax.block_until_ready(trainer.state)
+
+    log(f"sdflax train {job['family']} batch {job['batches'][0]} ...")
+    first, times = timed(call, repeats)
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return {"import_s": import_s, "build_s": build_s, "dtype": "bfloat16" if bf16 else "float32",
+            "device": jax.devices()[0].device_kind, "results": [train_figures(job, first, times, peak)]}
+
+
+def train_diffusers(job, size, repeats):
+    """diffusers' LoRA scripts' update (train_text_to_image_lora.py, its _sdxl twin): PEFT's LoRA layers on the
+    UNet, the frozen weights in bfloat16 and the LoRA cast to float32 (`cast_training_params`), autocast, the
+    scripts' loss line, clip_grad_norm_ and torch.optim.AdamW."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers import DDPMScheduler
+    from peft import LoraConfig, inject_adapter_in_model
+
+    import_s = time.perf_counter() - _JOB_START
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    models = torch_models(job["family"], size, device)
+    unet = models["unet"]
+    encoders = [models[name] for name in TEXT_ENCODERS if name in models]
+    for model in (unet, *encoders):
+        model.requires_grad_(False).to(dtype=dtype)
+    inject_adapter_in_model(LoraConfig(r=job["rank"], lora_alpha=job["rank"], init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS), unet)
+    trained = [p for n, p in unet.named_parameters() if "lora_" in n]
+    for p in trained:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    unet.train()
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    scheduler = DDPMScheduler.from_config(configs_for(job["family"], size)["scheduler"])
+    build_s = time.perf_counter() - _JOB_START - import_s
+    batches = train_batches(job, size, repeats + 1)
+    tensor = lambda x: torch.from_numpy(x).to(device)  # noqa: E731
+
+    def call(i):
+        step = batches[i]
+        latents, noise, timesteps = tensor(step["latents"]), tensor(step["noise"]), tensor(step["timesteps"])
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            noisy = scheduler.add_noise(latents, noise, timesteps)
+            ids = tensor(step["input_ids"])
+            if job["family"] == "sdxl":  # the SDXL script's encode_prompt: both encoders' penultimate states
+                with torch.no_grad():
+                    first_out = encoders[0](ids[:, 0], output_hidden_states=True)
+                    second_out = encoders[1](ids[:, 1], output_hidden_states=True)
+                states = torch.cat([first_out.hidden_states[-2], second_out.hidden_states[-2]], dim=-1)
+                time_ids = torch.cat([tensor(step[k]) for k in ("original_size", "crops_coords_top_left",
+                                                                 "target_size")], dim=1).to(states.dtype)
+                extra = {"added_cond_kwargs": {"text_embeds": second_out.text_embeds, "time_ids": time_ids}}
+            else:
+                with torch.no_grad():
+                    states = encoders[0](ids, return_dict=False)[0]
+                extra = {}
+            prediction = unet(noisy, timesteps, states, return_dict=False, **extra)[0]
+        loss = F.mse_loss(prediction.float(), noise.float(), reduction="mean")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+
+    log(f"diffusers train {job['family']} batch {job['batches'][0]} ...")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    first, times = timed(call, repeats)
+    return {"import_s": import_s, "build_s": build_s, "dtype": str(dtype).removeprefix("torch."),
+            "device": torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)",
+            "results": [train_figures(job, first, times, torch.cuda.max_memory_allocated() if cuda else None)]}
+
+
 # ---- the parent -------------------------------------------------------------------------------------------------
 
 def device_platform() -> str:
@@ -1080,6 +1229,8 @@ def work(job, args):
         return worker(job, args.size, args.repeats)
     if job["kind"] == "compile_split":
         return compile_split(job, args.size, args.repeats)
+    if job["kind"] == "train":
+        return (train_sdflax if job["framework"] == "sdflax" else train_diffusers)(job, args.size, args.repeats)
     return {"correctness": correctness, "flops": flop_count,
             "checkpoint": write_checkpoint}[job["kind"]](job, args.size)
 
@@ -1252,7 +1403,7 @@ def job_name(job) -> str:
 def assemble(tasks, results, run_provenance) -> dict:
     """The report of the tasks that have ended (`results`: index -> result), in the tasks' order."""
     report = {"schema": SCHEMA, "provenance": run_provenance, "correctness": {},
-              "speed": {"runs": [], "flops": [], "compile_split": []}, "errors": []}
+              "speed": {"runs": [], "flops": [], "compile_split": []}, "training": [], "errors": []}
     counts = {}  # setting -> its FLOP count
     for i in sorted(results):
         task, result = tasks[i], results[i]
@@ -1267,11 +1418,26 @@ def assemble(tasks, results, run_provenance) -> dict:
         elif task["kind"] == "flops":
             counts[setting_key(task)] = result
             report["speed"]["flops"].append({**task, **result})
+        elif task["kind"] == "train":
+            report["training"].append({**task, **result})
         else:
             report["speed"]["runs"].append({**{k: v for k, v in task.items() if k not in ("cache_dir", "checkpoint")},
                                             **result})
     add_ratios(report["speed"]["runs"], counts)
+    add_training_ratios(report["training"])
     return report
+
+
+def add_training_ratios(runs):
+    """Each training row's steps per second and peak memory against diffusers' at the same family and batch."""
+    baseline = {(run["family"], r["batch"]): r for run in runs if run["framework"] == "diffusers"
+                for r in run.get("results", [])}
+    for run in runs:
+        for r in run.get("results", []):
+            base = baseline.get((run["family"], r["batch"]))
+            r["speedup_vs_diffusers"] = r["steps_per_s"] / base["steps_per_s"] if base else None
+            r["memory_vs_diffusers"] = (r["peak_memory_bytes"] / base["peak_memory_bytes"]
+                                        if base and r["peak_memory_bytes"] and base["peak_memory_bytes"] else None)
 
 
 def setting_key(job):
@@ -1316,6 +1482,20 @@ def markdown(report):
                          f"{fmt(r['images_per_s'])} | {fmt(r['speedup_vs_diffusers'], '{:.2f}x')} | "
                          f"{fmt(r['first_call_s'])} | {fmt(run.get('ready_s'))} | {fmt(peak)} | "
                          f"{fmt(r['tflops_per_s'])} |")
+    if report.get("training"):
+        lines += ["", "| LoRA training, bf16 | framework | batch | steps/s | images/s | vs diffusers | first step s | "
+                  "peak GiB | memory vs diffusers |", "|---|---|---|---|---|---|---|---|---|"]
+        sizes = SIZES[report["provenance"]["size"]]
+        for run in report["training"]:
+            setting = f"{run['family']} rank {run['rank']} {sizes[run['family']]['size']}px"
+            if "error" in run:
+                lines.append(f"| {setting} | {run['framework']} | {run['batches']} | error | | | | | |")
+                continue
+            for r in run["results"]:
+                peak = r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2 ** 30
+                lines.append(f"| {setting} | {run['framework']} | {r['batch']} | {fmt(r['steps_per_s'])} | "
+                             f"{fmt(r['images_per_s'])} | {fmt(r['speedup_vs_diffusers'], '{:.2f}x')} | "
+                             f"{fmt(r['first_step_s'])} | {fmt(peak)} | {fmt(r['memory_vs_diffusers'], '{:.2f}x')} |")
     return "\n".join(lines)
 
 
@@ -1329,7 +1509,7 @@ def write(report, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the JSON report to write (a Markdown table beside it, .md)")
-    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "sd35", "compile", "flags"),
+    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "sd35", "compile", "flags", "train"),
                    default="all")
     p.add_argument("--family", choices=("sd15", "sdxl", "sd35"), help="only the jobs of this family's models")
     p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "

@@ -122,7 +122,24 @@ def test_speed_runs_have_numbers_and_ratios(report):
         {"cold": "checkpoint", "warm": "checkpoint", "none": None}
     written = r["speed"]["checkpoint"]
     assert written["family"] == "sd15" and written["bytes"] > 0 and written["wall_s"] > 0
-    assert len(r["table"].splitlines()) == 4 + sum(len(run["results"]) for run in runs)
+    training_rows = sum(len(run["results"]) for run in r["training"])
+    assert len(r["table"].splitlines()) == 4 + sum(len(run["results"]) for run in runs) + 3 + training_rows
+
+
+def test_training_rows_time_sdflax_against_diffusers(report):
+    """The LoRA update of sdflax.train and of diffusers' LoRA scripts (PEFT), each family, each in its process."""
+    runs = report[0]["training"]
+    assert [(run["framework"], run["family"]) for run in runs] == [
+        ("sdflax", "sd15"), ("diffusers", "sd15"), ("sdflax", "sdxl"), ("diffusers", "sdxl")]
+    for run in runs:
+        (x,) = run["results"]
+        assert run["import_s"] > 0 and run["build_s"] > 0 and run["wall_s"] > 0 and run["dtype"] == "float32"
+        assert x["batch"] == run["batches"][0] == 2 and x["first_step_s"] > 0
+        assert 0 < x["seconds_per_step_min"] <= x["seconds_per_step"] <= x["seconds_per_step_max"]
+        np.testing.assert_allclose([x["steps_per_s"], x["images_per_s"]], [1, 2] / np.float64(x["seconds_per_step"]))
+        (base,) = [b["results"][0] for b in runs if b["framework"] == "diffusers" and b["family"] == run["family"]]
+        np.testing.assert_allclose(x["speedup_vs_diffusers"], x["steps_per_s"] / base["steps_per_s"])
+        assert x["peak_memory_bytes"] is None and x["memory_vs_diffusers"] is None  # the CPU reports none
 
 
 def test_flop_counts_add_up(report):
@@ -222,7 +239,7 @@ def test_model_calls_are_the_pipelines_calls(family):
 def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
     full = script.jobs("all", "full")
     assert {script.code_path(j) for j in full} == {script.code_path(j) for j in script.jobs("all", "tiny")}
-    parts = [job for part in ("correctness", "sd15", "sdxl", "sd35", "compile")
+    parts = [job for part in ("correctness", "sd15", "sdxl", "sd35", "compile", "train")
              for job in script.jobs(part, "full")]
     assert all(job in parts for job in full)
     # the issue's settings
@@ -230,6 +247,11 @@ def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
                 if j["kind"] == "speed"}
     assert {("sd15", None, 50, 7.5, (1, 8)), ("sdxl", None, 30, 5.0, (1,)), ("sdxl", "mlperf", 20, 8.0, (8,)),
             ("sd35", None, 28, 7.0, (1,))} <= settings
+    # training: SD 1.5 LoRA 512² batch 8 and SDXL LoRA 1024² batch 2, bf16, sdflax against diffusers
+    assert [(j["framework"], j["family"], script.FULL[j["family"]]["size"], j["batches"], j["mixed_precision"])
+            for j in full if j["kind"] == "train"] == [
+        ("sdflax", "sd15", 512, [8], "bf16"), ("diffusers", "sd15", 512, [8], "bf16"),
+        ("sdflax", "sdxl", 1024, [2], "bf16"), ("diffusers", "sdxl", 1024, [2], "bf16")]
     # SD 3.5 Medium: sdflax against diffusers, at 1024x1024 as the issue asks
     assert [(j["framework"], j["batches"]) for j in script.jobs("sd35", "full")] == [("sdflax", [1]),
                                                                                     ("diffusers", [1])]

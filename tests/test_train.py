@@ -12,12 +12,14 @@ from builders import torch_pipeline
 from train_oracle import add_peft_lora, lora_weights, script_loss, train
 
 import jax
+import jax.numpy as jnp
 from flax import traverse_util
 
 from sdflax import StableDiffusion
 from sdflax.train.files import write_safetensors
 from sdflax.train import TrainConfig, Trainer
 from sdflax.train.lora import torch_name
+from sdflax.train.optim import LossScale
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4
@@ -482,13 +484,13 @@ def test_a_data_by_fsdp_mesh_trains_as_one_device(sd1, one_device):
     assert relative(flat(trainer.params["unet"]), flat(base.params["unet"])) < 1e-5
 
 
-def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_script(sd1):
-    """mixed_precision="bf16": the models compute in bfloat16, the LoRA and Adam's moments stay float32; the loss and
-    the trained LoRA follow the float32 oracle to bfloat16's precision (8 bits of mantissa: 2e-2)."""
+def mixed_precision_run(sd1, precision, rtol, config):
+    """Three LoRA updates with the models computing in `precision`: the LoRA and Adam's moments stay float32, the
+    frozen weights are in the compute dtype, and the loss and the trained LoRA follow the float32 oracle to `rtol`
+    (the compute dtype's precision) -> (trainer, steps)."""
     import copy
 
     theirs, pipe, params = sd1
-    config = TrainConfig(method="lora", learning_rate=1e-3, rank=4, mixed_precision="bf16")
     trainer = Trainer(pipe, params, config, seed=9)
     g = np.random.default_rng(9)  # B away from zero, so that the weights are more than Adam's first ±lr steps
     trainer.state = trainer.state.replace(trainable=jax.tree.map(
@@ -498,29 +500,76 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_script(sd1):
     ours = [float(trainer.step(batch, **draws)["loss"]) for batch, draws in steps]
     assert {x.dtype for x in jax.tree.leaves((trainer.state.trainable, trainer.state.opt_state))} >= {
         np.dtype(np.float32)}
-    assert all(x.dtype != np.dtype("bfloat16") for x in jax.tree.leaves(trainer.state))
-    assert trainer.frozen["unet"]["conv_in"]["kernel"].dtype == np.dtype("bfloat16")
+    assert all(x.dtype not in (np.dtype("bfloat16"), np.float16) for x in jax.tree.leaves(trainer.state))
+    assert trainer.frozen["unet"]["conv_in"]["kernel"].dtype == np.dtype(precision)
 
     unet, text_encoder = copy.deepcopy(theirs.unet), copy.deepcopy(theirs.text_encoder).requires_grad_(False)
     init = {torch_name("unet", n.split("/")): (w["down"], w["up"]) for n, w in initial["unet"].items()}
     trained = add_peft_lora(unet, config.lora_targets, 4, 4, init)
     losses = train({"unet": unet, "text_encoder": text_encoder}, ddpm(theirs), trained, *torch_updates(steps, 1),
-                   config)
-    np.testing.assert_allclose(ours, losses, rtol=2e-2)
+                   dataclasses.replace(config, mixed_precision="no"))
+    np.testing.assert_allclose(ours, losses, rtol=rtol)
     theirs_lora = lora_weights(unet)
     pairs = [(w[part], theirs_lora[torch_name("unet", n.split("/"))][i])
              for n, w in trainer.state.trainable["unet"].items() for i, part in enumerate(("down", "up"))]
     ours_flat, theirs_flat = (np.concatenate([np.ravel(p[i]) for p in pairs]) for i in (0, 1))
     start = np.concatenate([np.ravel(w[part]) for w in initial["unet"].values() for part in ("down", "up")])
-    assert relative(ours_flat, theirs_flat) < 2e-2
+    assert relative(ours_flat, theirs_flat) < rtol
     assert relative(theirs_flat, start) > 1e-3  # ... and the updates moved them more than that
+    return trainer, steps
+
+
+def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_script(sd1):
+    """bfloat16 (8 bits of mantissa): 2e-2."""
+    config = TrainConfig(method="lora", learning_rate=1e-3, rank=4, mixed_precision="bf16")
+    mixed_precision_run(sd1, "bfloat16", 2e-2, config)
+
+
+def test_fp16_mixed_precision_scales_the_loss_and_skips_an_overflowing_update(sd1):
+    """float16 (11 bits of mantissa): 5e-3, under GradScaler's loss scale (2**16 here: no overflow in three
+    updates). Then an update whose gradients overflow (the scale set to 2**40) is skipped as accelerate skips it:
+    the LoRA and Adam's state unchanged bit for bit, the scale halved, and the learning-rate schedule not advanced
+    (the next update runs at the skipped one's rate)."""
+    config = TrainConfig(method="lora", learning_rate=1e-3, rank=4, mixed_precision="fp16", lr_scheduler="linear",
+                         lr_warmup_steps=0, max_train_steps=10)
+    trainer, steps = mixed_precision_run(sd1, "float16", 5e-3, config)
+    scale = trainer.state.loss_scale
+    assert (float(scale.scale), int(scale.good_steps), int(scale.skipped)) == (2.0 ** 16, 3, 0)
+
+    trainer.state = trainer.state.replace(loss_scale=scale.replace(scale=jnp.float32(2.0 ** 40)))
+    before = jax.device_get((trainer.state.trainable, trainer.state.opt_state))
+    skipped = trainer.step(*steps[0][:1], **steps[0][1])
+    after = jax.device_get((trainer.state.trainable, trainer.state.opt_state))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    scale = trainer.state.loss_scale
+    assert (float(scale.scale), int(scale.good_steps), int(scale.skipped), int(trainer.state.step)) == \
+        (2.0 ** 39, 0, 1, 4)
+    assert np.isfinite(float(skipped["loss"]))
+    trainer.state = trainer.state.replace(loss_scale=scale.replace(scale=jnp.float32(2.0 ** 16)))  # fits again
+    applied = trainer.step(*steps[1][:1], **steps[1][1])
+    assert int(trainer.state.loss_scale.skipped) == 1
+    assert float(applied["learning_rate"]) == float(skipped["learning_rate"]) == pytest.approx(1e-3 * 7 / 10)
+    moved = jax.device_get(trainer.state.trainable)
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(after[0]), jax.tree.leaves(moved)))
+
+
+def test_the_fp16_loss_scale_follows_torchs_grad_scaler():
+    """LossScale.after against torch's own update (`torch._amp_update_scale_`, what GradScaler.update runs) over
+    good and overflowing updates, with a growth interval of 3 so that the scale grows too."""
+    scale, tracker = torch.full((), 2.0 ** 16), torch.zeros((), dtype=torch.int32)
+    ours = LossScale.initial()
+    for found_inf in [0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]:
+        torch._amp_update_scale_(scale, tracker, torch.full((), float(found_inf)), 2.0, 0.5, 3)
+        ours = ours.after(jnp.asarray(not found_inf), growth_interval=3)
+        assert (float(ours.scale), int(ours.good_steps)) == (float(scale), int(tracker))
+    assert (float(ours.scale), int(ours.skipped)) == (2.0 ** 16, 3)  # three halvings, three doublings
 
 
 def test_bad_settings_are_refused_in_one_line(sd1):
     theirs, pipe, params = sd1
     cases = [
         (dict(method="dora"), "method='dora' is not one of"),
-        (dict(mixed_precision="fp16"), "float16 needs loss scaling"),
+        (dict(mixed_precision="fp8"), "mixed_precision='fp8' is not one of"),
         (dict(lr_scheduler="cosine"), "give max_train_steps"),
         (dict(learning_rate=float("nan")), "learning_rate=nan must be a finite number"),
         (dict(adam_beta2=1.0), "adam_beta2=1.0 must be a finite number in \\[0.0, 1.0\\)"),

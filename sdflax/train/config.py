@@ -8,7 +8,7 @@ import math
 
 METHODS = ("lora", "full", "textual_inversion")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-MIXED_PRECISIONS = ("no", "bf16")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
 PREDICTION_TYPES = (None, "epsilon", "v_prediction")
 LORA_INITS = ("default", "gaussian")
 
@@ -33,7 +33,9 @@ class TrainConfig:
     snr_gamma: float | None = None  # min-SNR-γ weighting (Hang et al. 2023); 5.0 is the paper's choice
     noise_offset: float = 0.0
     prediction_type: str | None = None  # None: the scheduler's
-    mixed_precision: str = "no"  # "bf16": the models compute in bfloat16; trained weights and Adam stay float32
+    # "bf16" / "fp16": the models compute in bfloat16 / float16; trained weights and Adam stay float32; fp16 with
+    # accelerate's dynamic loss scale (optim.LossScale)
+    mixed_precision: str = "no"
     gradient_checkpointing: bool = False  # recompute each UNet block's activations in the backward pass
     use_ema: bool = False
     ema_decay: float = 0.9999  # diffusers' EMAModel: decay min(ema_decay, (1 + n) / (10 + n)) after n updates
@@ -54,9 +56,7 @@ class TrainConfig:
                                ("mixed_precision", MIXED_PRECISIONS), ("prediction_type", PREDICTION_TYPES),
                                ("init_lora_weights", LORA_INITS)):
             if getattr(self, field) not in allowed:
-                hint = " (float16 needs loss scaling, which sdflax does not do: use bf16)" if \
-                    getattr(self, field) == "fp16" else ""
-                raise ValueError(f"TrainConfig: {field}={getattr(self, field)!r} is not one of {allowed}{hint}")
+                raise ValueError(f"TrainConfig: {field}={getattr(self, field)!r} is not one of {allowed}")
         for field in ("learning_rate", "adam_epsilon", "prior_loss_weight", "ema_decay"):
             _number(field, getattr(self, field), low=0.0)
         for field in ("adam_beta1", "adam_beta2"):

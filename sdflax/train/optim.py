@@ -1,13 +1,22 @@
 """The optimizer of diffusers' training scripts in optax: `clip_grad_norm_`, then `torch.optim.AdamW`, at the
-learning rate of `diffusers.optimization.get_scheduler`, stepped once per optimizer update."""
+learning rate of `diffusers.optimization.get_scheduler`, stepped once per optimizer update; and float16's dynamic
+loss scale as accelerate runs `torch.amp.GradScaler`."""
 
 from __future__ import annotations
 
 import math
 
+import flax
 import jax
 import jax.numpy as jnp
 import optax
+
+# torch.amp.GradScaler's defaults, which accelerate's fp16 uses: the first scale, its factors, and how many
+# updates without an overflow double it
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_GROWTH_INTERVAL = 2000
 
 
 def learning_rate_schedule(config):
@@ -64,3 +73,29 @@ def ema_decay_at(config, updates):
 def ema_update(ema, params, decay):
     """EMAModel.step: s ← s - (1 - decay) (s - p)."""
     return jax.tree.map(lambda s, p: s - (1.0 - decay) * (s - p), ema, params)
+
+
+@flax.struct.dataclass
+class LossScale:
+    """float16's dynamic loss scale (`mixed_precision="fp16"`): the loss is multiplied by `scale` before the
+    gradients are taken, so that small gradients survive float16, and the gradients divided by it after; an update
+    whose gradients overflowed is skipped (the weights, Adam's state and the learning-rate schedule stay; accelerate
+    steps its scheduler only after an update) and the scale halved."""
+
+    scale: jnp.ndarray  # float32
+    good_steps: jnp.ndarray  # int32: updates since the scale last changed (GradScaler's growth tracker)
+    skipped: jnp.ndarray  # int32: updates skipped so far
+
+    @classmethod
+    def initial(cls) -> LossScale:
+        return cls(scale=jnp.asarray(LOSS_SCALE_INIT, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                   skipped=jnp.zeros((), jnp.int32))
+
+    def after(self, finite, growth_interval: int = LOSS_SCALE_GROWTH_INTERVAL) -> LossScale:
+        """torch's `_amp_update_scale_`: halve on an overflow, double after `growth_interval` good updates."""
+        good = jnp.where(finite, self.good_steps + 1, 0)
+        grow = good == growth_interval
+        scale = jnp.where(finite, jnp.where(grow, self.scale * LOSS_SCALE_GROWTH, self.scale),
+                          self.scale * LOSS_SCALE_BACKOFF)
+        return LossScale(scale=scale, good_steps=jnp.where(grow, 0, good),
+                         skipped=self.skipped + jnp.where(finite, 0, 1))

@@ -31,7 +31,7 @@ from . import lora as lora_lib
 from .config import TrainConfig
 from .files import fsync_folder, write_safetensors
 from .objective import NoiseSchedule, denoising_loss
-from .optim import ema_decay_at, ema_update, learning_rate_schedule, optimizer
+from .optim import LossScale, ema_decay_at, ema_update, learning_rate_schedule, optimizer
 from .pretrained import save_pretrained
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -47,6 +47,7 @@ class TrainState:
     opt_state: Any
     ema: Any  # the trainable's exponential moving average (use_ema), else None
     key: jnp.ndarray  # uint32 (2,): the draws of the next update come from it
+    loss_scale: LossScale | None = None  # mixed_precision="fp16"
 
 
 class Trainer:
@@ -78,7 +79,7 @@ class Trainer:
                             if config.method != "full" or name not in trainable}
         # float32 master weights, copies: the update donates its state's buffers, never the caller's params
         trainable = jax.tree.map(lambda x: jnp.array(x, jnp.float32), trainable)
-        self.compute_dtype = jnp.bfloat16 if config.mixed_precision == "bf16" else jnp.float32
+        self.compute_dtype = {"no": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[config.mixed_precision]
         # the frozen weights the loss reads, in the compute dtype
         self.frozen = jax.tree.map(lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                                    else x, self.base_params)
@@ -90,7 +91,8 @@ class Trainer:
         self.tx = optimizer(config)
         self.learning_rate = learning_rate_schedule(config)
         state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=self.tx.init(trainable),
-                           ema=jax.tree.map(jnp.copy, trainable) if config.use_ema else None, key=key)
+                           ema=jax.tree.map(jnp.copy, trainable) if config.use_ema else None, key=key,
+                           loss_scale=LossScale.initial() if config.mixed_precision == "fp16" else None)
         self.mesh = mesh
         if mesh is None:
             self.state = state
@@ -228,13 +230,29 @@ class Trainer:
 
     def _update(self, state: TrainState, frozen, batch, given):
         key, step_key = jax.random.split(state.key)
-        loss, grads = jax.value_and_grad(self._mean_loss)(state.trainable, frozen, batch, given, step_key)
+        scale = state.loss_scale
+        if scale is None:
+            loss, grads = jax.value_and_grad(self._mean_loss)(state.trainable, frozen, batch, given, step_key)
+        else:  # float16: GradScaler's scaled loss, then the gradients unscaled by its reciprocal, as torch does
+            def scaled(trainable):
+                loss = self._mean_loss(trainable, frozen, batch, given, step_key)
+                return loss * scale.scale, loss
+
+            (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(state.trainable)
+            grads = jax.tree.map(lambda g: g * (1.0 / scale.scale), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
+        applied = state.step  # updates applied so far: the learning-rate schedule's count
+        if scale is not None:  # an update whose gradients overflowed is skipped, and the scale halved
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            trainable, opt_state = keep(trainable, state.trainable), keep(opt_state, state.opt_state)
+            applied = state.step - scale.skipped
+            scale = scale.after(finite)
         step = state.step + 1
         ema = None if state.ema is None else ema_update(state.ema, trainable, ema_decay_at(self.config, step))
-        return (TrainState(step=step, trainable=trainable, opt_state=opt_state, ema=ema, key=key),
-                {"loss": loss, "learning_rate": self.learning_rate(state.step)})
+        return (TrainState(step=step, trainable=trainable, opt_state=opt_state, ema=ema, key=key, loss_scale=scale),
+                {"loss": loss, "learning_rate": self.learning_rate(applied)})
 
     # ---- the public calls ---------------------------------------------------------------------------------
     def _inputs(self, batch, noise, timesteps, offset_noise, latent_noise):
