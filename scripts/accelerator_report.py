@@ -1250,12 +1250,15 @@ def preload():
     import transformers  # noqa: F401
 
     import sdflax.cli  # noqa: F401
+    import sdflax.train  # noqa: F401
     from sdflax import StableDiffusion  # noqa: F401
     from sdflax.assemble import build_models  # noqa: F401
 
+    with contextlib.suppress(ImportError):  # the training jobs' (diffusers' side says so where it is missing)
+        import peft  # noqa: F401
     for name in ("UNet2DConditionModel", "AutoencoderKL", "SD3Transformer2DModel", "StableDiffusionPipeline",
                  "StableDiffusionXLPipeline", "StableDiffusion3Pipeline", "PNDMScheduler", "EulerDiscreteScheduler",
-                 "FlowMatchEulerDiscreteScheduler"):
+                 "FlowMatchEulerDiscreteScheduler", "DDPMScheduler"):
         getattr(diffusers, name)
 
 
