@@ -394,6 +394,38 @@ def test_two_runs_on_one_out_do_not_race_the_second_is_refused_naming_the_first(
     assert sorted(os.listdir(tmp_path / "out")) == [".sdflax-batch.0.lock"]
 
 
+@pytest.mark.parametrize("name", [".sdflax-batch.0.lock", "manifest.jsonl"])
+def test_a_symbolic_link_in_out_is_never_written_through(tmp_path, capsys, name):
+    """A lock file or a manifest linked to a file out of --out: the run truncated and overwrote the lock's target,
+    and would have appended to the manifest's."""
+    (tmp_path / "prompts.txt").write_text("a fox\n")
+    (tmp_path / "out").mkdir()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("")  # empty: a manifest without records, as far as reading it goes
+    (tmp_path / "out" / name).symlink_to(notes)
+    assert main(["batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out"), *SIZE,
+                 "--num-processes", "1"]) == 2
+    assert capsys.readouterr().err == (f"sdflax: error: {tmp_path / 'out' / name} is a symbolic link: sdflax never "
+                                       "writes through one (it may point out of --out); remove it, or choose "
+                                       "another --out\n")
+    assert notes.read_text() == ""
+
+
+def test_a_png_is_never_written_through_a_link_at_its_temporary_name(tmp_path):
+    from PIL import Image
+
+    from sdflax.cli.manifest import link_png, temporary
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    os.symlink(notes, temporary(tmp_path, "000001-a-fox.png", 0))
+    link_png(str(tmp_path), "000001-a-fox.png", Image.new("RGB", (4, 4), "red"), None, 0)
+    assert notes.read_text() == "my notes\n"
+    assert sorted(os.listdir(tmp_path)) == ["000001-a-fox.png", "notes.txt"]
+    with Image.open(tmp_path / "000001-a-fox.png") as image:
+        assert image.getpixel((0, 0)) == (255, 0, 0)
+
+
 def test_a_manifest_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
     """A manifest of another user's (or a read-only folder) was a PermissionError traceback."""
     import sdflax.cli.manifest

@@ -5,6 +5,7 @@ agreed on by every process."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -21,6 +22,25 @@ SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width",
         "ip_image_encoder", "t2i_adapter", "adapter_image", "adapter_scale", "adapter_factor", "prompt_3",
         "negative_prompt_3", "max_sequence_length", "t5", "slg_layers", "slg_scale")
 MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
+# Files sdflax writes in --out are opened without following a symbolic link, which could point out of it
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def refuse_link(path):
+    if os.path.islink(path):
+        raise UserError(f"{path} is a symbolic link: sdflax never writes through one (it may point out of --out); "
+                        "remove it, or choose another --out")
+
+
+def open_for_writing(path, flags) -> int:
+    """os.open of a file sdflax writes in --out, never through a symbolic link (refused in one line)."""
+    refuse_link(path)
+    try:
+        return os.open(path, flags | NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # made a link since the check
+            refuse_link(path)
+        raise
 
 
 def read_manifests(folder) -> list[dict]:
@@ -30,6 +50,7 @@ def read_manifests(folder) -> list[dict]:
         if not MANIFEST.fullmatch(name):
             continue
         path = os.path.join(folder, name)
+        refuse_link(path)  # a run would append to what it points to
         not_ours = f"{path} is not a manifest of sdflax batch"
         advice = "sdflax never overwrites a file; move it, or choose another --out"
         if not os.path.isfile(path):
@@ -78,14 +99,12 @@ class Manifest:
 
     def __init__(self, path):
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            self.fd = open_for_writing(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except OSError as e:  # another user's, or a read-only folder
             raise UserError(f"{path}: cannot write to it ({e.strerror or e}): choose another --out") from e
         size = os.fstat(self.fd).st_size
         if size and os.pread(self.fd, 1, size - 1) != b"\n":  # a line cut short by a kill: not a record
-            with open(path, "rb") as f:
-                keep = f.read().rfind(b"\n") + 1
-            os.ftruncate(self.fd, keep)
+            os.ftruncate(self.fd, os.pread(self.fd, size, 0).rfind(b"\n") + 1)
 
     def append(self, record):
         os.write(self.fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
@@ -104,7 +123,7 @@ def folder_lock(folder, out, process):
         return
     path = os.path.join(folder, f".sdflax-batch.{process}.lock")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_for_writing(path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write in it ({e.strerror or e}): choose another --out") from e
     try:
@@ -138,8 +157,10 @@ def link_png(folder, name, image, info, process):
     """Write the PNG whole under a temporary name, then link it into place: the name never holds a partial
     image, and a file that took the name meanwhile is never replaced."""
     scratch, path = temporary(folder, name, process), os.path.join(folder, name)
+    if os.path.lexists(scratch):  # a killed run's (the name is this process's), or a link planted there
+        os.unlink(scratch)
     try:
-        with open(scratch, "wb") as f:
+        with os.fdopen(os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644), "wb") as f:
             image.save(f, format="PNG", pnginfo=info)
             f.flush()
             os.fsync(f.fileno())
