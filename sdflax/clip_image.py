@@ -17,6 +17,10 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = 3  # PIL's (and transformers' PILImageResampling) number for the bicubic filter
 
 
+# The most pixels a picture becomes on its way to the image encoder (8192 x 8192, as sdflax reads at most)
+MAX_RESIZED_PIXELS = 8192 * 8192
+
+
 def clip_image_inputs(images, size=224, crop_size=224, mean=CLIP_MEAN, std=CLIP_STD) -> np.ndarray:
     """PIL images or (H, W, C) arrays (uint8, or float in [0, 1] as sdflax reads every picture) -> float32
     (B, 3, crop height, crop width). `size` is the shortest side after resizing, `crop_size` an int or
@@ -31,6 +35,10 @@ def clip_image_inputs(images, size=224, crop_size=224, mean=CLIP_MEAN, std=CLIP_
         width, height = image.size
         short, long = sorted((width, height))
         new_long = int(size * long / short)  # transformers' rounding (down), as torchvision's Resize
+        if size * new_long > MAX_RESIZED_PIXELS:  # a 1-pixel-wide strip would grow without bound
+            raise ValueError(f"an image of {width}x{height} pixels, resized to {size} on its short side for the "
+                             f"image encoder, would be {size}x{new_long}: crop it nearer to a square (at most "
+                             f"{MAX_RESIZED_PIXELS // size // size}:1)")
         image = image.resize((size, new_long) if width <= height else (new_long, size), Image.Resampling.BICUBIC)
         pixels = center_crop(np.asarray(image), crop_height, crop_width)
         scaled = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale, in float64

@@ -155,6 +155,15 @@ def test_bad_input_is_one_line(saved_folder, tmp_path):
         model.apply(params, np.zeros((1, 3, 32, 32), np.float32))
 
 
+def test_a_strip_of_extreme_aspect_is_refused_before_it_is_resized():
+    """A 1-pixel-wide strip within the file-size bound grew to 224 x (224 x its length) pixels: a MemoryError."""
+    with pytest.raises(ValueError, match=r"an image of 1x400000 pixels, resized to 224 on its short side for the "
+                                         r"image encoder, would be 224x89600000: crop it nearer to a square "
+                                         r"\(at most 1337:1\)"):
+        clip_image_inputs(Image.new("RGB", (1, 400000)))
+    assert clip_image_inputs(Image.new("RGB", (1, 1337))).shape == (1, 3, 224, 224)  # the bound itself passes
+
+
 # Odd sizes, both orientations, a sliver, transparency and greyscale: PIL images and uint8 arrays.
 def pictures():
     rng = np.random.default_rng(3)
