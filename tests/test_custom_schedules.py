@@ -71,6 +71,10 @@ def test_bad_schedules_and_schedulers_that_take_none_are_refused(both):
                              "last step lands (0: a clean image)"),
         ({"sigmas": [14.6, -1.0]}, "must be strictly descending σ >= 0"),
         ({"timesteps": [999, 500], "sigmas": [14.6, 0.0]}, "give timesteps or sigmas, not both"),
+        # fractional timesteps slipped past the step cap: 4,000 steps ran for minutes
+        ({"timesteps": list(np.linspace(999, 0, 4000))}, "timesteps asks for 4000 steps: at most 1000 "
+                                                         "(num_train_timesteps), as num_inference_steps"),
+        ({"sigmas": list(np.linspace(14.6, 0, 1002))}, "sigmas asks for 1001 steps: at most 1000"),
     ]:
         with pytest.raises(ValueError, match=None) as info:
             ours(ids, params, key, **schedule)

@@ -385,7 +385,7 @@ def custom_steps(config) -> int | None:
 def checked_schedule(kind: str, values, num_train_timesteps: int) -> tuple[float, ...]:
     """Custom timesteps or σ as a tuple of floats, refused unless they can be a schedule: a flat list of finite
     numbers, strictly descending, timesteps within the training range, σ non-negative and at least two (the last
-    is where the final step lands, 0 for a clean image)."""
+    is where the final step lands, 0 for a clean image), and at most num_train_timesteps steps."""
     try:
         array = np.asarray(values, np.float64)
     except (TypeError, ValueError):
@@ -393,6 +393,10 @@ def checked_schedule(kind: str, values, num_train_timesteps: int) -> tuple[float
     if array is None or array.ndim != 1 or not np.isfinite(array).all():
         raise ValueError(f"{kind} must be a list of finite numbers, got {values!r:.80}")
     least = 1 if kind == "timesteps" else 2
+    steps = len(array) - (kind == "sigmas")
+    if steps > num_train_timesteps:  # the cap num_inference_steps has, whatever asks for the steps
+        raise ValueError(f"{kind} asks for {steps} steps: at most {num_train_timesteps} (num_train_timesteps), "
+                         "as num_inference_steps")
     if len(array) < least or (np.diff(array) >= 0).any() or array.min() < 0 or (
             kind == "timesteps" and array.max() > num_train_timesteps - 1):
         what = (f"training timesteps in [0, {num_train_timesteps - 1}], one per step" if kind == "timesteps" else
