@@ -218,6 +218,31 @@ def test_sigint_while_loading_exits_130_having_written_nothing(tmp):
     assert pngs(out) == [] and manifest(out) == []
 
 
+def test_sigterm_while_the_prompt_file_blocks_ends_the_run(tmp_path):
+    """PROMPTS a FIFO that nobody writes: the run blocked reading it, and its SIGTERM handler, already installed,
+    swallowed the signal (still running minutes later). Before the run begins a signal ends it as any process."""
+    fifo = tmp_path / "prompts.txt"
+    os.mkfifo(fifo)
+    blocked = subprocess.Popen([sys.executable, "-m", "sdflax", "batch", str(fifo), "--out", str(tmp_path / "out"),
+                                *SIZE], cwd=tmp_path, env=env_for(tmp_path, 1), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    while True:  # a writer's open succeeds once the run has the FIFO open for reading: it then waits in read()
+        assert blocked.poll() is None
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            time.sleep(0.05)
+    try:
+        blocked.send_signal(signal.SIGTERM)
+        blocked.communicate(timeout=60)
+    finally:
+        os.close(writer)
+        blocked.kill()
+    assert blocked.returncode == -signal.SIGTERM
+    assert not (tmp_path / "out").exists()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

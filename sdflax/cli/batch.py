@@ -173,12 +173,14 @@ def json_line(path, number, raw, ip_adapters=0) -> dict:
 # ---- the command --------------------------------------------------------------------------------------------
 
 def run(args) -> int:
-    with Signals() as signals, contextlib.ExitStack() as held:
-        return run_lines(args, signals, held)
+    with contextlib.ExitStack() as held:
+        return run_lines(args, held)
 
 
-def run_lines(args, signals, held) -> int:
-    """The command; `held` keeps the folder's lock until the run ends."""
+def run_lines(args, held) -> int:
+    """The command; `held` keeps the folder's lock, and from when the inputs are read the signal handlers, until
+    the run ends. Until then a signal ends the process as it would any other (nothing is written yet), even one
+    blocked reading a FIFO given as PROMPTS."""
     status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
     lines = read_prompts(args.prompts, args, len(args.ip_adapter))  # every mistake before JAX starts
     folder = output_folder(args.out)
@@ -192,6 +194,7 @@ def run_lines(args, signals, held) -> int:
     held.enter_context(files.folder_lock(folder, args.out, process))
     records = files.read_manifests(folder)  # again, now that no other run writes to them
     lines, checkpoints = with_default_steps(lines, check_lines(base, lines, args.prompts))
+    signals = held.enter_context(Signals())  # from here a signal stops the run after the image in hand
 
     import jax
 
