@@ -315,7 +315,8 @@ def test_a_file_that_is_not_this_commands_image_is_never_overwritten(tmp):
     (["--dtype", "bfloat16"], "dtype", "float32", "bfloat16"),
     (["--lora", "x.safetensors:0.5"], "lora", "none", '["x.safetensors"]'),
     (["--embedding", "x.pt"], "embedding", "none", '["x.pt"]'),
-    (["--steps", "3"], "steps", "2", "3")])
+    (["--steps", "3"], "steps", "2", "3"),
+    (["--guider", "apg"], "guider", "none", "AdaptiveProjectedGuidance")])  # resumed with another guider: mixed
 def test_a_rerun_with_other_settings_is_refused_naming_the_setting(tmp, full, tmp_path, monkeypatch, capsys, flags,
                                                                    setting, theirs, ours):
     """A rerun went on in the folder with another --scheduler, --dtype, --lora or --embedding, mixing images of two

@@ -15,12 +15,11 @@ import zlib
 
 from .request import UserError
 
-# The settings that make an image: a manifest record or a PNG made with others is not this command's image.
-# "sampler" is the scheduler as it ran (A1111's name, else sdflax's), whatever name --scheduler gave it.
-SAME = ("prompt", "negative_prompt", "seed", "steps", "guidance_scale", "width", "height", "model", "revision",
-        "config", "sampler", "dtype", "lora", "lora_scale", "embedding", "ip_adapter", "ip_adapter_scale", "ip_image",
-        "ip_image_encoder", "t2i_adapter", "adapter_image", "adapter_scale", "adapter_factor", "prompt_3",
-        "negative_prompt_3", "max_sequence_length", "t5", "slg_layers", "slg_scale")
+# What a PNG's text and a manifest record hold that does not make the pixels; every other setting (the guider and
+# its arguments, the adapters, ... whatever `image_settings` records) must be the same for an image to be this
+# command's. "sampler" (the scheduler as it ran) is compared, "scheduler" (the name the command gave it) is not;
+# "commit" is the hub snapshot the compared "revision" resolved to; "parameters" is A1111's line of the others.
+NOT_PIXELS = ("scheduler", "software", "commit", "parameters")
 MANIFEST = re.compile(r"manifest(\.\d+)?\.jsonl")
 # Files sdflax writes in --out are opened without following a symbolic link, which could point out of it
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -183,9 +182,13 @@ def link_png(folder, name, image, info, process):
 
 
 def image_key(settings) -> dict:
-    """The settings that identify a line's image (SAME), as the PNG's text chunks hold them (`png_info`); None for
-    one it has not."""
-    return {name: as_text(settings.get(name)) for name in SAME}
+    """The settings that identify a line's image (all but NOT_PIXELS), as the PNG's text chunks hold them
+    (`png_info`)."""
+    return {name: as_text(value) for name, value in settings.items() if name not in NOT_PIXELS}
+
+
+def first_difference(made: dict, wanted: dict) -> str:
+    return next(name for name in (*wanted, *made) if made.get(name) != wanted.get(name))
 
 
 def as_text(value):
@@ -204,10 +207,10 @@ def check_records(records, lines, keys, out, folder) -> set:
                             "have: use another --out for other prompts")
         made = image_key(r["settings"])
         if made != keys[number]:
-            name = next(name for name in SAME if made[name] != keys[number][name])
+            name = first_difference(made, keys[number])
             raise UserError(f"--out {out} holds {r['file']} of line {number} made with {name} "
-                            f"{made[name] or 'none'}, not {keys[number][name] or 'none'}: use another --out for "
-                            "other settings")
+                            f"{made.get(name) or 'none'}, not {keys[number].get(name) or 'none'}: use another --out "
+                            "for other settings")
         if os.path.lexists(os.path.join(folder, os.path.basename(r["file"]))):
             done.add(number)
     return done
@@ -224,7 +227,7 @@ def is_orphan(folder, line, keys, out) -> bool:
     try:
         with Image.open(path) as image:
             image.load()
-            made = {name: image.text.get(name) for name in SAME}
+            made = {name: value for name, value in image.text.items() if name not in NOT_PIXELS}
     except Exception:  # noqa: BLE001 (any unreadable file is not ours)
         made = None
     if made != keys[line.number]:
