@@ -150,6 +150,16 @@ def test_bad_input_is_one_line_and_status_2(args, expected, capsys, tmp_path):
     assert expected in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("flag", [None, "--negative-prompt", "--prompt-2", "--prompt-3"])
+def test_a_prompt_that_is_not_utf8_is_one_line(flag, capsys, tmp_path):
+    """Bytes that are not UTF-8 on the command line (Python keeps them as lone surrogates) ended in a tokenizer's
+    TypeError."""
+    text = os.fsdecode(b"a \xff fox")
+    args = ["generate", text] if flag is None else ["generate", "a fox", flag, text]
+    assert main([*args, "--model", TINY, "--out", str(tmp_path / "out")]) == 2
+    assert f"argument {flag or 'prompt'}: 'a \ufffd fox' is not UTF-8 text" in one_error_line(capsys)
+
+
 def test_folder_that_is_not_a_checkpoint(tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(TINY, broken)

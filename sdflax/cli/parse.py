@@ -177,6 +177,18 @@ def guider_argument(text):
     return key.strip(), numbers[0] if len(numbers) == 1 else numbers
 
 
+def prompt_text(text):
+    """A prompt: text. Bytes of the command line that are not UTF-8 reach Python as lone surrogates, which no
+    tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise argparse.ArgumentTypeError(f"{shown!r:.80} is not UTF-8 text (\ufffd marks the bytes that are not): "
+                                         "give the prompt in UTF-8") from None
+    return text
+
+
 def build_parser(*more) -> argparse.ArgumentParser:
     """generate, img2img and inpaint; `more`: `add_command(subparsers)` functions of other commands (batch's)."""
     parser = Parser(prog="sdflax", description="Stable Diffusion in JAX/Flax.")
@@ -185,7 +197,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
     common = " Images are spread over all local devices; image i uses seed S+i."
     g = commands.add_parser("generate", help="text -> PNG images", description="Generate images from a prompt and "
                             "write them as PNGs that carry their settings." + common)
-    g.add_argument("prompt", help="what to draw")
+    g.add_argument("prompt", type=prompt_text, help="what to draw")
     g.add_argument("--refiner", metavar="ID_OR_DIR", help="an SDXL refiner (hub id or diffusers folder) that "
                    "finishes an SDXL base model's images: the base runs the first --high-noise-frac of the schedule "
                    "and hands its latents to the refiner, which runs the rest of the --steps and decodes (diffusers' "
@@ -197,7 +209,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
 
     i = commands.add_parser("img2img", help="image + text -> PNG images", description="Redraw an image after a "
                             "prompt (SDEdit): the image is noised as far as --strength says, then denoised." + common)
-    i.add_argument("prompt", help="what to draw")
+    i.add_argument("prompt", type=prompt_text, help="what to draw")
     i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
     i.add_argument("--strength", type=strength, help="how far to noise the image, in (0, 1]: 1 repaints "
                    "everything, small values keep the image; runs int(steps * strength) steps (default: the "
@@ -207,7 +219,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
     p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
                             "of a mask after a prompt and keep the black part (an inpainting checkpoint, or any "
                             "other: the kept part is pasted back after every step)." + common)
-    p.add_argument("prompt", help="what to draw in the masked region")
+    p.add_argument("prompt", type=prompt_text, help="what to draw in the masked region")
     p.add_argument("--image", required=True, metavar="IN.png", help="the picture to repaint")
     p.add_argument("--mask", required=True, metavar="MASK.png", help="greyscale, the image's size: white is "
                    "repainted, black kept (binarised at 0.5)")
@@ -228,14 +240,13 @@ def add_options(command, image=False, exclude=()):
         if flag not in exclude:
             command.add_argument(flag, **kwargs)
 
-    add("--negative-prompt", default="", metavar="TEXT", help="what to steer away from")
-    add("--prompt-2", metavar="TEXT", help="SDXL and SD 3.x: the prompt of the second text encoder (default: the "
-        "prompt)")
-    add("--negative-prompt-2", metavar="TEXT", help="SDXL and SD 3.x: the negative prompt of the second text "
-        "encoder (default: the negative prompt)")
-    add("--prompt-3", metavar="TEXT", help="SD 3.x: the prompt of the third text encoder, T5 (default: the prompt)")
-    add("--negative-prompt-3", metavar="TEXT", help="SD 3.x: the negative prompt of T5 (default: the negative "
-        "prompt)")
+    text = dict(type=prompt_text, metavar="TEXT")
+    add("--negative-prompt", default="", help="what to steer away from", **text)
+    add("--prompt-2", help="SDXL and SD 3.x: the prompt of the second text encoder (default: the prompt)", **text)
+    add("--negative-prompt-2", help="SDXL and SD 3.x: the negative prompt of the second text encoder (default: the "
+        "negative prompt)", **text)
+    add("--prompt-3", help="SD 3.x: the prompt of the third text encoder, T5 (default: the prompt)", **text)
+    add("--negative-prompt-3", help="SD 3.x: the negative prompt of T5 (default: the negative prompt)", **text)
     add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
         help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x, SDXL base or SD 3.x, told "
              f"apart by its tensor names) (default: {DEFAULT_MODEL})")
