@@ -187,6 +187,18 @@ def test_refuses_a_scheduler_that_is_not_flow_matching(text_to_image):
         copy.copy(pipe).scheduler = "ddim"
 
 
+def test_t5_ids_outside_t5s_vocabulary_are_refused(text_to_image):
+    """A T5 tokenizer larger than its encoder gave ids T5 has no row for (a black image); CLIP's were checked."""
+    _, pipe, params = text_to_image
+    ids = np.array(pipe.prepare_inputs(PROMPTS[:1]))
+    vocab = pipe.text_encoder_3.config.vocab_size
+    assert vocab < pipe.text_encoder.config.vocab_size  # within CLIP's: the CLIP check let it through
+    ids[0, -1] = vocab
+    with pytest.raises(ValueError, match=rf"prompt_ids holds token id {vocab}, outside T5's vocabulary "
+                                         rf"\[0, {vocab}\)"):
+        pipe(ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS, height=SIZE, width=SIZE)
+
+
 # ---- image-to-image and inpainting --------------------------------------------------------------------------------
 def patch_draws(monkeypatch, module, posterior, noise):
     """diffusers' VAE posterior samples (in the order it encodes) and its added noise, as ours draw them."""

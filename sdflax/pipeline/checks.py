@@ -220,8 +220,16 @@ def check_values(c, inputs, leading_dims):
     width)."""
     check_key(inputs.prng_seed, leading_dims)
     vocab = min(encoder.config.vocab_size for encoder in (c.text_encoder, c.text_encoder_2) if encoder)
+    t5 = getattr(c, "text_encoder_3", None)
+    clip_columns = 2 * c.spec.text.clip_length if hasattr(c.spec.text, "clip_length") else None  # SD 3's ids
     for name in ("prompt_ids", "neg_prompt_ids"):
-        check_ids(name, getattr(inputs, name), vocab)
+        ids = getattr(inputs, name)
+        if clip_columns is None or ids is None:
+            check_ids(name, ids, vocab)
+            continue
+        check_ids(name, ids[..., :clip_columns], vocab)
+        if t5 is not None:  # T5's columns: its vocabulary is smaller than CLIP's
+            check_ids(name, ids[..., clip_columns:], t5.config.vocab_size, "T5's")
     for name in ("guidance_scale", "guidance_rescale"):
         value = getattr(inputs, name)
         if value.ndim:
@@ -402,7 +410,7 @@ def check_key(key, leading_dims):
         raise ValueError(f"prng_seed has shape {key.shape}: give one key, or one key per image (B, ...)")
 
 
-def check_ids(name, ids, vocab_size):
+def check_ids(name, ids, vocab_size, encoder="the text encoder's"):
     if ids is None:
         return
     if not np.issubdtype(ids.dtype, np.integer):
@@ -412,7 +420,7 @@ def check_ids(name, ids, vocab_size):
     low, high = int(np.min(ids)), int(np.max(ids))
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(f"{name} holds token id {bad}, outside the text encoder's vocabulary [0, {vocab_size}): "
+        raise ValueError(f"{name} holds token id {bad}, outside {encoder} vocabulary [0, {vocab_size}): "
                          "make the ids with pipeline.prepare_inputs(prompts)")
 
 
