@@ -160,6 +160,21 @@ def test_a_prompt_that_is_not_utf8_is_one_line(flag, capsys, tmp_path):
     assert f"argument {flag or 'prompt'}: 'a \ufffd fox' is not UTF-8 text" in one_error_line(capsys)
 
 
+def test_a_check_of_the_librarys_is_one_line_and_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    """A ValueError raised by one of sdflax's checks that the command line's own did not catch first (a guider with
+    a CFG++ scheduler was one) is the user's one line; one raised inside numpy is a bug, shown whole."""
+    import sdflax.cli.run
+    from sdflax.schedulers.common import checked_schedule
+
+    args = ["generate", "a fox", "--model", TINY, "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sdflax.cli.run, "run", lambda request: checked_schedule("timesteps", [1, 2], 1000))
+    assert main(args) == 2
+    assert "sdflax: error: timesteps=[1, 2] must be strictly descending" in one_error_line(capsys)
+    monkeypatch.setattr(sdflax.cli.run, "run", lambda request: np.zeros(2).reshape(3))
+    with pytest.raises(ValueError, match="cannot reshape"):
+        main(args)
+
+
 def test_folder_that_is_not_a_checkpoint(tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(TINY, broken)

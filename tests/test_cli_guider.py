@@ -65,6 +65,9 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
     (["--guider", "cfg", "--guider-arg", "guidance_scale=3"], "--guider-arg guidance_scale=...: give the scale as "
      "--guidance"),
     (["--guider-arg", "eta=0"], "--guider-arg applies with --guider: add --guider NAME, or drop it"),
+    # a traceback from the trace: CFG++ re-noises with the unconditional prediction a guider replaces
+    (["--guider", "apg", "--scheduler", "Euler CFG++"], "--guider apg with --scheduler 'Euler CFG++': a CFG++ "
+     "scheduler re-noises with classifier-free guidance's unconditional prediction, which the guider replaces"),
     (["--guider", "fdg", "--guidance", "7"], "--guider fdg has a guidance scale per frequency level: give them as "
      "--guider-arg guidance_scales=10,5 instead of --guidance"),
     (["--guider", "fdg", "--guider-arg", "guidance_scales=10,5", "--guider-arg", "guidance_rescale=0,0,0"],

@@ -24,10 +24,21 @@ def main(argv=None) -> int:
             return batch.run(args)
         return run.run(Request.from_args(args))
     except Exception as e:
-        if not isinstance(e, UserError) and not isinstance(e, input_errors()):
+        if not isinstance(e, (UserError, *input_errors())) and not raised_by_a_check(e):
             raise  # a bug of sdflax's: the traceback is what a report needs
         print(f"sdflax: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("sdflax: interrupted", file=sys.stderr)
         return 130
+
+
+def raised_by_a_check(error) -> bool:
+    """A ValueError or TypeError raised by sdflax's own code: a check of the library's (which the command line
+    reached before its own checks did), whose message is for the user; one raised inside numpy or JAX is a bug."""
+    if not isinstance(error, (ValueError, TypeError)) or error.__traceback__ is None:
+        return False
+    frame = error.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame.tb_frame.f_globals.get("__name__", "").split(".")[0] == "sdflax"

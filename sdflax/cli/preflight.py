@@ -135,6 +135,10 @@ def check_checkpoint(request, pictures, controls=None):
             (default,) * len(request.controlnet)
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
     guider = make_guider(request, guidance)
+    if guider is not None and getattr(scheduler, "takes_unconditional", False):
+        raise UserError(f"--guider {request.guider} with --scheduler {request.scheduler!r}: a CFG++ scheduler "
+                        "re-noises with classifier-free guidance's unconditional prediction, which the guider "
+                        "replaces: use another scheduler with it")
     if family == "sd3":
         check_guider(request, guider)
     checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, without_t5,
