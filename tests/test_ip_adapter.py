@@ -144,6 +144,10 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
                                               weight_name="ip-adapter_base.safetensors")
     with pytest.raises(ValueError, match="give ip_adapter_image .* or ip_adapter_image_embeds, one of them"):
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE)
+    for wrong in ((pixels() * 255).astype(np.uint8), "face.png"):  # uint8 pixels passed; a path was numpy's error
+        with pytest.raises(TypeError, match="ip_adapter_image holds .*; expected CLIP pixels, floats normalised by "
+                                            r"CLIP's mean and std: make them with pipeline.prepare_ip_adapter_image"):
+            ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=wrong)
     with pytest.raises(ValueError, match=r"ip_adapter_image holds 2 entries for 1 IP-Adapters"):
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=[pixels(), pixels()])
     with pytest.raises(ValueError, match=r"ip_adapter_scale: up.block_1 has 3 scales; its blocks have 2 attention"):

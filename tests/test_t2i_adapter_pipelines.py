@@ -90,6 +90,11 @@ def test_sd_adapter_matches_diffusers_at_two_scales(sd):
         results[scale] = expected
     assert np.abs(results[1.0] - results[0.0]).max() > 1e-2 and np.abs(results[0.5] - results[1.0]).max() > 1e-2
     assert pipe._jitted._cache_size() == 1  # the scale is traced
+    # pixels of 0-255, as uint8 or as floats, gave an image the adapter barely or never steered
+    make = r"pictures are floats in \[0, 1\]: make it with pipeline.prepare_adapter_image_inputs\(pictures\)"
+    for wrong in (np.round(image * 255).astype(np.uint8), image * 255):  # the call casts uint8 to float32
+        with pytest.raises(ValueError, match=rf"the adapter image spans \[\d+(\.\d+)?, 25\d(\.\d+)?\]; {make}"):
+            pipe(ids, wrong, params, jax.random.key(0), STEPS, SIZE, SIZE, latents=latents())
 
 
 def test_two_adapters_match_diffusers_multiadapter(sd):

@@ -331,6 +331,7 @@ def check_adapter_images(c, inputs, leading_dims, batch):
     for k, (adapter, image) in enumerate(zip(c.adapters, images)):
         what = f"adapter image {k}" if len(images) > 1 else "the adapter image"
         expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{adapter.config.in_channels}, H, W)"
+        check_picture_values(what, image, "pipeline.prepare_adapter_image_inputs(pictures)")
         if image.ndim != leading_dims + 3 or image.shape[-3] != adapter.config.in_channels:
             raise ValueError(f"{what} has shape {image.shape}; its adapter takes {expected}: make it with "
                              "pipeline.prepare_image_inputs(pictures)")
@@ -340,6 +341,20 @@ def check_adapter_images(c, inputs, leading_dims, batch):
         if image.shape[-2] % factor or image.shape[-1] % factor:
             raise ValueError(f"{what} is {image.shape[-1]}x{image.shape[-2]}; this adapter needs sides that are "
                              f"multiples of {factor}")
+
+
+def check_picture_values(what, image, make):
+    """Pixels as sdflax takes them: floats in [0, 1] (not uint8, not 0-255)."""
+    if not jnp.issubdtype(image.dtype, jnp.floating):
+        raise TypeError(f"{what} is {image.dtype}; pictures are floats in [0, 1]: make it with {make}")
+    if isinstance(image, jax.core.Tracer):
+        return
+    values = np.asarray(image, np.float32)
+    if not np.isfinite(values).all():
+        raise ValueError(f"{what} holds NaN or Inf; pictures are floats in [0, 1]: make it with {make}")
+    low, high = float(values.min()), float(values.max())
+    if low < 0 or high > 1:
+        raise ValueError(f"{what} spans [{low:.4g}, {high:.4g}]; pictures are floats in [0, 1]: make it with {make}")
 
 
 def check_control_images(c, inputs, leading_dims, batch):

@@ -243,6 +243,10 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
     if image is not None:
         arrays = []
         for x in per_adapter(image, count, "ip_adapter_image"):
+            if not jnp.issubdtype(getattr(x, "dtype", np.dtype(object)), jnp.floating):  # uint8 pixels, a path, ...
+                raise TypeError(f"ip_adapter_image holds {type(x).__name__} of {getattr(x, 'dtype', 'no dtype')}; "
+                                "expected CLIP pixels, floats normalised by CLIP's mean and std: make them with "
+                                "pipeline.prepare_ip_adapter_image(pictures)")
             x = jnp.asarray(x, jnp.float32)
             if x.ndim == lead + 3:
                 x = jnp.expand_dims(x, lead)
