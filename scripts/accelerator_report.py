@@ -1476,30 +1476,28 @@ def markdown(report):
             (f" {run['xla_flags']}" if run.get("xla_flags") else "")
         setting = (f"{run['family']}{' MLPerf' if run.get('setting') == 'mlperf' else ''} {run.get('height', '?')}px "
                    f"{run['steps']} steps")
-        if "error" in run:
-            lines.append(f"| {setting} | {name} | {run['batches']} | error | | | | | | |")
-            continue
-        for r in run["results"]:
-            peak = r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2 ** 30
-            lines.append(f"| {setting} | {name} | {r['batch']} | {fmt(r['seconds_per_image'])} | "
-                         f"{fmt(r['images_per_s'])} | {fmt(r['speedup_vs_diffusers'], '{:.2f}x')} | "
-                         f"{fmt(r['first_call_s'])} | {fmt(run.get('ready_s'))} | {fmt(peak)} | "
-                         f"{fmt(r['tflops_per_s'])} |")
+        lines += table_rows(setting, name, run, 10, lambda r, peak: [
+            fmt(r["seconds_per_image"]), fmt(r["images_per_s"]), fmt(r["speedup_vs_diffusers"], "{:.2f}x"),
+            fmt(r["first_call_s"]), fmt(run.get("ready_s")), fmt(peak), fmt(r["tflops_per_s"])])
     if report.get("training"):
-        lines += ["", "| LoRA training, bf16 | framework | batch | steps/s | images/s | vs diffusers | first step s | "
+        lines += ["", "| LoRA training | framework | batch | steps/s | images/s | vs diffusers | first step s | "
                   "peak GiB | memory vs diffusers |", "|---|---|---|---|---|---|---|---|---|"]
         sizes = SIZES[report["provenance"]["size"]]
         for run in report["training"]:
             setting = f"{run['family']} rank {run['rank']} {sizes[run['family']]['size']}px"
-            if "error" in run:
-                lines.append(f"| {setting} | {run['framework']} | {run['batches']} | error | | | | | |")
-                continue
-            for r in run["results"]:
-                peak = r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2 ** 30
-                lines.append(f"| {setting} | {run['framework']} | {r['batch']} | {fmt(r['steps_per_s'])} | "
-                             f"{fmt(r['images_per_s'])} | {fmt(r['speedup_vs_diffusers'], '{:.2f}x')} | "
-                             f"{fmt(r['first_step_s'])} | {fmt(peak)} | {fmt(r['memory_vs_diffusers'], '{:.2f}x')} |")
+            lines += table_rows(setting, run["framework"], run, 9, lambda r, peak: [
+                fmt(r["steps_per_s"]), fmt(r["images_per_s"]), fmt(r["speedup_vs_diffusers"], "{:.2f}x"),
+                fmt(r["first_step_s"]), fmt(peak), fmt(r["memory_vs_diffusers"], "{:.2f}x")])
     return "\n".join(lines)
+
+
+def table_rows(setting, name, run, columns, cells) -> list[str]:
+    """A run's Markdown rows, one per batch size: the setting, the framework, the batch and `cells(result, peak
+    GiB)`; a run that failed is one row saying so."""
+    if "error" in run:
+        return [f"| {setting} | {name} | {run['batches']} | error |" + " |" * (columns - 4)]
+    return [f"| {setting} | {name} | {r['batch']} | " + " | ".join(cells(
+        r, r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2 ** 30)) + " |" for r in run["results"]]
 
 
 def write(report, path):
