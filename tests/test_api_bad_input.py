@@ -107,6 +107,20 @@ def test_scales_must_be_one_finite_number(tiny, name, value, expected):
     refused(ValueError, lambda: pipe(ids, params, jax.random.PRNGKey(0), 2, **{name: value}), expected)
 
 
+@pytest.mark.parametrize("name, value, needs", [
+    ("ip_adapter_scale", 0.5, "an IP-Adapter"), ("ip_adapter_scale", {"up": {"block_0": [1.0]}}, "an IP-Adapter"),
+    ("ip_adapter_masks", [np.ones((1, 1, 8, 8), np.float32)], "an IP-Adapter"),
+    ("adapter_conditioning_scale", 0.5, "T2I-Adapters"), ("adapter_conditioning_factor", 0.5, "T2I-Adapters"),
+    ("adapter_image", np.zeros((1, 3, 64, 64), np.float32), "T2I-Adapters"),
+])
+def test_adapter_arguments_without_the_adapter_are_refused(tiny, name, value, needs):
+    """They did nothing, silently (a PNG or a log would record them)."""
+    pipe, params, ids = tiny
+    refused(ValueError, lambda: pipe(ids, params, jax.random.PRNGKey(0), 2, **{name: value}),
+            f"{name} applies with {needs}", f"or drop {name}")
+    pipe(ids, params, jax.random.PRNGKey(0), 2, **{name: 1.0 if "scale" in name or "factor" in name else None})
+
+
 # --- LoRA files whose metadata or tensors would merge into garbage -----------------------------------------------
 
 LAYER = "lora_unet_down_blocks_0_attentions_0_proj_in"

@@ -82,6 +82,9 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     scheduler = settings.scheduler(spec.scheduler)  # at this size, where the schedule depends on it (SD 3)
     scheduler.check_steps(steps)
     schedule_window(scheduler, settings)  # checked before anything is traced
+    if not c.adapters:
+        check_unused(args, T2I_ARGUMENTS, "T2I-Adapters: make the pipeline with them (sdflax.StableDiffusionAdapter."
+                     "from_pretrained(..., adapter=...))")
     if args.get("adapter_conditioning_factor") is not None:
         inputs = inputs.replace(adapter_evaluations=t2i_adapter.evaluations(
             settings.num_inference_steps, args["adapter_conditioning_factor"]))
@@ -89,6 +92,20 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         ip_adapter.piece(spec), args, inputs.prompts().shape[:leading_dims or 1], leading_dims,
         settings.classifier_free_guidance, getattr(c.denoiser.model.config, "layers_per_block", None)))
     return inputs, settings
+
+
+# The T2I-Adapters' call arguments and their defaults: what a pipeline without them refuses other values of
+T2I_ARGUMENTS = {"adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0}
+
+
+def check_unused(args, defaults: dict, needs: str):
+    """Arguments that do nothing on this pipeline are refused unless they are left at their defaults: given, they
+    would be recorded and silently ignored."""
+    for name, default in defaults.items():
+        value = args.get(name, default)
+        if value is default or (type(value) in (int, float) and value == default):
+            continue
+        raise ValueError(f"{name} applies with {needs}, or drop {name}")
 
 
 def check_hooks_fit(c, hooks, skip_guidance_layers):
