@@ -169,6 +169,23 @@ def test_skip_layer_guidance_matches_diffusers(text_to_image):
     check_images(ours_images(pipe, params, ids, guidance_scale=7.0, neg_prompt_ids=neg, **SLG), expected)
 
 
+def test_a_skip_layer_window_that_holds_no_step_or_is_no_window_is_refused(text_to_image):
+    """Skip-layer guidance whose window held no step (diffusers' default window at fewer than 6 steps), or with
+    start > stop, NaN or outside [0, 1], gave plain CFG's image while a PNG recorded it."""
+    _, pipe, params = text_to_image
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+
+    def call(**window):
+        return pipe(ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                    skip_guidance_layers=(1,), **window)
+
+    with pytest.raises(ValueError, match=r"skip-layer guidance from 0.01 to 0.2 of 5 steps runs at no step"):
+        call()  # 0.05 < i < 1
+    for start, stop in [(0.5, 0.2), (float("nan"), 0.2), (-0.1, 0.2), (0.1, 1.5)]:
+        with pytest.raises(ValueError, match="must be fractions of the steps with 0 <= start <= stop <= 1"):
+            call(skip_layer_guidance_start=start, skip_layer_guidance_stop=stop)
+
+
 def test_no_guidance_matches_diffusers(text_to_image):
     """guidance_scale 1 (SD 3.5 Large Turbo's setting): one transformer pass a step, no negative prompt; the
     default size (the transformer's sample_size x the VAE's factor, 64), as diffusers'."""

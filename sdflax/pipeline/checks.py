@@ -81,7 +81,9 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
                                                                         width // c.vae_scale_factor)})
     scheduler = settings.scheduler(spec.scheduler)  # at this size, where the schedule depends on it (SD 3)
     scheduler.check_steps(steps)
-    schedule_window(scheduler, settings)  # checked before anything is traced
+    skipped_start, _ = schedule_window(scheduler, settings)  # checked before anything is traced
+    if settings.skip_guidance_layers:
+        check_skip_layer_window(args, settings.num_inference_steps - skipped_start)
     if not c.adapters:
         check_unused(args, T2I_ARGUMENTS, "T2I-Adapters: make the pipeline with them (sdflax.StableDiffusionAdapter."
                      "from_pretrained(..., adapter=...))")
@@ -132,6 +134,23 @@ def check_skip_layers(c, layers) -> tuple:
         raise ValueError(f"skip_guidance_layers={layers!r}: give the transformer blocks to skip, a list of indices in "
                          f"0 .. {count - 1} (SD 3.5 Medium: [7, 8, 9])")
     return tuple(int(i) for i in given)
+
+
+def check_skip_layer_window(args, steps: int):
+    """Skip-layer guidance's start and stop: finite fractions, start <= stop, and a window that holds a step (it runs
+    at the evaluations i with steps · start < i < steps · stop, as diffusers' SD 3 pipeline), else it would be
+    recorded and never run. Traced values are the caller's to check."""
+    start, stop = (args.get(f"skip_layer_guidance_{end}") for end in ("start", "stop"))
+    if isinstance(start, jax.core.Tracer) or isinstance(stop, jax.core.Tracer):
+        return
+    start, stop = np.float32(np.asarray(start).reshape(-1)[0]), np.float32(np.asarray(stop).reshape(-1)[0])
+    if not (np.isfinite(start) and np.isfinite(stop) and 0 <= start <= stop <= 1):
+        raise ValueError(f"skip_layer_guidance_start={start:.6g} and skip_layer_guidance_stop={stop:.6g} must be "
+                         "fractions of the steps with 0 <= start <= stop <= 1")
+    if not any(steps * start < i < steps * stop for i in range(steps)):
+        raise ValueError(f"skip-layer guidance from {start:.6g} to {stop:.6g} of {steps} steps runs at no step (it "
+                         "runs at the steps i with steps * start < i < steps * stop): run more steps, or widen "
+                         "skip_layer_guidance_start / skip_layer_guidance_stop")
 
 
 # Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
