@@ -155,6 +155,16 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
                 ip_adapter_scale={"up": {"block_1": [0.0, 1.0, 1.0]}})
     with pytest.raises(ValueError, match="load_ip_adapter needs weight_name="):
         pipe.load_ip_adapter(params, folder, subfolder="models")
+    # a later layer of another width (only layer 0 was checked): a reshape traceback in every call
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "models" / "ip-adapter_base.safetensors")
+    rows, columns = tensors["ip_adapter.3.to_k_ip.weight"].shape
+    tensors["ip_adapter.3.to_k_ip.weight"] = np.zeros((rows + 8, columns), np.float32)
+    save_file(tensors, folder / "models" / "ip-adapter_wrong.safetensors")
+    with pytest.raises(ValueError, match=rf"ip-adapter_wrong.safetensors: ip_adapter.3.to_k_ip is \({rows + 8}, "
+                                         rf"{columns}\) \(out, in\); this UNet's .*attn2 takes \({rows}, {columns}\)"):
+        pipe.load_ip_adapter(params, folder, subfolder="models", weight_name="ip-adapter_wrong.safetensors")
 
 
 def test_img2img_with_an_adapter_matches_diffusers(sd1, adapters, monkeypatch):

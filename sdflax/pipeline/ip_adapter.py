@@ -178,6 +178,32 @@ def cross_attention_layers(unet, params_shapes) -> tuple:
     return tuple(sorted((name for name in sites if name.endswith("attn2")), key=diffusers_order))
 
 
+def check_layer_shapes(name, weights, layers, unet_shapes, width):
+    """Every layer's to_k_ip and to_v_ip (cross_attention_dim, the layer's attention width), as the UNet's own
+    to_k of that layer: one of another width failed deep inside a reshape."""
+    for i, layer in enumerate(layers):
+        inner = module_params(unet_shapes, layer)["to_k"]["kernel"].shape[1]
+        for kind, kernel in (("to_k_ip", weights.to_k_ip[i]), ("to_v_ip", weights.to_v_ip[i])):
+            if tuple(kernel.shape) != (width, inner):
+                raise ValueError(f"{name}: ip_adapter.{2 * i + 1}.{kind} is ({kernel.shape[1]}, {kernel.shape[0]}) "
+                                 f"(out, in); this UNet's {layer} takes ({inner}, {width}): an IP-Adapter is made for "
+                                 "one UNet (SD 1.x / SD 2.x / SDXL)")
+
+
+def module_params(tree, dotted):
+    """A module's params by its diffusers name ("down_blocks.0.attentions.0.transformer_blocks.0.attn2"): the
+    params joins some of the name's parts with "_" ("down_blocks_0_attentions_0")."""
+    parts, node = dotted.split("."), tree
+    while parts:
+        for n in range(len(parts), 0, -1):
+            if "_".join(parts[:n]) in node:
+                node, parts = node["_".join(parts[:n])], parts[n:]
+                break
+        else:
+            raise KeyError(f"no params for {dotted}")
+    return node
+
+
 def layer_scales(scale, layers, layers_per_block):
     """One adapter's scale -> a scale per cross-attention layer: a number for all, or diffusers' per-block dict
     (InstantStyle: {"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}; what it leaves out is
@@ -350,6 +376,7 @@ def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_fold
         if w.to_k_ip[0].shape[0] != width:
             raise ValueError(f"{name} projects image tokens {w.to_k_ip[0].shape[0]} wide; this UNet's cross-attention "
                              f"takes {width}: an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
+        check_layer_shapes(name, w, layers, pipeline.unet.param_shapes(), width)
         adapters.append(Adapter(w.projection, w.wants_hidden_states))
         cast = lambda x: jnp.asarray(x, pipeline.dtype)  # noqa: E731
         params_of.append({"projection": jax.tree.map(cast, w.projection_params),
