@@ -160,6 +160,14 @@ def test_a_prompt_that_is_not_utf8_is_one_line(flag, capsys, tmp_path):
     assert f"argument {flag or 'prompt'}: 'a \ufffd fox' is not UTF-8 text" in one_error_line(capsys)
 
 
+def test_a_negative_number_in_exponent_form_is_an_argument_not_an_option():
+    """`--guidance -1e6` was "expected one argument": argparse took -1e6 for an option."""
+    from sdflax.cli.parse import build_parser
+
+    assert build_parser().parse_args(["generate", "a fox", "--guidance", "-1e6"]).guidance == -1e6
+    assert build_parser().parse_args(["generate", "a fox", "--guidance", "-2.5E-1"]).guidance == -0.25
+
+
 def test_a_check_of_the_librarys_is_one_line_and_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
     """A ValueError raised by one of sdflax's checks that the command line's own did not catch first (a guider with
     a CFG++ scheduler was one) is the user's one line; one raised inside numpy is a bug, shown whole."""

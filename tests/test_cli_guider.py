@@ -65,6 +65,8 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
     (["--guider", "cfg", "--guider-arg", "guidance_scale=3"], "--guider-arg guidance_scale=...: give the scale as "
      "--guidance"),
     (["--guider-arg", "eta=0"], "--guider-arg applies with --guider: add --guider NAME, or drop it"),
+    (["--guider", "cfg", "--guider-arg", "start=0.1,0.2"], "--guider cfg: ClassifierFreeGuidance: start=(0.1, 0.2) "
+     "must be a number, a fraction of the steps"),  # was a TypeError's words
     # a traceback from the trace: CFG++ re-noises with the unconditional prediction a guider replaces
     (["--guider", "apg", "--scheduler", "Euler CFG++"], "--guider apg with --scheduler 'Euler CFG++': a CFG++ "
      "scheduler re-noises with classifier-free guidance's unconditional prediction, which the guider replaces"),

@@ -4,6 +4,7 @@ img2img and inpaint (batch adds its command with `add_options`)."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from .. import cache
 from ..utils import is_float32
@@ -12,6 +13,11 @@ from .request import DEFAULT_MODEL
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # "--guidance -1e6": a number, not an option (argparse's own pattern misses exponents)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
     def error(self, message):  # one line instead of argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 

@@ -14,6 +14,8 @@ program) and selects, which gives diffusers' numbers.
 
 from __future__ import annotations
 
+import numbers
+
 import flax
 import jax.numpy as jnp
 
@@ -52,6 +54,9 @@ class Guider(Hook):
 def check_interval(name, start, stop, where="", prefix=""):
     """diffusers' checks of a guidance interval, in one line each (`where`: which level of several; `prefix`: of
     the arguments' names, "perturbed_guidance_" for `perturbed_guidance_start`)."""
+    for end, value in (("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}: {prefix}{end}={value!r:.60}{where} must be a number, a fraction of the steps")
     if not 0.0 <= start < 1.0:
         raise ValueError(f"{name}: {prefix}start={start}{where} must be in [0, 1): the fraction of the steps after "
                          "which guidance begins")
