@@ -148,6 +148,8 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
         with pytest.raises(TypeError, match="ip_adapter_image holds .*; expected CLIP pixels, floats normalised by "
                                             r"CLIP's mean and std: make them with pipeline.prepare_ip_adapter_image"):
             ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=wrong)
+    with pytest.raises(TypeError, match=r"ip_adapter_scale must be a number or a per-block dict .*, got None"):
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(), ip_adapter_scale=None)
     with pytest.raises(ValueError, match=r"ip_adapter_image holds 2 entries for 1 IP-Adapters"):
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=[pixels(), pixels()])
     with pytest.raises(ValueError, match=r"ip_adapter_scale: up.block_1 has 3 scales; its blocks have 2 attention"):

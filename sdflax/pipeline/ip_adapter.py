@@ -209,6 +209,9 @@ def layer_scales(scale, layers, layers_per_block):
     (InstantStyle: {"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}; what it leaves out is
     0), as `set_ip_adapter_scale` expands it."""
     if not isinstance(scale, dict):  # traced: a new number never recompiles
+        if isinstance(scale, bool) or not (isinstance(scale, (int, float)) or hasattr(scale, "shape")):
+            raise TypeError(f"ip_adapter_scale must be a number or a per-block dict (one per adapter as a list), "
+                            f"got {scale!r:.60}")
         return jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (len(layers),))
     unknown = set(scale) - {"down", "mid", "up"}
     if unknown:
