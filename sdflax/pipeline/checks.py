@@ -87,6 +87,9 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     if not c.adapters:
         check_unused(args, T2I_ARGUMENTS, "T2I-Adapters: make the pipeline with them (sdflax.StableDiffusionAdapter."
                      "from_pretrained(..., adapter=...))")
+    if ip_adapter.piece(spec) is None:
+        check_unused(args, IP_ADAPTER_ARGUMENTS, "an IP-Adapter: pipeline, params = pipeline.load_ip_adapter(params, "
+                     "...)")
     if args.get("adapter_conditioning_factor") is not None:
         inputs = inputs.replace(adapter_evaluations=t2i_adapter.evaluations(
             settings.num_inference_steps, args["adapter_conditioning_factor"]))
@@ -98,6 +101,7 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
 
 # The T2I-Adapters' call arguments and their defaults: what a pipeline without them refuses other values of
 T2I_ARGUMENTS = {"adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0}
+IP_ADAPTER_ARGUMENTS = {"ip_adapter_scale": 1.0, "ip_adapter_masks": None}  # (ip_adapter_image: call_inputs says)
 
 
 def check_unused(args, defaults: dict, needs: str):

@@ -262,10 +262,6 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
         if image is not None or embeds is not None:
             raise ValueError("ip_adapter_image needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter("
                              "params, 'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
-        from .checks import check_unused
-
-        check_unused(args, {"ip_adapter_scale": 1.0, "ip_adapter_masks": None},
-                     "an IP-Adapter: pipeline, params = pipeline.load_ip_adapter(params, ...)")
         return {}
     if (image is None) == (embeds is None):
         raise ValueError("this pipeline has an IP-Adapter: give ip_adapter_image (pipeline.prepare_ip_adapter_image("
