@@ -176,7 +176,7 @@ def _peft_alpha(module_path: str, lora_alpha, alpha_pattern, use_rslora, rank):
     return lora_alpha * np.sqrt(rank) if use_rslora else lora_alpha  # rsLoRA scales by alpha / sqrt(rank)
 
 
-def _kernel_index(params) -> tuple[dict, dict]:
+def kernel_index(params) -> tuple[dict, dict]:
     """({'down_blocks_0_attentions_0_proj_in': path of its kernel}, flat params) for one model's layers."""
     flat = traverse_util.flatten_dict(params)
     return {"_".join(path[:-1]): path for path in flat if path[-1] == "kernel"}, flat
@@ -216,7 +216,7 @@ def read_lora(path, params, unet_config=None) -> dict:
         component, torch_name, module, role = parsed
         groups.setdefault((component, module), {"name": torch_name})[role] = (key, np.asarray(array))
 
-    indexes = {c: _kernel_index(params[c]) for c in COMPONENTS if c in params}
+    indexes = {c: kernel_index(params[c]) for c in COMPONENTS if c in params}
     lora = {}
     unknown, mismatched, incomplete, not_finite = [], [], [], []
     for (component, module), parts in sorted(groups.items()):

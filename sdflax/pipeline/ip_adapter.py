@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..hooks.core import Hook, intercept
+from ..lora import kernel_index
 from ..models.layers import dot_product_attention
 
 
@@ -181,27 +182,14 @@ def cross_attention_layers(unet, params_shapes) -> tuple:
 def check_layer_shapes(name, weights, layers, unet_shapes, width):
     """Every layer's to_k_ip and to_v_ip (cross_attention_dim, the layer's attention width), as the UNet's own
     to_k of that layer: one of another width failed deep inside a reshape."""
+    kernels, flat = kernel_index(unet_shapes)  # by joined name: "down_blocks_0_attentions_0_..._attn2_to_k"
     for i, layer in enumerate(layers):
-        inner = module_params(unet_shapes, layer)["to_k"]["kernel"].shape[1]
+        inner = flat[kernels[layer.replace(".", "_") + "_to_k"]].shape[1]
         for kind, kernel in (("to_k_ip", weights.to_k_ip[i]), ("to_v_ip", weights.to_v_ip[i])):
             if tuple(kernel.shape) != (width, inner):
                 raise ValueError(f"{name}: ip_adapter.{2 * i + 1}.{kind} is ({kernel.shape[1]}, {kernel.shape[0]}) "
                                  f"(out, in); this UNet's {layer} takes ({inner}, {width}): an IP-Adapter is made for "
                                  "one UNet (SD 1.x / SD 2.x / SDXL)")
-
-
-def module_params(tree, dotted):
-    """A module's params by its diffusers name ("down_blocks.0.attentions.0.transformer_blocks.0.attn2"): the
-    params joins some of the name's parts with "_" ("down_blocks_0_attentions_0")."""
-    parts, node = dotted.split("."), tree
-    while parts:
-        for n in range(len(parts), 0, -1):
-            if "_".join(parts[:n]) in node:
-                node, parts = node["_".join(parts[:n])], parts[n:]
-                break
-        else:
-            raise KeyError(f"no params for {dotted}")
-    return node
 
 
 def layer_scales(scale, layers, layers_per_block):
