@@ -398,10 +398,10 @@ def sdflax_pipeline(family, size, dtype, attention="auto", scheduler=None, kerne
     import jax
 
     from sdflax import StableDiffusion, StableDiffusion3, StableDiffusionXL
-    from sdflax.assemble import build_models
-    from sdflax.loading import load_tokenizer
+    from sdflax.loading.assemble import build_models
+    from sdflax.loading.folders import load_tokenizer
     from sdflax.schedulers import scheduler_from_config
-    from sdflax.t5_tokenizer import T5Tokenizer
+    from sdflax.loading.tokenizers import T5Tokenizer
 
     configs = configs_for(family, size)
     modules = build_models(model_classes(family), configs, dtype, attention, kernels)
@@ -500,10 +500,10 @@ def correctness(job, size):
     import numpy as np
     import torch
 
-    from sdflax.assemble import build_models
+    from sdflax.loading.assemble import build_models
     from sdflax.cache import param_shapes
     from sdflax.models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
-    from sdflax.weights import convert_state_dict
+    from sdflax.loading.weights import convert_state_dict
 
     family = job["family"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -820,7 +820,7 @@ def flop_count(job, size):
     import jax
     import jax.numpy as jnp
 
-    from sdflax.assemble import build_models
+    from sdflax.loading.assemble import build_models
     from sdflax.cache import param_shapes
     from sdflax.models.layers import Kernels
     from sdflax.schedulers import scheduler_from_config
@@ -873,7 +873,7 @@ def compile_split(job, size, repeats):
     import jax.numpy as jnp
     import numpy as np
 
-    from sdflax.assemble import build_models
+    from sdflax.loading.assemble import build_models
     from sdflax.cache import param_shapes
 
     jax.config.update("jax_enable_compilation_cache", False)
@@ -1252,7 +1252,7 @@ def preload():
     import sdflax.cli  # noqa: F401
     import sdflax.train  # noqa: F401
     from sdflax import StableDiffusion  # noqa: F401
-    from sdflax.assemble import build_models  # noqa: F401
+    from sdflax.loading.assemble import build_models  # noqa: F401
 
     with contextlib.suppress(ImportError):  # the training jobs' (diffusers' side says so where it is missing)
         import peft  # noqa: F401

@@ -310,7 +310,7 @@ def model_configs(args):
     if not args.random_weights:
         return None, None
     from sdflax.cli import CONFIG_FILES
-    from sdflax.hub import resolve_folder
+    from sdflax.loading.hub import resolve_folder
     from sdflax.models.config import read_config_file
 
     folder = resolve_folder(args.model, allow_patterns=CONFIG_FILES)  # configs and tokenizer, no weights
@@ -327,12 +327,12 @@ def random_pipeline(configs, tokenizer_folder, dtype, scheduler=None, attention=
     import tempfile
 
     from sdflax import StableDiffusion, StableDiffusion3
-    from sdflax.assemble import build_models
-    from sdflax.loading import load_tokenizer
+    from sdflax.loading.assemble import build_models
+    from sdflax.loading.folders import load_tokenizer
     from sdflax.models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, SD3Transformer2DModel,
                                T5EncoderModel, UNet2DConditionModel)
     from sdflax.schedulers import scheduler_from_config
-    from sdflax.t5_tokenizer import T5Tokenizer
+    from sdflax.loading.tokenizers import T5Tokenizer
 
     sd3 = "transformer" in configs
     classes = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,

@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dest", default=WEIGHTS, help="parent folder (default: this repository's weights/)")
     args = parser.parse_args(argv)
 
-    from sdflax.hub import ModelNotFoundError, download
-    from sdflax.loading import COMPONENTS, check_pipeline_folder, checkpoint_files
+    from sdflax.loading.hub import ModelNotFoundError, download
+    from sdflax.loading.folders import COMPONENTS, check_pipeline_folder, checkpoint_files
 
     folder = os.path.join(args.dest, args.name or args.repo_id.rstrip("/").split("/")[-1])
     try:

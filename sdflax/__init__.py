@@ -12,10 +12,9 @@ from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusion3, Stab
                        StableDiffusionXLControlNet, StableDiffusionXLControlNetImg2Img,
                        StableDiffusionXLControlNetInpaint, StableDiffusionXLImg2Img, StableDiffusionXLInpaint, generate,
                        random_draws)
-from .clip_image import clip_image_inputs
+from .pipeline.clip_image import clip_image_inputs
 from .utils import make_image_grid
 from . import hooks
-from . import loading, single_file  # noqa: F401  (they give the models their from_pretrained / from_single_file)
 
 
 

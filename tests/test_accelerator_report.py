@@ -187,7 +187,7 @@ def test_scanned_stacks_keep_the_params_tree_and_the_unets_output():
     import jax
     from flax import traverse_util
 
-    from sdflax.assemble import build_models
+    from sdflax.loading.assemble import build_models
     from sdflax.cache import param_shapes
     from sdflax.models import unet
 
@@ -223,7 +223,7 @@ def test_model_calls_are_the_pipelines_calls(family):
     the pipeline, on its inputs' shapes at a batch of three (six guidance rows), lowered from the param shapes."""
     import jax
 
-    from sdflax.assemble import build_models
+    from sdflax.loading.assemble import build_models
     from sdflax.cache import param_shapes
 
     configs = script.configs_for(family, "tiny")

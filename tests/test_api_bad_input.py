@@ -13,8 +13,8 @@ from safetensors.numpy import load_file as read_safetensors_file, save_file
 from test_cli import TINY
 
 import sdflax
-from sdflax.checkpoint_files import CheckpointFileError
-from sdflax.lora import LoraMismatchError
+from sdflax.loading.files import CheckpointFileError
+from sdflax.loading.lora import LoraMismatchError
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from sdflax.checkpoint_files import CheckpointFileError, read_checkpoint, read_safetensors, read_torch_bin
+from sdflax.loading.files import CheckpointFileError, read_checkpoint, read_safetensors, read_torch_bin
 from sdflax.models.clip import CLIPTextConfig
 from sdflax.models.config import ConfigError, read_config_file
 from sdflax.models.unet import UNetConfig
 from sdflax.models.vae import VAEConfig
 from sdflax.schedulers.pndm import PNDMConfig
-from sdflax.textual_inversion import read_embedding
-from sdflax.weights import weight_files
+from sdflax.loading.embeddings import read_embedding
+from sdflax.loading.weights import weight_files
 
 
 def _refused(error_type, call, *needles):
@@ -199,7 +199,7 @@ def test_small_zip_that_inflates_to_a_gibibyte(tmp_path):
     disagree = _zip_bomb(tmp_path / "disagree.bin", 4, 1 << 30)
     agree = _zip_bomb(tmp_path / "agree.bin", (1 << 30) // 4, 1 << 30)
     assert os.path.getsize(agree) < 4 << 20
-    module = os.path.join(os.path.dirname(__file__), "..", "sdflax", "checkpoint_files.py")
+    module = os.path.join(os.path.dirname(__file__), "..", "sdflax", "loading", "files.py")
     child = textwrap.dedent(f"""
         import importlib.util, sys
         # Loaded alone: importing the sdflax package would bring in jax, whose size hides the reader's.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdflax.checkpoint_files import (
+from sdflax.loading.files import (
     UnsafeCheckpointError,
     read_checkpoint,
     read_flax_msgpack,
@@ -272,7 +272,7 @@ def test_unknown_suffix(tmp_path):
 
 
 def test_runtime_module_does_not_import_torch():
-    code = "import sys, sdflax.checkpoint_files; print('torch' in sys.modules, 'diffusers' in sys.modules)"
+    code = "import sys, sdflax.loading.files; print('torch' in sys.modules, 'diffusers' in sys.modules)"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.split() == ["False", "False"]

@@ -16,10 +16,10 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from sdflax import CLIPVisionModelWithProjection, clip_image_inputs
-from sdflax.clip_image import clip_image_options
+from sdflax.pipeline.clip_image import clip_image_options
 from sdflax.models import CLIPVisionConfig
 from sdflax.models.config import ConfigError
-from sdflax.weights import CheckpointMismatchError
+from sdflax.loading.weights import CheckpointMismatchError
 
 # float32 parity: the same sums in another order (XLA's matmuls and attention against PyTorch's) differ by a few
 # float32 ulps per layer.

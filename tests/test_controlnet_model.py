@@ -188,7 +188,7 @@ def test_condition_image_is_checked():
 # ---- single files in the original layout (lllyasviel's cldm.py names) -------------------------------------------
 
 def controlnet_to_ldm(state, config):
-    """diffusers ControlNet names -> the original layout, written independently of sdflax/single_file.py: the
+    """diffusers ControlNet names -> the original layout, written independently of sdflax/loading/single_file.py: the
     encoder as the UNet's (test_single_file.unet_to_ldm), zero convs, and the condition encoder's Sequential."""
     from test_single_file import unet_to_ldm
 
@@ -229,7 +229,7 @@ def test_diffusers_converts_the_test_layout_back():
 def test_single_file_loads_the_params_from_pretrained_gives(case, tmp_path):
     from safetensors.torch import save_file
 
-    from sdflax import single_file
+    from sdflax.loading import single_file
 
     folder = tmp_path / "diffusers"
     case["theirs"].save_pretrained(folder)
@@ -270,7 +270,7 @@ def test_full_size_single_files_need_no_config(version):
     config, built on the meta device and written in the original layout, maps onto exactly our params' names."""
     import diffusers
 
-    from sdflax import ldm_names, single_file
+    from sdflax.loading import ldm_names, single_file
 
     config = {**PUBLISHED[version], "conditioning_embedding_out_channels": (16, 32, 96, 256)}
     with torch.device("meta"):

@@ -87,7 +87,7 @@ def test_malicious_bin_is_refused_through_from_pretrained(tmp_path):
     import pickle
     import zipfile
 
-    from sdflax.checkpoint_files import UnsafeCheckpointError
+    from sdflax.loading.files import UnsafeCheckpointError
 
     theirs = torch_vae(VAE)
     theirs.save_pretrained(tmp_path, safe_serialization=False)

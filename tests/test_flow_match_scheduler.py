@@ -227,7 +227,7 @@ def test_a_unet_pipeline_refuses_the_flow_scheduler():
     from builders import SD1, SD14_SCHEDULER, TOKENIZER
 
     import sdflax
-    from sdflax.loading import load_tokenizer
+    from sdflax.loading.folders import load_tokenizer
     from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
     from sdflax.schedulers import DDIMScheduler
 

@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from sdflax.checkpoint_files import CheckpointFileError, read_flax_msgpack, read_safetensors, read_torch_bin
+from sdflax.loading.files import CheckpointFileError, read_flax_msgpack, read_safetensors, read_torch_bin
 from sdflax.models.clip import CLIPTextConfig
 from sdflax.models.config import ConfigError, read_config_file
 from sdflax.models.unet import UNetConfig
 from sdflax.models.vae import VAEConfig
 from sdflax.schedulers.pndm import PNDMConfig
-from sdflax.weights import weight_files
+from sdflax.loading.weights import weight_files
 
 EXAMPLES = int(os.environ.get("SDFLAX_FUZZ_EXAMPLES", 150))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
@@ -204,7 +204,7 @@ def embedding(tmp_path_factory):
 @given(data=st.data())
 def test_mutated_embedding_files(embedding, tmp_path, data):
     """Zip damage in an embedding .pt was a BadZipFile or RuntimeError traceback."""
-    from sdflax.textual_inversion import read_embedding
+    from sdflax.loading.embeddings import read_embedding
 
     path = tmp_path / "fox.pt"
     path.write_bytes(mutate(embedding, data.draw))
@@ -256,7 +256,7 @@ def test_copies_of_one_storage_are_bounded(tmp_path):
 def test_lora_metadata_with_any_json(tmp_path, meta, raw):
     """diffusers' lora_adapter_metadata of any JSON (or any text): alphas that are finite numbers, or a
     LoraMismatchError in one line (a pattern "(" was a re.error, a huge int an OverflowError)."""
-    from sdflax.lora import LoraMismatchError, _peft_alphas
+    from sdflax.loading.lora import LoraMismatchError, _peft_alphas
 
     text = json.dumps(meta) if not raw else json.dumps(meta)[::-1]
     save_file({"x": np.zeros(1, np.float32)}, tmp_path / "lora.safetensors", metadata={"lora_adapter_metadata": text})

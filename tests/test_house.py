@@ -59,9 +59,41 @@ def test_no_import_cycle():
 
 
 def test_models_import_nothing_above_them():
-    """The models are the bottom floor: loading, the cache and the hub build on them, never the other way."""
+    """The models are the bottom floor: loading, the cache and the hub build on them, never the other way. Their
+    `from_pretrained` / `from_single_file` import the loader when called (nothing registers it at import time), and
+    nothing else of theirs reaches up."""
+    entry_points = {"from_pretrained", "from_single_file"}
     for path in (PACKAGE / "models").glob("*.py"):
-        assert {t for t in imports_of(path) if not t.startswith("sdflax.models")} == set(), path.name
+        tree = ast.parse(path.read_text())
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in entry_points]
+        lazy = {id(node) for call in calls for node in ast.walk(call) if isinstance(node, ast.ImportFrom)}
+        reached = {f"{node.module} in {path.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.level > 1 and id(node) not in lazy}
+        assert reached == set()
+        assert {node.module.split(".")[0] for node in ast.walk(tree) if id(node) in lazy} <= {"loading"}, path.name
+        outside = {t for t in imports_of(path) if not t.startswith("sdflax.models")}
+        assert {t for t in outside if not t.startswith("sdflax.loading.")} == set(), path.name
+
+
+def test_nothing_registers_at_import_time():
+    """`import sdflax` imports no loader (the models find theirs when called), and no module under sdflax/ sets
+    another module's attribute at import time."""
+    import subprocess
+    import sys
+
+    code = "import sys, sdflax; print(sorted(m for m in sys.modules if m.startswith(('sdflax.loading.folders', " \
+           "'sdflax.loading.single_file', 'sdflax.loading.hub', 'sdflax.loading.assemble'))))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout.strip() == "[]"
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assigned = [ast.unparse(target) for node in tree.body if isinstance(node, ast.Assign)
+                    for target in node.targets if isinstance(target, ast.Attribute)]
+        assert assigned == [], path
+
+
+def test_at_most_ten_modules_directly_under_sdflax():
+    assert len(list(PACKAGE.glob("*.py"))) <= 10
 
 
 def test_no_module_over_500_lines():

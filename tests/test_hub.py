@@ -16,9 +16,9 @@ from PIL import Image
 from compile_flags import xla_flags
 
 from sdflax import StableDiffusion
-from sdflax.hub import ModelNotFoundError, resolve_folder, snapshot_commit
-from sdflax.loading import check_pipeline_folder
-from sdflax.loading import checkpoint_files
+from sdflax.loading.hub import ModelNotFoundError, resolve_folder, snapshot_commit
+from sdflax.loading.folders import check_pipeline_folder
+from sdflax.loading.folders import checkpoint_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "weights" / "tiny-sd"

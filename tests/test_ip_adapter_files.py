@@ -11,7 +11,7 @@ import torch
 from builders import h94_names, randomize_norms
 from safetensors.torch import save_file
 
-from sdflax.ip_adapter_files import IPAdapterFileError, read_ip_adapter
+from sdflax.loading.ip_adapter import IPAdapterFileError, read_ip_adapter
 
 # float32 parity: the largest difference is at most 1e-5 of the output's largest magnitude (the same sums in
 # another order).

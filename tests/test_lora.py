@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from sdflax import StableDiffusion
-from sdflax.lora import LoraMismatchError, load_lora, merge_lora, read_lora
-from sdflax.weights import convert_state_dict
+from sdflax.loading.lora import LoraMismatchError, load_lora, merge_lora, read_lora
+from sdflax.loading.weights import convert_state_dict
 
 PARAM_ATOL = 1e-6  # merged float32 weights; differences are summation order in a rank-2..4 product
 IMAGE_ATOL = 1e-3  # images in [0, 1], as in test_pipeline.py

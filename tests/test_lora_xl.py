@@ -15,9 +15,9 @@ from test_lora import IMAGE_ATOL, assert_params_close, both, kohya_file, kohya_s
 import jax
 
 from sdflax import StableDiffusion, StableDiffusionXL
-from sdflax.ldm_names import unet_table
-from sdflax.lora import LoraMismatchError, read_lora
-from sdflax.weights import convert_state_dict
+from sdflax.loading.ldm_names import unet_table
+from sdflax.loading.lora import LoraMismatchError, read_lora
+from sdflax.loading.weights import convert_state_dict
 
 SCALE = 0.7
 PROMPTS = ["a photo of an astronaut riding a horse on mars"]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from sdflax import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
 from sdflax.models import Kernels, layers, resolve_kernels
 from sdflax.pipeline.runner import compiler_options
-from sdflax.weights import CheckpointMismatchError
+from sdflax.loading.weights import CheckpointMismatchError
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity, per module
 jit = partial(jax.jit, compiler_options=compiler_options())  # compiled as the pipelines compile them

@@ -26,7 +26,7 @@ VARIANTS = {"sd35_medium": TRANSFORMER,  # MMDiT-X: qk RMSNorm, dual attention i
             "sd3": {**TRANSFORMER, "qk_norm": None, "dual_attention_layers": ()}}
 
 # ---------------------------------------------------------------------------------------------------------------
-# diffusers names -> Stability's, written independently of sdflax/ldm_names.py's tables
+# diffusers names -> Stability's, written independently of sdflax/loading/ldm_names.py's tables
 
 
 def swap(value):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from builders import SD3_CLIP, SD3_CLIP_G, TOKENIZER, randomize_norms, sd3_t5_config, t5_tokenizer_folder
 
-from sdflax.loading import load_tokenizer
+from sdflax.loading.folders import load_tokenizer
 from sdflax.models import CLIPTextModelWithProjection, T5EncoderModel
 from sdflax.pipeline.sd3_text import SD3Text, prepare_sd3_ids
-from sdflax.t5_tokenizer import T5Tokenizer
+from sdflax.loading.tokenizers import T5Tokenizer
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 parity
 T5_LENGTH, JOINT = 24, 96  # max_sequence_length; T5's width, wider than the two CLIPs' 32 + 48

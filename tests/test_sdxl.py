@@ -17,7 +17,7 @@ from sdflax import CLIPTextModel, CLIPTextModelWithProjection, StableDiffusionXL
 from sdflax import replicate, shard, unshard
 from sdflax.models import AutoencoderKL
 from sdflax.pipeline.vae import VAE
-from sdflax.weights import CheckpointMismatchError
+from sdflax.loading.weights import CheckpointMismatchError
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 module parity
 IMAGE_ATOL = 1e-3  # images in [0, 1], float32
@@ -93,7 +93,7 @@ def test_full_size_sdxl_unet_has_the_tensors_of_diffusers():
     from diffusers import UNet2DConditionModel as TorchUNet
     from flax import traverse_util
 
-    from sdflax.weights import WEIGHT_LEAVES, _module_and_leaf
+    from sdflax.loading.weights import WEIGHT_LEAVES, _module_and_leaf
 
     with torch.device("meta"):
         theirs = {k: v.shape.numel() for k, v in TorchUNet(**SDXL_BASE_UNET).state_dict().items()}

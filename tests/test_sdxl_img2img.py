@@ -15,8 +15,8 @@ import jax
 
 from sdflax import (StableDiffusion, StableDiffusionXL, StableDiffusionXLImg2Img, StableDiffusionXLInpaint,
                     random_draws, replicate, shard, unshard)
-from sdflax.hub import ModelNotFoundError
-from sdflax.loading import check_pipeline_folder
+from sdflax.loading.hub import ModelNotFoundError
+from sdflax.loading.folders import check_pipeline_folder
 from sdflax.schedulers import scheduler_from_config
 
 IMAGE_ATOL = 1e-3  # images in [0, 1], float32

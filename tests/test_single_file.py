@@ -21,11 +21,11 @@ import jax
 from flax import traverse_util
 
 from sdflax import StableDiffusion
-from sdflax import single_file
+from sdflax.loading import single_file
 from sdflax.models import CLIPTextConfig, UNetConfig, VAEConfig
 
 # --------------------------------------------------------------------------------------------------------------
-# diffusers names -> original (LDM / OpenCLIP) names, written independently of sdflax/single_file.py's tables
+# diffusers names -> original (LDM / OpenCLIP) names, written independently of sdflax/loading/single_file.py's tables
 
 RESNET_BACK = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
                "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}

@@ -23,8 +23,8 @@ from test_single_file import (_meta_state, assert_same_params, clip_to_ldm, load
 import jax
 
 from sdflax import StableDiffusion, StableDiffusionXL, StableDiffusionXLImg2Img
-from sdflax import single_file
-from sdflax.hub import ModelNotFoundError
+from sdflax.loading import single_file
+from sdflax.loading.hub import ModelNotFoundError
 from sdflax.models import CLIPTextConfig, UNetConfig, VAEConfig
 
 CLIP_L, BIGG_BASE, BIGG_REFINER = ("conditioner.embedders.0.transformer.", "conditioner.embedders.1.model.",

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from sdflax import T5EncoderModel
 from sdflax.models.config import ConfigError
 from sdflax.models.t5 import T5Config, relative_position_buckets
-from sdflax.t5_tokenizer import T5Tokenizer
+from sdflax.loading.tokenizers import T5Tokenizer
 
 RTOL, ATOL = 1e-4, 1e-5
 PIECES = T5_PIECES

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 import jax
 
 from sdflax import StableDiffusion
-from sdflax.textual_inversion import load_textual_inversion
+from sdflax.loading.embeddings import load_textual_inversion
 
 ATOL = 1e-5  # text encoder states, float32 (the per-module tolerance of test_models.py)
 VOCAB = 49408
@@ -156,8 +156,8 @@ def test_new_parts_and_params_the_given_ones_unchanged(folders, tmp_path):
 def test_zip_damage_in_an_a1111_embedding_is_one_line(tmp_path):
     """A damaged .pt was a BadZipFile or RuntimeError traceback (from the embedding's own zip reader, now the
     checkpoints' one)."""
-    from sdflax.checkpoint_files import CheckpointFileError
-    from sdflax.textual_inversion import read_embedding
+    from sdflax.loading.files import CheckpointFileError
+    from sdflax.loading.embeddings import read_embedding
 
     write(tmp_path / "good.pt", "a1111.pt", torch.arange(6.0).reshape(2, 3), "fox")
     data = (tmp_path / "good.pt").read_bytes()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import CLIPTokenizer as Theirs
 
-from sdflax.loading import load_tokenizer
+from sdflax.loading.folders import load_tokenizer
 from sdflax.models.config import ConfigError
 
 PROMPTS = [

@@ -248,7 +248,7 @@ def test_dreambooth_prior_preservation_matches_the_script(sd1):
 
 
 def flax_layout(module, torch_model):
-    from sdflax.weights import convert_state_dict
+    from sdflax.loading.weights import convert_state_dict
 
     state = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
     return convert_state_dict(state, module.param_shapes())

@@ -72,7 +72,7 @@ def check_ip_adapters(request, every_image=True):
 def check_ip_adapter_width(request, unet):
     """A local adapter file was made for the checkpoint's family: the width of its first to_k_ip kernel is the
     UNet's text width (its header, or its pickle's tensor records: nothing is read)."""
-    from ..checkpoint_files import read_safetensors, read_torch_object
+    from ..loading.files import read_safetensors, read_torch_object
 
     for name, _ in request.ip_adapter:
         path = os.path.expanduser(name)
@@ -116,7 +116,7 @@ def encoder_folder(name, weights=False) -> str:
 
 
 def resolve(flag, repo, patterns) -> str:
-    from ..hub import ModelNotFoundError, resolve_folder
+    from ..loading.hub import ModelNotFoundError, resolve_folder
 
     try:
         return resolve_folder(repo, allow_patterns=patterns)

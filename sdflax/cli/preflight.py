@@ -58,8 +58,8 @@ def read_configs(folder, family="sd", transformer_changes=None):
 
 def check_checkpoint(request, pictures, controls=None):
     """(Checkpoint, pictures, controls), the pictures resized to the output size."""
-    from ..hub import ModelNotFoundError, resolve_folder, snapshot_commit
-    from ..loading import check_pipeline_folder, load_scheduler
+    from ..loading.hub import ModelNotFoundError, resolve_folder, snapshot_commit
+    from ..loading.folders import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
     from ..pipeline import pipeline_class
     from ..schedulers.common import for_family
@@ -182,8 +182,8 @@ def make_guider(request, guidance):
 def check_refiner(request, xl, scheduler, vae) -> float:
     """The --high-noise-frac: --refiner's configs (kilobytes) are an SDXL checkpoint (a refiner or a base) whose
     latents are the base model's, and both halves of the schedule, cut there, run a step."""
-    from ..hub import ModelNotFoundError, resolve_folder
-    from ..loading import check_pipeline_folder, load_scheduler
+    from ..loading.hub import ModelNotFoundError, resolve_folder
+    from ..loading.folders import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
     from ..pipeline import StableDiffusionXLImg2Img
     from ..pipeline.starts import schedule_window
@@ -238,11 +238,11 @@ def single_file_configs(request) -> tuple[str, str, dict | None, bool]:
     whether it runs without T5): the version is told from the tensor names (a .safetensors header, a .ckpt's
     pickle: the tensors are memory-mapped, not read), the configs are --config's or sdflax's bundled ones for that
     version."""
-    from ..checkpoint_files import read_checkpoint
-    from ..hub import resolve_folder
-    from ..ldm_names import is_sd3_file, sd3_with_prefixes
-    from ..loading import check_pipeline_folder
-    from ..single_file import NAMES, bundled_config_folder, detect_version, file_contents
+    from ..loading.files import read_checkpoint
+    from ..loading.hub import resolve_folder
+    from ..loading.ldm_names import is_sd3_file, sd3_with_prefixes
+    from ..loading.folders import check_pipeline_folder
+    from ..loading.single_file import NAMES, bundled_config_folder, detect_version, file_contents
 
     suffix = os.path.splitext(request.model)[1].lower()
     if suffix not in SINGLE_FILE_SUFFIXES:
@@ -287,7 +287,7 @@ def check_controlnets(request, unet, vae_scale_factor):
     """Each --controlnet exists and, where its config.json can be read (a folder's, a hub id's or an original-layout
     file's --controlnet-config: kilobytes), was made for the checkpoint's model family and latent size. An
     original-layout file without one is checked when it loads."""
-    from ..hub import ModelNotFoundError, resolve_folder
+    from ..loading.hub import ModelNotFoundError, resolve_folder
     from ..models.config import read_config_file
     from ..models.controlnet import ControlNetConfig
     from ..pipeline.checks import condition_scale_mismatch

@@ -20,13 +20,13 @@ class UserError(Exception):
 def input_errors() -> tuple[type, ...]:
     """The library's error types for bad files and arguments: their message is the one line a user sees, wherever
     in a command they are raised (imported late: they are only needed once something failed)."""
-    from ..checkpoint_files import CheckpointFileError
+    from ..loading.files import CheckpointFileError
     from ..hooks.core import LayerError
-    from ..hub import ModelNotFoundError
-    from ..lora import LoraMismatchError
+    from ..loading.hub import ModelNotFoundError
+    from ..loading.lora import LoraMismatchError
     from ..models.config import ConfigError
-    from ..single_file import SingleFileError
-    from ..weights import CheckpointMismatchError
+    from ..loading.single_file import SingleFileError
+    from ..loading.weights import CheckpointMismatchError
 
     return CheckpointFileError, ConfigError, CheckpointMismatchError, LayerError, LoraMismatchError, \
         ModelNotFoundError, SingleFileError

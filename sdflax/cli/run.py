@@ -156,7 +156,7 @@ def load_controlnet_file(name, config, dtype, attention):
     """(controlnet, params) of an original-layout --controlnet file, its config from --controlnet-config or read
     off its tensors."""
     from .. import ControlNetModel
-    from ..single_file import SingleFileError
+    from ..loading.single_file import SingleFileError
 
     try:
         return ControlNetModel.from_single_file(os.path.expanduser(name), config=config, dtype=dtype,
@@ -181,7 +181,7 @@ def load_refiner(request, dtype):
 def load_single_file(request, kind, dtype, extra):
     """(pipeline, params) of `kind` from a single-file --model, with its configs from --config or the bundled ones,
     and the ControlNet pipelines' `controlnet=`."""
-    from ..single_file import SingleFileError, load_single_file as load_file
+    from ..loading.single_file import SingleFileError, load_single_file as load_file
 
     try:
         parts, params = load_file(os.path.expanduser(request.model), request.config, dtype,

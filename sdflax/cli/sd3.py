@@ -26,7 +26,7 @@ def family_of(index: dict) -> str:
 
 def lacks_t5(index: dict) -> bool:
     """Whether an SD 3.x folder's model_index.json has no T5 (saved with text_encoder_3=None)."""
-    from ..loading import is_null
+    from ..loading.folders import is_null
 
     return "text_encoder_3" not in index or is_null(index, "text_encoder_3")
 
@@ -35,10 +35,10 @@ def sd3_file_configs(request, tensors) -> tuple[str, dict, bool]:
     """(the folder of configs for an SD 3.x single file, changes to its transformer's config, whether it runs
     without T5): --config's, else sdflax's bundled ones for the MMDiT's size (as `load_sd3_single_file` reads them).
     """
-    from ..hub import resolve_folder
-    from ..ldm_names import SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type
-    from ..loading import check_pipeline_folder, read_index
-    from ..single_file import bundled_config_folder
+    from ..loading.hub import resolve_folder
+    from ..loading.ldm_names import SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type
+    from ..loading.folders import check_pipeline_folder, read_index
+    from ..loading.single_file import bundled_config_folder
 
     t5_in_file = "text_encoder_3" in sd3_components_in(tensors)
     if request.config is not None:
@@ -141,7 +141,7 @@ def check_sd3_size(request, height, width, transformer, vae):
 def load_sd3_file(request, kind, dtype):
     """(pipeline, params) of `kind` from an SD 3.x single file, the models it lacks from --config (as its configs;
     else sdflax's bundled ones), T5 left out with --no-t5."""
-    from ..single_file import load_sd3_single_file
+    from ..loading.single_file import load_sd3_single_file
 
     try:
         parts, params = load_sd3_single_file(os.path.expanduser(request.model), request.config, dtype,

@@ -44,7 +44,7 @@ def read_adapter_pictures(request) -> tuple:
 
 def adapter_config(name):
     """The T2IAdapterConfig of a folder or hub id (its config.json alone is fetched)."""
-    from ..hub import ModelNotFoundError, resolve_folder
+    from ..loading.hub import ModelNotFoundError, resolve_folder
     from ..models.config import read_config_file
     from ..models.t2i_adapter import T2IAdapterConfig
 

@@ -98,7 +98,7 @@ class VisionEmbeddings(ReadsParams, nn.Module):
 
 class CLIPVisionModelWithProjection(Pretrained, nn.Module):
     """Pixels (B, C, H, W) at the config's image_size, normalised as CLIP's image processor does
-    (`sdflax.clip_image.clip_image_inputs`) -> CLIPVisionOutput."""
+    (`sdflax.pipeline.clip_image.clip_image_inputs`) -> CLIPVisionOutput."""
 
     config: CLIPVisionConfig
     dtype: jnp.dtype = jnp.float32

@@ -13,7 +13,7 @@ from flax import traverse_util
 
 from .config import ConfigError, config_source
 from .layers import Kernels, conv, resolve_kernels
-from .pretrained import Pretrained, loader
+from .pretrained import Pretrained
 from .unet import UNetEncoder, UNetEncoderConfig
 
 CHANNEL_ORDERS = ("rgb", "bgr")
@@ -82,10 +82,6 @@ class ControlNetModel(UNetEncoder, Pretrained, nn.Module):
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = ControlNetConfig
-    # `from_single_file`'s work, as `Pretrained.folder_loader` is `from_pretrained`'s: set by sdflax.single_file
-    # (`load_controlnet(cls, path, config, dtype, attention, revision) -> (module, params)`)
-    file_loader = None
-
     def dummy_inputs(self):
         cfg = self.config
         pixels = 2 ** (len(cfg.block_out_channels) - 1) * cfg.condition_scale
@@ -141,7 +137,9 @@ class ControlNetModel(UNetEncoder, Pretrained, nn.Module):
         .safetensors; ControlNet 1.0 files' `control_model.*`). The architecture is read off the tensors for SD
         1.x / 2.x nets; `config` (a diffusers ControlNet folder or hub id) gives it otherwise (SDXL nets, the
         shuffle net's global pooling). Pickled .pth files are read without running their code."""
-        return loader(cls, "file_loader")(cls, path, config, dtype, attention, revision)
+        from ..loading.single_file import load_controlnet
+
+        return load_controlnet(cls, path, config, dtype, attention, revision)
 
     @classmethod
     def from_unet(cls, unet, conditioning_channels=3, conditioning_embedding_out_channels=(16, 32, 96, 256)):

@@ -14,7 +14,7 @@ class Pretrained:
 
     The models read no files: `from_pretrained` hands its work to `folder_loader`, a function
     `(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs) -> (module, params)` that sdflax's
-    loading layer (`sdflax.loading.load_model`) sets when `import sdflax` runs. So the models import nothing above
+    loading layer (`sdflax.loading.folders.load_model`) sets when `import sdflax` runs. So the models import nothing above
     them and the loader keeps one path for every source.
     """
 
@@ -56,5 +56,5 @@ def loader(cls, name):
     function = getattr(cls, name)
     if function is None:
         raise RuntimeError(f"{cls.__name__}.{name} is not set: `import sdflax` sets the models' loaders "
-                           "(sdflax.loading, sdflax.single_file)")
+                           "(sdflax.loading.folders, sdflax.loading.single_file)")
     return function

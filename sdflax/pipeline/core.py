@@ -101,7 +101,7 @@ class Pipeline:
                         scheduler_config=None, variant=None, attention="auto", **components):
         """(pipeline, params) from a diffusers checkpoint folder or hub id; `scheduler="ddim"` swaps the kind,
         `scheduler_config={...}` single values; other components are passed on (`controlnet=`)."""
-        from ..loading import load_pipeline
+        from ..loading.folders import load_pipeline
 
         c = cls.text
         # an optional encoder given as None is not loaded (SD 3 without T5: text_encoder_3=None), nor its tokenizer
@@ -122,7 +122,7 @@ class Pipeline:
         """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout (SD 3.x:
         Stability's); configs from `config` or bundled defaults (docs/checkpoints.md); other components are passed
         on (`text_encoder_3=None`: SD 3 without T5)."""
-        from ..single_file import bundled_config_folder, load_sd3_single_file, load_single_file
+        from ..loading.single_file import bundled_config_folder, load_sd3_single_file, load_single_file
 
         if cls.text.denoiser.flow:  # SD 3.x
             if prediction_type is not None:
@@ -143,8 +143,8 @@ class Pipeline:
 
     def load_lora(self, params, path, scale=1.0):
         """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
-        LoRAs stack by calling it again (`sdflax.lora.merge_lora` merges under jit with a traced `scale`)."""
-        from ..lora import load_lora
+        LoRAs stack by calling it again (`sdflax.loading.lora.merge_lora` merges under jit with a traced `scale`)."""
+        from ..loading.lora import load_lora
 
         self._unet_only("LoRAs")
         return load_lora(params, path, scale, self.unet.config)
@@ -157,7 +157,7 @@ class Pipeline:
     def load_textual_inversion(self, params, path, token=None):
         """(pipeline, params) with a textual-inversion embedding added (A1111 .pt/.safetensors, diffusers
         learned_embeds; SDXL's clip_l + clip_g): a new pipeline whose tokenizer(s) know the token. Pure."""
-        from ..textual_inversion import load_textual_inversion
+        from ..loading.embeddings import load_textual_inversion
 
         self._unet_only("textual-inversion embeddings")
         parts, params = load_textual_inversion(self.components(), params, path, token)
@@ -181,7 +181,7 @@ class Pipeline:
     def prepare_ip_adapter_image(self, images):
         """Pictures (PIL or arrays; one, or a list) -> the image encoder's pixels, float32 (N, 3, h, w), as
         diffusers' CLIPImageProcessor makes them: `ip_adapter_image=`."""
-        from ..clip_image import clip_image_inputs
+        from .clip_image import clip_image_inputs
 
         if self.ip_adapter is None or self.ip_adapter.image_encoder is None:
             raise ValueError("prepare_ip_adapter_image needs an IP-Adapter with its image encoder: "

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..hooks.core import Hook, intercept
-from ..lora import kernel_index
+from ..loading.lora import kernel_index
 from ..models.layers import dot_product_attention
 
 
@@ -335,8 +335,8 @@ def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_fold
     finds them."""
     import os
 
-    from ..hub import resolve_folder
-    from ..ip_adapter_files import read_ip_adapter
+    from ..loading.hub import resolve_folder
+    from ..loading.ip_adapter import read_ip_adapter
     from ..models import CLIPVisionModelWithProjection
 
     names = list(weight_name) if isinstance(weight_name, (list, tuple)) else [weight_name]

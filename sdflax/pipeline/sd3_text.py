@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models import AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, T5EncoderModel
-from ..t5_tokenizer import T5Tokenizer
+from ..loading.tokenizers import T5Tokenizer
 from .denoisers import MMDiTDenoiser
 from .text import check_pooled_with_states, frozen_ids, tokenize
 from .types import Cond

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models import AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, UNet2DConditionModel
-from ..textual_inversion import expand_prompts
+from ..loading.embeddings import expand_prompts
 from .denoisers import UNetDenoiser
 from .types import Cond
 

@@ -1,7 +1,7 @@
 """Files training writes: safetensors written atomically (LoRAs, embeddings, models, checkpoints).
 
 Written to a temporary file beside the target, flushed to disk and renamed onto it, so a killed write never leaves a
-truncated file under the name; an existing file is replaced only when asked. `checkpoint_files.py` reads them back.
+truncated file under the name; an existing file is replaced only when asked. `sdflax.loading.files` reads them back.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from ..checkpoint_files import SAFETENSORS_DTYPES
+from ..loading.files import SAFETENSORS_DTYPES
 
 
 def write_safetensors(path, tensors: dict, metadata: dict | None = None, overwrite: bool = False) -> None:

@@ -1,5 +1,5 @@
 """LoRA training state as a pytree: {component: {"a/b/kernel": {"down": (r, in[, kh, kw]), "up": (out, r[, 1, 1])}}}
-in PyTorch layout (PEFT's lora_A / lora_B), merged into the frozen params by `sdflax.lora.merge_lora` inside the
+in PyTorch layout (PEFT's lora_A / lora_B), merged into the frozen params by `sdflax.loading.lora.merge_lora` inside the
 loss, so the model modules stay as they are and only these arrays get gradients.
 
 A target is named as PEFT names one (`target_modules`): a module whose PyTorch path ends with it ("to_q",
@@ -20,7 +20,7 @@ import numpy as np
 from flax import traverse_util
 
 from .files import write_safetensors
-from ..lora import read_lora
+from ..loading.lora import read_lora
 
 # Joined-name pieces whose PyTorch path is not "_" -> "." at the numbers: {component: [(pattern, replacement)]}
 TORCH_NAMES = {
@@ -90,7 +90,7 @@ def init_lora(params, targets: dict, rank: int, key, init: str = "default") -> d
 
 
 def read_initial_lora(path, params, unet_config) -> tuple[dict, dict]:
-    """(lora, alphas) from a LoRA file (`sdflax.lora.read_lora`'s layouts): the trainable down/up in float32 and
+    """(lora, alphas) from a LoRA file (`sdflax.loading.lora.read_lora`'s layouts): the trainable down/up in float32 and
     {component: {name: alpha}}."""
     lora, alphas = {}, {}
     for component, modules in read_lora(path, params, unet_config).items():

@@ -16,7 +16,7 @@ import numpy as np
 from flax import traverse_util
 
 from .files import write_safetensors
-from ..hub import resolve_folder
+from ..loading.hub import resolve_folder
 
 # The attribute names of diffusers' UNet2DConditionModel and AutoencoderKL and transformers' CLIP text models
 WORDS = frozenset("""

@@ -22,11 +22,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..checkpoint_files import read_safetensors
-from ..lora import merge_lora
+from ..loading.files import read_safetensors
+from ..loading.lora import merge_lora
 from ..pipeline.core import config_dict
 from ..pipeline.vae import VAE
-from ..textual_inversion import add_rows
+from ..loading.embeddings import add_rows
 from . import lora as lora_lib
 from .config import TrainConfig
 from .files import fsync_folder, write_safetensors

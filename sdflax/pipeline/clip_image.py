@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from .models.config import SOURCE_KEY, ConfigError, config_source, read_config_file
-from .pipeline.images import as_list, to_pil
+from ..models.config import SOURCE_KEY, ConfigError, config_source, read_config_file
+from .images import as_list, to_pil
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' OPENAI_CLIP_MEAN and OPENAI_CLIP_STD
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint_files import read_safetensors, read_torch_object
+from .files import read_safetensors, read_torch_object
 
 __all__ = ["expand_prompts", "load_textual_inversion", "read_embedding", "read_sdxl_embedding"]
 

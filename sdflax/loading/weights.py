@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from .checkpoint_files import CheckpointFileError, read_checkpoint
+from .files import CheckpointFileError, read_checkpoint
 
 # Names older checkpoints (SD 1.x VAEs, diffusers' Flax models) use for attention projections.
 RENAMES = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out_0"}

@@ -35,20 +35,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from .assemble import assemble
-from .checkpoint_files import read_checkpoint
+from .files import read_checkpoint
 from .hub import resolve_folder
 from .ldm_names import (SD3_BUNDLED, SD3_NAMES, SD3_PARTS, SD3_TRANSFORMER_CHANGES, clip_table, controlnet_table,
                         is_sd3_file, map_key, openclip_table, sd3_components_in, sd3_model_type, sd3_with_prefixes,
                         split_sd3, unet_table, vae_table)
-from .loading import check_pipeline_folder, checkpoint_files, is_null, load_scheduler, load_tokenizer, read_index
-from .models.clip import CLIPTextModel, CLIPTextModelWithProjection
-from .models.config import read_config_file
-from .models.controlnet import ControlNetModel
-from .models.mmdit import SD3Transformer2DModel
-from .models.t5 import T5EncoderModel
-from .models.unet import UNet2DConditionModel
-from .models.vae import AutoencoderKL
-from .t5_tokenizer import T5Tokenizer
+from .folders import check_pipeline_folder, checkpoint_files, is_null, load_scheduler, load_tokenizer, read_index
+from ..models.clip import CLIPTextModel, CLIPTextModelWithProjection
+from ..models.config import read_config_file
+from ..models.mmdit import SD3Transformer2DModel
+from ..models.t5 import T5EncoderModel
+from ..models.unet import UNet2DConditionModel
+from ..models.vae import AutoencoderKL
+from .tokenizers import T5Tokenizer
 from .weights import CheckpointMismatchError, read_weights, short_list, weight_files
 
 __all__ = ["SingleFileError", "detect_version", "split_components", "bundled_config_folder", "load_sd3_single_file"]
@@ -395,6 +394,3 @@ def load_controlnet(cls, path, config=None, dtype=None, attention="auto", revisi
                        "diffusers folder or hub id of a ControlNet of the same architecture>"):
         modules, params, _ = assemble({"controlnet": cls}, {"controlnet": model_config}, tensors, dtype, attention)
     return modules["controlnet"], params["controlnet"]
-
-
-ControlNetModel.file_loader = staticmethod(load_controlnet)  # the models' from_single_file (see Pretrained)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from .cache import param_shapes
-from .models.layers import resolve_kernels
+from ..cache import param_shapes
+from ..models.layers import resolve_kernels
 from .weights import convert_state_dict
 
 

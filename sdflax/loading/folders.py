@@ -2,7 +2,7 @@
 the library and the CLI), tokenizers, the scheduler, and the models (`assemble.py`, the path single files take too).
 
 Pipelines' and the models' own `from_pretrained` come through here; the models themselves never touch the hub or
-the file system, and import nothing above them: this module gives them `load_model` on import.
+the file system: their `from_pretrained` imports `load_model` from here when called.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import jax.numpy as jnp
 
 from .assemble import assemble
 from .hub import ModelNotFoundError, resolve_folder
-from .models.config import ConfigError, read_config_file
-from .models.pretrained import Pretrained
-from .schedulers import scheduler_from_config
-from .tokenizer import CLIPTokenizer
+from ..models.config import ConfigError, read_config_file
+from ..schedulers import scheduler_from_config
+from .tokenizers import CLIPTokenizer
 from .weights import read_weights, weight_files
 
 COMPONENTS = ("text_encoder", "unet", "vae")  # an SD 1.x / 2.x pipeline's models
@@ -70,7 +69,7 @@ def check_pipeline_folder(folder, name=None, components=COMPONENTS, tokenizers=(
 
 
 def load_tokenizer(folder, **special_tokens):
-    """CLIP's tokenizer (`sdflax.tokenizer`) from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json`
+    """CLIP's tokenizer (`sdflax.loading.tokenizers`) from `vocab.json` + `merges.txt` (SD 1.x hub repos) or `tokenizer.json`
     (transformers 5); `special_tokens` (e.g. `pad_token="!"`) override tokenizer_config.json's."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
@@ -149,6 +148,3 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
 
 def _has_safetensors(folder):
     return os.path.isdir(folder) and any(name.endswith(".safetensors") for name in os.listdir(folder))
-
-
-Pretrained.folder_loader = staticmethod(load_model)  # the models' from_pretrained (see Pretrained)

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from .checkpoint_files import read_checkpoint, safetensors_metadata
+from .files import read_checkpoint, safetensors_metadata
 from .ldm_names import map_key, unet_table
-from .utils import is_float32
+from ..utils import is_float32
 from .weights import short_list
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint_files import read_safetensors, read_torch_object
-from .models.ip_adapter import ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection
-from .models.layers import Kernels, resolve_kernels, shapes_only
+from .files import read_safetensors, read_torch_object
+from ..models.ip_adapter import ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection
+from ..models.layers import Kernels, resolve_kernels, shapes_only
 from .weights import convert_state_dict
 
 __all__ = ["IPAdapterFileError", "IPAdapterWeights", "read_ip_adapter"]
