@@ -5,13 +5,15 @@ from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, 
                      UNet2DConditionModel)
 from .parallel import replicate, shard, unshard
 from .cache import enable_compile_cache
-from .pipeline import (Inputs, Settings, StableDiffusion, StableDiffusion3, StableDiffusion3Img2Img,
-                       StableDiffusion3Inpaint, StableDiffusionAdapter, StableDiffusionControlNet,
-                       StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint, StableDiffusionImg2Img,
-                       StableDiffusionInpaint, StableDiffusionOutput, StableDiffusionXL, StableDiffusionXLAdapter,
-                       StableDiffusionXLControlNet, StableDiffusionXLControlNetImg2Img,
-                       StableDiffusionXLControlNetInpaint, StableDiffusionXLImg2Img, StableDiffusionXLInpaint, generate,
-                       random_draws)
+from .families.sd import (StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet,
+                         StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint, StableDiffusionImg2Img,
+                         StableDiffusionInpaint)
+from .families.sd3 import StableDiffusion3, StableDiffusion3Img2Img, StableDiffusion3Inpaint
+from .families.sdxl import (StableDiffusionXL, StableDiffusionXLAdapter, StableDiffusionXLControlNet,
+                           StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint,
+                           StableDiffusionXLImg2Img, StableDiffusionXLInpaint)
+from .families import from_pretrained
+from .pipeline import Inputs, Pipeline, Settings, StableDiffusionOutput, generate, random_draws
 from .pipeline.clip_image import clip_image_inputs
 from .utils import make_image_grid
 from . import hooks
@@ -28,11 +30,11 @@ def __getattr__(name):
 
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-           "ControlNetModel", "Inputs", "SD3Transformer2DModel", "Settings", "StableDiffusion",
-           "StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter", "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img",
-           "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img", "StableDiffusionInpaint",
-           "StableDiffusionOutput", "StableDiffusionXL",
+           "ControlNetModel", "Inputs", "Pipeline", "SD3Transformer2DModel", "Settings", "StableDiffusion",
+           "StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter",
+           "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
+           "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
            "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
-           "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "generate", "hooks",
-           "make_image_grid", "random_draws", "replicate", "shard", "unshard"]
+           "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "from_pretrained",
+           "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard", "unshard"]

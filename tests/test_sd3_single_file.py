@@ -19,7 +19,8 @@ from test_mmdit import torch_transformer
 from test_sd3_pipeline import TRANSFORMER, torch_sd3_pipeline
 from test_single_file import assert_same_params, vae_to_ldm
 
-from sdflax import StableDiffusion, StableDiffusion3, StableDiffusion3Img2Img, ldm_names, single_file
+from sdflax import StableDiffusion, StableDiffusion3, StableDiffusion3Img2Img
+from sdflax.loading import ldm_names, single_file
 from sdflax.models import SD3TransformerConfig, VAEConfig
 
 VARIANTS = {"sd35_medium": TRANSFORMER,  # MMDiT-X: qk RMSNorm, dual attention in block 0

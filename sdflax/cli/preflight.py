@@ -61,7 +61,7 @@ def check_checkpoint(request, pictures, controls=None):
     from ..loading.hub import ModelNotFoundError, resolve_folder, snapshot_commit
     from ..loading.folders import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
-    from ..pipeline import pipeline_class
+    from ..families import named
     from ..schedulers.common import for_family
     from ..pipeline.starts import start_step
 
@@ -84,7 +84,7 @@ def check_checkpoint(request, pictures, controls=None):
             without_t5 = family == "sd3" and (request.no_t5 or lacks_t5(index))
             check_pipeline_folder(folder, request.model, *folder_parts(family, request))
         check_family_flags(request, family)
-        cls = pipeline_class(family, request.start, bool(request.controlnet))
+        cls = named(family).pipeline_class(request.start, bool(request.controlnet))
         vae, denoiser = read_configs(folder, family, transformer_changes)
         scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
         check_scheduler(request, family, scheduler)
@@ -185,7 +185,7 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     from ..loading.hub import ModelNotFoundError, resolve_folder
     from ..loading.folders import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
-    from ..pipeline import StableDiffusionXLImg2Img
+    from ..families.sdxl import StableDiffusionXLImg2Img
     from ..pipeline.starts import schedule_window
     from ..pipeline.types import Settings
     from ..schedulers.common import for_family

@@ -8,20 +8,18 @@ import os
 
 from .request import CONFIG_FILES, UserError
 
-FAMILY_NAMES = {"sd": "SD 1.x / 2.x", "sdxl": "SDXL", "sd3": "SD 3.x"}
-SD3_FLAGS = (("--prompt-3", "prompt_3"), ("--negative-prompt-3", "negative_prompt_3"), ("--no-t5", "no_t5"),
-             ("--max-sequence-length", "max_sequence_length"), ("--slg-layers", "slg_layers"),
-             ("--slg-scale", "slg_scale"))
-# UNet-side additions that SD 3.x pipelines do not take (yet): refused in one line before anything loads
+# UNet-side additions that the transformer families' pipelines do not take (yet): refused in one line before
+# anything loads
 UNET_FLAGS = (("--controlnet", "controlnet"), ("--t2i-adapter", "t2i_adapter"), ("--ip-adapter", "ip_adapter"),
               ("--lora", "lora"), ("--embedding", "embedding"), ("--refiner", "refiner"))
 DEFAULT_SLG_SCALE = 2.8  # diffusers' skip_layer_guidance_scale
 
 
 def family_of(index: dict) -> str:
-    """"sd", "sdxl" or "sd3" from model_index.json's pipeline class name."""
-    name = str(index.get("_class_name", ""))
-    return "sd3" if name.startswith("StableDiffusion3") else "sdxl" if name.startswith("StableDiffusionXL") else "sd"
+    """The name of a checkpoint's family ("sd", "sdxl", "sd3", or one registered) from its model_index.json."""
+    from ..families import for_index
+
+    return for_index(index).name
 
 
 def lacks_t5(index: dict) -> bool:
@@ -68,18 +66,21 @@ def folder_parts(family, request) -> tuple[tuple, tuple]:
 
 
 def check_family_flags(request, family):
-    """SD 3.x's flags for SD 3.x checkpoints only, and the UNet-side additions for the others only."""
-    name = FAMILY_NAMES[family]
-    if family != "sd3":
-        for flag, field in SD3_FLAGS:
+    """A family's own flags for its checkpoints only, and the UNet-side additions for UNet families only."""
+    from ..families import named, registered
+
+    this = named(family)
+    for other in registered().values():
+        for flag, field in () if other is this else other.flags:
             if getattr(request, field) not in (None, False, ()):
-                raise UserError(f"{flag} is for SD 3.x checkpoints, but {request.model} is an {name} checkpoint: "
-                                f"drop {flag}")
+                raise UserError(f"{flag} is for {other.title} checkpoints, but {request.model} is an {this.title} "
+                                f"checkpoint: drop {flag}")
+    if this.text.denoiser.component == "unet":
         return
     for flag, field in UNET_FLAGS:
         if getattr(request, field):
-            raise UserError(f"{flag} is not supported with SD 3.x checkpoints yet ({request.model} is one): drop "
-                            f"{flag}")
+            raise UserError(f"{flag} is not supported with {this.title} checkpoints yet ({request.model} is one): "
+                            f"drop {flag}")
     if request.slg_scale is not None and not request.slg_layers:
         raise UserError("--slg-scale applies with --slg-layers: add --slg-layers I,J,... (SD 3.5 Medium: 7,8,9), or "
                         "drop it")

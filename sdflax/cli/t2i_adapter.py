@@ -129,7 +129,8 @@ def fit_adapters(request, configs, pictures, height, width, defaults, xl) -> Ada
 
 def adapter_class(xl) -> type:
     """generate's class with T2I-Adapters and no ControlNet: diffusers' StableDiffusion(XL)AdapterPipeline's."""
-    from ..pipeline import StableDiffusionAdapter, StableDiffusionXLAdapter
+    from ..families.sd import StableDiffusionAdapter
+    from ..families.sdxl import StableDiffusionXLAdapter
 
     return StableDiffusionXLAdapter if xl else StableDiffusionAdapter
 

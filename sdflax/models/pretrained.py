@@ -12,13 +12,9 @@ class Pretrained:
     """Mixed into each model. Subclasses set `config_class`, define `dummy_inputs()` for shape inference and take
     a `kernels` field (`layers.Kernels`) that they hand to every layer.
 
-    The models read no files: `from_pretrained` hands its work to `folder_loader`, a function
-    `(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs) -> (module, params)` that sdflax's
-    loading layer (`sdflax.loading.folders.load_model`) sets when `import sdflax` runs. So the models import nothing above
-    them and the loader keeps one path for every source.
+    The models read no files: `from_pretrained` hands its work to the loading layer (`sdflax.loading.folders`),
+    imported when called: importing a model loads no loader, and the loader keeps one path for every source.
     """
-
-    folder_loader = None
 
     def apply(self, variables, *args, **kwargs):
         if "params" not in variables:  # a bare params tree, as `from_pretrained` returns it
@@ -48,13 +44,6 @@ class Pretrained:
     def from_pretrained(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.float32, variant=None,
                         **kwargs):
         """(module, params) from a diffusers/transformers model folder or hub id; `subfolder` e.g. "unet"."""
-        return loader(cls, "folder_loader")(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs)
+        from ..loading.folders import load_model
 
-
-def loader(cls, name):
-    """The loading function `cls.<name>`, or a clear error when sdflax's loading layer was never imported."""
-    function = getattr(cls, name)
-    if function is None:
-        raise RuntimeError(f"{cls.__name__}.{name} is not set: `import sdflax` sets the models' loaders "
-                           "(sdflax.loading.folders, sdflax.loading.single_file)")
-    return function
+        return load_model(cls, path_or_repo_id, subfolder, revision, dtype, variant, **kwargs)

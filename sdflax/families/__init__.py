@@ -1,0 +1,64 @@
+"""The model families as values (`base.Family`), and the registry that finds one by name or by a checkpoint's
+`model_index.json`.
+
+sdflax's own (`sd`, `sdxl`, `sd3`) are modules of this package, imported on first lookup; `register` adds a family
+from anywhere, so a user's module can add one without editing sdflax.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Family, Row
+
+BUILT_IN = ("sd", "sdxl", "sd3")  # modules of this package, each with a FAMILY
+FALLBACK = "sd"  # the family of a checkpoint whose pipeline class no family claims (LCM, AltDiffusion: SD UNets)
+_added: dict = {}
+
+
+def register(family: Family) -> Family:
+    """Make `family` known by its name and its checkpoints' class names; returns it (a family's module ends with
+    `FAMILY = register(Family(...))`)."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register takes an sdflax.families.Family, not {type(family).__name__}")
+    known = registered()
+    if family.name in known and known[family.name] is not family:
+        raise ValueError(f"a family named {family.name!r} is registered already")
+    _added[family.name] = family
+    return family
+
+
+def registered() -> dict:
+    """Every known family by name: sdflax's own, then those registered."""
+    own = {name: importlib.import_module(f"{__name__}.{name}").FAMILY for name in BUILT_IN}
+    return {**own, **_added}
+
+
+def named(name: str) -> Family:
+    known = registered()
+    if name not in known:
+        raise ValueError(f"no model family named {name!r}; known: {', '.join(known)}")
+    return known[name]
+
+
+def for_index(index: dict) -> Family:
+    """The family of a diffusers folder from its model_index.json's `_class_name` (the longest claimed prefix)."""
+    class_name = str(index.get("_class_name", ""))
+    claims = {family: family.claims(class_name) for family in registered().values()}
+    best = max(claims, key=claims.get)
+    return best if claims[best] else named(FALLBACK)
+
+
+def from_pretrained(path_or_repo_id, revision=None, start="noise", controlnet=False, **kwargs):
+    """(pipeline, params) of the class a diffusers checkpoint's family has for `start` ("noise", "image",
+    "image_mask") and `controlnet`, chosen by its model_index.json, as diffusers' AutoPipelineForText2Image: the
+    other arguments are the class's `from_pretrained`'s."""
+    from ..loading.folders import read_index
+    from ..loading.hub import resolve_folder
+
+    index = read_index(resolve_folder(path_or_repo_id, revision, allow_patterns=["model_index.json"]))
+    cls = for_index(index).pipeline_class(start, controlnet)
+    return cls.from_pretrained(path_or_repo_id, revision=revision, **kwargs)
+
+
+__all__ = ["Family", "Row", "for_index", "from_pretrained", "named", "register", "registered"]

@@ -1,0 +1,55 @@
+"""`Family`: everything the rest of sdflax asks about a model family, as one value.
+
+A family names its text conditioning piece (which carries its components' classes, its tokenizers, its denoiser
+and how prompts become what the denoiser sees: `pipeline/text.py`), the `model_index.json` class names of its
+checkpoints, its public pipeline classes (rows of the table: start x wrappers, argument order, defaults) and the
+command-line flags it adds. `sdflax.families.register` makes a family defined anywhere, a user's own module
+included, known to `Pipeline.from_pretrained`, the table and the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ..pipeline.table import START_NAMES, Row, make_class
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # a family is itself: compared and hashed by identity
+class Family:
+    name: str  # the key the table and the command line know it by: "sd", "sdxl", "sd3"
+    title: str  # in messages: "SD 1.x / 2.x"
+    text: type  # the text conditioning piece (`pipeline.text.SDText`'s shape): components, tokenizers, denoiser
+    class_names: tuple  # prefixes of model_index.json's `_class_name` for its checkpoints: "StableDiffusionXL"
+    rows: dict  # its public classes: name -> `pipeline.table.Row`
+    flags: tuple = ()  # (flag, Request field) pairs of the command line that only this family takes
+    single_file: str | None = None  # the single-file loader that reads its files: "unet" or "mmdit"
+    module: str = __name__  # where its classes live, for their repr and pickling
+
+    @functools.cached_property
+    def classes(self) -> dict:
+        """The public classes of its rows, made once."""
+        return {name: make_class(name, row, self) for name, row in self.rows.items()}
+
+    def pipeline_class(self, start: str = "noise", controlnet: bool = False) -> type:
+        """The class of a cell: start "noise", "image" or "image_mask", with or without ControlNets."""
+        from ..pipeline.controlnet import ControlNet
+        from ..pipeline.t2i_adapter import T2IAdapters
+
+        for cls in self.classes.values():
+            if START_NAMES[cls.start] == start and (ControlNet in cls.wrappers) == controlnet \
+                    and T2IAdapters not in cls.wrappers:
+                return cls
+        raise ValueError(f"no {self.title} pipeline for start={start!r}, controlnet={controlnet}")
+
+    @property
+    def flow(self) -> bool:
+        """Whether its denoiser predicts a flow's velocity (flow-matching schedulers) rather than ε or v."""
+        return self.text.denoiser.flow
+
+    def claims(self, class_name: str) -> int:
+        """How long a prefix of `class_name` this family claims (0: none): the longest claim wins."""
+        return max((len(prefix) for prefix in self.class_names if class_name.startswith(prefix)), default=0)
+
+
+__all__ = ["Family", "Row"]

@@ -1,0 +1,39 @@
+"""SD 3.x: CLIP-L, CLIP-G and T5 (`pipeline.sd3_text.SD3Text`), an MMDiT predicting a flow's velocity, its
+command-line flags and its public pipeline classes."""
+
+from __future__ import annotations
+
+from ..pipeline.starts import FromImage, FromImageMask, FromNoise
+from ..pipeline.table import Row
+from ..pipeline.sd3_text import SD3Text
+from .base import Family
+
+# argument orders, as the classes have always had them
+SD3_TAIL = ("jit callback guidance return_trajectory prompt_embeds neg_prompt_embeds pooled_prompt_embeds "
+            "neg_pooled_prompt_embeds skip_guidance_layers skip_layer_guidance_scale skip_layer_guidance_start "
+            "skip_layer_guidance_stop")
+SD3_IMAGE = "num_inference_steps guidance_scale height width noise neg_prompt_ids"
+# (flag, Request field): the command line's flags for SD 3.x alone
+FLAGS = (("--prompt-3", "prompt_3"), ("--negative-prompt-3", "negative_prompt_3"), ("--no-t5", "no_t5"),
+         ("--max-sequence-length", "max_sequence_length"), ("--slg-layers", "slg_layers"), ("--slg-scale", "slg_scale"))
+
+ROWS = {
+    "StableDiffusion3": Row(
+        FromNoise, (),
+        f"prompt_ids params prng_seed num_inference_steps guidance_scale height width latents neg_prompt_ids "
+        f"{SD3_TAIL}", {"num_inference_steps": 28, "guidance_scale": 7.0},
+        "SD 3.x text-to-image (SD 3.5 Medium's skip-layer guidance: `skip_guidance_layers=[7, 8, 9]`)."),
+    "StableDiffusion3Img2Img": Row(
+        FromImage, (), f"prompt_ids image params prng_seed strength {SD3_IMAGE} {SD3_TAIL}",
+        {"strength": 0.6, "guidance_scale": 7.0}, "SD 3.x image-to-image."),
+    "StableDiffusion3Inpaint": Row(
+        FromImageMask, (), f"prompt_ids image mask params prng_seed strength {SD3_IMAGE} {SD3_TAIL}",
+        {"strength": 0.6, "guidance_scale": 7.0}, "SD 3.x inpainting (the known region pasted back every step)."),
+}
+
+FAMILY = Family("sd3", "SD 3.x", SD3Text, ("StableDiffusion3",), ROWS, module=__name__, single_file="mmdit",
+                flags=FLAGS)
+
+StableDiffusion3 = FAMILY.classes["StableDiffusion3"]
+StableDiffusion3Img2Img = FAMILY.classes["StableDiffusion3Img2Img"]
+StableDiffusion3Inpaint = FAMILY.classes["StableDiffusion3Inpaint"]
