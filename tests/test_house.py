@@ -142,3 +142,14 @@ def test_documented_layout_names_every_module():
     files = {f"sdflax/{p.name}" for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
     folders = {f"sdflax/{p.name}/" for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert files | folders == named
+
+
+def test_inputs_are_the_core_fields_and_one_mapping_of_conditionings():
+    """A conditioning brings its own inputs (`Inputs.conditions[key]`), not fields of `Inputs`."""
+    import dataclasses
+
+    from sdflax.pipeline.types import Inputs
+
+    names = [field.name for field in dataclasses.fields(Inputs)]
+    assert len(names) <= 24 and "conditions" in names
+    assert not [name for name in names if name.startswith(("control", "adapter", "ip_adapter", "skip_layer"))]

@@ -22,10 +22,11 @@ import numpy as np
 from ..guiders import Guider
 from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
-from . import ip_adapter, t2i_adapter
+from . import ip_adapter
 from .controlnet import as_nets
+from .generate import SKIP_LAYERS, SkipLayerInputs
 from .starts import schedule_window
-from .types import Inputs, Settings
+from .types import Inputs, Settings, float32_array
 
 INPUTS = tuple(f.name for f in dataclasses.fields(Inputs))
 SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
@@ -50,9 +51,12 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     if args.get("skip_guidance_layers") is not None:
         args = {**args, "skip_guidance_layers": check_skip_layers(c, args["skip_guidance_layers"])}
     args = {renamed.get(name, name): value for name, value in args.items()}
-    values = {name: args[name] for name in INPUTS if args.get(name) is not None and name not in ip_adapter.ARGUMENTS}
-    for name in picture_inputs(spec):
-        values[name] = jax.tree.map(_float32_array, values[name])
+    for name in [wrapper.picture for wrapper in spec.wrappers if wrapper.picture]:  # checked as arrays
+        if args.get(name) is not None:
+            args[name] = jax.tree.map(float32_array, args[name])
+    values = {name: args[name] for name in INPUTS if args.get(name) is not None}
+    for name, _ in spec.start.images:
+        values[name] = jax.tree.map(float32_array, values[name])
     values.setdefault("guidance_rescale", 0.0)
     for name in Inputs.shared_fields():  # arrays, so that a Python float and an array share one program
         if name in values:
@@ -62,7 +66,7 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         spec.text.check_inputs(inputs)
         check_shapes(c, inputs, leading_dims)
         check_values(c, inputs, leading_dims)
-    height, width = sizes(c, *image_size(c, inputs, leading_dims, args.get("height"), args.get("width")))
+    height, width = sizes(c, *image_size(c, inputs, args, leading_dims, args.get("height"), args.get("width")))
     inputs = spec.text.fill_inputs(inputs, height, width)
     guiders = [hook for hook in hooks if isinstance(hook, Guider)]
     if guiders and args.get("guidance") is not None:
@@ -88,15 +92,16 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         check_unused(args, T2I_ARGUMENTS, "T2I-Adapters: make the pipeline with them (sdflax.StableDiffusionAdapter."
                      "from_pretrained(..., adapter=...))")
     if ip_adapter.piece(spec) is None:
+        ip_adapter.check_absent(args)
         check_unused(args, IP_ADAPTER_ARGUMENTS, "an IP-Adapter: pipeline, params = pipeline.load_ip_adapter(params, "
                      "...)")
-    if args.get("adapter_conditioning_factor") is not None:
-        inputs = inputs.replace(adapter_evaluations=t2i_adapter.evaluations(
-            settings.num_inference_steps, args["adapter_conditioning_factor"]))
-    inputs = inputs.replace(**ip_adapter.call_inputs(
-        ip_adapter.piece(spec), args, inputs.prompts().shape[:leading_dims or 1], leading_dims,
-        settings.classifier_free_guidance, getattr(c.denoiser.model.config, "layers_per_block", None)))
-    return inputs, settings
+    batch = inputs.prompts().shape[:leading_dims or 1]
+    conditions = {wrapper.params_name: wrapper.call_inputs(args, settings, batch, leading_dims)
+                  for wrapper in spec.wrappers}
+    if settings.skip_guidance_layers:
+        conditions[SKIP_LAYERS] = SkipLayerInputs(*(jnp.asarray(args[f"skip_layer_guidance_{name}"], jnp.float32)
+                                                    for name in ("scale", "start", "stop")))
+    return inputs.replace(conditions=conditions or None), settings
 
 
 # The T2I-Adapters' call arguments and their defaults: what a pipeline without them refuses other values of
@@ -178,11 +183,6 @@ def check_kinds(args):
             continue
         if isinstance(value, bool) or not (hasattr(value, "shape") or isinstance(value, numbers.Real)):
             raise TypeError(f"{name} must be a number, got {value!r:.40} ({type(value).__name__})")
-
-
-def picture_inputs(spec) -> list[str]:
-    """The (B, C, H, W) Inputs fields a spec reads: its start's images, then its wrappers' pictures."""
-    return [name for name, _ in spec.start.images] + [wrapper.picture for wrapper in spec.wrappers if wrapper.picture]
 
 
 def guided(guidance_scale) -> bool:
@@ -329,18 +329,18 @@ def check_devices(inputs):
                          "per device (jax.random.split(key, devices)), or shard(keys) with one key per image")
 
 
-def image_size(c, inputs, leading_dims, height, width):
+def image_size(c, inputs, args, leading_dims, height, width):
     """(height, width): the pictures' for pipelines that take pictures (a given height/width must agree), else as
     given."""
     sizes = [(name, pixels(c, getattr(inputs, name))) for name, _ in c.spec.start.images]
     if c.controlnets:  # the control images
         if leading_dims is not None:
-            check_control_images(c, inputs, leading_dims, inputs.prompts().shape[:leading_dims])
-        sizes.append(("the control image", as_nets(inputs.control_image)[0].shape[-2:]))
+            check_control_images(c, args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
+        sizes.append(("the control image", as_nets(args["control_image"])[0].shape[-2:]))
     if c.adapters:  # the T2I-Adapters' pictures
         if leading_dims is not None:
-            check_adapter_images(c, inputs, leading_dims, inputs.prompts().shape[:leading_dims])
-        sizes.append(("the adapter image", as_nets(inputs.adapter_image)[0].shape[-2:]))
+            check_adapter_images(c, args.get("adapter_image"), leading_dims, inputs.prompts().shape[:leading_dims])
+        sizes.append(("the adapter image", as_nets(args["adapter_image"])[0].shape[-2:]))
     if not sizes:
         return height, width
     (first, actual), *others = sizes
@@ -360,12 +360,12 @@ def pixels(c, image):
     return tuple(side * f for side in image.shape[-2:])
 
 
-def check_adapter_images(c, inputs, leading_dims, batch):
+def check_adapter_images(c, given, leading_dims, batch):
     """One picture per T2I-Adapter, (B, C, H, W) with the adapter's channels, sides a multiple of its downscale."""
-    if inputs.adapter_image is None:
+    if given is None:
         raise ValueError("this pipeline has T2I-Adapters: give their pictures (adapter_image=, or the image argument "
                          "of StableDiffusionAdapter), made with pipeline.prepare_image_inputs(pictures)")
-    images = as_nets(inputs.adapter_image)
+    images = as_nets(given)
     if len(images) != len(c.adapters):
         raise ValueError(f"{len(images)} adapter images for {len(c.adapters)} T2I-Adapters: give one per adapter")
     for k, (adapter, image) in enumerate(zip(c.adapters, images)):
@@ -397,9 +397,9 @@ def check_picture_values(what, image, make):
         raise ValueError(f"{what} spans [{low:.4g}, {high:.4g}]; pictures are floats in [0, 1]: make it with {make}")
 
 
-def check_control_images(c, inputs, leading_dims, batch):
+def check_control_images(c, given, leading_dims, batch):
     """The control images against the nets: one (batch) per net, of the net's channels and one size."""
-    nets, images = c.controlnets, as_nets(inputs.control_image)
+    nets, images = c.controlnets, as_nets(given)
     if len(images) != len(nets):
         raise ValueError(f"{len(images)} control images for {len(nets)} ControlNets: give one image (batch) per "
                          "net, in the order of the nets")
@@ -477,7 +477,3 @@ def check_ids(name, ids, vocab_size, encoder="the text encoder's"):
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds token id {bad}, outside {encoder} vocabulary [0, {vocab_size}): "
                          "make the ids with pipeline.prepare_inputs(prompts)")
-
-
-def _float32_array(x):
-    return x if isinstance(x, jax.Array) else np.asarray(x, np.float32)

@@ -9,8 +9,23 @@ inside its guidance window, is added to the UNet's skip connections and mid bloc
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import flax
+import jax
 import jax.numpy as jnp
+
+from .types import batched, float32_array
+
+
+@flax.struct.dataclass
+class ControlInputs:
+    """A call's ControlNet inputs (`Inputs.conditions["controlnet"]`)."""
+
+    image: Any = batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per net
+    scale: Any = None  # controlnet_conditioning_scale: a value, or one per net
+    start: Any = None  # control_guidance_start / _end: the fraction of the steps each net acts in
+    end: Any = None
 
 
 def as_nets(value) -> tuple:
@@ -30,13 +45,18 @@ class ControlNet:
     picture = "control_image"
     component = "controlnets"  # the Pipeline attribute it is built from
 
+    def call_inputs(self, args: dict, settings, batch, leading_dims) -> ControlInputs:
+        number = lambda name: jnp.asarray(args[name], jnp.float32)  # noqa: E731
+        return ControlInputs(jax.tree.map(float32_array, args["control_image"]),
+                             number("controlnet_conditioning_scale"), number("control_guidance_start"),
+                             number("control_guidance_end"))
+
     def wrap(self, params, inputs, settings, cond, start):
         net_params = as_nets(params["controlnet"])
-        images = as_nets(inputs.control_image)
+        given = inputs.condition(self.params_name)
+        images = as_nets(given.image)
         n = len(self.nets)
-        scales = jnp.broadcast_to(jnp.asarray(inputs.controlnet_conditioning_scale, jnp.float32), (n,))
-        starts = jnp.broadcast_to(jnp.asarray(inputs.control_guidance_start, jnp.float32), (n,))
-        ends = jnp.broadcast_to(jnp.asarray(inputs.control_guidance_end, jnp.float32), (n,))
+        scales, starts, ends = (jnp.broadcast_to(x, (n,)) for x in (given.scale, given.start, given.end))
         num_evals = start.state.timesteps.shape[0]
 
         def wrapper(unet_fn):

@@ -10,7 +10,9 @@ A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SD
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 
@@ -93,13 +95,27 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     return Output(spec.vae.decode(params, latents), trajectory)
 
 
+@flax.struct.dataclass
+class SkipLayerInputs:
+    """SD 3.5's skip-layer guidance (`Inputs.conditions[SKIP_LAYERS]`): its scale, and the fractions of the steps
+    it acts between."""
+
+    scale: Any = None
+    start: Any = None
+    stop: Any = None
+
+
+SKIP_LAYERS = "skip_layer_guidance"
+
+
 def skip_layer_guided_model(unet_fn, cond, guidance, inputs, layers, num_steps):
     """Skip-layer guidance as diffusers' SD 3 pipeline runs it (SD 3.5 Medium): classifier-free guidance, plus
     s (cond - cond'), cond' the conditional rows' prediction with the transformer blocks `layers` skipped, at the
     steps i with n start < i < n stop: an extra pass on B rows there, none elsewhere (`lax.cond`)."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    scale, slg_scale = f32(inputs.guidance_scale), f32(inputs.skip_layer_guidance_scale)
-    first, last = num_steps * f32(inputs.skip_layer_guidance_start), num_steps * f32(inputs.skip_layer_guidance_stop)
+    given = inputs.condition(SKIP_LAYERS)
+    scale, slg_scale = f32(inputs.guidance_scale), f32(given.scale)
+    first, last = num_steps * f32(given.start), num_steps * f32(given.stop)
     text = cond.conditional()
 
     def model(x, t, step):

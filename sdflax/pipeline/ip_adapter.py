@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,17 @@ import numpy as np
 from ..hooks.core import Hook, intercept
 from ..loading.lora import kernel_index
 from ..models.layers import dot_product_attention
+from .types import batched
+
+
+@flax.struct.dataclass
+class IPAdapterInputs:
+    """A call's IP-Adapter inputs (`Inputs.conditions["ip_adapter"]`), one array per adapter (`call_inputs`)."""
+
+    image: Any = batched()  # CLIP pixels (B, n, 3, h, w)
+    image_embeds: Any = batched()  # or the image encoder's output for the negative and positive images (B, 2, n, ...)
+    scale: Any = None  # (adapters, cross-attention layers, 1 or one per masked picture)
+    masks: Any = None  # per adapter None or (n, H, W): where each of its n pictures acts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +49,14 @@ class IPAdapter:
     image_encoder: Any  # CLIPVisionModelWithProjection, or None where only image embeddings are given
     adapters: tuple  # Adapter per loaded adapter, in load order
     layers: tuple  # the UNet's cross-attention layers (checkpoint names) in diffusers' attn_processors order
+    layers_per_block: int  # the UNet's, which a per-block ip_adapter_scale counts by
 
     params_name = "ip_adapter"
     picture = None
+
+    def call_inputs(self, args: dict, settings, batch, leading_dims) -> IPAdapterInputs:
+        given = call_inputs(self, args, batch, leading_dims, settings.classifier_free_guidance)
+        return IPAdapterInputs(**{name.replace("ip_adapter_", ""): value for name, value in given.items()})
 
     def image_embeds(self, params, pixels, adapter: Adapter):
         """(N, 3, h, w) CLIP pixels -> (image's, unconditional) encoder output, as diffusers' `encode_image`: the
@@ -53,15 +70,15 @@ class IPAdapter:
         black = states(jnp.zeros_like(pixels[:1]))  # the same for every row
         return states(pixels), jnp.broadcast_to(black, (pixels.shape[0], *black.shape[1:]))
 
-    def tokens(self, params, inputs):
+    def tokens(self, params, given: IPAdapterInputs):
         """Per adapter (unconditional, conditional) tokens, each (B, n, tokens, D): n images per row."""
         out = []
         for a, adapter in enumerate(self.adapters):
-            if inputs.ip_adapter_image_embeds is not None:
-                embeds = inputs.ip_adapter_image_embeds[a]  # (B, 2, n, ...): [negative, positive]
+            if given.image_embeds is not None:
+                embeds = given.image_embeds[a]  # (B, 2, n, ...): [negative, positive]
                 negative, positive = embeds[:, 0], embeds[:, 1]
             else:
-                pixels = inputs.ip_adapter_image[a]  # (B, n, 3, h, w)
+                pixels = given.image[a]  # (B, n, 3, h, w)
                 flat = pixels.reshape(-1, *pixels.shape[2:])
                 positive, negative = self.image_embeds(params, flat, adapter)
                 positive, negative = (x.reshape(*pixels.shape[:2], *x.shape[1:]) for x in (positive, negative))
@@ -74,9 +91,10 @@ class IPAdapter:
         return out
 
     def wrap(self, params, inputs, settings, cond, start):
-        tokens = self.tokens(params, inputs)
-        scales = tuple(jnp.asarray(s, jnp.float32) for s in inputs.ip_adapter_scale)  # (layers, images) each
-        masks = inputs.ip_adapter_masks or (None,) * len(tokens)
+        given = inputs.condition(self.params_name)
+        tokens = self.tokens(params, given)
+        scales = tuple(jnp.asarray(s, jnp.float32) for s in given.scale)  # (layers, images) each
+        masks = given.masks or (None,) * len(tokens)
         hook = DecoupledAttention(tokens, scales, masks, tuple(params["ip_adapter"]),
                                   {n: i for i, n in enumerate(self.layers)})
 
@@ -231,6 +249,13 @@ def layer_scales(scale, layers, layers_per_block):
 ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale", "ip_adapter_masks")
 
 
+def check_absent(args: dict):
+    """Image prompts given to a pipeline without an IP-Adapter."""
+    if args.get("ip_adapter_image") is not None or args.get("ip_adapter_image_embeds") is not None:
+        raise ValueError("ip_adapter_image needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter("
+                         "params, 'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
+
+
 def per_adapter(value, count: int, name: str) -> list:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * (1 if hasattr(value, "shape") else count)
     if len(values) != count:
@@ -238,19 +263,13 @@ def per_adapter(value, count: int, name: str) -> list:
     return values
 
 
-def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_guidance: bool,
-                layers_per_block: int) -> dict:
+def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_guidance: bool) -> dict:
     """The Inputs fields of a call's `ip_adapter_image` (CLIP pixels from `prepare_ip_adapter_image`, one array
     per adapter: (N, 3, h, w), or (N, n, 3, h, w) for n images each; N = 1 is every prompt's),
     `ip_adapter_image_embeds` (diffusers' form: per adapter the encoder's output, [negative; positive] along the
     batch with classifier-free guidance) and `ip_adapter_scale` (a number or a per-block dict, or one per
     adapter)."""
     image, embeds = args.get("ip_adapter_image"), args.get("ip_adapter_image_embeds")
-    if piece is None:
-        if image is not None or embeds is not None:
-            raise ValueError("ip_adapter_image needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter("
-                             "params, 'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
-        return {}
     if (image is None) == (embeds is None):
         raise ValueError("this pipeline has an IP-Adapter: give ip_adapter_image (pipeline.prepare_ip_adapter_image("
                          "pictures)) or ip_adapter_image_embeds, one of them")
@@ -292,8 +311,9 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
     scale = args.get("ip_adapter_scale", 1.0)
     scales = per_adapter(scale, count, "ip_adapter_scale") if isinstance(scale, (list, tuple)) else [scale] * count
     # (adapters, layers, images): a list for one adapter is a scale per masked picture, as diffusers takes it
-    per = [jnp.stack([layer_scales(x, piece.layers, layers_per_block) for x in s], -1) if isinstance(s, (list, tuple))
-           else layer_scales(s, piece.layers, layers_per_block)[:, None] for s in scales]
+    per = [jnp.stack([layer_scales(x, piece.layers, piece.layers_per_block) for x in s], -1)
+           if isinstance(s, (list, tuple)) else layer_scales(s, piece.layers, piece.layers_per_block)[:, None]
+           for s in scales]
     images = max(p.shape[1] for p in per)
     out["ip_adapter_scale"] = jnp.stack([jnp.broadcast_to(p, (p.shape[0], images)) for p in per])
     masks = args.get("ip_adapter_masks")
@@ -372,7 +392,7 @@ def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_fold
     if encoder is not None:
         model, added["image_encoder"] = CLIPVisionModelWithProjection.from_pretrained(folder, subfolder=encoder,
                                                                                       dtype=pipeline.dtype)
-    return IPAdapter(model, tuple(adapters), layers), added
+    return IPAdapter(model, tuple(adapters), layers, pipeline.unet.config.layers_per_block), added
 
 
 def listing(folder) -> list:

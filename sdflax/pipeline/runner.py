@@ -2,13 +2,12 @@
 `fn(spec, params, inputs: Inputs, settings: Settings) -> Output`, each built once and cached per static `Spec` and
 `Settings` (a new scheduler is a new spec: one more program, and the old one stays for when it comes back).
 
-What is split over devices comes from the structure of `Inputs` (its batched fields), never from a table of
-argument positions, so a new input needs no change here.
+What is split over devices comes from the structure of `Inputs` (its batched fields, and its conditionings'),
+never from a table of argument positions, so a new input needs no change here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -16,7 +15,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ..parallel import device_mesh, replicate_on, shard_batch
-from .types import Inputs, Output
+from .types import Inputs, Output, by_field, map_batched
 
 
 class Runner:
@@ -39,16 +38,14 @@ class Runner:
         its slice without the device axis."""
         mesh = device_mesh()
         axis = mesh.axis_names[0]
-        in_specs = (P(axis), _input_specs(axis))
-        batched = Inputs.batched_fields()
 
         def run(spec, params, inputs, settings):
             def local(params, inputs):
-                inputs = inputs.replace(**{name: jax.tree.map(lambda x: x[0], getattr(inputs, name))
-                                           for name in batched})
-                out = self.fn(spec, jax.tree.map(lambda x: x[0], params), inputs, settings)
+                out = self.fn(spec, jax.tree.map(lambda x: x[0], params), map_batched(inputs, lambda x: x[0]),
+                              settings)
                 return jax.tree.map(lambda x: x[None], out)
 
+            in_specs = (P(axis), by_field(inputs, P(axis), P()))
             return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(axis), check_vma=False)(
                 params, inputs)
 
@@ -61,13 +58,13 @@ class Runner:
         comes back as (evals, B, ...). One program per mesh and Settings."""
         if mesh not in self._sharded:
             axis = mesh.axis_names[0]
-            in_specs = (P(), _input_specs(axis))
             out_specs = Output(P(axis), P(None, axis))  # images (B, ...), trajectory (evals, B, ...)
 
             def run(spec, params, inputs, settings):
                 def local(params, inputs):  # this device's rows, and its key or its images' keys
                     return self.fn(spec, params, inputs.replace(prng_seed=inputs.prng_seed[0]), settings)
 
+                in_specs = (P(), by_field(inputs, P(axis), P()))
                 return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                      check_vma=False)(params, inputs)
 
@@ -88,9 +85,8 @@ class Runner:
                              "jax.random.split(key, number_of_devices), or one key per image")
         if keys.shape[0] != mesh.size:  # one key per image: (devices, B / devices)
             keys = keys.reshape(mesh.size, -1, *keys.shape[1:])
-        batched = {name: getattr(inputs, name) for name in Inputs.batched_fields() if name != "prng_seed"
-                   and getattr(inputs, name) is not None}
-        inputs = inputs.replace(**shard_batch(batched, mesh), prng_seed=shard_batch(keys, mesh))
+        inputs = map_batched(inputs, lambda x: shard_batch(x, mesh), skip=("prng_seed",))
+        inputs = inputs.replace(prng_seed=shard_batch(keys, mesh))
         return self.sharded(mesh)(spec, replicate_on(params, mesh), inputs, settings)
 
 
@@ -116,8 +112,3 @@ def compiler_options() -> dict | None:
         except jax.errors.JaxRuntimeError:
             del options["xla_cpu_experimental_ynn_fusion_type"]
     return options or None
-
-
-def _input_specs(axis) -> Inputs:
-    """Inputs' shard_map specs: batched fields split over `axis`, shared ones whole on every device."""
-    return Inputs(**{f.name: P(axis) if f.metadata.get("batched") else P() for f in dataclasses.fields(Inputs)})

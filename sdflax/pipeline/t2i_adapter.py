@@ -10,11 +10,26 @@ a list for several adapters.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import flax
+import jax
 import jax.numpy as jnp
 
 from ..models import combine_adapter_states
 from .controlnet import as_nets
+from .types import batched, float32_array
+
+
+@flax.struct.dataclass
+class AdapterInputs:
+    """A call's T2I-Adapter inputs (`Inputs.conditions["adapter"]`)."""
+
+    image: Any = batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per adapter
+    scale: Any = None  # adapter_conditioning_scale: a value, or one per adapter
+    # how many evaluations the features enter (SDXL's adapter_conditioning_factor, counted as diffusers counts:
+    # `evaluations`)
+    evaluations: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,15 +40,22 @@ class T2IAdapters:
     picture = "adapter_image"
     component = "adapters"  # the Pipeline attribute it is built from
 
+    def call_inputs(self, args: dict, settings, batch, leading_dims) -> AdapterInputs:
+        factor = args.get("adapter_conditioning_factor")
+        return AdapterInputs(jax.tree.map(float32_array, args["adapter_image"]),
+                             jnp.asarray(args.get("adapter_conditioning_scale", 1.0), jnp.float32),
+                             None if factor is None else evaluations(settings.num_inference_steps, factor))
+
     def wrap(self, params, inputs, settings, cond, start):
-        nets_params, images = as_nets(params["adapter"]), as_nets(inputs.adapter_image)
-        scales = jnp.broadcast_to(jnp.asarray(inputs.adapter_conditioning_scale, jnp.float32), (len(self.nets),))
+        given = inputs.condition(self.params_name)
+        nets_params, images = as_nets(params["adapter"]), as_nets(given.image)
+        scales = jnp.broadcast_to(given.scale, (len(self.nets),))
         states = [net.apply(p, image.astype(net.dtype)) for net, p, image in zip(self.nets, nets_params, images)]
         if len(states) == 1:
             features = [f * scales[0].astype(f.dtype) for f in states[0]]
         else:
             features = combine_adapter_states(states, scales)
-        last = settings.num_inference_steps if inputs.adapter_evaluations is None else inputs.adapter_evaluations
+        last = settings.num_inference_steps if given.evaluations is None else given.evaluations
 
         def wrapper(unet_fn):
             def adapted(x, t, context, step, **residuals):

@@ -13,10 +13,12 @@ from typing import Any, Callable, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def _batched(default=None):
-    """An `Inputs` field with one row per image: split over devices under pmap and the sharded path."""
+def batched(default=None):
+    """An `Inputs` field (or a conditioning's inputs' field) with one row per image: split over devices under pmap
+    and the sharded path."""
     return flax.struct.field(default=default, metadata={"batched": True})
 
 
@@ -25,42 +27,22 @@ class Inputs:
     """Every traced input of a generate call; leaves left None are not used. Batched fields lead with the
     batch (B, ...), or (devices, B / devices, ...) under pmap; the rest are shared by all images."""
 
-    prompt_ids: Any = _batched()  # (B, 77) for SD, (B, 2, 77) for SDXL (one row per tokenizer)
-    neg_prompt_ids: Any = _batched()  # as prompt_ids; None: the empty prompt (SDXL: zeros, if its config says)
+    prompt_ids: Any = batched()  # (B, 77) for SD, (B, 2, 77) for SDXL (one row per tokenizer)
+    neg_prompt_ids: Any = batched()  # as prompt_ids; None: the empty prompt (SDXL: zeros, if its config says)
     # (B,) bool: the rows given no negative prompt, for SDXL's default there (zeros if its config says); SDXL
     # pipelines fill it in beside placeholder neg_prompt_ids, so that calls with and without one share a program
-    no_negative_prompt: Any = _batched()
-    prompt_embeds: Any = _batched()  # (B, 77, D): text states that replace prompt_ids' encoding
-    neg_prompt_embeds: Any = _batched()
-    pooled_prompt_embeds: Any = _batched()  # SDXL: (B, P), the second encoder's projected pooled output
-    neg_pooled_prompt_embeds: Any = _batched()
-    latents: Any = _batched()  # (B, C, h, w) standard-normal start noise of text-to-image (unscaled)
-    noise: Any = _batched()  # (B, C, h, w) standard-normal noise added to an image's latents
-    image: Any = _batched()  # (B, 3, H, W) in [-1, 1]
-    mask: Any = _batched()  # (B, 1, H, W), >= 0.5 repainted
-    control_image: Any = _batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per ControlNet
-    prng_seed: Any = _batched()  # one key, or one key per image (B,); under pmap one per device or per image
-    # IP-Adapter (ip_adapter.py), one array per adapter: CLIP pixels (B, n, 3, h, w), or the image encoder's output
-    # for the negative and positive images (B, 2, n, ...)
-    ip_adapter_image: Any = _batched()
-    ip_adapter_image_embeds: Any = _batched()
-    adapter_image: Any = _batched()  # (B, C, H, W) in [0, 1], or a tuple of them, one per T2I-Adapter
+    no_negative_prompt: Any = batched()
+    prompt_embeds: Any = batched()  # (B, 77, D): text states that replace prompt_ids' encoding
+    neg_prompt_embeds: Any = batched()
+    pooled_prompt_embeds: Any = batched()  # SDXL: (B, P), the second encoder's projected pooled output
+    neg_pooled_prompt_embeds: Any = batched()
+    latents: Any = batched()  # (B, C, h, w) standard-normal start noise of text-to-image (unscaled)
+    noise: Any = batched()  # (B, C, h, w) standard-normal noise added to an image's latents
+    image: Any = batched()  # (B, 3, H, W) in [-1, 1]
+    mask: Any = batched()  # (B, 1, H, W), >= 0.5 repainted
+    prng_seed: Any = batched()  # one key, or one key per image (B,); under pmap one per device or per image
     guidance_scale: Any = 7.5
     guidance_rescale: Any = 0.0
-    # ControlNet: a value, or one per net; the guidance window is the fraction of the steps a net acts in
-    controlnet_conditioning_scale: Any = None
-    control_guidance_start: Any = None
-    control_guidance_end: Any = None
-    ip_adapter_scale: Any = None  # (adapters, cross-attention layers, 1 or one per masked picture)
-    ip_adapter_masks: Any = None  # per adapter None or (n, H, W): where each of its n pictures acts
-    # T2I-Adapter: a value, or one per adapter; how many evaluations the features enter (SDXL's
-    # adapter_conditioning_factor, counted as diffusers counts: `t2i_adapter.evaluations`; None: all)
-    adapter_conditioning_scale: Any = None
-    adapter_evaluations: Any = None
-    # SD 3.5's skip-layer guidance: its scale, and the fractions of the steps it acts between
-    skip_layer_guidance_scale: Any = None
-    skip_layer_guidance_start: Any = None
-    skip_layer_guidance_stop: Any = None
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None
@@ -69,6 +51,9 @@ class Inputs:
     # conditional and the unconditional rows; None: diffusers' 6.0 and 2.5
     aesthetic_score: Any = None
     negative_aesthetic_score: Any = None
+    # the conditionings' own inputs by their key (ControlNet's control images and scales, an adapter's pictures):
+    # each a flax.struct dataclass whose per-image fields are `batched()`, as here (`Conditioning.call_inputs`)
+    conditions: Any = None
     # sdflax.hooks: a tuple of hooks (Pipeline.with_hooks); their numbers are traced, the rest is the pytree's
     # structure, on which jit keys its programs as on Settings
     hooks: Any = None
@@ -77,18 +62,45 @@ class Inputs:
         """prompt_ids, or prompt_embeds where no ids are given: the array the batch is counted on."""
         return self.prompt_ids if self.prompt_ids is not None else self.prompt_embeds
 
-    @classmethod
-    def batched_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("batched"))
+    def condition(self, key):
+        """A conditioning's inputs (None where the call has none)."""
+        return (self.conditions or {}).get(key)
 
     @classmethod
     def shared_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("batched"))
+        """The numbers every image shares (scales, sizes)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("batched")
+                     and f.name not in ("conditions", "hooks"))
 
-    @classmethod
-    def axes(cls) -> "Inputs":
-        """The pytree prefix of in_axes for pmap and vmap: 0 for batched fields, None for shared ones."""
-        return cls(**{f.name: 0 if f.metadata.get("batched") else None for f in dataclasses.fields(cls)})
+
+def float32_array(x):
+    """A picture as float32 numpy, or as the jax array it is (a caller's, already placed or traced)."""
+    return x if isinstance(x, jax.Array) else np.asarray(x, np.float32)
+
+
+def by_field(inputs, batched_value, shared_value):
+    """A pytree prefix of `inputs` (an `Inputs`, or a conditioning's inputs): `batched_value` for its per-image
+    fields, `shared_value` for the rest, the conditionings' fields alike: pmap's and shard_map's axes."""
+    values = {}
+    for field in dataclasses.fields(inputs):
+        value = getattr(inputs, field.name)
+        if field.name == "conditions" and value is not None:
+            values[field.name] = {key: by_field(c, batched_value, shared_value) for key, c in value.items()}
+        else:
+            values[field.name] = batched_value if field.metadata.get("batched") else shared_value
+    return inputs.replace(**values)
+
+
+def map_batched(inputs, fn, skip=()):
+    """`inputs` with `fn` applied to every array of its per-image fields, the conditionings' too (but `skip`)."""
+    values = {}
+    for field in dataclasses.fields(inputs):
+        value = getattr(inputs, field.name)
+        if field.name == "conditions" and value is not None:
+            values[field.name] = {key: map_batched(c, fn) for key, c in value.items()}
+        elif field.metadata.get("batched") and field.name not in skip:
+            values[field.name] = jax.tree.map(fn, value)
+    return inputs.replace(**values)
 
 
 @dataclasses.dataclass(frozen=True)
