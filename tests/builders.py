@@ -328,3 +328,8 @@ def t5_tokenizer_folder(folder):
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in T5_PIECES[:3]])
     backend.save(str(folder / "tokenizer.json"))
     return folder
+
+
+def parts(pipe) -> dict:
+    """An SD pipeline's text encoder, UNet, VAE, tokenizer and scheduler, as another pipeline class takes them."""
+    return {name: getattr(pipe, name) for name in ("text_encoder", "unet", "vae", "tokenizer", "scheduler")}

@@ -8,7 +8,7 @@ import diffusers.guiders
 import numpy as np
 import pytest
 import torch
-from builders import CONFIGS, torch_controlnet, torch_pipeline, torch_unet
+from builders import CONFIGS, parts, torch_controlnet, torch_pipeline, torch_unet
 from test_guiders import guided_by
 
 import jax
@@ -70,8 +70,7 @@ def diffusers_images(theirs, nets, images, **kwargs):
 
 def single(pipe, params, net=0):
     """The pipeline with one of the nets."""
-    one = StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
-                                    controlnet=pipe.controlnets[net])
+    one = StableDiffusionControlNet(**parts(pipe), controlnet=pipe.controlnets[net])
     return one, {**params, "controlnet": params["controlnet"][net]}
 
 
@@ -171,8 +170,7 @@ def test_bad_inputs_say_what_to_change(models, one_net, tmp_path):
     net = torch_controlnet(torch_unet(CONFIGS["sd2"]["unet"]))  # SD 2.x-shaped: another cross-attention width
     net.save_pretrained(tmp_path / "sd2-net")
     other, other_params = ControlNetModel.from_pretrained(tmp_path / "sd2-net")
-    mixed = StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
-                                      controlnet=other)
+    mixed = StableDiffusionControlNet(**parts(pipe), controlnet=other)
     with pytest.raises(ValueError, match="a ControlNet of another model family"):
         mixed(ids, image, {**params, "controlnet": other_params}, key, STEPS)
     # a condition encoder of one more level than the VAE's: a ValueError at compile, once loaded
@@ -181,10 +179,9 @@ def test_bad_inputs_say_what_to_change(models, one_net, tmp_path):
     with pytest.raises(ValueError, match=rf"a ControlNet whose condition encoder makes 1/{2 ** (levels - 1)} of the "
                        rf"picture's size \({levels} conditioning_embedding_out_channels\), but the VAE's latents are "
                        rf"1/{pipe.vae_scale_factor} of it: use a ControlNet trained for this base model"):
-        StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
-                                  controlnet=coarse)(ids, image, params, key, STEPS)
+        StableDiffusionControlNet(**parts(pipe), controlnet=coarse)(ids, image, params, key, STEPS)
     with pytest.raises(ValueError, match="needs controlnet="):
-        StableDiffusionControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
+        StableDiffusionControlNet(**parts(pipe))
 
 
 def components_for(cls, pipeline, **extra):
@@ -226,8 +223,7 @@ def test_sdxl_controlnet_matches_diffusers(tmp_path):
     assert np.abs(expected - without).max() > 1e-2  # the net changes the image
     with pytest.raises(ValueError, match="a ControlNet of another model family"):
         sd_net = ControlNetModel.from_unet(UNet2DConditionModel.from_config(CONFIGS["sd1"]["unet"]))
-        StableDiffusionXLControlNet(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
-                                    text_encoder_2=pipe.text_encoder_2, tokenizer_2=pipe.tokenizer_2,
+        StableDiffusionXLControlNet(**parts(pipe), text_encoder_2=pipe.text_encoder_2, tokenizer_2=pipe.tokenizer_2,
                                     controlnet=sd_net)(pipe.prepare_text_inputs(PROMPTS),
                                                        pipe.prepare_image_inputs(images), params, jax.random.key(0),
                                                        STEPS)
@@ -241,8 +237,7 @@ def test_img2img_controlnet_matches_diffusers(models, monkeypatch):
     from sdflax import StableDiffusionControlNetImg2Img
 
     theirs, nets, pipe, params = models
-    ours = StableDiffusionControlNetImg2Img(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler,
-                                            controlnet=pipe.controlnets[0])
+    ours = StableDiffusionControlNetImg2Img(**parts(pipe), controlnet=pipe.controlnets[0])
     params = {**params, "controlnet": params["controlnet"][0]}
     rng = np.random.default_rng(5)
     pixels = list(rng.uniform(0, 1, (2, 32, 32, 3)).astype(np.float32))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from builders import REPO, saved, torch_pipeline
+from builders import REPO, parts, saved, torch_pipeline
 from compile_flags import RUN_OPTIONS
 
 import jax
@@ -132,7 +132,7 @@ def test_trajectory_under_pmap(sd1):
 def test_outside_scheduler_runs_through_the_pipeline(sd1, inputs, models):
     """scripts/example_scheduler.py, plugged in, equals the same sampler written out by hand in numpy."""
     pipe, params = sd1.pipe, sd1.params
-    pipe = StableDiffusion(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, DDPMAncestral())
+    pipe = StableDiffusion(**{**parts(pipe), "scheduler": DDPMAncestral()})
     ids, latents = inputs
     key, steps, scale = jax.random.key(7), STEPS, 5.0
     ours = pipe(ids, params, key, steps, latents=latents, guidance_scale=scale).images
@@ -168,7 +168,7 @@ def test_scheduler_object_through_from_pretrained(sd1):
 
 def test_swapping_the_scheduler_recompiles(sd1, inputs):
     pipe, params = sd1.pipe, sd1.params
-    pipe = StableDiffusion(pipe.text_encoder, pipe.unet, pipe.vae, pipe.tokenizer, pipe.scheduler)
+    pipe = StableDiffusion(**parts(pipe))
     ids, latents = inputs
     ddim = pipe(ids, params, jax.random.key(0), STEPS, latents=latents).images
     pipe.scheduler = DDPMAncestral()

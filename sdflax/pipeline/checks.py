@@ -259,7 +259,8 @@ def check_values(c, inputs, leading_dims):
     """Keys, token ids and scales of the right kind (a (3,) guidance scale would broadcast over the latent
     width)."""
     check_key(inputs.prng_seed, leading_dims)
-    vocab = min(encoder.config.vocab_size for encoder in (c.text_encoder, c.text_encoder_2) if encoder)
+    vocab = min(encoder.config.vocab_size for encoder in (getattr(c, name, None) for name in (
+        "text_encoder", "text_encoder_2")) if encoder)
     t5 = getattr(c, "text_encoder_3", None)
     clip_columns = 2 * c.spec.text.clip_length if hasattr(c.spec.text, "clip_length") else None  # SD 3's ids
     for name in ("prompt_ids", "neg_prompt_ids"):

@@ -55,38 +55,47 @@ class Pipeline:
     renamed = {}  # argument names that differ from the Inputs field they fill
     hooks = ()  # sdflax.hooks in every call (`with_hooks`)
     ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
+    conditionings = ()  # a user's conditionings (`with_conditioning`), the last outermost
 
-    def __init__(self, text_encoder, unet=None, vae=None, tokenizer=None, scheduler=None, dtype=jnp.float32, *,
-                 transformer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
-                 force_zeros_for_empty_prompt=True, requires_aesthetics_score=False, controlnet=None, adapter=None):
-        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = text_encoder, text_encoder_2, text_encoder_3
-        self.unet, self.transformer, self.vae = unet, transformer, vae  # a UNet, or SD 3's transformer
+    def __init__(self, **components):
+        """The family's components by name, as `from_pretrained` loads them (`components()` gives them back): its
+        models and tokenizers (`text.models`, `text.tokenizers`), `scheduler`, `dtype`, the options its
+        model_index.json may hold (`text.index_options`) and, on a UNet, `controlnet=` and `adapter=` (a
+        ControlNetModel or T2IAdapter, or a list of them; their params go in params["controlnet"] and
+        params["adapter"], a list for a list)."""
+        names = self.component_names()
+        if unknown := sorted(set(components) - set(names)):
+            nets = " (ControlNets and T2I-Adapters are for UNets)" if {"controlnet", "adapter"} & set(unknown) else ""
+            raise TypeError(f"{type(self).__name__} takes no {', '.join(unknown)}{nets}; its components: "
+                            f"{', '.join(names)}")
+        given = {**dict.fromkeys(names), "dtype": jnp.float32, **components}
+        for name in (*self.text.models, *self.text.tokenizers):
+            setattr(self, name, given[name])
         denoiser = self.text.denoiser.component
-        for name, value in ((denoiser, getattr(self, denoiser)), ("vae", vae), ("scheduler", scheduler)):
-            if value is None:
+        for name in (denoiser, "vae", "scheduler"):
+            if given[name] is None:
                 raise ValueError(f"{type(self).__name__} needs {name}= (from_pretrained loads every component)")
-        self.denoiser = self.text.denoiser(getattr(self, denoiser))
-        # one ControlNet module or a list of them; their params go in params["controlnet"] (a list for a list)
-        self.controlnets = () if controlnet is None else tuple(controlnet) if isinstance(controlnet, (list, tuple)) \
-            else (controlnet,)
-        # one T2IAdapter or a list of them (`sdflax.T2IAdapter`); their params go in params["adapter"]
-        self.adapters = () if adapter is None else tuple(adapter) if isinstance(adapter, (list, tuple)) \
-            else (adapter,)
+        self.denoiser = self.text.denoiser(given[denoiser])
+        self.controlnets, self.adapters = (() if given.get(name) is None else tuple(given[name])
+                                           if isinstance(given[name], (list, tuple)) else (given[name],)
+                                           for name in ("controlnet", "adapter"))
         if ControlNet in self.wrappers and not self.controlnets:
             raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
                              "ControlNetModel.from_pretrained")
         if T2IAdapters in self.wrappers and not self.adapters:
             raise ValueError(f"{type(self).__name__} needs adapter=: a T2IAdapter (or a list of them) from "
                              "sdflax.T2IAdapter.from_pretrained")
-        self.tokenizer, self.tokenizer_2, self.tokenizer_3, self.dtype = tokenizer, tokenizer_2, tokenizer_3, dtype
-        self._scheduler, self._force_zeros = self._own(scheduler), bool(force_zeros_for_empty_prompt)
-        self.requires_aesthetics_score = bool(requires_aesthetics_score)  # SDXL refiner: an aesthetic score time id
+        self.dtype = given["dtype"]
+        self._scheduler = self._own(given["scheduler"])
+        self._force_zeros = bool(given.get("force_zeros_for_empty_prompt", True))
+        # SDXL refiner: an aesthetic score time id
+        self.requires_aesthetics_score = bool(given.get("requires_aesthetics_score", False))
         self.text.check_components(self)
-        self.vae_scale_factor = vae.config.scale_factor
-        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length. (An SDXL
-        # refiner has the second encoder alone.)
-        tokenizer, text_encoder = (tokenizer, text_encoder) if text_encoder is not None else (tokenizer_2,
-                                                                                              text_encoder_2)
+        self.vae_scale_factor = self.vae.config.scale_factor
+        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length (an SDXL
+        # refiner has the second encoder alone).
+        tokenizer, text_encoder = next((getattr(self, t), getattr(self, e)) for t, e in (
+            ("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")) if getattr(self, e, None) is not None)
         self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
         self.empty_prompt_ids = self.text.prepare_ids(self, [""])
         self._runners = {}  # spec -> its programs, shared with the hooked views (`with_hooks`)
@@ -94,6 +103,12 @@ class Pipeline:
         # overrides, as from_pretrained builds a name; None (a pipeline made here): the current scheduler's config
         self.scheduler_base_config = None
         self._spec = None
+
+    @classmethod
+    def component_names(cls) -> tuple:
+        """What the constructor takes: this family's components, its options, and a UNet's conditioning nets."""
+        nets = ("controlnet", "adapter") if cls.text.denoiser.component == "unet" else ()
+        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets)
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -150,7 +165,7 @@ class Pipeline:
         return load_lora(params, path, scale, self.unet.config)
 
     def _unet_only(self, what):
-        if self.unet is None:
+        if self.denoiser.component != "unet":
             raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
                              "are not supported yet")
 
@@ -199,20 +214,38 @@ class Pipeline:
 
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
-        return {"text_encoder": self.text_encoder, "unet": self.unet, "vae": self.vae, "tokenizer": self.tokenizer,
-                "scheduler": self.scheduler, "dtype": self.dtype, "transformer": self.transformer,
-                "text_encoder_2": self.text_encoder_2, "tokenizer_2": self.tokenizer_2,
-                "text_encoder_3": self.text_encoder_3, "tokenizer_3": self.tokenizer_3,
-                "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
-                "requires_aesthetics_score": self.requires_aesthetics_score,
-                "controlnet": list(self.controlnets) or None, "adapter": list(self.adapters) or None}
+        own = {"scheduler": self.scheduler, "dtype": self.dtype, "controlnet": list(self.controlnets) or None,
+               "adapter": list(self.adapters) or None, "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
+               "requires_aesthetics_score": self.requires_aesthetics_score}
+        return {name: own[name] if name in own else getattr(self, name) for name in self.component_names()}
 
     def replace(self, **components):
         """A pipeline of this class with some components replaced (and this one's hooks)."""
         pipeline = type(self)(**{**self.components(), **components})
         pipeline.hooks, pipeline.scheduler_base_config = self.hooks, self.scheduler_base_config
         pipeline.ip_adapter = self.ip_adapter
+        for piece in self.conditionings:
+            pipeline = pipeline.with_conditioning(piece)
         return pipeline
+
+    def with_conditioning(self, piece):
+        """This pipeline with `piece`, a conditioning (docs/extending.md: `params_name`, `picture`, `arguments`,
+        `call_inputs`, `wrap`), wrapping its denoiser in every call, outside its own; `__call__` takes the piece's
+        `arguments` too, after its own, with their defaults."""
+        lacking = [name for name in CONDITIONING_PROTOCOL if not hasattr(piece, name)]
+        if lacking:
+            raise TypeError(f"with_conditioning takes a conditioning (docs/extending.md); {type(piece).__name__} has no "
+                            f"{', '.join(lacking)}")
+        taken = [name for name in piece.arguments if name in self.signature.parameters]
+        if taken:
+            raise ValueError(f"{type(piece).__name__}'s arguments {taken} are {type(self).__name__}'s already: name "
+                             "them otherwise")
+        kind = inspect.Parameter.KEYWORD_ONLY
+        view = copy.copy(self)
+        view.conditionings, view._spec = (*self.conditionings, piece), None
+        view.signature = self.signature.replace(parameters=[*self.signature.parameters.values(), *(
+            inspect.Parameter(name, kind, default=default) for name, default in piece.arguments.items())])
+        return view
 
     def with_hooks(self, *hooks):
         """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost) in place of its hooks
@@ -244,7 +277,8 @@ class Pipeline:
             # an adapter given to any pipeline (a ControlNet one too) joins the row's own wrappers
             extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
-                        *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)))
+                        *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)),
+                        *self.conditionings)
             self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.denoiser),
                               self.denoiser, vae, self._scheduler, wrappers)
         return self._spec
@@ -370,15 +404,17 @@ class Pipeline:
         checks.check_params(self, params, mode)
         return (params, *checks.split(self, values, leading_dims, self.renamed, self.hooks))
 
-    @classmethod
-    def signature_without_jit(cls) -> inspect.Signature:
-        return cls.signature.replace(parameters=[p for p in cls.signature.parameters.values() if p.name != "jit"])
+    def signature_without_jit(self) -> inspect.Signature:
+        return self.signature.replace(parameters=[p for p in self.signature.parameters.values() if p.name != "jit"])
 
     @staticmethod
     def _bind(args, kwargs, signature) -> dict:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
+
+
+CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "wrap")
 
 
 def scheduler_by_name(name: str, config: dict):

@@ -68,9 +68,6 @@ class SD3Text:
                 raise ValueError(f"SD 3 pipelines need {name} (only text_encoder_3, T5, may be left out)")
         if c.text_encoder_3 is not None and c.tokenizer_3 is None:
             raise ValueError("text_encoder_3 (T5) needs tokenizer_3: give both, or text_encoder_3=None")
-        if c.controlnets or c.adapters:
-            raise ValueError("ControlNets and T2I-Adapters are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
-                             "are not supported yet")
         config = c.transformer.config
         pooled = c.text_encoder.config.projection_dim + c.text_encoder_2.config.projection_dim
         if pooled != config.pooled_projection_dim:

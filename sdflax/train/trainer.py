@@ -61,14 +61,14 @@ class Trainer:
     Over several processes (`jax.distributed`), each passes its own rows."""
 
     def __init__(self, pipeline, params, config: TrainConfig, initial_lora=None, seed: int = 0, mesh=None):
-        if pipeline.unet is None:
+        if getattr(pipeline, "unet", None) is None:
             raise ValueError(f"{type(pipeline).__name__}: training is for UNet checkpoints (SD 1.x, 2.x, SDXL); "
                              "SD 3.x's transformer is not supported yet")
         if initial_lora is not None and config.method != "lora":
             raise ValueError(f"initial_lora is for method='lora', not {config.method!r}")
         self.config = config
-        self.sdxl = pipeline.text_encoder_2 is not None
-        self.encoders = tuple(name for name in TEXT_ENCODERS if getattr(pipeline, name) is not None)
+        self.sdxl = getattr(pipeline, "text_encoder_2", None) is not None
+        self.encoders = tuple(name for name in TEXT_ENCODERS if getattr(pipeline, name, None) is not None)
         self.schedule = NoiseSchedule.from_config(pipeline.scheduler_base_config or config_dict(pipeline.scheduler),
                                                   config.prediction_type)
         key, lora_key = jax.random.split(jax.random.PRNGKey(seed))
