@@ -194,6 +194,13 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
     `StableDiffusion.from_single_file`. `family` (a pipeline's conditioning: `models`, `tokenizers`,
     `index_options`) must hold the models the file does, else the error names `pipeline`'s right sibling;
     without it the parts are what the file holds (an SDXL refiner's: no first text encoder)."""
+    return unet_file(path, config, dtype, prediction_type, scheduler, scheduler_config, attention, revision, family,
+                     pipeline)[:2]
+
+
+def unet_file(path, config=None, dtype=None, prediction_type=None, scheduler=None, scheduler_config=None,
+              attention="auto", revision=None, family=None, pipeline=None):
+    """`load_single_file`, and the folder its configs came from (`config`'s, or the bundled one)."""
     dtype = jnp.float32 if dtype is None else dtype
     where, state_dict = read_file(path, "checkpoint")
     version = detect_version(state_dict)
@@ -236,7 +243,7 @@ def load_single_file(path, config=None, dtype=None, prediction_type=None, schedu
         modules, params, tokenizers = assemble(models, model_configs, tensors, dtype, attention, tokenizers=tokenizers)
     options = {key: index[key] for key in family.index_options if key in index}
     nothing = {c: None for c in absent} | {c.replace("text_encoder", "tokenizer"): None for c in absent}
-    return {**nothing, **tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params
+    return {**nothing, **tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params, folder
 
 
 SD3_MODELS = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
@@ -252,6 +259,12 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
     MMDiT alone). The models the file lacks come from `config` (a diffusers SD 3 folder or hub id), as do the
     configs and tokenizers; without it, sdflax's bundled SD 3.5 configs and CLIP tokenizer. T5 is None where
     neither the file nor `config` has it, or `left_out` names "text_encoder_3"."""
+    return mmdit_file(path, config, dtype, scheduler, scheduler_config, attention, revision, left_out)[:2]
+
+
+def mmdit_file(path, config=None, dtype=None, scheduler=None, scheduler_config=None, attention="auto", revision=None,
+               left_out=()):
+    """`load_sd3_single_file`, and the folder its configs came from (`config`'s, or the bundled one)."""
     dtype = jnp.float32 if dtype is None else dtype
     where, state_dict = read_file(path, "checkpoint")
     state_dict = sd3_with_prefixes(state_dict)
@@ -316,7 +329,7 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
                        "diffusers folder or hub id of the same model>"):
         modules, params, tokenizers = assemble(models, model_configs, tensors, dtype, attention, tokenizers=tokenizers)
     absent = {"text_encoder_3": None, "tokenizer_3": None} if "text_encoder_3" not in models else {}
-    return {**absent, **tokenizers, "scheduler": scheduler, "dtype": dtype, **modules}, params
+    return {**absent, **tokenizers, "scheduler": scheduler, "dtype": dtype, **modules}, params, folder
 
 
 def read_file(path, what) -> tuple[str, dict]:

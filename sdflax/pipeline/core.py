@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import os
 from typing import Any
 
 import flax
@@ -17,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..guiders import Guider
-from ..models.config import read_config_file
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
@@ -116,20 +114,11 @@ class Pipeline:
                         scheduler_config=None, variant=None, attention="auto", **components):
         """(pipeline, params) from a diffusers checkpoint folder or hub id; `scheduler="ddim"` swaps the kind,
         `scheduler_config={...}` single values; other components are passed on (`controlnet=`)."""
-        from ..loading.folders import load_pipeline
+        from ..loading.pipelines import load_folder
 
-        c = cls.text
-        # an optional encoder given as None is not loaded (SD 3 without T5: text_encoder_3=None), nor its tokenizer
-        left_out = {name for name in c.optional if name in components and components[name] is None}
-        left_out |= {name.replace("text_encoder", "tokenizer") for name in left_out}
-        parts, params = load_pipeline(path_or_repo_id, {k: v for k, v in c.models.items() if k not in left_out},
-                                      tuple(t for t in c.tokenizers if t not in left_out), c.index_options, revision,
-                                      dtype, scheduler, scheduler_config, variant, attention, c.optional,
-                                      c.tokenizer_loaders)
-        pipeline = cls(**{**parts, **components})
-        pipeline.scheduler_base_config = with_overrides(read_scheduler_config(path_or_repo_id, revision),
-                                                        scheduler_config)
-        return pipeline, params
+        parts, params, base = load_folder(cls.text, path_or_repo_id, revision, dtype, scheduler, scheduler_config,
+                                          variant, attention, components)
+        return cls.made_from(parts, components, base), params
 
     @classmethod
     def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
@@ -137,24 +126,17 @@ class Pipeline:
         """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout (SD 3.x:
         Stability's); configs from `config` or bundled defaults (docs/checkpoints.md); other components are passed
         on (`text_encoder_3=None`: SD 3 without T5)."""
-        from ..loading.single_file import bundled_config_folder, load_sd3_single_file, load_single_file
+        from ..loading.pipelines import load_file
 
-        if cls.text.denoiser.flow:  # SD 3.x
-            if prediction_type is not None:
-                raise ValueError(f"prediction_type={prediction_type!r}: {cls.__name__}'s transformer predicts a "
-                                 "flow's velocity; prediction_type is for UNet checkpoints")
-            left_out = tuple(name for name in cls.text.optional if name.startswith("text_encoder") and
-                             name in components and components[name] is None)
-            parts, params = load_sd3_single_file(path, config, dtype, scheduler, scheduler_config, attention,
-                                                 revision, left_out)
-        else:
-            parts, params = load_single_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
-                                             attention, revision, family=cls.text, pipeline=cls.__name__)
+        parts, params, base = load_file(cls.family, cls.__name__, path, config, dtype, prediction_type, scheduler,
+                                        scheduler_config, attention, revision, components)
+        return cls.made_from(parts, components, base), params
+
+    @classmethod
+    def made_from(cls, parts, components, scheduler_base_config):
         pipeline = cls(**{**parts, **components})
-        folder = config if config is not None else bundled_config_folder(bundled_version(parts))
-        overrides = {**(scheduler_config or {}), **({"prediction_type": prediction_type} if prediction_type else {})}
-        pipeline.scheduler_base_config = with_overrides(read_scheduler_config(folder, revision), overrides)
-        return pipeline, params
+        pipeline.scheduler_base_config = scheduler_base_config
+        return pipeline
 
     def load_lora(self, params, path, scale=1.0):
         """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
@@ -429,35 +411,6 @@ def scheduler_by_name(name: str, config: dict):
 def config_dict(scheduler) -> dict:
     config = scheduler.config
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-
-
-def read_scheduler_config(folder_or_repo, revision=None) -> dict | None:
-    """A checkpoint's scheduler/scheduler_config.json from a local folder or, for a hub id, the Hugging Face cache
-    (the loader has just fetched it: nothing is downloaded); None where it is not there."""
-    path = os.path.join(os.path.expanduser(str(folder_or_repo)), "scheduler", "scheduler_config.json")
-    if not os.path.isfile(path):
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            path = try_to_load_from_cache(str(folder_or_repo), "scheduler/scheduler_config.json", revision=revision)
-        except ValueError:  # not a hub id
-            return None
-    return read_config_file(path) if isinstance(path, str) and os.path.isfile(path) else None
-
-
-def with_overrides(config: dict | None, overrides) -> dict | None:
-    return None if config is None else {**config, **(overrides or {})}
-
-
-def bundled_version(parts) -> str:
-    """Which of sdflax's bundled configs a single file without `config=` was read with (`single_file.detect_version`
-    by its text encoders: two SDXL, the second alone a refiner, OpenCLIP ViT-H (1024 wide) SD 2.x; SD 3.x by its
-    transformer's depth)."""
-    if parts.get("transformer") is not None:  # SD 3.x: SD 3 Medium reads with 3.5 Medium's configs
-        return "sd35_large" if parts["transformer"].config.num_layers == 38 else "sd35_medium"
-    if parts.get("text_encoder_2") is not None:
-        return "sdxl" if parts.get("text_encoder") is not None else "sdxl_refiner"
-    return "sd2" if parts["text_encoder"].config.hidden_size == 1024 else "sd1"
 
 
 def checked_scheduler(scheduler):
