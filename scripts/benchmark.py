@@ -410,7 +410,7 @@ def benchmark_sdflax(args, dtype_name):
     jax.block_until_ready(params)
     load_s = time.perf_counter() - start
 
-    height, width = checks.sizes(pipeline, args.height, args.width)
+    height, width = checks.sizes(pipeline.spec, args.height, args.width)
     devices = jax.local_device_count()
     b = args.batch
     ids = pipeline.prepare_inputs([PROMPT] * (b * devices))

@@ -38,7 +38,7 @@ def main(argv=None):
     pipe, params = StableDiffusion.from_pretrained(args.model, scheduler="ddim")
     ids = pipe.prepare_inputs([args.prompt])
     key = jax.random.key(0)
-    height, width = checks.sizes(pipe, args.size, args.size)
+    height, width = checks.sizes(pipe.spec, args.size, args.size)
     shape = (1, pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     start = jax.random.normal(key, shape)
     target = jnp.asarray(args.target)

@@ -1,5 +1,5 @@
-"""Everything checked before a pipeline traces or compiles, as pure functions of the pipeline's components (`c`:
-models, tokenizer length, spec) and a call's arguments: what jax would otherwise accept and run into garbage, or
+"""Everything checked before a pipeline traces or compiles, as pure functions of what the pipeline runs (its
+`types.Spec`: the pieces and the models they hold) and a call's arguments: what jax would otherwise accept and run into garbage, or
 fail on deep inside the trace. `split` turns a call's arguments into the (Inputs, Settings) that `generate` takes.
 
 `leading_dims`: 1 for (B, ...) inputs, 2 for pmap's (devices, B, ...), None inside a caller's trace (no checks
@@ -23,19 +23,19 @@ from ..guiders import Guider
 from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter
-from .controlnet import as_nets
+from .controlnet import ControlNet, as_nets
 from .generate import SKIP_LAYERS, SkipLayerInputs
 from .starts import schedule_window
+from .t2i_adapter import T2IAdapters
 from .types import Inputs, Settings, float32_array
 
 INPUTS = tuple(f.name for f in dataclasses.fields(Inputs))
 SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
 
 
-def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
+def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=()):
     """(Inputs, Settings) from a call's arguments (`renamed`: argument names that differ from the Inputs field
     they fill), checked."""
-    spec = c.spec
     check_kinds(args)
     scheduler = spec.scheduler
     if args.get("timesteps") is not None or args.get("sigmas") is not None:  # their steps, as diffusers
@@ -49,7 +49,7 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
         raise ValueError(f"output_type={args['output_type']!r}: 'np' (images in [0, 1]) or 'latent' (the latents, "
                          "undecoded, e.g. for a refiner)")
     if args.get("skip_guidance_layers") is not None:
-        args = {**args, "skip_guidance_layers": check_skip_layers(c, args["skip_guidance_layers"])}
+        args = {**args, "skip_guidance_layers": check_skip_layers(spec, args["skip_guidance_layers"])}
     args = {renamed.get(name, name): value for name, value in args.items()}
     for name in [wrapper.picture for wrapper in spec.wrappers if wrapper.picture]:  # checked as arrays
         if args.get(name) is not None:
@@ -64,15 +64,15 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
     inputs = Inputs(**values, hooks=tuple(hooks) or None)
     if leading_dims is not None:
         spec.text.check_inputs(inputs)
-        check_shapes(c, inputs, leading_dims)
-        check_values(c, inputs, leading_dims)
-    height, width = sizes(c, *image_size(c, inputs, args, leading_dims, args.get("height"), args.get("width")))
+        check_shapes(spec, inputs, leading_dims)
+        check_values(spec, inputs, leading_dims)
+    height, width = sizes(spec, *image_size(spec, inputs, args, leading_dims, args.get("height"), args.get("width")))
     inputs = spec.text.fill_inputs(inputs, height, width)
     guiders = [hook for hook in hooks if isinstance(hook, Guider)]
     if guiders and args.get("guidance") is not None:
         raise ValueError(f"guidance= and the pipeline's guider ({type(guiders[0]).__name__}) both combine the "
                          "predictions: give one")
-    check_hooks_fit(c, hooks, args.get("skip_guidance_layers"))
+    check_hooks_fit(spec, hooks, args.get("skip_guidance_layers"))
     settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
                            "height": height, "width": width,
                            # a guider decides with its own traced scale; a guidance function of the user's
@@ -81,14 +81,14 @@ def split(c, args: dict, leading_dims, renamed: Mapping, hooks=()):
                            "classifier_free_guidance": guiders[0].enabled if guiders else
                            args.get("guidance") is not None or guided(args["guidance_scale"])
                            or getattr(scheduler, "takes_unconditional", False),
-                           "image_seq_len": spec.denoiser.image_seq_len(height // c.vae_scale_factor,
-                                                                        width // c.vae_scale_factor)})
+                           "image_seq_len": spec.denoiser.image_seq_len(height // spec.vae.scale_factor,
+                                                                        width // spec.vae.scale_factor)})
     scheduler = settings.scheduler(spec.scheduler)  # at this size, where the schedule depends on it (SD 3)
     scheduler.check_steps(steps)
     skipped_start, _ = schedule_window(scheduler, settings)  # checked before anything is traced
     if settings.skip_guidance_layers:
         check_skip_layer_window(args, settings.num_inference_steps - skipped_start)
-    if not c.adapters:
+    if not nets_of(spec, T2IAdapters):
         check_unused(args, T2I_ARGUMENTS, "T2I-Adapters: make the pipeline with them (sdflax.StableDiffusionAdapter."
                      "from_pretrained(..., adapter=...))")
     if ip_adapter.piece(spec) is None:
@@ -119,24 +119,24 @@ def check_unused(args, defaults: dict, needs: str):
         raise ValueError(f"{name} applies with {needs}, or drop {name}")
 
 
-def check_hooks_fit(c, hooks, skip_guidance_layers):
+def check_hooks_fit(spec, hooks, skip_guidance_layers):
     """Hooks act on a UNet's layers, as do the guiders that perturb layers; SD 3's transformer takes the guiders
     that only combine predictions, and its own skip-layer guidance without a guider (as diffusers' pipeline)."""
     if skip_guidance_layers is not None and any(isinstance(hook, Guider) for hook in hooks):
         raise ValueError("skip_guidance_layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 "
                          "pipeline: drop the guider (with_guider(None)), or drop skip_guidance_layers")
-    if c.denoiser.component == "unet":
+    if spec.denoiser.component == "unet":
         return
     on_layers = [hook for hook in hooks if not isinstance(hook, Guider) or isinstance(hook, PerturbsLayers)]
     if on_layers:
-        raise ValueError(f"{type(on_layers[0]).__name__} acts on a UNet's layers; {type(c).__name__}'s transformer "
+        raise ValueError(f"{type(on_layers[0]).__name__} acts on a UNet's layers; this pipeline's transformer "
                          "takes guiders that combine predictions (ClassifierFreeGuidance, AdaptiveProjectedGuidance, "
                          "...) and skip_guidance_layers= for skip-layer guidance")
 
 
-def check_skip_layers(c, layers) -> tuple:
+def check_skip_layers(spec, layers) -> tuple:
     """Skip-layer guidance's blocks as a tuple of block indices of the transformer."""
-    count = getattr(c.denoiser.model.config, "num_layers", 0)
+    count = getattr(spec.denoiser.model.config, "num_layers", 0)
     given = [layers] if isinstance(layers, numbers.Integral) else layers
     if not isinstance(given, (list, tuple)) or not given or not all(
             isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < count for i in given):
@@ -198,11 +198,11 @@ def check_size(name, value):
         raise ValueError(f"{name} must be a positive whole number of pixels (or None for the default), got {value!r}")
 
 
-def sizes(c, height, width):
+def sizes(spec, height, width):
     """(height, width): as given, or the UNet's sample size in pixels; multiples of the VAE scale factor."""
-    f = c.vae_scale_factor
-    height = height or c.denoiser.sample_size * f
-    width = width or c.denoiser.sample_size * f
+    f = spec.vae.scale_factor
+    height = height or spec.denoiser.sample_size * f
+    width = width or spec.denoiser.sample_size * f
     for name, value in (("height", height), ("width", width)):
         if value % f:
             raise ValueError(f"{name}={value} is not a multiple of the VAE scale factor {f}: "
@@ -210,11 +210,11 @@ def sizes(c, height, width):
     return height, width
 
 
-def check_shapes(c, inputs, leading_dims):
+def check_shapes(spec, inputs, leading_dims):
     ids = inputs.prompts()
     if ids is None:
         raise ValueError("give prompt_ids (from pipeline.prepare_inputs(prompts)) or prompt_embeds")
-    tail = type(c.spec.text).ids_tail(c, inputs.prompt_ids)
+    tail = tuple(spec.text.ids_tail(inputs.prompt_ids))
     sharded = " and shard()" if leading_dims == 2 else ""
     for name in ("prompt_ids", "neg_prompt_ids"):
         value = getattr(inputs, name)
@@ -231,13 +231,13 @@ def check_shapes(c, inputs, leading_dims):
     if 0 in batch:
         raise ValueError(f"{'prompt_ids' if inputs.prompt_ids is not None else 'prompt_embeds'} of shape "
                          f"{ids.shape} holds no prompt: give at least one")
-    width = c.denoiser.context_width
+    width = spec.denoiser.context_width
     for name in ("prompt_embeds", "neg_prompt_embeds"):
         value = getattr(inputs, name)
         if value is not None and value.shape[-1] != width:
             raise ValueError(f"{name} has shape {value.shape}; the UNet takes text states {width} wide: make them "
                              "with this pipeline's text encoder(s) (pipeline.encode_prompt)")
-    start = c.spec.start
+    start = spec.start
     make = "pipeline.prepare_inputs(prompts, " + ", ".join(f"{name}s" for name, _ in start.images) + ")"
     size = None
     for name, channels in start.images:
@@ -255,14 +255,14 @@ def check_shapes(c, inputs, leading_dims):
         size = x.shape[-2:]
 
 
-def check_values(c, inputs, leading_dims):
+def check_values(spec, inputs, leading_dims):
     """Keys, token ids and scales of the right kind (a (3,) guidance scale would broadcast over the latent
     width)."""
     check_key(inputs.prng_seed, leading_dims)
-    vocab = min(encoder.config.vocab_size for encoder in (getattr(c, name, None) for name in (
+    vocab = min(encoder.config.vocab_size for encoder in (getattr(spec.text, name, None) for name in (
         "text_encoder", "text_encoder_2")) if encoder)
-    t5 = getattr(c, "text_encoder_3", None)
-    clip_columns = 2 * c.spec.text.clip_length if hasattr(c.spec.text, "clip_length") else None  # SD 3's ids
+    t5 = getattr(spec.text, "text_encoder_3", None)
+    clip_columns = 2 * spec.text.clip_length if hasattr(spec.text, "clip_length") else None  # SD 3's ids
     for name in ("prompt_ids", "neg_prompt_ids"):
         ids = getattr(inputs, name)
         if clip_columns is None or ids is None:
@@ -279,13 +279,15 @@ def check_values(c, inputs, leading_dims):
             raise ValueError(f"{name} must be a finite number, got {float(value)}")
 
 
-def check_params(c, params, mode: str | None):
+def check_params(spec, params, mode: str | None, pipeline: str):
     """params hold every model the pipeline runs, with a leading device axis exactly when pmap runs them.
-    `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either)."""
+    `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either);
+    `pipeline`: its class's name, for the message."""
     # every model this pipeline has (an SDXL refiner has no first text encoder), and its wrappers' params
-    needed = [name for name in type(c.spec.text).models if getattr(c, name) is not None]
-    needed += [wrapper.params_name for wrapper in c.spec.wrappers]
-    if getattr(ip_adapter.piece(c.spec), "image_encoder", None) is not None:
+    held = {spec.denoiser.component, "vae"}
+    needed = [name for name in type(spec.text).models if name in held or getattr(spec.text, name, None) is not None]
+    needed += [wrapper.params_name for wrapper in spec.wrappers]
+    if getattr(ip_adapter.piece(spec), "image_encoder", None) is not None:
         needed.append("image_encoder")
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be the dict from from_pretrained ({', '.join(needed)}), got "
@@ -293,8 +295,8 @@ def check_params(c, params, mode: str | None):
     missing = [name for name in needed if name not in params]
     if missing:
         raise ValueError(f"params has no {', '.join(map(repr, missing))} (it has {', '.join(map(repr, params))}): "
-                         f"pass the params from {type(c).__name__}.from_pretrained")
-    kernel = c.denoiser.replication_probe(params)
+                         f"pass the params from {pipeline}.from_pretrained")
+    kernel = spec.denoiser.replication_probe(params)
     if kernel is None or mode is None:
         return
     replicated = mode == "jit=True"
@@ -330,17 +332,17 @@ def check_devices(inputs):
                          "per device (jax.random.split(key, devices)), or shard(keys) with one key per image")
 
 
-def image_size(c, inputs, args, leading_dims, height, width):
+def image_size(spec, inputs, args, leading_dims, height, width):
     """(height, width): the pictures' for pipelines that take pictures (a given height/width must agree), else as
     given."""
-    sizes = [(name, pixels(c, getattr(inputs, name))) for name, _ in c.spec.start.images]
-    if c.controlnets:  # the control images
+    sizes = [(name, pixels(spec, getattr(inputs, name))) for name, _ in spec.start.images]
+    if nets_of(spec, ControlNet):  # the control images
         if leading_dims is not None:
-            check_control_images(c, args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
+            check_control_images(spec, args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the control image", as_nets(args["control_image"])[0].shape[-2:]))
-    if c.adapters:  # the T2I-Adapters' pictures
+    if nets_of(spec, T2IAdapters):  # the T2I-Adapters' pictures
         if leading_dims is not None:
-            check_adapter_images(c, args.get("adapter_image"), leading_dims, inputs.prompts().shape[:leading_dims])
+            check_adapter_images(spec, args.get("adapter_image"), leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the adapter image", as_nets(args["adapter_image"])[0].shape[-2:]))
     if not sizes:
         return height, width
@@ -355,21 +357,21 @@ def image_size(c, inputs, args, leading_dims, height, width):
     return tuple(actual)
 
 
-def pixels(c, image):
+def pixels(spec, image):
     """(H, W) of an image, or of the image that latents (an image with the latent channels) decode to."""
-    f = c.vae_scale_factor if c.spec.vae.is_latent_image(image) else 1
+    f = spec.vae.scale_factor if spec.vae.is_latent_image(image) else 1
     return tuple(side * f for side in image.shape[-2:])
 
 
-def check_adapter_images(c, given, leading_dims, batch):
+def check_adapter_images(spec, given, leading_dims, batch):
     """One picture per T2I-Adapter, (B, C, H, W) with the adapter's channels, sides a multiple of its downscale."""
     if given is None:
         raise ValueError("this pipeline has T2I-Adapters: give their pictures (adapter_image=, or the image argument "
                          "of StableDiffusionAdapter), made with pipeline.prepare_image_inputs(pictures)")
-    images = as_nets(given)
-    if len(images) != len(c.adapters):
-        raise ValueError(f"{len(images)} adapter images for {len(c.adapters)} T2I-Adapters: give one per adapter")
-    for k, (adapter, image) in enumerate(zip(c.adapters, images)):
+    images, adapters = as_nets(given), nets_of(spec, T2IAdapters)
+    if len(images) != len(adapters):
+        raise ValueError(f"{len(images)} adapter images for {len(adapters)} T2I-Adapters: give one per adapter")
+    for k, (adapter, image) in enumerate(zip(adapters, images)):
         what = f"adapter image {k}" if len(images) > 1 else "the adapter image"
         expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{adapter.config.in_channels}, H, W)"
         check_picture_values(what, image, "pipeline.prepare_adapter_image_inputs(pictures)")
@@ -398,9 +400,9 @@ def check_picture_values(what, image, make):
         raise ValueError(f"{what} spans [{low:.4g}, {high:.4g}]; pictures are floats in [0, 1]: make it with {make}")
 
 
-def check_control_images(c, given, leading_dims, batch):
+def check_control_images(spec, given, leading_dims, batch):
     """The control images against the nets: one (batch) per net, of the net's channels and one size."""
-    nets, images = c.controlnets, as_nets(given)
+    nets, images = nets_of(spec, ControlNet), as_nets(given)
     if len(images) != len(nets):
         raise ValueError(f"{len(images)} control images for {len(nets)} ControlNets: give one image (batch) per "
                          "net, in the order of the nets")
@@ -420,7 +422,12 @@ def check_control_images(c, given, leading_dims, batch):
             raise ValueError(f"{name} is {image.shape[-1]}x{image.shape[-2]}, the first {size[1]}x{size[0]}: "
                              "give control images of one size")
         size = image.shape[-2:]
-    check_controlnets(nets, c.unet, c.vae_scale_factor)
+    check_controlnets(nets, spec.denoiser.model, spec.vae.scale_factor)
+
+
+def nets_of(spec, wrapper) -> tuple:
+    """The nets of the spec's `wrapper` (ControlNet, T2IAdapters): () where it has none."""
+    return next((piece.nets for piece in spec.wrappers if isinstance(piece, wrapper)), ())
 
 
 def check_controlnets(nets, unet, vae_scale_factor):

@@ -383,8 +383,8 @@ class Pipeline:
         values = self._bind(args, kwargs, signature)
         values.pop("jit", None)
         params = values.pop("params")
-        checks.check_params(self, params, mode)
-        return (params, *checks.split(self, values, leading_dims, self.renamed, self.hooks))
+        checks.check_params(self.spec, params, mode, type(self).__name__)
+        return (params, *checks.split(self.spec, values, leading_dims, self.renamed, self.hooks))
 
     def signature_without_jit(self) -> inspect.Signature:
         return self.signature.replace(parameters=[p for p in self.signature.parameters.values() if p.name != "jit"])

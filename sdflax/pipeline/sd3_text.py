@@ -92,10 +92,9 @@ class SD3Text:
         return prepare_sd3_ids(c.tokenizer, c.tokenizer_2, tokenizer_3, prompts, prompts_2, prompts_3,
                                int(max_sequence_length), c.max_length)
 
-    @staticmethod
-    def ids_tail(c, ids) -> tuple:
+    def ids_tail(self, ids) -> tuple:
         """(77 + 77 + T,): T as the given ids have it, where it is a valid length."""
-        clip = 2 * c.max_length
+        clip = 2 * self.clip_length
         if ids is not None and ids.ndim and clip < ids.shape[-1] <= clip + MAX_SEQUENCE_LENGTH:
             return (ids.shape[-1],)
         return (clip + 256,)

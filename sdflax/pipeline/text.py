@@ -64,10 +64,9 @@ class SDText:
             raise ValueError("prompts_2 is for SDXL's second text encoder; this pipeline has one: give prompts alone")
         return tokenize(c.tokenizer, prompts, c.max_length)
 
-    @staticmethod
-    def ids_tail(c, ids) -> tuple:
-        """The shape ids must have after the batch (`ids`: the ids given)."""
-        return (c.max_length,)
+    def ids_tail(self, ids) -> tuple:
+        """The shape ids must have after the batch (`ids`: the ids given): the empty prompt's."""
+        return np.shape(self.empty_ids)[1:]
 
     @classmethod
     def build(cls, c, empty_ids) -> "SDText":
@@ -160,9 +159,9 @@ class SDXLText:
             rows = [(c.tokenizer, prompts), (c.tokenizer_2, prompts_2)]
         return np.stack([tokenize(tokenizer, texts, c.max_length) for tokenizer, texts in rows], axis=1)
 
-    @staticmethod
-    def ids_tail(c, ids) -> tuple:
-        return (1 if c.text_encoder is None else 2, c.max_length)
+    def ids_tail(self, ids) -> tuple:
+        """(2, 77), a refiner's (1, 77): the empty prompt's."""
+        return np.shape(self.empty_ids)[1:]
 
     @classmethod
     def build(cls, c, empty_ids) -> "SDXLText":
