@@ -454,7 +454,7 @@ def benchmark_sdflax(args, dtype_name):
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     return {
         "model": args.model, "weights": "random" if configs else "checkpoint",
-        "t5": "text_encoder_3" in params if pipeline.transformer is not None else None,
+        "t5": "text_encoder_3" in params if getattr(pipeline, "transformer", None) is not None else None,
         "backend": jax.default_backend(), "device_kind": jax.local_devices()[0].device_kind, "devices": devices,
         "dtype": dtype_name, "attention": args.attention,
         "scheduler": args.scheduler or scheduler_name(pipeline.scheduler), "height": height, "width": width,

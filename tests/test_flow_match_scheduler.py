@@ -231,9 +231,10 @@ def test_a_unet_pipeline_refuses_the_flow_scheduler():
     from sdflax.models import AutoencoderKL, CLIPTextModel, UNet2DConditionModel
     from sdflax.schedulers import DDIMScheduler
 
-    pipe = sdflax.StableDiffusion(CLIPTextModel.from_config(SD1["text_encoder"]), UNet2DConditionModel.from_config(
-        SD1["unet"]), AutoencoderKL.from_config(SD1["vae"]), load_tokenizer(str(TOKENIZER)),
-        DDIMScheduler.from_config(SD14_SCHEDULER))
+    pipe = sdflax.StableDiffusion(
+        text_encoder=CLIPTextModel.from_config(SD1["text_encoder"]), unet=UNet2DConditionModel.from_config(SD1["unet"]),
+        vae=AutoencoderKL.from_config(SD1["vae"]), tokenizer=load_tokenizer(str(TOKENIZER)),
+        scheduler=DDIMScheduler.from_config(SD14_SCHEDULER))
     with pytest.raises(ValueError, match="FlowMatchEulerScheduler is a flow-matching scheduler, for SD 3.x"):
         pipe.scheduler = "flow_match_euler"
 

@@ -153,3 +153,17 @@ def test_inputs_are_the_core_fields_and_one_mapping_of_conditionings():
     names = [field.name for field in dataclasses.fields(Inputs)]
     assert len(names) <= 24 and "conditions" in names
     assert not [name for name in names if name.startswith(("control", "adapter", "ip_adapter", "skip_layer"))]
+
+
+def test_no_function_of_the_pipeline_layer_takes_the_pipeline_object():
+    """Checks, pieces and their loaders are functions of values (the spec, the components, configs, a call's
+    arguments), so they run without a pipeline and a family from outside the package meets the same ones."""
+    found = []
+    for path in (PACKAGE / "pipeline").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                names = {a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)}
+                if names & {"c", "pipeline", "pipe"}:
+                    found.append(f"{path.name}: {node.name}")
+    assert found == []
+

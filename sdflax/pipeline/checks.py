@@ -279,10 +279,10 @@ def check_values(spec, inputs, leading_dims):
             raise ValueError(f"{name} must be a finite number, got {float(value)}")
 
 
-def check_params(spec, params, mode: str | None, pipeline: str):
+def check_params(spec, params, mode: str | None, pipeline_name: str):
     """params hold every model the pipeline runs, with a leading device axis exactly when pmap runs them.
     `mode`: "jit=True" (pmap), "jit=False", "generate_sharded", or None inside a caller's trace (either);
-    `pipeline`: its class's name, for the message."""
+    `pipeline_name`: its class's name, for the message."""
     # every model this pipeline has (an SDXL refiner has no first text encoder), and its wrappers' params
     held = {spec.denoiser.component, "vae"}
     needed = [name for name in type(spec.text).models if name in held or getattr(spec.text, name, None) is not None]
@@ -295,7 +295,7 @@ def check_params(spec, params, mode: str | None, pipeline: str):
     missing = [name for name in needed if name not in params]
     if missing:
         raise ValueError(f"params has no {', '.join(map(repr, missing))} (it has {', '.join(map(repr, params))}): "
-                         f"pass the params from {pipeline}.from_pretrained")
+                         f"pass the params from {pipeline_name}.from_pretrained")
     kernel = spec.denoiser.replication_probe(params)
     if kernel is None or mode is None:
         return
@@ -311,14 +311,14 @@ def check_params(spec, params, mode: str | None, pipeline: str):
 
 
 @contextlib.contextmanager
-def params_named_in_errors(pipeline: str):
+def params_named_in_errors(pipeline_name: str):
     """A params tree that lacks a layer fails when the models are traced, in Flax's words: say it is `params`."""
     try:
         yield
     except flax.errors.ScopeParamNotFoundError as e:
         detail = str(e).split(" (https://")[0]
         raise ValueError(f"params lack a parameter a model reads ({detail}): pass the params from "
-                         f"{pipeline}.from_pretrained") from None
+                         f"{pipeline_name}.from_pretrained") from None
 
 
 def check_devices(inputs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import flax
@@ -88,14 +89,14 @@ class Pipeline:
         self._force_zeros = bool(given.get("force_zeros_for_empty_prompt", True))
         # SDXL refiner: an aesthetic score time id
         self.requires_aesthetics_score = bool(given.get("requires_aesthetics_score", False))
-        self.text.check_components(self)
+        self.text.check_components(SimpleNamespace(**self.components()))
         self.vae_scale_factor = self.vae.config.scale_factor
         # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length (an SDXL
         # refiner has the second encoder alone).
         tokenizer, text_encoder = next((getattr(self, t), getattr(self, e)) for t, e in (
             ("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")) if getattr(self, e, None) is not None)
         self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
-        self.empty_prompt_ids = self.text.prepare_ids(self, [""])
+        self.empty_prompt_ids = self.text.prepare_ids(self.parts(), [""])
         self._runners = {}  # spec -> its programs, shared with the hooked views (`with_hooks`)
         # what a scheduler name is built from (`scheduler`): the checkpoint's scheduler_config.json with the loader's
         # overrides, as from_pretrained builds a name; None (a pipeline made here): the current scheduler's config
@@ -169,7 +170,7 @@ class Pipeline:
         from .ip_adapter import load_ip_adapter
 
         self._unet_only("IP-Adapters")
-        piece, added = load_ip_adapter(self, pretrained_model_name_or_path, subfolder, weight_name,
+        piece, added = load_ip_adapter(self.unet, self.dtype, pretrained_model_name_or_path, subfolder, weight_name,
                                        image_encoder_folder, revision)
         view = copy.copy(self)
         view.ip_adapter, view._spec = piece, None
@@ -200,6 +201,11 @@ class Pipeline:
                "adapter": list(self.adapters) or None, "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
                "requires_aesthetics_score": self.requires_aesthetics_score}
         return {name: own[name] if name in own else getattr(self, name) for name in self.component_names()}
+
+    def parts(self) -> SimpleNamespace:
+        """The components as the text piece reads them, a value (`text.SDText.prepare_ids`), with the prompts'
+        token length."""
+        return SimpleNamespace(**self.components(), max_length=self.max_length)
 
     def replace(self, **components):
         """A pipeline of this class with some components replaced (and this one's hooks)."""
@@ -261,7 +267,7 @@ class Pipeline:
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
                         *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)),
                         *self.conditionings)
-            self._spec = Spec(self.text.build(self, self.empty_prompt_ids), self.start.build(vae, self.denoiser),
+            self._spec = Spec(self.text.build(self.parts(), self.empty_prompt_ids), self.start.build(vae, self.denoiser),
                               self.denoiser, vae, self._scheduler, wrappers)
         return self._spec
 
@@ -329,7 +335,7 @@ class Pipeline:
         for name in [name for name in texts if name.startswith("prompts_")]:  # one string, a list, or None / empty
             value = texts[name]  # (empty: the prompts themselves, as diffusers)
             texts[name] = None if not value else [value] if isinstance(value, str) else list(value)
-        ids = self.text.prepare_ids(self, prompts, **texts)
+        ids = self.text.prepare_ids(self.parts(), prompts, **texts)
         if all(picture is None for picture in pictures.values()):
             return ids
         return ids, *preprocess_pictures(pictures, self.vae_scale_factor)

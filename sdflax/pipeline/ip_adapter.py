@@ -350,7 +350,7 @@ def broadcast_rows(x, batch: tuple, lead: int, name: str):
 
 # ---- loading -----------------------------------------------------------------------------------------------------
 
-def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_folder, revision=None):
+def load_ip_adapter(unet, dtype, source, subfolder, weight_name, image_encoder_folder, revision=None):
     """(IPAdapter piece, {"image_encoder": ..., "ip_adapter": [...]}) from h94-layout files, found as diffusers
     finds them."""
     import os
@@ -372,27 +372,27 @@ def load_ip_adapter(pipeline, source, subfolder, weight_name, image_encoder_fold
     folder = resolve_folder(source, revision, allow_patterns=patterns + weights)  # h94 has .bin twins: not those
     if encoder and not any(name.endswith(".safetensors") for name in listing(os.path.join(folder, encoder))):
         folder = resolve_folder(source, revision, allow_patterns=patterns + weights + [f"{encoder}/*.bin"])
-    layers = cross_attention_layers(pipeline.unet, pipeline.unet.param_shapes())
+    layers = cross_attention_layers(unet, unet.param_shapes())
     adapters, params_of = [], []
     for name in names:
         w = read_ip_adapter(os.path.join(folder, subfolder, name))
         if len(w.to_k_ip) != len(layers):
             raise ValueError(f"{name} adapts {len(w.to_k_ip)} cross-attention layers; this UNet has {len(layers)}: "
                              "an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
-        width = pipeline.unet.config.cross_attention_dim
+        width = unet.config.cross_attention_dim
         if w.to_k_ip[0].shape[0] != width:
             raise ValueError(f"{name} projects image tokens {w.to_k_ip[0].shape[0]} wide; this UNet's cross-attention "
                              f"takes {width}: an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
-        check_layer_shapes(name, w, layers, pipeline.unet.param_shapes(), width)
+        check_layer_shapes(name, w, layers, unet.param_shapes(), width)
         adapters.append(Adapter(w.projection, w.wants_hidden_states))
-        cast = lambda x: jnp.asarray(x, pipeline.dtype)  # noqa: E731
+        cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
         params_of.append({"projection": jax.tree.map(cast, w.projection_params),
                         "to_k_ip": [cast(k) for k in w.to_k_ip], "to_v_ip": [cast(v) for v in w.to_v_ip]})
     model, added = None, {"ip_adapter": params_of}
     if encoder is not None:
         model, added["image_encoder"] = CLIPVisionModelWithProjection.from_pretrained(folder, subfolder=encoder,
-                                                                                      dtype=pipeline.dtype)
-    return IPAdapter(model, tuple(adapters), layers, pipeline.unet.config.layers_per_block), added
+                                                                                      dtype=dtype)
+    return IPAdapter(model, tuple(adapters), layers, unet.config.layers_per_block), added
 
 
 def listing(folder) -> list:

@@ -62,35 +62,35 @@ class SD3Text:
     prompt_arguments = {"prompts_2": None, "prompts_3": None, "max_sequence_length": 256}
 
     @staticmethod
-    def check_components(c):
+    def check_components(parts):
         for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
-            if getattr(c, name) is None:
+            if getattr(parts, name) is None:
                 raise ValueError(f"SD 3 pipelines need {name} (only text_encoder_3, T5, may be left out)")
-        if c.text_encoder_3 is not None and c.tokenizer_3 is None:
+        if parts.text_encoder_3 is not None and parts.tokenizer_3 is None:
             raise ValueError("text_encoder_3 (T5) needs tokenizer_3: give both, or text_encoder_3=None")
-        config = c.transformer.config
-        pooled = c.text_encoder.config.projection_dim + c.text_encoder_2.config.projection_dim
+        config = parts.transformer.config
+        pooled = parts.text_encoder.config.projection_dim + parts.text_encoder_2.config.projection_dim
         if pooled != config.pooled_projection_dim:
             raise ValueError(f"the transformer takes a pooled text embedding of {config.pooled_projection_dim}, the "
                              f"text encoders' projections give {pooled}: use the text encoders of this checkpoint")
-        clip = c.text_encoder.config.hidden_size + c.text_encoder_2.config.hidden_size
+        clip = parts.text_encoder.config.hidden_size + parts.text_encoder_2.config.hidden_size
         if clip > config.joint_attention_dim:
             raise ValueError(f"the CLIP states are {clip} wide, wider than the transformer's text states "
                              f"({config.joint_attention_dim}): use the text encoders of this checkpoint")
-        if c.text_encoder_3 is not None and c.text_encoder_3.config.d_model != config.joint_attention_dim:
+        if parts.text_encoder_3 is not None and parts.text_encoder_3.config.d_model != config.joint_attention_dim:
             raise ValueError(f"the transformer takes text states {config.joint_attention_dim} wide, T5's are "
-                             f"{c.text_encoder_3.config.d_model}: use the T5 of this checkpoint")
+                             f"{parts.text_encoder_3.config.d_model}: use the T5 of this checkpoint")
 
     @staticmethod
-    def prepare_ids(c, prompts, prompts_2=None, prompts_3=None, max_sequence_length=256) -> np.ndarray:
+    def prepare_ids(parts, prompts, prompts_2=None, prompts_3=None, max_sequence_length=256) -> np.ndarray:
         """Token ids (B, 77 + 77 + max_sequence_length) int32."""
         if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, numbers.Integral) or \
                 not 0 < max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(f"max_sequence_length={max_sequence_length!r} must be a whole number in 1 .. "
                              f"{MAX_SEQUENCE_LENGTH} (T5's tokens; diffusers' default 256)")
-        tokenizer_3 = c.tokenizer_3 if c.text_encoder_3 is not None else None
-        return prepare_sd3_ids(c.tokenizer, c.tokenizer_2, tokenizer_3, prompts, prompts_2, prompts_3,
-                               int(max_sequence_length), c.max_length)
+        tokenizer_3 = parts.tokenizer_3 if parts.text_encoder_3 is not None else None
+        return prepare_sd3_ids(parts.tokenizer, parts.tokenizer_2, tokenizer_3, prompts, prompts_2, prompts_3,
+                               int(max_sequence_length), parts.max_length)
 
     def ids_tail(self, ids) -> tuple:
         """(77 + 77 + T,): T as the given ids have it, where it is a valid length."""
@@ -100,10 +100,10 @@ class SD3Text:
         return (clip + 256,)
 
     @classmethod
-    def build(cls, c, empty_ids) -> "SD3Text":
-        empty = cls.prepare_ids(c, [""], max_sequence_length=MAX_SEQUENCE_LENGTH)
-        return cls(c.text_encoder, c.text_encoder_2, c.text_encoder_3, c.transformer.config.joint_attention_dim,
-                   c.max_length, c.dtype, frozen_ids(empty))
+    def build(cls, parts, empty_ids) -> "SD3Text":
+        empty = cls.prepare_ids(parts, [""], max_sequence_length=MAX_SEQUENCE_LENGTH)
+        return cls(parts.text_encoder, parts.text_encoder_2, parts.text_encoder_3, parts.transformer.config.joint_attention_dim,
+                   parts.max_length, parts.dtype, frozen_ids(empty))
 
     @staticmethod
     def upcast_vae(vae) -> bool:

@@ -50,27 +50,27 @@ class SDText:
     prompt_arguments = {"prompts_2": None}  # prepare_inputs' text arguments after prompts, with their defaults
 
     @staticmethod
-    def check_components(c):
-        if c.text_encoder is None or c.tokenizer is None:
+    def check_components(parts):
+        if parts.text_encoder is None or parts.tokenizer is None:
             raise ValueError("SD pipelines need text_encoder and tokenizer (this checkpoint has none: an SDXL "
                              "refiner? use StableDiffusionXLImg2Img)")
-        if c.unet.config.addition_embed_type is not None:
+        if parts.unet.config.addition_embed_type is not None:
             raise ValueError("this UNet is an SDXL UNet (addition_embed_type='text_time'): use StableDiffusionXL")
 
     @staticmethod
-    def prepare_ids(c, prompts, prompts_2=None) -> np.ndarray:
+    def prepare_ids(parts, prompts, prompts_2=None) -> np.ndarray:
         """Token ids (B, 77) int32."""
         if prompts_2:
             raise ValueError("prompts_2 is for SDXL's second text encoder; this pipeline has one: give prompts alone")
-        return tokenize(c.tokenizer, prompts, c.max_length)
+        return tokenize(parts.tokenizer, prompts, parts.max_length)
 
     def ids_tail(self, ids) -> tuple:
         """The shape ids must have after the batch (`ids`: the ids given): the empty prompt's."""
         return np.shape(self.empty_ids)[1:]
 
     @classmethod
-    def build(cls, c, empty_ids) -> "SDText":
-        return cls(c.text_encoder, frozen_ids(empty_ids), c.dtype)
+    def build(cls, parts, empty_ids) -> "SDText":
+        return cls(parts.text_encoder, frozen_ids(empty_ids), parts.dtype)
 
     @staticmethod
     def upcast_vae(vae) -> bool:
@@ -126,16 +126,16 @@ class SDXLText:
     prompt_arguments = {"prompts_2": None}
 
     @staticmethod
-    def check_components(c):
-        if c.unet.config.addition_embed_type != "text_time":
+    def check_components(parts):
+        if parts.unet.config.addition_embed_type != "text_time":
             raise ValueError("StableDiffusionXL needs an SDXL UNet (addition_embed_type='text_time'); this one has "
-                             f"{c.unet.config.addition_embed_type!r}: use StableDiffusion")
-        if c.text_encoder_2 is None or c.tokenizer_2 is None:
+                             f"{parts.unet.config.addition_embed_type!r}: use StableDiffusion")
+        if parts.text_encoder_2 is None or parts.tokenizer_2 is None:
             raise ValueError("SDXL pipelines need text_encoder_2 and tokenizer_2")
-        if (c.text_encoder is None) != (c.tokenizer is None):
+        if (parts.text_encoder is None) != (parts.tokenizer is None):
             raise ValueError("give text_encoder and tokenizer together (or neither, for a refiner)")
-        unet, projection = c.unet.config, c.text_encoder_2.config.projection_dim
-        ids = 5 if c.requires_aesthetics_score else 6  # a refiner's aesthetic score replaces the target size
+        unet, projection = parts.unet.config, parts.text_encoder_2.config.projection_dim
+        ids = 5 if parts.requires_aesthetics_score else 6  # a refiner's aesthetic score replaces the target size
         given, expected = unet.addition_time_embed_dim * ids + projection, unet.projection_class_embeddings_input_dim
         if given != expected:
             other = unet.addition_time_embed_dim * {5: 6, 6: 5}[ids] + projection  # with the other layout
@@ -144,29 +144,29 @@ class SDXLText:
                              f"a pooled embedding of {projection}): use {hint}")
 
     @staticmethod
-    def prepare_ids(c, prompts, prompts_2=None) -> np.ndarray:
+    def prepare_ids(parts, prompts, prompts_2=None) -> np.ndarray:
         """Token ids (B, 2, 77) int32: `prompts` by the first tokenizer, `prompts_2` (diffusers' prompt_2; default,
         or empty: `prompts`) by the second (which pads with its own pad token, "!" in SDXL). A refiner's
         (B, 1, 77): `prompts` by its one tokenizer, the second."""
-        if c.tokenizer is None:
+        if parts.tokenizer is None:
             if prompts_2:
                 raise ValueError("this checkpoint has one text encoder (a refiner): give prompts alone, not prompts_2")
-            rows = [(c.tokenizer_2, prompts)]
+            rows = [(parts.tokenizer_2, prompts)]
         else:
             prompts_2 = prompts_2 or prompts  # as diffusers: an empty prompt_2 is prompt
             if len(prompts_2) != len(prompts):
                 raise ValueError(f"{len(prompts_2)} prompts_2 for {len(prompts)} prompts: give one per prompt")
-            rows = [(c.tokenizer, prompts), (c.tokenizer_2, prompts_2)]
-        return np.stack([tokenize(tokenizer, texts, c.max_length) for tokenizer, texts in rows], axis=1)
+            rows = [(parts.tokenizer, prompts), (parts.tokenizer_2, prompts_2)]
+        return np.stack([tokenize(tokenizer, texts, parts.max_length) for tokenizer, texts in rows], axis=1)
 
     def ids_tail(self, ids) -> tuple:
         """(2, 77), a refiner's (1, 77): the empty prompt's."""
         return np.shape(self.empty_ids)[1:]
 
     @classmethod
-    def build(cls, c, empty_ids) -> "SDXLText":
-        return cls(c.text_encoder, c.text_encoder_2, frozen_ids(empty_ids), c.force_zeros_for_empty_prompt,
-                   c.requires_aesthetics_score, c.dtype)
+    def build(cls, parts, empty_ids) -> "SDXLText":
+        return cls(parts.text_encoder, parts.text_encoder_2, frozen_ids(empty_ids), parts.force_zeros_for_empty_prompt,
+                   parts.requires_aesthetics_score, parts.dtype)
 
     @staticmethod
     def upcast_vae(vae) -> bool:
