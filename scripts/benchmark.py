@@ -19,7 +19,7 @@ Prints one JSON object on stdout (progress goes to stderr):
 on one device, with the same FLOP count) and `ratio` (sdflax / torch per figure: below 1 is faster for times, above
 1 for rates); sdflax and diffusers each run in a fresh process of their own, one after the other.
 
-`--model sd15-random` (the default) builds SD 1.5 from the configs below with random weights: no download, the
+`--model sd15-random` (the default) builds SD 1.5 from sdflax's bundled configs with random weights: no download, the
 same compute as the real weights. `--model sd35-medium-random` does the same for SD 3.5 Medium (by default as
 diffusers' StableDiffusion3Pipeline runs it: 28 steps, guidance 7.0, 1024x1024, T5's 256 tokens), T5-XXL
 included unless `--no-t5`: its 4.7 B parameters are 19 GB in float32, so on a machine with less memory `--no-t5`
@@ -50,59 +50,26 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "weights" / "tiny-sd" / "tokenizer"  # the real CLIP BPE vocabulary
 PROMPT = "a photo of an astronaut riding a horse on mars"
 
-# stable-diffusion-v1-5's config.json files, as published.
-SD15 = {
-    "unet": {
-        "act_fn": "silu", "attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280],
-        "center_input_sample": False, "cross_attention_dim": 768,
-        "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-        "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
-        "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
-        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
-    },
-    "vae": {
-        "act_fn": "silu", "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
-        "in_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 3,
-        "sample_size": 512, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    },
-    "text_encoder": {
-        "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 2, "hidden_act": "quick_gelu",
-        "hidden_size": 768, "initializer_factor": 1.0, "initializer_range": 0.02, "intermediate_size": 3072,
-        "layer_norm_eps": 1e-05, "max_position_embeddings": 77, "num_attention_heads": 12, "num_hidden_layers": 12,
-        "pad_token_id": 1, "projection_dim": 768, "vocab_size": 49408,
-    },
-    "scheduler": {
-        "_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
-        "clip_sample": False, "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True,
-        "steps_offset": 1, "trained_betas": None,
-    },
-}
-SD15_NAME = "sd15-random"
+BUNDLED = REPO / "sdflax" / "configs"  # sdflax's copies of the published checkpoints' config.json files
 COMPONENTS = ("text_encoder", "unet", "vae")
 SD3_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # T5 last
 
-# stable-diffusion-3.5-medium's config.json files, as published (the keys that differ from the classes' defaults).
-SD3_CLIP_L = {"hidden_act": "quick_gelu", "hidden_size": 768, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
-              "max_position_embeddings": 77, "num_attention_heads": 12, "num_hidden_layers": 12, "projection_dim": 768,
-              "vocab_size": 49408, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
-SD35_MEDIUM = {
-    "transformer": {
-        "attention_head_dim": 64, "caption_projection_dim": 1536, "dual_attention_layers": list(range(13)),
-        "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 24,
-        "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
-        "qk_norm": "rms_norm", "sample_size": 128,
-    },
-    "vae": {**SD15["vae"], "latent_channels": 16, "sample_size": 1024, "scaling_factor": 1.5305,
-            "shift_factor": 0.0609, "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False},
-    "text_encoder": SD3_CLIP_L,
-    "text_encoder_2": {**SD3_CLIP_L, "hidden_act": "gelu", "hidden_size": 1280, "intermediate_size": 5120,
-                       "num_attention_heads": 20, "num_hidden_layers": 32, "projection_dim": 1280},
-    "text_encoder_3": {"d_ff": 10240, "d_kv": 64, "d_model": 4096, "feed_forward_proj": "gated-gelu",
-                       "layer_norm_epsilon": 1e-06, "num_heads": 64, "num_layers": 24,
-                       "relative_attention_max_distance": 128, "relative_attention_num_buckets": 32,
-                       "vocab_size": 32128},
-    "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
-}
+
+def read_bundled_configs(folder, components) -> dict:
+    """{component: config, "scheduler": config} of a published checkpoint from sdflax/configs/`folder`, read
+    without importing sdflax (and JAX) so that --help stays quick."""
+    configs = {c: json.loads((BUNDLED / folder / c / "config.json").read_text()) for c in components}
+    configs["scheduler"] = json.loads((BUNDLED / folder / "scheduler" / "scheduler_config.json").read_text())
+    for config in configs.values():
+        # T5's "torch_dtype" (float16, how its weights are stored) would become the transformers config's dtype,
+        # with a deprecation warning; the scripts choose each model's dtype themselves
+        config.pop("torch_dtype", None)
+    return configs
+
+
+SD15 = read_bundled_configs("sd1", COMPONENTS)  # stable-diffusion-v1-5's
+SD15_NAME = "sd15-random"
+SD35_MEDIUM = read_bundled_configs("sd35_medium", SD3_COMPONENTS)  # stable-diffusion-3.5-medium's
 SD35_NAME = "sd35-medium-random"
 RANDOM_MODELS = {SD15_NAME: SD15, SD35_NAME: SD35_MEDIUM}
 # a small SentencePiece (Unigram) vocabulary for T5's tokenizer: the compute depends on T5's embedding size and the

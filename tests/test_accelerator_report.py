@@ -307,6 +307,8 @@ def test_the_flags_part_times_each_flag_set_against_xlas_defaults(monkeypatch):
 def test_jobs_run_in_order_on_one_lane_and_after_what_they_need_on_two(monkeypatch):
     """The scheduling alone (processes that end on their third look): one lane runs the plan in order; two run
     at most two at once, each job after the jobs whose files it reads (the checkpoint, the cold compile cache)."""
+    from accelerator_report import processes as script  # the module whose JobProcess run_jobs starts
+
     tasks = script.plan(script.jobs("all", "tiny"), "cache", "checkpoint")
     kinds = [(t["kind"], t.get("cache")) for t in tasks]
     checkpoint, cold, warm = (kinds.index(k) for k in (("checkpoint", None), ("speed", "cold"), ("speed", "warm")))
@@ -359,7 +361,7 @@ def test_forked_jobs_report_errors_run_two_at_once_and_stop_at_the_deadline():
     code = """if True:
         import json, os, sys, time
         sys.path.insert(0, sys.argv[1])
-        import accelerator_report as script
+        from accelerator_report import processes as script
 
         def work(job, args):
             if job["kind"] == "fail":

@@ -12,6 +12,7 @@ import re
 import tempfile
 
 from . import sd3
+from ..guiders.base import arguments
 from .manifest import as_text, link_png
 from .request import UserError
 
@@ -125,8 +126,8 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
         settings["embedding"] = list(request.embedding)
     if checkpoint.guider is not None:  # its every argument, the defaults written out (JSON in the PNG)
         settings.update(guider=type(checkpoint.guider).__name__, guider_args={
-            f.name: plain(getattr(checkpoint.guider, f.name)) for f in dataclasses.fields(checkpoint.guider)
-            if f.name != "guidance_scale"})
+            name: plain(getattr(checkpoint.guider, name)) for name in arguments(checkpoint.guider)
+            if name != "guidance_scale"})
     if request.controlnet:  # lists, one entry per net in their order (JSON in the PNG)
         settings.update(controlnet=list(request.controlnet), control_image=list(request.control_image),
                         control_scale=list(checkpoint.control_scales))

@@ -11,7 +11,7 @@ import flax
 import jax.numpy as jnp
 
 from .. import sampling
-from .base import Guider, cfg, norm, norm_axes, off_at, rescale, static
+from .base import Guider, cfg, norm, norm_axes, off_at, positional, rescale, static
 
 MOMENTUM = "guider.momentum"  # the buffer's name in the scan's memory
 
@@ -36,18 +36,13 @@ def projected_update(diff, pred_cond, eta, norm_threshold, axes):
     return diff - parallel + eta * parallel
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class AdaptiveProjectedGuidance(Guider):
-    guidance_scale: Any = 7.5
+    guidance_scale: Any = positional(7.5)
     adaptive_projected_guidance_momentum: Any = None  # None: no momentum buffer
     adaptive_projected_guidance_rescale: Any = 15.0
     adaptive_projected_guidance_norm_dim: Any = static(None)
     eta: Any = 1.0
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
     @property
     def carries(self):
@@ -65,22 +60,17 @@ class AdaptiveProjectedGuidance(Guider):
         return rescale(pred, pred_cond, self.guidance_rescale)
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class AdaptiveProjectedMixGuidance(Guider):
     """Classifier-free guidance until evaluation `adaptive_projected_guidance_start_step`, APG (its own scale)
     after it; the momentum buffer is updated at every guided step."""
 
-    guidance_scale: Any = 3.5
-    guidance_rescale: Any = 0.0
+    guidance_scale: Any = positional(3.5)
     adaptive_projected_guidance_scale: Any = 10.0
     adaptive_projected_guidance_momentum: Any = -0.5
     adaptive_projected_guidance_rescale: Any = 10.0
     eta: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
     adaptive_projected_guidance_start_step: Any = 5
-    enabled: bool = static(True)
 
     @property
     def carries(self):

@@ -14,7 +14,9 @@ program) and selects, which gives diffusers' numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from typing import Any
 
 import flax
 import jax.numpy as jnp
@@ -22,7 +24,8 @@ import jax.numpy as jnp
 from .. import sampling
 from ..hooks.core import Hook
 
-__all__ = ["Guider", "cfg", "check_interval", "norm", "norm_axes", "off_at", "rescale", "static"]
+__all__ = ["Guider", "arguments", "cfg", "check_interval", "norm", "norm_axes", "off_at", "positional", "rescale",
+           "static"]
 
 
 def static(default):
@@ -30,9 +33,23 @@ def static(default):
     return flax.struct.field(pytree_node=False, default=default)
 
 
+def positional(default):
+    """A guider's first argument, its scale: the one it takes by position too (`ClassifierFreeGuidance(7.5)`), so
+    that no later argument given by position can land in another's place."""
+    return flax.struct.field(default=default, kw_only=False)
+
+
+@flax.struct.dataclass(kw_only=True)
 class Guider(Hook):
-    """The base of sdflax.guiders. Subclasses are `flax.struct.dataclass`es with diffusers' constructor arguments
-    and define `guide(pred_cond, pred_uncond, *extra, step, num_steps) -> prediction`."""
+    """The base of sdflax.guiders, with the arguments every one of diffusers' guiders takes. Subclasses are
+    `flax.struct.dataclass(kw_only=True)`s that declare their other arguments (diffusers', its defaults; the first
+    `positional`) and define `guide(pred_cond, pred_uncond, *extra, step, num_steps) -> prediction`."""
+
+    guidance_rescale: Any = 0.0
+    use_original_formulation: bool = static(False)
+    start: float = static(0.0)
+    stop: float = static(1.0)
+    enabled: bool = static(True)
 
     extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
 
@@ -51,18 +68,25 @@ class Guider(Hook):
         return self.guide(cond, uncond, *extra, step=scope.step, num_steps=scope.num_steps)
 
 
-def check_interval(name, start, stop, where="", prefix=""):
-    """diffusers' checks of a guidance interval, in one line each (`where`: which level of several; `prefix`: of
-    the arguments' names, "perturbed_guidance_" for `perturbed_guidance_start`)."""
-    for end, value in (("start", start), ("stop", stop)):
+def check_interval(name, start, stop, where="", names=("start", "stop")):
+    """diffusers' checks of a guidance interval, in one line each (`where`: which level of several; `names`: the
+    arguments', ("perturbed_guidance_start", "perturbed_guidance_stop") for PAG's own interval)."""
+    for argument, value in zip(names, (start, stop)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name}: {prefix}{end}={value!r:.60}{where} must be a number, a fraction of the steps")
+            raise ValueError(f"{name}: {argument}={value!r:.60}{where} must be a number, a fraction of the steps")
     if not 0.0 <= start < 1.0:
-        raise ValueError(f"{name}: {prefix}start={start}{where} must be in [0, 1): the fraction of the steps after "
+        raise ValueError(f"{name}: {names[0]}={start}{where} must be in [0, 1): the fraction of the steps after "
                          "which guidance begins")
     if not start <= stop <= 1.0:
-        raise ValueError(f"{name}: {prefix}stop={stop}{where} must be in [start, 1] = [{start}, 1]: the fraction of "
+        raise ValueError(f"{name}: {names[1]}={stop}{where} must be in [start, 1] = [{start}, 1]: the fraction of "
                          "the steps after which guidance ends")
+
+
+def arguments(guider) -> tuple[str, ...]:
+    """A guider's (or guider class's) arguments: its own in their order, then those every guider takes. That is
+    diffusers' order but for APG-mix and FDG, whose diffusers classes interleave the two."""
+    shared = tuple(field.name for field in dataclasses.fields(Guider))
+    return tuple(field.name for field in dataclasses.fields(guider) if field.name not in shared) + shared
 
 
 def off_at(scale, use_original_formulation):

@@ -8,19 +8,14 @@ from typing import Any
 import flax
 import jax.numpy as jnp
 
-from .base import Guider, cfg, norm, off_at, rescale, static
+from .base import Guider, cfg, norm, off_at, positional, rescale
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class ClassifierFreeGuidance(Guider):
     """ε̂ = ε(∅) + s (ε(c) − ε(∅)) (Ho & Salimans 2022), with the guidance interval and diffusers' rescale."""
 
-    guidance_scale: Any = 7.5
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
+    guidance_scale: Any = positional(7.5)
 
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         on = self.in_interval(step, num_steps) & ~off_at(self.guidance_scale, self.use_original_formulation)
@@ -29,18 +24,13 @@ class ClassifierFreeGuidance(Guider):
         return rescale(pred, pred_cond, self.guidance_rescale)
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class ClassifierFreeZeroStarGuidance(Guider):
     """CFG-Zero* (Fan et al. 2025): the unconditional prediction scaled by its optimal projection coefficient
     α = ⟨ε(c), ε(∅)⟩ / ‖ε(∅)‖² per image, and a zero prediction for the first `zero_init_steps` evaluations."""
 
-    guidance_scale: Any = 7.5
+    guidance_scale: Any = positional(7.5)
     zero_init_steps: Any = 1
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         b = pred_cond.shape[0]
@@ -54,17 +44,12 @@ class ClassifierFreeZeroStarGuidance(Guider):
         return rescale(pred, pred_cond, self.guidance_rescale)
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class TangentialClassifierFreeGuidance(Guider):
     """TCFG (Kwon et al. 2025): the unconditional prediction replaced by its projection on the first right
     singular vector of [ε(c); ε(∅)] per image (its tangential part removed), then CFG."""
 
-    guidance_scale: Any = 7.5
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
+    guidance_scale: Any = positional(7.5)
 
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         b = pred_cond.shape[0]
@@ -78,18 +63,13 @@ class TangentialClassifierFreeGuidance(Guider):
         return rescale(pred, pred_cond, self.guidance_rescale)
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class MagnitudeAwareGuidance(Guider):
     """MAG / MAMBO-G: the scale damped where the guidance update is large against the unconditional prediction,
     s' = 1 + (s − 1) exp(−α ‖ε(c) − ε(∅)‖ / ‖ε(∅)‖) per image (s exp(...) in the original formulation)."""
 
-    guidance_scale: Any = 10.0
+    guidance_scale: Any = positional(10.0)
     alpha: Any = 8.0
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         axes = tuple(range(1, pred_cond.ndim))

@@ -17,7 +17,7 @@ import flax
 import jax.numpy as jnp
 from jax import lax
 
-from .base import Guider, check_interval, off_at, rescale, static
+from .base import Guider, check_interval, off_at, positional, rescale, static
 
 __all__ = ["FrequencyDecoupledGuidance", "image_from_pyramid", "laplacian_pyramid", "pyrdown", "pyrup"]
 
@@ -101,20 +101,15 @@ def project(v0, v1):
     return parallel, v0 - parallel
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class FrequencyDecoupledGuidance(Guider):
     """CFG per level of a Laplacian pyramid, `guidance_scales` from the highest frequencies to the lowest;
     `guidance_rescale`, `parallel_weights`, `start` and `stop` take one value or one per level."""
 
-    guidance_scales: Any = (10.0, 5.0)
-    guidance_rescale: Any = 0.0
+    guidance_scales: Any = positional((10.0, 5.0))
     parallel_weights: Any = None  # None: each level's plain CFG shift (weight 1), and no projection computed
-    use_original_formulation: bool = static(False)
-    start: Any = static(0.0)
-    stop: Any = static(1.0)
     guidance_rescale_space: str = static("data")
     upcast_to_double: bool = static(True)  # diffusers' float64 projection; sdflax computes it in float32
-    enabled: bool = static(True)
 
     def __post_init__(self):
         name, levels = type(self).__name__, self.levels

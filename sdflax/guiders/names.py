@@ -4,9 +4,8 @@ as "FQN:INDICES" (`guider_from_name("pag", config="mid_block.attentions.0.transf
 
 from __future__ import annotations
 
-import dataclasses
-
 from .apg import AdaptiveProjectedGuidance, AdaptiveProjectedMixGuidance
+from .base import arguments
 from .cfg import (ClassifierFreeGuidance, ClassifierFreeZeroStarGuidance, MagnitudeAwareGuidance,
                   TangentialClassifierFreeGuidance)
 from .fdg import FrequencyDecoupledGuidance
@@ -39,7 +38,7 @@ def guider_class(name: str):
 def argument_name(cls, key: str) -> str:
     """The constructor argument `key` names: itself, or the one argument whose name ends in `_key`
     ("momentum" -> "adaptive_projected_guidance_momentum")."""
-    fields = [f.name for f in dataclasses.fields(cls)]
+    fields = arguments(cls)
     if key in fields:
         return key
     matches = [name for name in fields if name.endswith("_" + key)]

@@ -1,13 +1,7 @@
 """Guiders that run the UNet once more with some of its layers perturbed and move the prediction away from that
 worse model: diffusers' PerturbedAttentionGuidance (PAG, Ahn et al. 2024), SmoothedEnergyGuidance (SEG, Hong 2024),
 SkipLayerGuidance (SLG, SD 3.5) and AutoGuidance (Karras et al. 2024, whose worse model is the unconditional one).
-
-A config picks layers as diffusers' hooks pick them: `fqn` names a list of modules by its checkpoint name
-("mid_block.attentions.0.transformer_blocks", "mid_block.attentions", "up_blocks") and `indices` its entries; the
-perturbation applies under each `{fqn}.{i}`: to its self-attention layers (scores replaced by the identity, the
-layer skipped, the queries smoothed), to its feed-forwards, or, attention and feed-forward skipped, to the
-transformer block `{fqn}.{i}` whole. diffusers' `fqn="auto"`, which the `*_layers` arguments use, finds such lists
-in DiT models only: on a UNet diffusers raises, and sdflax says what to write instead.
+Their layer configs, and the perturbations of those layers, are `sdflax.hooks.perturbed_layers`'.
 
 The perturbed copy is one more chunk of the UNet's batch, [uncond; cond; cond perturbed]; AutoGuidance perturbs
 the unconditional chunk of [uncond; cond]. Where diffusers' code departs from what its guiders describe, sdflax
@@ -20,142 +14,50 @@ ignores `seg_blur_threshold_inf`.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Any
 
 import flax
-import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
 from ..hooks import pag
-from ..hooks.core import LayerError, checkpoint_name, layer_list
-from ..models.layers import Attention
-from ..models.unet import BasicTransformerBlock, UNet2DConditionModel
-from .base import Guider, cfg, check_interval, off_at, rescale, static
+from ..hooks.perturbed_layers import (LayerSkipConfig, PerturbedLayers, SmoothedEnergyGuidanceConfig, layer_configs,
+                                      smoothed_queries)
+from .base import Guider, cfg, check_interval, off_at, positional, rescale, static
 
 __all__ = ["AutoGuidance", "LayerSkipConfig", "PerturbedAttentionGuidance", "SkipLayerGuidance",
            "SmoothedEnergyGuidance", "SmoothedEnergyGuidanceConfig", "smoothed_queries"]
 
-EXAMPLE_STACK = "mid_block.attentions.0.transformer_blocks"
-
-
-class LayerConfig:
-    """What diffusers' layer configs share: `indices` of the list of modules `fqn` names, and dict round trips."""
-
-    def __post_init__(self):
-        indices = (self.indices,) if isinstance(self.indices, int) else tuple(self.indices)
-        if not indices or not all(isinstance(i, int) for i in indices):
-            raise ValueError(f"indices={indices!r:.60}: give entries of the list `fqn` names, e.g. [0] or [0, 2]")
-        object.__setattr__(self, "indices", indices)
-
-    @classmethod
-    def from_dict(cls, data):
-        return cls(**data)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class LayerSkipConfig(LayerConfig):
-    """diffusers' LayerSkipConfig: what to skip under the modules `{fqn}.{i}`, i in `indices`. `dropout` must be
-    1.0: diffusers' other values drop outputs at random with torch's generator."""
+class Arguments:
+    """The names diffusers gives a perturbing guider's own arguments: its layers and layer configs, and the scale
+    and interval of its perturbed guidance (none for AutoGuidance, whose perturbed prediction is CFG's)."""
 
-    indices: tuple
-    fqn: str = "auto"
-    skip_attention: bool = True
-    skip_attention_scores: bool = False
-    skip_ff: bool = True
-    dropout: float = 1.0
-
-    def kinds(self) -> tuple:
-        if self.skip_attention and self.skip_ff:
-            return ("block",)
-        return tuple(kind for kind, on in (("attention", self.skip_attention), ("scores", self.skip_attention_scores),
-                                           ("ff", self.skip_ff)) if on)
-
-
-@dataclasses.dataclass(frozen=True)
-class SmoothedEnergyGuidanceConfig(LayerConfig):
-    """diffusers' SmoothedEnergyGuidanceConfig: the queries of the self-attention layers under `{fqn}.{i}` are
-    smoothed. A UNet's query projection is `to_q`, diffusers' default (None)."""
-
-    indices: tuple
-    fqn: str = "auto"
-    _query_proj_identifiers: Any = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self._query_proj_identifiers is not None:
-            if "to_q" not in self._query_proj_identifiers:
-                raise ValueError(f"_query_proj_identifiers={self._query_proj_identifiers!r:.60} names no query "
-                                 "projection of a UNet: leave it None (to_q)")
-            object.__setattr__(self, "_query_proj_identifiers", tuple(self._query_proj_identifiers))
-
-    def kinds(self) -> tuple:
-        return ("blur",)
-
-
-def configs(kind, layers, given, arguments):
-    """The guider's `*_config` argument (one config, a dict, diffusers' own config, or a list of them) as a tuple
-    of `kind`; `layers` (diffusers' `*_layers`, which use fqn="auto") refused."""
-    layers_argument, config_argument = arguments
-    example = f"{config_argument}={kind.__name__}(indices=[0], fqn='{EXAMPLE_STACK}')"
-    if layers is not None:
-        raise ValueError(f"{layers_argument}={layers!r:.40}: diffusers looks these indices up in a DiT's list of "
-                         f"transformer blocks (fqn='auto'), which a UNet has not (diffusers raises); name the list: "
-                         f"{example}")
-    if given is None:
-        raise ValueError(f"{config_argument}: give {example} (or a list of such configs)")
-    items = given if isinstance(given, (list, tuple)) else [given]
-    items = [item.to_dict() if hasattr(item, "to_dict") and not isinstance(item, kind) else item for item in items]
-    items = tuple(item if isinstance(item, kind) else kind.from_dict(item) for item in items)
-    for item in items:
-        if item.fqn == "auto":
-            raise ValueError(f"{config_argument}: fqn='auto' finds transformer blocks in DiT models only (diffusers "
-                             f"raises on a UNet); name the list of modules, e.g. {example}")
-        if isinstance(item, LayerSkipConfig) and item.dropout != 1.0:
-            raise ValueError(f"{config_argument}: dropout={item.dropout} drops outputs at random in diffusers (torch's "
-                             "F.dropout in training mode), which sdflax does not reproduce: use dropout=1.0 (skip)")
-        if isinstance(item, LayerSkipConfig) and item.skip_attention and item.skip_attention_scores:
-            raise ValueError(f"{config_argument}: skip_attention and skip_attention_scores are both True: choose one")
-    return items
-
-
-def replace_chunk(x, chunks, index, new):
-    """A (chunks * B, ...) array with chunk `index`'s rows replaced by `new` (B, ...). The layers run on every
-    row, so that other hooks see the chunks they expect."""
-    parts = jnp.split(x, chunks)
-    parts[index] = new.astype(x.dtype)
-    return jnp.concatenate(parts)
-
-
-def in_unet(module) -> bool:
-    """Whether `module` belongs to the UNet (not to a ControlNet, whose layers have the same names)."""
-    while isinstance(module.parent, nn.Module):
-        module = module.parent
-    return isinstance(module, UNet2DConditionModel)
+    layers: str
+    config: str
+    scale: str = ""
+    start: str = ""
+    stop: str = ""
 
 
 class PerturbsLayers(Guider):
-    """What the guiders here share: their configs, the perturbations, and diffusers' SLG `forward`. A subclass
-    declares diffusers' arguments and names them: `{argument}_layers`, `_scale`, `_start`, `_stop` and
-    `config_field`."""
+    """What the guiders here share: their configs, which layers they perturb, and diffusers' SLG `forward`. A
+    subclass declares diffusers' arguments and names them in `arguments`."""
 
-    argument = config_field = ""
+    arguments = Arguments("", "")
     config_class = LayerSkipConfig
     forced = {}  # flags the guider sets in every config, as diffusers does
     perturbed_chunk = -1  # the chunk the perturbations apply to: the conditional copy at the end
+    query_blur = None  # SEG's (σ, threshold) of the smoothed queries
 
     def __post_init__(self):
-        given = configs(self.config_class, getattr(self, f"{self.argument}_layers"), getattr(self, self.config_field),
-                        (f"{self.argument}_layers", self.config_field))
-        object.__setattr__(self, self.config_field, tuple(dataclasses.replace(c, **self.forced) for c in given))
+        names = self.arguments
+        given = layer_configs(self.config_class, getattr(self, names.layers), getattr(self, names.config), names.layers,
+                              names.config)
+        object.__setattr__(self, names.config, tuple(dataclasses.replace(c, **self.forced) for c in given))
         if self.extra_predictions:
-            check_interval(type(self).__name__, getattr(self, f"{self.argument}_start"),
-                           getattr(self, f"{self.argument}_stop"), prefix=f"{self.argument}_")
+            check_interval(type(self).__name__, getattr(self, names.start), getattr(self, names.stop),
+                           names=(names.start, names.stop))
         super().__post_init__()
 
     def guide(self, pred_cond, pred_uncond, *perturbed, step, num_steps):
@@ -167,8 +69,8 @@ class PerturbsLayers(Guider):
         guided = cfg(pred_cond, pred_uncond, self.guidance_scale, original)
         if not perturbed:
             return rescale(jnp.where(cfg_on, guided, pred_cond), pred_cond, self.guidance_rescale)
-        scale = getattr(self, f"{self.argument}_scale")
-        start, stop = getattr(self, f"{self.argument}_start"), getattr(self, f"{self.argument}_stop")
+        names = self.arguments
+        scale, start, stop = getattr(self, names.scale), getattr(self, names.start), getattr(self, names.stop)
         perturbed_on = (int(start * num_steps) < step) & (step < int(stop * num_steps)) & (jnp.asarray(scale) != 0)
         shift = scale * (pred_cond - perturbed[0])
         alone = (pred_cond if original else perturbed[0]) + shift
@@ -180,24 +82,14 @@ class PerturbsLayers(Guider):
     def num_chunks(self) -> int:
         return 2 + len(self.extra_predictions)
 
-    def layers(self) -> tuple:
-        """(module name, kinds) for each entry the configs name."""
-        return tuple((f"{config.fqn}.{i}", config.kinds()) for config in getattr(self, self.config_field)
-                     for i in config.indices)
-
-    def perturbs(self, kind, name) -> bool:
-        return self.enabled and any(kind in kinds and (name == prefix or name.startswith(prefix + "."))
-                                    for prefix, kinds in self.layers())
+    @property
+    def perturbation(self) -> PerturbedLayers:
+        """The layers this guider's configs name, perturbed on its chunk of the UNet's batch."""
+        return PerturbedLayers(getattr(self, self.arguments.config), self.arguments.config, self.num_chunks,
+                               self.perturbed_chunk, self.query_blur)
 
     def check_layers(self, sites):
-        stacks = {name.rsplit(".", 2)[0] for name in sites if name.endswith("attn1")}
-        for prefix, kinds in self.layers():
-            if not any(name.startswith(prefix + ".") for name in sites):
-                raise LayerError(f"{self.config_field}: {prefix!r:.80} is no module of this UNet with attention "
-                                 f"layers in it: give fqn and indices of a list such as {layer_list(stacks)}")
-            if "block" in kinds and prefix + ".attn1" not in sites:
-                raise LayerError(f"{self.config_field}: {prefix!r:.80} is no transformer block, which skipping both "
-                                 f"attention and feed-forward skips: give fqn of a list such as {layer_list(stacks)}")
+        self.perturbation.check_layers(sites)
 
     def condition(self, cond, settings):
         if not (self.enabled and self.extra_predictions):
@@ -205,98 +97,56 @@ class PerturbsLayers(Guider):
         return pag.with_perturbed_copy(cond, settings)
 
     def attend(self, site, attend, q, k, v):
-        if not site.self_attention:
-            return attend(q, k, v)
-        chunks, index = site.chunks, self.perturbed_chunk
-        if self.perturbs("blur", site.name):
-            own = jnp.split(q, chunks)[index]
-            q = replace_chunk(q, chunks, index, smoothed_queries(own, self.seg_blur_sigma, self.seg_blur_threshold_inf))
-        out = attend(q, k, v)
-        if self.perturbs("scores", site.name):  # identity scores: each token gives its own value
-            out = replace_chunk(out, chunks, index, jnp.split(v, chunks)[index])
-        return out
+        return self.perturbation.attend(site, attend, q, k, v) if self.enabled else attend(q, k, v)
 
     def wrap_unet(self, unet_fn):
-        skips = {kind for _, kinds in self.layers() for kind in kinds} & {"attention", "ff", "block"}
-        if not (self.enabled and skips):
-            return unet_fn
-
-        def perturbed(*args, **kwargs):
-            with nn.intercept_methods(functools.partial(self.skip_layers, {})):
-                return unet_fn(*args, **kwargs)
-
-        return perturbed
-
-    def skip_layers(self, ff_inputs, next_fun, args, kwargs, context):
-        """The interceptor of the UNet's modules that skips them on the perturbed chunk: a transformer block or a
-        self-attention layer gives its input, a feed-forward its input (kept from ff_net_0_proj for ff_net_2)."""
-        module, chunks, index = context.module, self.num_chunks, self.perturbed_chunk
-        if context.method_name != "__call__" or not in_unet(module):
-            return next_fun(*args, **kwargs)
-        name = checkpoint_name(module.path)
-        if (isinstance(module, BasicTransformerBlock) and self.perturbs("block", name)
-                or isinstance(module, Attention) and name.endswith("attn1") and self.perturbs("attention", name)):
-            return replace_chunk(next_fun(*args, **kwargs), chunks, index, jnp.split(args[0], chunks)[index])
-        block = checkpoint_name(module.path[:-1])
-        if module.name in ("ff_net_0_proj", "ff_net_2") and self.perturbs("ff", block):
-            if module.name == "ff_net_0_proj":
-                ff_inputs[block] = args[0]
-                return next_fun(*args, **kwargs)
-            return replace_chunk(next_fun(*args, **kwargs), chunks, index,
-                                 jnp.split(ff_inputs.pop(block), chunks)[index])
-        return next_fun(*args, **kwargs)
+        return self.perturbation.wrap_unet(unet_fn) if self.enabled else unet_fn
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class PerturbedAttentionGuidance(PerturbsLayers):
     """PAG: the perturbed copy's self-attention scores in the chosen layers replaced by the identity (each token
     gives its own value); ε̂ = CFG + s (ε(c) − ε_perturbed(c))."""
 
-    guidance_scale: Any = 7.5
+    guidance_scale: Any = positional(7.5)
     perturbed_guidance_scale: Any = 2.8
     perturbed_guidance_start: float = static(0.01)
     perturbed_guidance_stop: float = static(0.2)
     perturbed_guidance_layers: Any = static(None)
     perturbed_guidance_config: Any = static(None)
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
     extra_predictions = ("pred_cond_skip",)
-    argument, config_field = "perturbed_guidance", "perturbed_guidance_config"
+    arguments = Arguments(layers="perturbed_guidance_layers", config="perturbed_guidance_config",
+                          scale="perturbed_guidance_scale", start="perturbed_guidance_start",
+                          stop="perturbed_guidance_stop")
     forced = dict(skip_attention=False, skip_attention_scores=True, skip_ff=False)  # diffusers' (with a warning)
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class SkipLayerGuidance(PerturbsLayers):
     """SLG: the perturbed copy skips the chosen layers (LayerSkipConfig: whole transformer blocks by default);
     ε̂ = CFG + s (ε(c) − ε_skip(c))."""
 
-    guidance_scale: Any = 7.5
+    guidance_scale: Any = positional(7.5)
     skip_layer_guidance_scale: Any = 2.8
     skip_layer_guidance_start: float = static(0.01)
     skip_layer_guidance_stop: float = static(0.2)
     skip_layer_guidance_layers: Any = static(None)
     skip_layer_config: Any = static(None)
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
     extra_predictions = ("pred_cond_skip",)
-    argument, config_field = "skip_layer_guidance", "skip_layer_config"
+    arguments = Arguments(layers="skip_layer_guidance_layers", config="skip_layer_config",
+                          scale="skip_layer_guidance_scale", start="skip_layer_guidance_start",
+                          stop="skip_layer_guidance_stop")
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class SmoothedEnergyGuidance(PerturbsLayers):
     """SEG: the perturbed copy's self-attention queries in the chosen layers blurred (`smoothed_queries`: a
     Gaussian of `seg_blur_sigma` tokens, their mean above `seg_blur_threshold_inf`);
     ε̂ = CFG + s (ε(c) − ε_seg(c))."""
 
-    guidance_scale: Any = 7.5
+    guidance_scale: Any = positional(7.5)
     seg_guidance_scale: Any = 2.8
     seg_blur_sigma: Any = 9999999.0
     seg_blur_threshold_inf: Any = 9999.0
@@ -304,64 +154,26 @@ class SmoothedEnergyGuidance(PerturbsLayers):
     seg_guidance_stop: float = static(1.0)
     seg_guidance_layers: Any = static(None)
     seg_guidance_config: Any = static(None)
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
     extra_predictions = ("pred_cond_seg",)
-    argument, config_field = "seg_guidance", "seg_guidance_config"
+    arguments = Arguments(layers="seg_guidance_layers", config="seg_guidance_config", scale="seg_guidance_scale",
+                          start="seg_guidance_start", stop="seg_guidance_stop")
     config_class = SmoothedEnergyGuidanceConfig
 
+    @property
+    def query_blur(self):
+        return self.seg_blur_sigma, self.seg_blur_threshold_inf
 
-@flax.struct.dataclass
+
+@flax.struct.dataclass(kw_only=True)
 class AutoGuidance(PerturbsLayers):
     """AutoGuidance as diffusers runs it: the unconditional prediction made by the UNet with the chosen layers
     skipped (the worse model), then CFG: ε̂ = ε_skip(∅) + s (ε(c) − ε_skip(∅))."""
 
-    guidance_scale: Any = 7.5
+    guidance_scale: Any = positional(7.5)
     auto_guidance_layers: Any = static(None)
     auto_guidance_config: Any = static(None)
     dropout: Any = static(None)  # diffusers': the dropout of the configs it makes from auto_guidance_layers
-    guidance_rescale: Any = 0.0
-    use_original_formulation: bool = static(False)
-    start: float = static(0.0)
-    stop: float = static(1.0)
-    enabled: bool = static(True)
 
-    argument, config_field = "auto_guidance", "auto_guidance_config"
+    arguments = Arguments(layers="auto_guidance_layers", config="auto_guidance_config")
     perturbed_chunk = 0  # the unconditional chunk
-
-
-@functools.lru_cache(maxsize=None)
-def reflect_taps(size: int):
-    """(offsets, taps): diffusers' widest kernel on an axis of `size` (size + 1 - size % 2 wide, odd) and taps[o, i, j]
-    = 1 where entry i's tap at offset o reads entry j of the axis reflect-padded (F.pad's "reflect")."""
-    half = (size - (size % 2 - 1)) // 2
-    offsets = np.arange(-half, half + 1)
-    read = np.arange(size)[None, :] + offsets[:, None]
-    read = np.where(read < 0, -read, np.where(read > size - 1, 2 * (size - 1) - read, read))
-    taps = np.zeros((len(offsets), size, size), np.float32)
-    taps[np.arange(len(offsets))[:, None], np.arange(size)[None, :], read] = 1.0
-    return offsets.astype(np.float32), taps
-
-
-def smoothed_queries(q, sigma, threshold):
-    """SEG's smoothing of (B, T, heads, d) queries as diffusers' `_gaussian_blur_2d` computes it, its branches as
-    documented: the first s² tokens (s = ⌊√T⌋) as an s × s image, each channel blurred by a Gaussian of `sigma`
-    (kernel ⌈6σ⌉ + 1 rounded to odd, at most s + 1 - s % 2; reflect padding), or replaced by its mean where
-    sigma > threshold. `sigma` and `threshold` are traced."""
-    b, t, heads, d = q.shape
-    s = int(math.sqrt(t))
-    image = q[:, :s * s].reshape(b, s, s, heads, d).astype(jnp.float32)
-    offsets, taps = reflect_taps(s)
-    sigma = jnp.asarray(sigma, jnp.float32)
-    width = jnp.ceil(6 * sigma)
-    width = jnp.minimum(width + 1 - width % 2, len(offsets))
-    weights = jnp.where(jnp.abs(offsets) <= (width - 1) / 2, jnp.exp(-0.5 * jnp.square(offsets / sigma)), 0.0)
-    blur = jnp.einsum("o,oij->ij", weights / weights.sum(), taps)
-    blurred = jnp.einsum("ij,bjk...,lk->bil...", blur, image, blur)
-    mean = jnp.broadcast_to(image.mean((1, 2), keepdims=True), image.shape)
-    smoothed = jnp.where(sigma > threshold, mean, blurred).astype(q.dtype)
-    return jnp.concatenate([smoothed.reshape(b, s * s, heads, d), q[:, s * s:]], axis=1)

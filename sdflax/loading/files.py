@@ -411,7 +411,6 @@ def read_torch_object(path):
     except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, struct.error, RuntimeError, NotImplementedError,
             pickle.UnpicklingError, IndexError, KeyError, TypeError, OverflowError, OSError) as e:
         raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
-    return obj
 
 
 def _read_torch_zip(name: str):

@@ -97,10 +97,6 @@ class ScheduleConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"{field}={value!r} is not supported by {type(self).__name__}; allowed: {allowed}")
-        if getattr(self, "align_your_steps", None) not in AYS_FAMILIES:
-            raise ValueError(f"align_your_steps={self.align_your_steps!r}; allowed: {AYS_FAMILIES}")
-        if len(flags := [f for f in SIGMA_FLAGS if getattr(self, f, False)]) > 1:
-            raise ValueError(f"{' and '.join(flags)} are both set: choose one σ schedule ({type(self).__name__})")
 
 
 def alphas_cumprod(config: ScheduleConfig, rescale_zero_snr: bool = False,

@@ -18,20 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
+from .sigma_config import SigmaScheduleConfig
 
 HISTORY = 2  # ε̂ of the 2 previous evaluations (third order)
 
 
 @dataclasses.dataclass(frozen=True)
-class DEISConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"
+class DEISConfig(SigmaScheduleConfig):
     solver_order: int = 2
     lower_order_final: bool = True
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
 
     choices = {"solver_order": (1, 2, 3)}
     unsupported = {

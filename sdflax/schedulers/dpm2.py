@@ -12,20 +12,13 @@ import numpy as np
 
 from . import common
 from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
+from .sigma_config import SigmaRangeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DPM2Config(common.ScheduleConfig):
+class DPM2Config(SigmaRangeConfig):
     beta_start: float = 0.00085  # diffusers' KDPM2(Ancestral)DiscreteScheduler defaults
     beta_end: float = 0.012
-    timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
-    sigma_min: float | None = None  # their end points where a config carries them (heun.HeunConfig says why)
-    sigma_max: float | None = None
 
     allowed_prediction_types = ("epsilon", "v_prediction")  # diffusers raises for "sample"
 

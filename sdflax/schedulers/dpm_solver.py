@@ -13,21 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
+from .sigma_config import FINAL_SIGMAS_TYPES, SigmaScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"
+class DPMSolverConfig(SigmaScheduleConfig):
     solver_order: int = 2
     algorithm_type: str = "dpmsolver++"
     solver_type: str = "midpoint"
     lower_order_final: bool = True
     euler_at_final: bool = False
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
 
@@ -35,7 +30,7 @@ class DPMSolverConfig(common.ScheduleConfig):
         "solver_order": (1, 2),
         "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
         "solver_type": ("midpoint", "heun"),
-        "final_sigmas_type": ("zero", "sigma_min"),
+        "final_sigmas_type": FINAL_SIGMAS_TYPES,
     }
     unsupported = {
         "use_lu_lambdas": (False, None),

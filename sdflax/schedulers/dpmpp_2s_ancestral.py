@@ -17,18 +17,12 @@ import numpy as np
 
 from . import common
 from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
+from .sigma_config import SigmaRangeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMpp2SAncestralConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"  # the other fields default as Euler ancestral's
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES), as Euler's
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
-    sigma_min: float | None = None  # their end points, as Euler's; default: the spaced schedule's
-    sigma_max: float | None = None
+class DPMpp2SAncestralConfig(SigmaRangeConfig):
+    """Euler ancestral's defaults, and Euler's σ schedules and their end points."""
 
 
 @flax.struct.dataclass

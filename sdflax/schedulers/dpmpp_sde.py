@@ -16,22 +16,16 @@ import numpy as np
 
 from . import common, sigma_schedules
 from .heun import TwoStageSampler, first_evaluation, interleave, require_shape, second_stages
+from .sigma_config import SigmaRangeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverSDEConfig(common.ScheduleConfig):
+class DPMSolverSDEConfig(SigmaRangeConfig):
+    """Its Karras σ always span the spaced schedule's: `sigma_min` / `sigma_max` place the exponential and beta σ
+    alone."""
+
     beta_start: float = 0.00085  # diffusers' DPMSolverSDEScheduler defaults
     beta_end: float = 0.012
-    timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
-    # The exponential and beta σ's end points where a config carries them (heun.HeunConfig says why); this class's
-    # Karras σ always span the spaced schedule's.
-    sigma_min: float | None = None
-    sigma_max: float | None = None
     # diffusers' `noise_sampler_seed` seeds its torch Brownian tree; here the noise comes from the step's key.
 
     allowed_prediction_types = ("epsilon", "v_prediction")  # diffusers raises for "sample"

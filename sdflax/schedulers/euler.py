@@ -10,22 +10,15 @@ import flax
 import jax.numpy as jnp
 
 from . import common
+from .sigma_config import FINAL_SIGMAS_TYPES, SigmaRangeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class EulerConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
-    sigma_min: float | None = None  # their end points; default: the spaced schedule's
-    sigma_max: float | None = None
+class EulerConfig(SigmaRangeConfig):
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
 
-    choices = {"final_sigmas_type": ("zero", "sigma_min")}
+    choices = {"final_sigmas_type": FINAL_SIGMAS_TYPES}
     unsupported = {
         "interpolation_type": ("linear",),
         "timestep_type": ("discrete",),

@@ -11,18 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
+from .sigma_config import SigmaScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class EulerAncestralConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"
+class EulerAncestralConfig(SigmaScheduleConfig):
+    """diffusers' EulerAncestralDiscreteScheduler fields, and the σ schedules its class has not but A1111's and
+    ComfyUI's "Euler a" has: Euler's, placed as Euler places them."""
+
     rescale_betas_zero_snr: bool = False
-    # diffusers' class has no σ schedules; A1111's and ComfyUI's "Euler a" does: Euler's, placed as Euler places them
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
     allowed_prediction_types = ("epsilon", "v_prediction")
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..models.config import ConfigError, config_from_dict, config_source
 from . import common, sigma_schedules
+from .sigma_config import check_one_schedule
 
 TIME_SHIFT_TYPES = ("exponential", "linear")
 
@@ -65,8 +66,7 @@ class FlowMatchEulerConfig:
     def __post_init__(self):
         if self.time_shift_type not in TIME_SHIFT_TYPES:
             raise ValueError(f"time_shift_type={self.time_shift_type!r}; allowed: {TIME_SHIFT_TYPES}")
-        if len(flags := [f for f in common.SIGMA_FLAGS if getattr(self, f, False)]) > 1:
-            raise ValueError(f"{' and '.join(flags)} are both set: choose one σ schedule ({type(self).__name__})")
+        check_one_schedule(self)
         if not self.shift > 0:
             raise ValueError(f"shift={self.shift!r} must be positive (1: no shift; SD3 uses 3)")
         if self.shift_terminal is not None and not 0 <= self.shift_terminal < 1:

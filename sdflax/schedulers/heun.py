@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
+from .sigma_config import SigmaRangeConfig
 
 
 def interleave(first, second) -> np.ndarray:
@@ -56,20 +57,9 @@ class TwoStageSampler(common.SigmaSampler):
 
 
 @dataclasses.dataclass(frozen=True)
-class HeunConfig(common.ScheduleConfig):
+class HeunConfig(SigmaRangeConfig):
     beta_start: float = 0.00085  # diffusers' HeunDiscreteScheduler defaults
     beta_end: float = 0.012
-    timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
-    # The Karras / exponential / beta σ span the spaced schedule's end points, or these where a config carries them:
-    # diffusers' class has no such arguments but reads `config.sigma_min` / `sigma_max` when present, and
-    # `from_config` keeps them from a compatible class's config (Euler's) as hidden entries.
-    sigma_min: float | None = None
-    sigma_max: float | None = None
     clip_sample: bool = False
     clip_sample_range: float = 1.0
 

@@ -11,18 +11,14 @@ import numpy as np
 from numpy.polynomial import Polynomial
 
 from . import common
+from .sigma_config import SigmaScheduleConfig
 
 ORDER = 4  # diffusers' default `order` of LMSDiscreteScheduler.step
 
 
 @dataclasses.dataclass(frozen=True)
-class LMSConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
+class LMSConfig(SigmaScheduleConfig):
+    """diffusers' LMSDiscreteScheduler fields: the σ schedule's alone."""
 
 
 @flax.struct.dataclass

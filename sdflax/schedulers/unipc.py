@@ -19,27 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import common
+from .sigma_config import FINAL_SIGMAS_TYPES, SigmaRangeConfig
 
 HISTORY = 3  # x̂_0 of the 3 previous evaluations: UniC-3 needs m_{i-1}, m_{i-2}, m_{i-3}
 
 
 @dataclasses.dataclass(frozen=True)
-class UniPCConfig(common.ScheduleConfig):
-    timestep_spacing: str = "linspace"
+class UniPCConfig(SigmaRangeConfig):
     solver_order: int = 2
     solver_type: str = "bh2"
     lower_order_final: bool = True
-    use_karras_sigmas: bool = False  # at most one of these five (common.SIGMA_SCHEDULES)
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's "KL Optimal"); diffusers has no such flag
-    align_your_steps: str | None = None  # sdflax's Align Your Steps: common.AYS_FAMILIES
-    sigma_min: float | None = None  # their end points; default: the training schedule's
-    sigma_max: float | None = None
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
 
-    choices = {"solver_order": (1, 2, 3), "solver_type": ("bh1", "bh2"), "final_sigmas_type": ("zero", "sigma_min")}
+    choices = {"solver_order": (1, 2, 3), "solver_type": ("bh1", "bh2"), "final_sigmas_type": FINAL_SIGMAS_TYPES}
     unsupported = {
         "predict_x0": (True,),
         "disable_corrector": ([], ()),
