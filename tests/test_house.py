@@ -167,3 +167,10 @@ def test_no_function_of_the_pipeline_layer_takes_the_pipeline_object():
                     found.append(f"{path.name}: {node.name}")
     assert found == []
 
+
+
+def test_pipeline_class_is_at_most_200_lines():
+    """`Pipeline` holds the entry points, the spec and its views; loading, checks and preprocessing are elsewhere."""
+    tree = ast.parse((PACKAGE / "pipeline" / "core.py").read_text())
+    pipeline = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Pipeline")
+    assert pipeline.end_lineno - pipeline.lineno + 1 <= 200

@@ -55,6 +55,33 @@ class IPAdapterWeights(NamedTuple):
     wants_hidden_states: bool  # the image encoder's penultimate hidden states, not its image embedding
 
 
+def read_ip_adapters(source, subfolder, weight_name, image_encoder_folder, revision, dtype):
+    """The adapters of diffusers' `load_ip_adapter` arguments, found as it finds them: ([(file name,
+    IPAdapterWeights)], the CLIP image encoder, its params), the encoder (None, None) without `image_encoder_folder`."""
+    from ..models import CLIPVisionModelWithProjection
+    from .hub import resolve_folder
+
+    names = list(weight_name) if isinstance(weight_name, (list, tuple)) else [weight_name]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("load_ip_adapter needs weight_name=, the adapter's file (e.g. 'ip-adapter_sd15.safetensors'), "
+                         "or a list of them")
+    subfolder = subfolder or ""
+    # diffusers' rule: a bare name is a folder under `subfolder`, a path (with "/") one of the repository's own
+    encoder = None if image_encoder_folder is None else str(image_encoder_folder) if "/" in str(
+        image_encoder_folder) else f"{subfolder}/{image_encoder_folder}".strip("/")
+    patterns = [f"{subfolder}/{n}".lstrip("/") for n in names]
+    weights = [f"{encoder}/config.json", f"{encoder}/*.safetensors"] if encoder else []
+    folder = resolve_folder(source, revision, allow_patterns=patterns + weights)  # h94 has .bin twins: not those
+    encoder_folder = os.path.join(folder, encoder) if encoder else None
+    if encoder and not any(n.endswith(".safetensors") for n in
+                           (os.listdir(encoder_folder) if os.path.isdir(encoder_folder) else ())):
+        folder = resolve_folder(source, revision, allow_patterns=patterns + weights + [f"{encoder}/*.bin"])
+    adapters = [(name, read_ip_adapter(os.path.join(folder, subfolder, name))) for name in names]
+    if encoder is None:
+        return adapters, None, None
+    return (adapters, *CLIPVisionModelWithProjection.from_pretrained(folder, subfolder=encoder, dtype=dtype))
+
+
 def read_ip_adapter(path, dtype=jnp.float32, kernels: Kernels | None = None) -> IPAdapterWeights:
     """The IP-Adapter in an h94 file (.safetensors or .bin), its params and kernels in `dtype`."""
     name = os.fspath(path)

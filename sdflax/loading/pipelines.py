@@ -1,12 +1,84 @@
 """A pipeline's checkpoint -> (its constructor's components, params, the scheduler config a scheduler name is built
 from): one way in for a diffusers folder or hub id (`load_folder`) and for a single file (`load_file`), whatever
-the family; the family's text piece says which models and tokenizers it has."""
+the family; the family's text piece says which models and tokenizers it has. `PipelineLoaders` gives every pipeline
+its loading calls, as diffusers' loader mixins do."""
 
 from __future__ import annotations
 
+import copy
 import os
 
+import jax.numpy as jnp
+
 from ..models.config import read_config_file
+
+
+class PipelineLoaders:
+    """The loading calls of `sdflax.pipeline.core.Pipeline`: checkpoints -> (pipeline, params), and LoRAs and
+    embeddings into params. Pure: a pipeline and its params are never changed in place."""
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
+                        scheduler_config=None, variant=None, attention="auto", **components):
+        """(pipeline, params) from a diffusers checkpoint folder or hub id; `scheduler="ddim"` swaps the kind,
+        `scheduler_config={...}` single values; other components are passed on (`controlnet=`)."""
+        parts, params, base = load_folder(cls.text, path_or_repo_id, revision, dtype, scheduler, scheduler_config,
+                                          variant, attention, components)
+        return cls.made_from(parts, components, base), params
+
+    @classmethod
+    def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
+                         scheduler_config=None, attention="auto", revision=None, **components):
+        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout (SD 3.x:
+        Stability's); configs from `config` or bundled defaults (docs/checkpoints.md); other components are passed
+        on (`text_encoder_3=None`: SD 3 without T5)."""
+        parts, params, base = load_file(cls.family, cls.__name__, path, config, dtype, prediction_type, scheduler,
+                                        scheduler_config, attention, revision, components)
+        return cls.made_from(parts, components, base), params
+
+    @classmethod
+    def made_from(cls, parts, components, scheduler_base_config):
+        pipeline = cls(**{**parts, **components})
+        pipeline.scheduler_base_config = scheduler_base_config
+        return pipeline
+
+    def load_lora(self, params, path, scale=1.0):
+        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
+        LoRAs stack by calling it again (`sdflax.loading.lora.merge_lora` merges under jit with a traced `scale`)."""
+        from .lora import load_lora
+
+        self.unet_only("LoRAs")
+        return load_lora(params, path, scale, self.unet.config)
+
+    def load_textual_inversion(self, params, path, token=None):
+        """(pipeline, params) with a textual-inversion embedding added (A1111 .pt/.safetensors, diffusers
+        learned_embeds; SDXL's clip_l + clip_g): a new pipeline whose tokenizer(s) know the token. Pure."""
+        from .embeddings import load_textual_inversion
+
+        self.unet_only("textual-inversion embeddings")
+        parts, params = load_textual_inversion(self.components(), params, path, token)
+        return self.replace(**parts), params
+
+    def load_ip_adapter(self, params, pretrained_model_name_or_path, subfolder="models", weight_name=None,
+                        image_encoder_folder="image_encoder", revision=None):
+        """(pipeline, params) with IP-Adapters (h94's files, as diffusers' `load_ip_adapter`: a hub id or folder,
+        its `subfolder` and `weight_name`, a list of names for several adapters) and their CLIP image encoder
+        (`image_encoder_folder`: a name under `subfolder`, or with a "/" a folder of the repository's own, as
+        diffusers; None: only `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
+        from .ip_adapter import read_ip_adapters
+
+        self.unet_only("IP-Adapters")
+        files = read_ip_adapters(pretrained_model_name_or_path, subfolder, weight_name, image_encoder_folder,
+                                 revision, self.dtype)
+        piece, added = self.ip_adapter_piece(self.unet, self.dtype, *files)
+        view = copy.copy(self)
+        view.ip_adapter, view._spec = piece, None
+        return view, {**params, **added}
+
+    def unet_only(self, what):
+        if self.denoiser.component != "unet":
+            raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
+                             "are not supported yet")
 
 
 def load_folder(text, path_or_repo_id, revision, dtype, scheduler, scheduler_config, variant, attention, given):

@@ -17,16 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..guiders import Guider
+from ..loading.pipelines import PipelineLoaders
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
+from .clip_image import clip_image_inputs
 from .controlnet import ControlNet
 from .generate import generate, generate_fn
-from .images import numpy_to_pil, preprocess_pictures
+from .images import numpy_to_pil, preprocess_ip_adapter_masks, preprocess_pictures
+from .ip_adapter import load_ip_adapter
 from .runner import Runner
 from .starts import FromNoise, is_inpainting_unet
 from .t2i_adapter import T2IAdapters
-from .text import SDText
+from .text import SDText, prompt_length
 from .types import Inputs, Settings, Spec
 from .vae import VAE
 
@@ -43,9 +46,9 @@ class StableDiffusionOutput:
         return (self.images,)[index]
 
 
-class Pipeline:
-    """What every pipeline shares. A row of the table sets the class attributes: the family's text conditioning
-    (`text`), the start kind (`start`), the UNet wrappers (`wrappers`), and `signature`, `__call__`'s."""
+class Pipeline(PipelineLoaders):
+    """What every pipeline shares; its loading calls are `sdflax.loading.pipelines.PipelineLoaders`'. A row of the
+    table sets the class attributes: the family's text piece, the start, the UNet wrappers, `__call__`'s signature."""
 
     text = SDText
     start = FromNoise
@@ -54,53 +57,31 @@ class Pipeline:
     renamed = {}  # argument names that differ from the Inputs field they fill
     hooks = ()  # sdflax.hooks in every call (`with_hooks`)
     ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
+    ip_adapter_piece = staticmethod(load_ip_adapter)  # what `load_ip_adapter` makes the piece with
     conditionings = ()  # a user's conditionings (`with_conditioning`), the last outermost
+    # what a scheduler name is built from (`scheduler`): the checkpoint's scheduler_config.json with the loader's
+    # overrides, as from_pretrained builds a name; None (a pipeline made here): the current scheduler's config
+    scheduler_base_config = None
 
     def __init__(self, **components):
-        """The family's components by name, as `from_pretrained` loads them (`components()` gives them back): its
-        models and tokenizers (`text.models`, `text.tokenizers`), `scheduler`, `dtype`, the options its
-        model_index.json may hold (`text.index_options`) and, on a UNet, `controlnet=` and `adapter=` (a
-        ControlNetModel or T2IAdapter, or a list of them; their params go in params["controlnet"] and
-        params["adapter"], a list for a list)."""
-        names = self.component_names()
-        if unknown := sorted(set(components) - set(names)):
-            nets = " (ControlNets and T2I-Adapters are for UNets)" if {"controlnet", "adapter"} & set(unknown) else ""
-            raise TypeError(f"{type(self).__name__} takes no {', '.join(unknown)}{nets}; its components: "
-                            f"{', '.join(names)}")
-        given = {**dict.fromkeys(names), "dtype": jnp.float32, **components}
+        """The family's components by name, as `from_pretrained` loads them (`component_names()`); on a UNet,
+        `controlnet=` and `adapter=` are a ControlNetModel or T2IAdapter, or a list of them (their params go in
+        params["controlnet"] and params["adapter"], a list for a list)."""
+        given = given_components(type(self), components)
         for name in (*self.text.models, *self.text.tokenizers):
             setattr(self, name, given[name])
-        denoiser = self.text.denoiser.component
-        for name in (denoiser, "vae", "scheduler"):
-            if given[name] is None:
-                raise ValueError(f"{type(self).__name__} needs {name}= (from_pretrained loads every component)")
-        self.denoiser = self.text.denoiser(given[denoiser])
-        self.controlnets, self.adapters = (() if given.get(name) is None else tuple(given[name])
-                                           if isinstance(given[name], (list, tuple)) else (given[name],)
-                                           for name in ("controlnet", "adapter"))
-        if ControlNet in self.wrappers and not self.controlnets:
-            raise ValueError(f"{type(self).__name__} needs controlnet=: a ControlNetModel (or a list of them) from "
-                             "ControlNetModel.from_pretrained")
-        if T2IAdapters in self.wrappers and not self.adapters:
-            raise ValueError(f"{type(self).__name__} needs adapter=: a T2IAdapter (or a list of them) from "
-                             "sdflax.T2IAdapter.from_pretrained")
+        self.denoiser = self.text.denoiser(given[self.text.denoiser.component])
+        self.controlnets, self.adapters = (given[name] for name in ("controlnet", "adapter"))
         self.dtype = given["dtype"]
-        self._scheduler = self._own(given["scheduler"])
+        self._scheduler = fitting_scheduler(given["scheduler"], type(self).__name__, self.denoiser.flow,
+                                            self.text.ays_family)
         self._force_zeros = bool(given.get("force_zeros_for_empty_prompt", True))
-        # SDXL refiner: an aesthetic score time id
-        self.requires_aesthetics_score = bool(given.get("requires_aesthetics_score", False))
+        self.requires_aesthetics_score = bool(given.get("requires_aesthetics_score", False))  # an SDXL refiner's
         self.text.check_components(SimpleNamespace(**self.components()))
         self.vae_scale_factor = self.vae.config.scale_factor
-        # Tokenizers saved without model_max_length report a huge one; the text encoder knows its length (an SDXL
-        # refiner has the second encoder alone).
-        tokenizer, text_encoder = next((getattr(self, t), getattr(self, e)) for t, e in (
-            ("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")) if getattr(self, e, None) is not None)
-        self.max_length = min(tokenizer.model_max_length, text_encoder.config.max_position_embeddings)
+        self.max_length = prompt_length(self.components())
         self.empty_prompt_ids = self.text.prepare_ids(self.parts(), [""])
         self._runners = {}  # spec -> its programs, shared with the hooked views (`with_hooks`)
-        # what a scheduler name is built from (`scheduler`): the checkpoint's scheduler_config.json with the loader's
-        # overrides, as from_pretrained builds a name; None (a pipeline made here): the current scheduler's config
-        self.scheduler_base_config = None
         self._spec = None
 
     @classmethod
@@ -108,92 +89,6 @@ class Pipeline:
         """What the constructor takes: this family's components, its options, and a UNet's conditioning nets."""
         nets = ("controlnet", "adapter") if cls.text.denoiser.component == "unet" else ()
         return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets)
-
-    # ---- loading ------------------------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path_or_repo_id, revision=None, dtype=jnp.float32, scheduler=None,
-                        scheduler_config=None, variant=None, attention="auto", **components):
-        """(pipeline, params) from a diffusers checkpoint folder or hub id; `scheduler="ddim"` swaps the kind,
-        `scheduler_config={...}` single values; other components are passed on (`controlnet=`)."""
-        from ..loading.pipelines import load_folder
-
-        parts, params, base = load_folder(cls.text, path_or_repo_id, revision, dtype, scheduler, scheduler_config,
-                                          variant, attention, components)
-        return cls.made_from(parts, components, base), params
-
-    @classmethod
-    def from_single_file(cls, path, config=None, dtype=jnp.float32, prediction_type=None, scheduler=None,
-                         scheduler_config=None, attention="auto", revision=None, **components):
-        """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout (SD 3.x:
-        Stability's); configs from `config` or bundled defaults (docs/checkpoints.md); other components are passed
-        on (`text_encoder_3=None`: SD 3 without T5)."""
-        from ..loading.pipelines import load_file
-
-        parts, params, base = load_file(cls.family, cls.__name__, path, config, dtype, prediction_type, scheduler,
-                                        scheduler_config, attention, revision, components)
-        return cls.made_from(parts, components, base), params
-
-    @classmethod
-    def made_from(cls, parts, components, scheduler_base_config):
-        pipeline = cls(**{**parts, **components})
-        pipeline.scheduler_base_config = scheduler_base_config
-        return pipeline
-
-    def load_lora(self, params, path, scale=1.0):
-        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
-        LoRAs stack by calling it again (`sdflax.loading.lora.merge_lora` merges under jit with a traced `scale`)."""
-        from ..loading.lora import load_lora
-
-        self._unet_only("LoRAs")
-        return load_lora(params, path, scale, self.unet.config)
-
-    def _unet_only(self, what):
-        if self.denoiser.component != "unet":
-            raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
-                             "are not supported yet")
-
-    def load_textual_inversion(self, params, path, token=None):
-        """(pipeline, params) with a textual-inversion embedding added (A1111 .pt/.safetensors, diffusers
-        learned_embeds; SDXL's clip_l + clip_g): a new pipeline whose tokenizer(s) know the token. Pure."""
-        from ..loading.embeddings import load_textual_inversion
-
-        self._unet_only("textual-inversion embeddings")
-        parts, params = load_textual_inversion(self.components(), params, path, token)
-        return self.replace(**parts), params
-
-    def load_ip_adapter(self, params, pretrained_model_name_or_path, subfolder="models", weight_name=None,
-                        image_encoder_folder="image_encoder", revision=None):
-        """(pipeline, params) with IP-Adapters (h94's files, as diffusers' `load_ip_adapter`: a hub id or folder,
-        its `subfolder` and `weight_name`, a list of names for several adapters) and their CLIP image encoder
-        (`image_encoder_folder`: a name under `subfolder`, or with a "/" a folder of the repository's own, as
-        diffusers; None: only `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
-        from .ip_adapter import load_ip_adapter
-
-        self._unet_only("IP-Adapters")
-        piece, added = load_ip_adapter(self.unet, self.dtype, pretrained_model_name_or_path, subfolder, weight_name,
-                                       image_encoder_folder, revision)
-        view = copy.copy(self)
-        view.ip_adapter, view._spec = piece, None
-        return view, {**params, **added}
-
-    def prepare_ip_adapter_image(self, images):
-        """Pictures (PIL or arrays; one, or a list) -> the image encoder's pixels, float32 (N, 3, h, w), as
-        diffusers' CLIPImageProcessor makes them: `ip_adapter_image=`."""
-        from .clip_image import clip_image_inputs
-
-        if self.ip_adapter is None or self.ip_adapter.image_encoder is None:
-            raise ValueError("prepare_ip_adapter_image needs an IP-Adapter with its image encoder: "
-                             "pipeline.load_ip_adapter(params, ...) first")
-        side = self.ip_adapter.image_encoder.config.image_size
-        return clip_image_inputs(images, size=side, crop_size=side)
-
-    def prepare_ip_adapter_masks(self, masks, height, width):
-        """One adapter's masks (PIL or arrays, one per picture) -> float32 (1, n, height, width) of 0 and 1 (white:
-        the picture acts there), as diffusers' IPAdapterMaskProcessor.preprocess and the reshape its docs show:
-        `ip_adapter_masks=[...]`, one per adapter (None: everywhere)."""
-        from .images import preprocess_ip_adapter_masks
-
-        return preprocess_ip_adapter_masks(masks, height, width, self.vae_scale_factor)
 
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
@@ -203,12 +98,20 @@ class Pipeline:
         return {name: own[name] if name in own else getattr(self, name) for name in self.component_names()}
 
     def parts(self) -> SimpleNamespace:
-        """The components as the text piece reads them, a value (`text.SDText.prepare_ids`), with the prompts'
-        token length."""
+        """The components as the text piece reads them, a value, with the prompts' token length."""
         return SimpleNamespace(**self.components(), max_length=self.max_length)
 
+    def prepare_ip_adapter_image(self, images):
+        """Pictures (PIL or arrays; one, or a list) -> `ip_adapter_image=`, the image encoder's pixels."""
+        return ip_adapter_pixels(self.ip_adapter, images)
+
+    def prepare_ip_adapter_masks(self, masks, height, width):
+        """One adapter's masks (PIL or arrays, one per picture; white: the picture acts there) -> its entry of
+        `ip_adapter_masks=[...]`, as diffusers' IPAdapterMaskProcessor.preprocess."""
+        return preprocess_ip_adapter_masks(masks, height, width, self.vae_scale_factor)
+
     def replace(self, **components):
-        """A pipeline of this class with some components replaced (and this one's hooks)."""
+        """A pipeline of this class with some components replaced (and this one's hooks and conditionings)."""
         pipeline = type(self)(**{**self.components(), **components})
         pipeline.hooks, pipeline.scheduler_base_config = self.hooks, self.scheduler_base_config
         pipeline.ip_adapter = self.ip_adapter
@@ -217,28 +120,16 @@ class Pipeline:
         return pipeline
 
     def with_conditioning(self, piece):
-        """This pipeline with `piece`, a conditioning (docs/extending.md: `params_name`, `picture`, `arguments`,
-        `call_inputs`, `wrap`), wrapping its denoiser in every call, outside its own; `__call__` takes the piece's
-        `arguments` too, after its own, with their defaults."""
-        lacking = [name for name in CONDITIONING_PROTOCOL if not hasattr(piece, name)]
-        if lacking:
-            raise TypeError(f"with_conditioning takes a conditioning (docs/extending.md); {type(piece).__name__} has no "
-                            f"{', '.join(lacking)}")
-        taken = [name for name in piece.arguments if name in self.signature.parameters]
-        if taken:
-            raise ValueError(f"{type(piece).__name__}'s arguments {taken} are {type(self).__name__}'s already: name "
-                             "them otherwise")
-        kind = inspect.Parameter.KEYWORD_ONLY
+        """This pipeline with `piece`, a conditioning (docs/extending.md), wrapping its denoiser in every call,
+        outside its own; `__call__` takes the piece's `arguments` too, after its own, with their defaults."""
         view = copy.copy(self)
         view.conditionings, view._spec = (*self.conditionings, piece), None
-        view.signature = self.signature.replace(parameters=[*self.signature.parameters.values(), *(
-            inspect.Parameter(name, kind, default=default) for name, default in piece.arguments.items())])
+        view.signature = signature_with(self.signature, piece, type(self).__name__)
         return view
 
     def with_hooks(self, *hooks):
-        """This pipeline with `sdflax.hooks` inside its UNet (the first listed outermost) in place of its hooks
-        (its guider stays), sharing its compiled programs; hooks that differ only in their numbers share a program.
-        What they emit: `trajectory.hooks`."""
+        """This pipeline with `sdflax.hooks` inside its UNet (the first outermost; what they emit: `trajectory.hooks`)
+        in place of its hooks, its guider kept, sharing its programs: hooks that differ in numbers only share one."""
         view = copy.copy(self)
         view.hooks = (*(hook for hook in self.hooks if isinstance(hook, Guider)), *hooks)
         return view
@@ -246,8 +137,7 @@ class Pipeline:
     def with_guider(self, guider):
         """This pipeline with `guider` (`sdflax.guiders`, diffusers' classes) combining the UNet's predictions in
         every call, in place of the call's `guidance_scale` and `guidance_rescale` (None: none, the pipeline's own
-        guidance); sharing its compiled programs, so a guider that differs only in its numbers (scales, momentum)
-        never recompiles. Hooks stay."""
+        guidance); sharing its compiled programs, so a guider that differs only in its numbers never recompiles."""
         if guider is not None and not isinstance(guider, Guider):
             raise TypeError(f"with_guider takes a guider from sdflax.guiders (e.g. ClassifierFreeGuidance(7.5)), "
                             f"not {type(guider).__name__}")
@@ -256,7 +146,6 @@ class Pipeline:
         view.hooks = (*guiders, *(hook for hook in self.hooks if not isinstance(hook, Guider)))
         return view
 
-    # ---- what generate runs -------------------------------------------------------------------------------
     @property
     def spec(self) -> Spec:
         """The pieces this pipeline runs (`types.Spec`), made from the components and the table row."""
@@ -281,21 +170,9 @@ class Pipeline:
         built from the current scheduler's config."""
         if isinstance(scheduler, str):
             scheduler = scheduler_by_name(scheduler, self.scheduler_base_config or config_dict(self._scheduler))
-        self._scheduler, self._spec = self._own(scheduler), None  # a new spec: old programs stay cached
-
-    def _own(self, scheduler):
-        """A scheduler checked (a flow-matching one for a flow model, no other), its "auto" Align Your Steps levels
-        this family's."""
-        flow = getattr(getattr(scheduler, "config", None), "prediction_type", None) == "flow"
-        if flow and not self.denoiser.flow:  # a UNet predicts ε or v
-            raise ValueError(f"{type(scheduler).__name__} is a flow-matching scheduler, for SD 3.x checkpoints; "
-                             f"{type(self).__name__}'s UNet predicts noise: choose one of sdflax.schedulers.SCHEDULERS'"
-                             " other samplers")
-        if self.denoiser.flow and not flow and isinstance(scheduler, Scheduler):
-            raise ValueError(f"{type(self).__name__}'s transformer predicts a flow's velocity: it samples with a "
-                             f"flow-matching scheduler ('flow_match_euler', A1111's 'Euler'), not "
-                             f"{type(scheduler).__name__}")
-        return for_family(checked_scheduler(scheduler), self.text.ays_family)
+        # a new spec: the old one's programs stay cached, for a scheduler set back
+        self._scheduler = fitting_scheduler(scheduler, type(self).__name__, self.denoiser.flow, self.text.ays_family)
+        self._spec = None
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:
@@ -313,32 +190,14 @@ class Pipeline:
     @property
     def _runner(self) -> Runner:
         """The programs of this pipeline's current spec (a scheduler set back finds its programs again)."""
-        spec = self.spec
-        if spec not in self._runners:
-            self._runners[spec] = Runner(generate_fn)
-        return self._runners[spec]
+        if self.spec not in self._runners:
+            self._runners[self.spec] = Runner(generate_fn)
+        return self._runners[self.spec]
 
     @property
     def _jitted(self):
         """The one-device program (its `_cache_size()` counts compiles)."""
         return self._runner.jit
-
-    # ---- inputs and outputs -------------------------------------------------------------------------------
-    def _prepare(self, prompts, texts: dict, pictures: dict):
-        """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
-        (B, 77 + 77 + max_sequence_length) for SD 3, padded and truncated as diffusers does; with pictures,
-        `(ids, *arrays)` in the order `__call__` takes them."""
-        if not (isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and all(
-                isinstance(p, str) for p in prompts)):
-            raise TypeError(f"prompts must be a string or a list of strings, got {prompts!r:.60}")
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        for name in [name for name in texts if name.startswith("prompts_")]:  # one string, a list, or None / empty
-            value = texts[name]  # (empty: the prompts themselves, as diffusers)
-            texts[name] = None if not value else [value] if isinstance(value, str) else list(value)
-        ids = self.text.prepare_ids(self.parts(), prompts, **texts)
-        if all(picture is None for picture in pictures.values()):
-            return ids
-        return ids, *preprocess_pictures(pictures, self.vae_scale_factor)
 
     numpy_to_pil = staticmethod(numpy_to_pil)
 
@@ -350,14 +209,13 @@ class Pipeline:
         """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
         return self.spec.vae.decode(params, latents)
 
-    # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, params, inputs: Inputs, settings: Settings):
         """`sdflax.generate` with this pipeline's spec: a pure function of `params` and `inputs`, compiled."""
         return generate(self.spec, params, inputs, settings)
 
     def _call(self, args, kwargs):
         """`__call__`: jit on one device, or pmap over the local devices (`jit=True`)."""
-        jit = self._bind(args, kwargs, self.signature)["jit"]
+        jit = bind(self.signature, args, kwargs)["jit"]
         params, inputs, settings = self._checked(args, kwargs, self.signature, f"jit={jit}", 2 if jit else 1)
         if jit:
             checks.check_devices(inputs)
@@ -369,40 +227,121 @@ class Pipeline:
         """The pure function of `__call__`'s arguments (but `jit`): images (B, H, W, 3) in [0, 1], or
         `(images, sampling.Trajectory)` with `return_trajectory=True` or hooks that emit values (`with_hooks`).
         jit, pmap, vmap and grad apply to it."""
-        out = generate_fn(self.spec, *self._checked(args, kwargs, self.signature_without_jit(), None, None))
+        out = generate_fn(self.spec, *self._checked(args, kwargs, without_jit(self.signature), None, None))
         return tuple(out) if out.trajectory is not None else out.images
 
     def generate_sharded(self, *args, mesh=None, **kwargs):
-        """`__call__`'s arguments (but `jit`) run by jit + NamedSharding: the batch (B, ...) split over a one-axis
-        device mesh (default: the local devices), plain params; one key per device or per image. (B, H, W, 3)
-        numpy images, or (images, trajectory); on a mesh of several processes, this process's rows."""
-        params, inputs, settings = self._checked(args, kwargs, self.signature_without_jit(), "generate_sharded", 1)
+        """`__call__`'s arguments (but `jit`) run by jit + NamedSharding, the batch split over a one-axis mesh (the
+        local devices): (B, H, W, 3) numpy images, or (images, trajectory); on several processes, this one's rows."""
+        params, inputs, settings = self._checked(args, kwargs, without_jit(self.signature), "generate_sharded", 1)
         with checks.params_named_in_errors(type(self).__name__):
             out = self._runner.run_sharded(self.spec, params, inputs, settings, mesh)
-        images = _own_rows(out.images, 0)
-        if out.trajectory is None:  # no return_trajectory, no hook that emits
-            return images
-        return images, jax.tree.map(lambda x: _own_rows(x, 1), out.trajectory)
+        images = own_rows(out.images, 0)
+        return images if out.trajectory is None else (images, jax.tree.map(lambda x: own_rows(x, 1), out.trajectory))
 
     def _checked(self, args, kwargs, signature, mode, leading_dims):
         """(params, Inputs, Settings) from a call's arguments, checked (`mode`, `leading_dims`: see checks)."""
-        values = self._bind(args, kwargs, signature)
+        values = bind(signature, args, kwargs)
         values.pop("jit", None)
         params = values.pop("params")
         checks.check_params(self.spec, params, mode, type(self).__name__)
         return (params, *checks.split(self.spec, values, leading_dims, self.renamed, self.hooks))
 
-    def signature_without_jit(self) -> inspect.Signature:
-        return self.signature.replace(parameters=[p for p in self.signature.parameters.values() if p.name != "jit"])
-
-    @staticmethod
-    def _bind(args, kwargs, signature) -> dict:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
 
 CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "wrap")
+# the conditioning nets a pipeline's wrappers are built from, and how to give them
+NEEDED_NETS = {ControlNet: ("controlnet", "a ControlNetModel (or a list of them) from ControlNetModel.from_pretrained"),
+               T2IAdapters: ("adapter", "a T2IAdapter (or a list of them) from sdflax.T2IAdapter.from_pretrained")}
+
+
+def given_components(cls, components: dict) -> dict:
+    """A pipeline class's constructor arguments, checked, with their defaults; the conditioning nets as tuples."""
+    names = cls.component_names()
+    if unknown := sorted(set(components) - set(names)):
+        nets = " (ControlNets and T2I-Adapters are for UNets)" if {"controlnet", "adapter"} & set(unknown) else ""
+        raise TypeError(f"{cls.__name__} takes no {', '.join(unknown)}{nets}; its components: {', '.join(names)}")
+    given = {**dict.fromkeys(names), "dtype": jnp.float32, **components}
+    for name in (cls.text.denoiser.component, "vae", "scheduler"):
+        if given[name] is None:
+            raise ValueError(f"{cls.__name__} needs {name}= (from_pretrained loads every component)")
+    for name in ("controlnet", "adapter"):
+        net = given.get(name)
+        given[name] = () if net is None else tuple(net) if isinstance(net, (list, tuple)) else (net,)
+    for wrapper, (name, what) in NEEDED_NETS.items():
+        if wrapper in cls.wrappers and not given[name]:
+            raise ValueError(f"{cls.__name__} needs {name}=: {what}")
+    return given
+
+
+def fitting_scheduler(scheduler, pipeline_name: str, flow: bool, ays_family: str):
+    """A scheduler checked (a flow-matching one for a flow model, no other), its "auto" Align Your Steps levels
+    the family's."""
+    scheduler = checked_scheduler(scheduler)
+    predicts_flow = getattr(getattr(scheduler, "config", None), "prediction_type", None) == "flow"
+    if predicts_flow and not flow:  # a UNet predicts ε or v
+        raise ValueError(f"{type(scheduler).__name__} is a flow-matching scheduler, for SD 3.x checkpoints; "
+                         f"{pipeline_name}'s UNet predicts noise: choose one of sdflax.schedulers.SCHEDULERS' other "
+                         "samplers")
+    if flow and not predicts_flow:
+        raise ValueError(f"{pipeline_name}'s transformer predicts a flow's velocity: it samples with a flow-matching "
+                         f"scheduler ('flow_match_euler', A1111's 'Euler'), not {type(scheduler).__name__}")
+    return for_family(scheduler, ays_family)
+
+
+def signature_with(signature: inspect.Signature, piece, pipeline_name: str) -> inspect.Signature:
+    """`__call__`'s signature with a conditioning's arguments after its own."""
+    lacking = [name for name in CONDITIONING_PROTOCOL if not hasattr(piece, name)]
+    if lacking:
+        raise TypeError(f"with_conditioning takes a conditioning (docs/extending.md); {type(piece).__name__} has no "
+                        f"{', '.join(lacking)}")
+    taken = [name for name in piece.arguments if name in signature.parameters]
+    if taken:
+        raise ValueError(f"{type(piece).__name__}'s arguments {taken} are {pipeline_name}'s already: name them "
+                         "otherwise")
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return signature.replace(parameters=[*signature.parameters.values(), *(
+        inspect.Parameter(name, kind, default=default) for name, default in piece.arguments.items())])
+
+
+def ip_adapter_pixels(piece, images):
+    """`prepare_ip_adapter_image`: pictures -> the IP-Adapter's image encoder's pixels."""
+    if piece is None or piece.image_encoder is None:
+        raise ValueError("prepare_ip_adapter_image needs an IP-Adapter with its image encoder: "
+                         "pipeline.load_ip_adapter(params, ...) first")
+    side = piece.image_encoder.config.image_size
+    return clip_image_inputs(images, size=side, crop_size=side)
+
+
+def prepared_inputs(text, parts, vae_scale_factor, prompts, texts: dict, pictures: dict):
+    """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
+    (B, 77 + 77 + max_sequence_length) for SD 3, padded and truncated as diffusers does; with pictures,
+    `(ids, *arrays)` in the order `__call__` takes them."""
+    prompts, texts = prompt_lists(prompts, texts)
+    ids = text.prepare_ids(parts, prompts, **texts)
+    if all(picture is None for picture in pictures.values()):
+        return ids
+    return ids, *preprocess_pictures(pictures, vae_scale_factor)
+
+
+def prompt_lists(prompts, texts: dict) -> tuple:
+    """(prompts, the other prompt arguments) as lists: `prompts_*` one string, a list, or None / empty (the prompts
+    themselves, as diffusers)."""
+    if not (isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and all(
+            isinstance(p, str) for p in prompts)):
+        raise TypeError(f"prompts must be a string or a list of strings, got {prompts!r:.60}")
+    texts = {name: (None if not value else [value] if isinstance(value, str) else list(value))
+             if name.startswith("prompts_") else value for name, value in texts.items()}
+    return [prompts] if isinstance(prompts, str) else list(prompts), texts
+
+
+def bind(signature: inspect.Signature, args, kwargs) -> dict:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def without_jit(signature: inspect.Signature) -> inspect.Signature:
+    return signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "jit"])
 
 
 def scheduler_by_name(name: str, config: dict):
@@ -428,7 +367,7 @@ def checked_scheduler(scheduler):
     return scheduler
 
 
-def _own_rows(x, axis):
+def own_rows(x, axis):
     """A batch split over a mesh as numpy: all of it, or on a mesh spanning several processes the rows of this
     process's devices (the others' rows are not here to copy)."""
     if x.is_fully_addressable:

@@ -350,32 +350,12 @@ def broadcast_rows(x, batch: tuple, lead: int, name: str):
 
 # ---- loading -----------------------------------------------------------------------------------------------------
 
-def load_ip_adapter(unet, dtype, source, subfolder, weight_name, image_encoder_folder, revision=None):
-    """(IPAdapter piece, {"image_encoder": ..., "ip_adapter": [...]}) from h94-layout files, found as diffusers
-    finds them."""
-    import os
-
-    from ..loading.hub import resolve_folder
-    from ..loading.ip_adapter import read_ip_adapter
-    from ..models import CLIPVisionModelWithProjection
-
-    names = list(weight_name) if isinstance(weight_name, (list, tuple)) else [weight_name]
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError("load_ip_adapter needs weight_name=, the adapter's file (e.g. 'ip-adapter_sd15.safetensors'), "
-                         "or a list of them")
-    subfolder = subfolder or ""
-    # diffusers' rule: a bare name is a folder under `subfolder`, a path (with "/") one of the repository's own
-    encoder = None if image_encoder_folder is None else str(image_encoder_folder) if "/" in str(
-        image_encoder_folder) else f"{subfolder}/{image_encoder_folder}".strip("/")
-    patterns = [f"{subfolder}/{n}".lstrip("/") for n in names]
-    weights = [f"{encoder}/config.json", f"{encoder}/*.safetensors"] if encoder else []
-    folder = resolve_folder(source, revision, allow_patterns=patterns + weights)  # h94 has .bin twins: not those
-    if encoder and not any(name.endswith(".safetensors") for name in listing(os.path.join(folder, encoder))):
-        folder = resolve_folder(source, revision, allow_patterns=patterns + weights + [f"{encoder}/*.bin"])
+def load_ip_adapter(unet, dtype, weights, encoder, encoder_params):
+    """(IPAdapter piece, {"image_encoder": ..., "ip_adapter": [...]}) from h94-layout files read by
+    `loading.ip_adapter.read_ip_adapters`, each checked against the UNet's cross-attention layers."""
     layers = cross_attention_layers(unet, unet.param_shapes())
     adapters, params_of = [], []
-    for name in names:
-        w = read_ip_adapter(os.path.join(folder, subfolder, name))
+    for name, w in weights:
         if len(w.to_k_ip) != len(layers):
             raise ValueError(f"{name} adapts {len(w.to_k_ip)} cross-attention layers; this UNet has {len(layers)}: "
                              "an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
@@ -387,15 +367,6 @@ def load_ip_adapter(unet, dtype, source, subfolder, weight_name, image_encoder_f
         adapters.append(Adapter(w.projection, w.wants_hidden_states))
         cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
         params_of.append({"projection": jax.tree.map(cast, w.projection_params),
-                        "to_k_ip": [cast(k) for k in w.to_k_ip], "to_v_ip": [cast(v) for v in w.to_v_ip]})
-    model, added = None, {"ip_adapter": params_of}
-    if encoder is not None:
-        model, added["image_encoder"] = CLIPVisionModelWithProjection.from_pretrained(folder, subfolder=encoder,
-                                                                                      dtype=dtype)
-    return IPAdapter(model, tuple(adapters), layers, unet.config.layers_per_block), added
-
-
-def listing(folder) -> list:
-    import os
-
-    return os.listdir(folder) if os.path.isdir(folder) else []
+                          "to_k_ip": [cast(k) for k in w.to_k_ip], "to_v_ip": [cast(v) for v in w.to_v_ip]})
+    added = {"ip_adapter": params_of, **({} if encoder is None else {"image_encoder": encoder_params})}
+    return IPAdapter(encoder, tuple(adapters), layers, unet.config.layers_per_block), added

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import NamedTuple
 
-from .core import Pipeline
+from .core import Pipeline, bind, prepared_inputs
 from .images import preprocess_adapter_images, preprocess_control_images
 from .starts import FromImage, FromImageMask, FromNoise
 from .t2i_adapter import T2IAdapters
@@ -75,9 +75,9 @@ def make_class(name: str, row: Row, family) -> type:
         return self._call(args, kwargs)
 
     def prepare_inputs(self, *args, **kwargs):
-        values = self._bind(args, kwargs, prepare_signature)
+        values = bind(prepare_signature, args, kwargs)
         texts = {name: values.pop(name) for name in text.prompt_arguments}
-        return self._prepare(values.pop("prompts"), texts, values)
+        return prepared_inputs(text, self.parts(), self.vae_scale_factor, values.pop("prompts"), texts, values)
 
     with_self = [inspect.Parameter("self", kind)]
     __call__.__signature__ = call_signature.replace(parameters=with_self + list(call_signature.parameters.values()))
@@ -86,7 +86,7 @@ def make_class(name: str, row: Row, family) -> type:
                         "built\".")
     prepare_inputs.__signature__ = prepare_signature.replace(
         parameters=with_self + list(prepare_signature.parameters.values()))
-    prepare_inputs.__doc__ = Pipeline._prepare.__doc__
+    prepare_inputs.__doc__ = prepared_inputs.__doc__
     namespace = {"family": family, "text": text, "start": row.start, "wrappers": row.wrappers,
                  "signature": call_signature,
                  "defaults": {n: p.default for n, p in call_signature.parameters.items() if n not in REQUIRED},
@@ -101,7 +101,7 @@ def make_class(name: str, row: Row, family) -> type:
 
 def prepare_text_inputs(self, prompts, prompts_2=None):
     """= prepare_inputs (the name in diffusers' old Flax ControlNet pipeline)."""
-    return self._prepare(prompts, {"prompts_2": prompts_2}, {})
+    return prepared_inputs(self.text, self.parts(), self.vae_scale_factor, prompts, {"prompts_2": prompts_2}, {})
 
 
 def prepare_image_inputs(self, images):

@@ -24,6 +24,14 @@ from .denoisers import UNetDenoiser
 from .types import Cond
 
 
+def prompt_length(components: dict) -> int:
+    """The prompts' token length: the first CLIP encoder's. Tokenizers saved without model_max_length report a huge
+    one; the text encoder knows its length (an SDXL refiner has the second encoder alone)."""
+    tokenizer, encoder = next((components[t], components[e]) for t, e in (
+        ("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")) if components.get(e) is not None)
+    return min(tokenizer.model_max_length, encoder.config.max_position_embeddings)
+
+
 def tokenize(tokenizer, prompts, max_length) -> np.ndarray:
     """Token ids (B, max_length) int32, padded and truncated as diffusers does; multi-vector textual-inversion
     tokens expanded to all their tokens."""
