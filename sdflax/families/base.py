@@ -23,7 +23,7 @@ class Family:
     class_names: tuple  # prefixes of model_index.json's `_class_name` for its checkpoints: "StableDiffusionXL"
     rows: dict  # its public classes: name -> `pipeline.table.Row`
     flags: tuple = ()  # (flag, Request field) pairs of the command line that only this family takes
-    single_file: str | None = None  # the single-file loader that reads its files: "unet" or "mmdit"
+    single_file: str | None = None  # "module:name" of the layout its single files are read by (loading)
     module: str = __name__  # where its classes live, for their repr and pickling
 
     @functools.cached_property

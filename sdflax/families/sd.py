@@ -48,7 +48,7 @@ ROWS = {
 }
 
 FAMILY = Family("sd", "SD 1.x / 2.x", SDText, ("StableDiffusion",), ROWS, module=__name__,
-                single_file="unet")
+                single_file="sdflax.loading.single_file:UNetFiles")
 
 StableDiffusion = FAMILY.classes["StableDiffusion"]
 StableDiffusionImg2Img = FAMILY.classes["StableDiffusionImg2Img"]

@@ -31,7 +31,7 @@ ROWS = {
         {"strength": 0.6, "guidance_scale": 7.0}, "SD 3.x inpainting (the known region pasted back every step)."),
 }
 
-FAMILY = Family("sd3", "SD 3.x", SD3Text, ("StableDiffusion3",), ROWS, module=__name__, single_file="mmdit",
+FAMILY = Family("sd3", "SD 3.x", SD3Text, ("StableDiffusion3",), ROWS, module=__name__, single_file="sdflax.loading.single_file:MMDiTFiles",
                 flags=FLAGS)
 
 StableDiffusion3 = FAMILY.classes["StableDiffusion3"]

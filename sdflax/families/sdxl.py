@@ -56,7 +56,7 @@ ROWS = {
         {"guidance_scale": 5.0}, "SDXL text-to-image steered by SDXL T2I-Adapters (`image`: the adapter's picture)."),
 }
 
-FAMILY = Family("sdxl", "SDXL", SDXLText, ("StableDiffusionXL",), ROWS, module=__name__, single_file="unet")
+FAMILY = Family("sdxl", "SDXL", SDXLText, ("StableDiffusionXL",), ROWS, module=__name__, single_file="sdflax.loading.single_file:UNetFiles")
 
 StableDiffusionXL = FAMILY.classes["StableDiffusionXL"]
 StableDiffusionXLImg2Img = FAMILY.classes["StableDiffusionXLImg2Img"]

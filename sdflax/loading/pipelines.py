@@ -6,6 +6,7 @@ its loading calls, as diffusers' loader mixins do."""
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 
 import jax.numpy as jnp
@@ -97,24 +98,22 @@ def load_folder(text, path_or_repo_id, revision, dtype, scheduler, scheduler_con
 
 def load_file(family, pipeline, path, config, dtype, prediction_type, scheduler, scheduler_config, attention,
               revision, given):
-    """`Pipeline.from_single_file`'s work, by the reader the family names (`Family.single_file`): "unet" for
-    CompVis / A1111 / SGM files, "mmdit" for Stability's SD 3.x files."""
-    from .single_file import mmdit_file, unet_file
+    """`Pipeline.from_single_file`'s work, by the layout its family names (`Family.single_file`, "module:name":
+    `sdflax.loading.single_file`'s UNetFiles for CompVis / A1111 / SGM files, MMDiTFiles for Stability's SD 3.x)."""
+    from .single_file import read_single_file
 
-    if family.single_file == "mmdit":
-        if prediction_type is not None:
-            raise ValueError(f"prediction_type={prediction_type!r}: {pipeline}'s transformer predicts a flow's "
-                             "velocity; prediction_type is for UNet checkpoints")
-        left_out = tuple(name for name in family.text.optional if name.startswith("text_encoder") and
-                         name in given and given[name] is None)
-        parts, params, folder = mmdit_file(path, config, dtype, scheduler, scheduler_config, attention, revision,
-                                           left_out)
-    elif family.single_file == "unet":
-        parts, params, folder = unet_file(path, config, dtype, prediction_type, scheduler, scheduler_config,
-                                          attention, revision, family=family.text, pipeline=pipeline)
-    else:
+    if family.single_file is None:
         raise ValueError(f"{pipeline}: {family.title} checkpoints load from diffusers folders (from_pretrained), "
                          "not single files")
+    if prediction_type is not None and family.flow:
+        raise ValueError(f"prediction_type={prediction_type!r}: {pipeline}'s transformer predicts a flow's "
+                         "velocity; prediction_type is for UNet checkpoints")
+    module, attribute = family.single_file.split(":")
+    layout = getattr(importlib.import_module(module), attribute)
+    left_out = tuple(name for name in family.text.optional if name.startswith("text_encoder") and
+                     name in given and given[name] is None)
+    parts, params, folder = read_single_file(layout, path, config, dtype, prediction_type, scheduler,
+                                             scheduler_config, attention, revision, family.text, pipeline, left_out)
     overrides = {**(scheduler_config or {}), **({"prediction_type": prediction_type} if prediction_type else {})}
     return parts, params, with_overrides(read_scheduler_config(folder, revision), overrides)
 

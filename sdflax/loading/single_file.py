@@ -15,7 +15,9 @@ plus renames of the leaves inside that module (`in_layers.0` -> `norm1`). A fuse
 names and is split in equal thirds. The diffusers-named tensors then take the ordinary path of `weights.py`.
 
 SD 3 / 3.5 files (Stability's layout: the MMDiT under `model.diffusion_model.joint_blocks.*`, the text encoders
-under `text_encoders.*`) have their tables in `ldm_names.py` too and load with `load_sd3_single_file`.
+under `text_encoders.*`) have their tables in `ldm_names.py` too. Both kinds are read by one function,
+`read_single_file(layout, ...)`; a layout (`UNetFiles`, `MMDiTFiles`: a family names its own) says what a file
+holds, which bundled configs fit it and how its tensors split by model.
 
 ControlNets come as files of their own in lllyasviel's layout (`load_controlnet`): the UNet encoder's names,
 `zero_convs.*`, `middle_block_out.*` and `input_hint_block.*`, under `control_model.` in ControlNet 1.0 files.
@@ -30,6 +32,7 @@ import re
 import warnings
 from importlib import resources
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -188,66 +191,174 @@ def file_contents(version: str):
     return SimpleNamespace(models=models, tokenizers=tokenizers, index_options=INDEX_OPTIONS)
 
 
-def load_single_file(path, config=None, dtype=None, prediction_type=None, scheduler=None, scheduler_config=None,
-                     attention="auto", revision=None, family=None, pipeline=None):
-    """(a pipeline's constructor arguments, params) from a .safetensors / .ckpt file; see
-    `StableDiffusion.from_single_file`. `family` (a pipeline's conditioning: `models`, `tokenizers`,
-    `index_options`) must hold the models the file does, else the error names `pipeline`'s right sibling;
-    without it the parts are what the file holds (an SDXL refiner's: no first text encoder)."""
-    return unet_file(path, config, dtype, prediction_type, scheduler, scheduler_config, attention, revision, family,
-                     pipeline)[:2]
+class UNetFiles:
+    """CompVis / A1111 / SGM files: SD 1.x, 2.x and SDXL, every part in the file, their configs bundled per
+    version (`LAYOUTS`)."""
+
+    @staticmethod
+    def contents(where, state_dict, family, pipeline, left_out):
+        version = detect_version(state_dict)
+        contents = file_contents(version)
+        family = family or contents
+        absent = set(family.models) - set(contents.models)  # a refiner's first text encoder, if the family allows
+        if absent - set(getattr(family, "optional", ())) or set(contents.models) - set(family.models):
+            raise SingleFileError(f"{where} is {NAMES[version]} checkpoint ({', '.join(contents.models)}), not one "
+                                  f"{pipeline or 'this pipeline'} runs: use {PIPELINES[version]}.from_single_file")
+        models = {c: family.models[c] for c in contents.models}
+        return Contents(state_dict, version, models, set(models), family)
+
+    @staticmethod
+    def with_config(folder, config, found, models):
+        return models
+
+    @staticmethod
+    def bundled(where, found, models):
+        """(models, config folder, {tokenizer: builder}, what the configs are) of sdflax's bundled configs."""
+        tokenizers = {t: functools.partial(bundled_tokenizer, found.version, t) for t in tokenizers_of(models)}
+        return models, bundled_config_folder(found.version), tokenizers, f"sdflax's bundled {DEFAULTS[found.version]}"
+
+    @staticmethod
+    def config_changes(found, model_configs, bundled, prediction_type):
+        if bundled and found.version == "sd2" and prediction_type == "epsilon":
+            model_configs["unet"]["sample_size"] = 64  # SD 2.x base: 512 px
+
+    @staticmethod
+    def split(found, configs):
+        return split_components(found.state_dict, configs, found.version)
 
 
-def unet_file(path, config=None, dtype=None, prediction_type=None, scheduler=None, scheduler_config=None,
-              attention="auto", revision=None, family=None, pipeline=None):
-    """`load_single_file`, and the folder its configs came from (`config`'s, or the bundled one)."""
+class MMDiTFiles:
+    """Stability's SD 3 / 3.5 files: the MMDiT under `model.diffusion_model.joint_blocks.*`, the text encoders and
+    VAE there too or (with `config`) from a diffusers folder; configs bundled per MMDiT size."""
+
+    @staticmethod
+    def contents(where, state_dict, family, pipeline, left_out):
+        state_dict = sd3_with_prefixes(state_dict)
+        if not is_sd3_file(state_dict):
+            other = "an SD 1.x / 2.x / SDXL file loads with StableDiffusion(XL).from_single_file" if any(
+                k.startswith("model.diffusion_model.") for k in state_dict) else "a diffusers folder loads with " \
+                "StableDiffusion3.from_pretrained"
+            raise SingleFileError(f"{where} is not an SD 3 / 3.5 checkpoint in Stability's layout (no "
+                                  f"model.diffusion_model.joint_blocks.* tensors; found {short_list(state_dict, 4)}): "
+                                  f"{other}")
+        if set(left_out) - {"text_encoder_3"}:
+            raise ValueError(f"only text_encoder_3 (T5) may be left out of an SD 3 pipeline, not {short_list(left_out)}")
+        family = family or SimpleNamespace(models=SD3_MODELS, index_options=())
+        models = {c: cls for c, cls in family.models.items() if c not in left_out}
+        return Contents(state_dict, sd3_model_type(state_dict), models, sd3_components_in(state_dict) - set(left_out),
+                        family)
+
+    @staticmethod
+    def with_config(folder, config, found, models):
+        index = read_index(folder)
+        if "text_encoder_3" not in found.in_file and (is_null(index, "text_encoder_3") or
+                                                      "text_encoder_3" not in index):
+            models = {c: cls for c, cls in models.items() if c != "text_encoder_3"}  # neither file nor folder has T5
+        if "text_encoder_3" in models and not os.path.isfile(os.path.join(folder, "tokenizer_3", "tokenizer.json")):
+            raise SingleFileError(f"config={config} has no tokenizer_3/tokenizer.json for T5: {T5_ADVICE}")
+        return models
+
+    @staticmethod
+    def bundled(where, found, models):
+        if missing := [SD3_PARTS[c] for c in ("text_encoder", "text_encoder_2", "vae") if c not in found.in_file]:
+            raise SingleFileError(f"{where} holds no {', '.join(missing)}: pass config=<a diffusers SD 3 folder or "
+                                  "hub id, e.g. stabilityai/stable-diffusion-3.5-medium> to load it from there")
+        if found.version is None:
+            raise SingleFileError(f"{where}: an MMDiT of a size sdflax bundles no configs for (SD 3 Medium, 3.5 "
+                                  "Medium and Large): pass config=<a diffusers folder or hub id of the same model>")
+        if "text_encoder_3" in found.in_file:
+            raise SingleFileError(f"{where} holds T5 (text_encoders.t5xxl.*), but {T5_ADVICE}")
+        models = {c: cls for c, cls in models.items() if c in found.in_file}
+        tokenizers = {t: functools.partial(bundled_tokenizer, "sd3", t) for t in ("tokenizer", "tokenizer_2")}
+        return models, bundled_config_folder(SD3_BUNDLED[found.version]), tokenizers, \
+            f"sdflax's bundled {SD3_NAMES[found.version]}"
+
+    @staticmethod
+    def config_changes(found, model_configs, bundled, prediction_type):
+        if bundled:
+            model_configs["transformer"].update(SD3_TRANSFORMER_CHANGES.get(found.version, {}))
+
+    @staticmethod
+    def split(found, configs):
+        split, unknown = split_sd3(found.state_dict, configs, found.in_file)
+        if unknown:
+            raise SingleFileError(f"{len(unknown)} tensors that no table maps (is the config right for this "
+                                  f"file?): {short_list(unknown)}")
+        return split
+
+
+class Contents(NamedTuple):
+    """What a single file holds, as its layout reads it."""
+
+    state_dict: dict  # its tensors, under the layout's names
+    version: str | None  # which bundled configs fit it
+    models: dict  # {component: class} the pipeline gets
+    in_file: set  # the components whose tensors the file holds (the others come from `config`)
+    family: Any  # the pipeline's text piece (`models`, `tokenizers`, `index_options`), or the file's own parts
+
+
+def tokenizers_of(models) -> tuple:
+    return tuple(c.replace("text_encoder", "tokenizer") for c in models if c.startswith("text_encoder"))
+
+
+def read_single_file(layout, path, config=None, dtype=None, prediction_type=None, scheduler=None,
+                     scheduler_config=None, attention="auto", revision=None, family=None, pipeline=None, left_out=()):
+    """(a pipeline's constructor arguments, params, the folder its configs came from) from one file in `layout`
+    (`UNetFiles`, `MMDiTFiles`): configs and tokenizers from `config` (a diffusers folder or hub id, which also
+    gives the parts the file lacks) or the bundled ones. `family` (a pipeline's text piece: `models`, `tokenizers`,
+    `index_options`) must hold the models the file does, else the error names `pipeline`'s right sibling; without
+    it the parts are what the file holds; `left_out`: components not to load."""
     dtype = jnp.float32 if dtype is None else dtype
     where, state_dict = read_file(path, "checkpoint")
-    version = detect_version(state_dict)
-    contents = file_contents(version)
-    family = family or contents
-    absent = set(family.models) - set(contents.models)  # a refiner's first text encoder, if the family allows
-    if absent - set(getattr(family, "optional", ())) or set(contents.models) - set(family.models):
-        raise SingleFileError(f"{where} is {NAMES[version]} checkpoint ({', '.join(contents.models)}), not one "
-                              f"{pipeline or 'this pipeline'} runs: use {PIPELINES[version]}.from_single_file")
-    models = {c: family.models[c] for c in contents.models}
-    tokenizer_names = tuple(t for t in family.tokenizers if t in contents.tokenizers)
-
+    found = layout.contents(where, state_dict, family, pipeline, left_out)
+    models = found.models
     if config is not None:
-        folder = resolve_folder(config, revision, allow_patterns=["model_index.json", "*/config.json", "scheduler/*",
-                                                                  *(f"{t}/*" for t in tokenizer_names)])
-        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizer_names)
-        tokenizers = {t: functools.partial(load_tokenizer, os.path.join(folder, t)) for t in tokenizer_names}
+        folder = resolve_folder(config, revision, allow_patterns=checkpoint_files(
+            None, tuple(models.keys() - found.in_file), tokenizers_of(models)))
+        models = layout.with_config(folder, config, found, models)
+        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizers_of(models))
+        for c in models.keys() - found.in_file:
+            weight_files(os.path.join(folder, c))  # fail on a missing weights file before reading anything
+        loaders = {**getattr(found.family, "tokenizer_loaders", {}), **TOKENIZER_LOADERS}
+        tokenizers = {t: functools.partial(loaders.get(t, load_tokenizer), os.path.join(folder, t))
+                      for t in tokenizers_of(models)}
+        source = f"the configs in {config}"
     else:
-        folder = bundled_config_folder(version)
-        tokenizers = {t: functools.partial(bundled_tokenizer, version, t) for t in tokenizer_names}
+        models, folder, tokenizers, source = layout.bundled(where, found, models)
+        source += " configs"
     model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in models}
-    overrides = dict(scheduler_config or {})
-    if prediction_type is not None:
-        overrides["prediction_type"] = prediction_type
-        if config is None and version == "sd2" and prediction_type == "epsilon":
-            model_configs["unet"]["sample_size"] = 64  # SD 2.x base: 512 px
+    layout.config_changes(found, model_configs, config is None, prediction_type)
+    overrides = {**(scheduler_config or {}), **({"prediction_type": prediction_type} if prediction_type else {})}
     scheduler = load_scheduler(folder, scheduler, overrides or None)
     index = read_index(folder)
-
     components = {}
 
     def tensors(component, modules):  # the file split by component once the models' configs are known
+        if component not in found.in_file:
+            return f"{config} ({component})", read_weights(os.path.join(folder, component))
         if not components:
-            components.update(split_components(state_dict, {c: m.config for c, m in modules.items()}, version))
+            components.update(layout.split(found, {c: m.config for c, m in modules.items()}))
         return f"{where} ({component})", components[component]
 
-    source = f"the configs in {config}" if config is not None else f"sdflax's bundled {DEFAULTS[version]} configs"
     with configs_named(f"; the model configs came from {source}: for another architecture pass config=<a "
                        "diffusers folder or hub id of the same model>"):
         modules, params, tokenizers = assemble(models, model_configs, tensors, dtype, attention, tokenizers=tokenizers)
-    options = {key: index[key] for key in family.index_options if key in index}
-    nothing = {c: None for c in absent} | {c.replace("text_encoder", "tokenizer"): None for c in absent}
+    options = {key: index[key] for key in found.family.index_options if key in index}
+    absent = set(found.family.models) - set(models)
+    nothing = {c: None for c in absent} | {t: None for t in tokenizers_of(sorted(absent))}
     return {**nothing, **tokenizers, **options, "scheduler": scheduler, "dtype": dtype, **modules}, params, folder
+
+
+def load_single_file(path, config=None, dtype=None, prediction_type=None, scheduler=None, scheduler_config=None,
+                     attention="auto", revision=None, family=None, pipeline=None):
+    """(a pipeline's constructor arguments, params) from a CompVis / A1111 / SGM file: `read_single_file`."""
+    return read_single_file(UNetFiles, path, config, dtype, prediction_type, scheduler, scheduler_config, attention,
+                            revision, family, pipeline)[:2]
 
 
 SD3_MODELS = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
               "text_encoder_3": T5EncoderModel, "transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
+TOKENIZER_LOADERS = {"tokenizer_3": T5Tokenizer.from_folder}  # SD 3's T5 (a file's own parts have no family)
 T5_ADVICE = ("sdflax does not bundle T5's tokenizer: pass config=<a diffusers SD 3.5 folder or hub id with "
              "tokenizer_3/tokenizer.json, e.g. stabilityai/stable-diffusion-3.5-medium>, or text_encoder_3=None to "
              "load without T5")
@@ -259,77 +370,8 @@ def load_sd3_single_file(path, config=None, dtype=None, scheduler=None, schedule
     MMDiT alone). The models the file lacks come from `config` (a diffusers SD 3 folder or hub id), as do the
     configs and tokenizers; without it, sdflax's bundled SD 3.5 configs and CLIP tokenizer. T5 is None where
     neither the file nor `config` has it, or `left_out` names "text_encoder_3"."""
-    return mmdit_file(path, config, dtype, scheduler, scheduler_config, attention, revision, left_out)[:2]
-
-
-def mmdit_file(path, config=None, dtype=None, scheduler=None, scheduler_config=None, attention="auto", revision=None,
-               left_out=()):
-    """`load_sd3_single_file`, and the folder its configs came from (`config`'s, or the bundled one)."""
-    dtype = jnp.float32 if dtype is None else dtype
-    where, state_dict = read_file(path, "checkpoint")
-    state_dict = sd3_with_prefixes(state_dict)
-    if not is_sd3_file(state_dict):
-        other = "an SD 1.x / 2.x / SDXL file loads with StableDiffusion(XL).from_single_file" if any(
-            k.startswith("model.diffusion_model.") for k in state_dict) else "a diffusers folder loads with " \
-            "StableDiffusion3.from_pretrained"
-        raise SingleFileError(f"{where} is not an SD 3 / 3.5 checkpoint in Stability's layout (no "
-                              f"model.diffusion_model.joint_blocks.* tensors; found {short_list(state_dict, 4)}): "
-                              f"{other}")
-    if set(left_out) - {"text_encoder_3"}:
-        raise ValueError(f"only text_encoder_3 (T5) may be left out of an SD 3 pipeline, not {short_list(left_out)}")
-    in_file = sd3_components_in(state_dict) - set(left_out)
-    version = sd3_model_type(state_dict)
-    models = {c: cls for c, cls in SD3_MODELS.items() if c not in left_out}
-    if config is not None:
-        folder = resolve_folder(config, revision, allow_patterns=checkpoint_files(
-            None, tuple(models.keys() - in_file), tuple(c.replace("text_encoder", "tokenizer") for c in models)))
-        index = read_index(folder)
-        if "text_encoder_3" not in in_file and (is_null(index, "text_encoder_3") or "text_encoder_3" not in index):
-            models.pop("text_encoder_3", None)  # neither the file nor the folder has T5
-        tokenizer_names = tuple(c.replace("text_encoder", "tokenizer") for c in models if c.startswith("text_"))
-        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizer_names)
-        if "text_encoder_3" in models and not os.path.isfile(os.path.join(folder, "tokenizer_3", "tokenizer.json")):
-            raise SingleFileError(f"config={config} has no tokenizer_3/tokenizer.json for T5: {T5_ADVICE}")
-        for c in models.keys() - in_file:
-            weight_files(os.path.join(folder, c))  # fail on a missing weights file before reading anything
-        tokenizers = {t: functools.partial(T5Tokenizer.from_folder if t == "tokenizer_3" else load_tokenizer,
-                                           os.path.join(folder, t)) for t in tokenizer_names}
-        source = f"the configs in {config}"
-    else:
-        if missing := [SD3_PARTS[c] for c in ("text_encoder", "text_encoder_2", "vae") if c not in in_file]:
-            raise SingleFileError(f"{where} holds no {', '.join(missing)}: pass config=<a diffusers SD 3 folder or "
-                                  "hub id, e.g. stabilityai/stable-diffusion-3.5-medium> to load it from there")
-        if version is None:
-            raise SingleFileError(f"{where}: an MMDiT of a size sdflax bundles no configs for (SD 3 Medium, 3.5 "
-                                  "Medium and Large): pass config=<a diffusers folder or hub id of the same model>")
-        if "text_encoder_3" in in_file:
-            raise SingleFileError(f"{where} holds T5 (text_encoders.t5xxl.*), but {T5_ADVICE}")
-        models = {c: cls for c, cls in models.items() if c in in_file}
-        folder = bundled_config_folder(SD3_BUNDLED[version])
-        tokenizers = {t: functools.partial(bundled_tokenizer, "sd3", t) for t in ("tokenizer", "tokenizer_2")}
-        source = f"sdflax's bundled {SD3_NAMES[version]} configs"
-    model_configs = {c: read_config_file(os.path.join(folder, c, "config.json")) for c in models}
-    if config is None:
-        model_configs["transformer"].update(SD3_TRANSFORMER_CHANGES.get(version, {}))
-    scheduler = load_scheduler(folder, scheduler, scheduler_config)
-    components = {}
-
-    def tensors(component, modules):  # the file split by component once the models' configs are known
-        if component not in in_file:
-            return f"{config} ({component})", read_weights(os.path.join(folder, component))
-        if not components:
-            split, unknown = split_sd3(state_dict, {c: m.config for c, m in modules.items()}, in_file)
-            if unknown:
-                raise SingleFileError(f"{len(unknown)} tensors that no table maps (is the config right for this "
-                                      f"file?): {short_list(unknown)}")
-            components.update(split)
-        return f"{where} ({component})", components[component]
-
-    with configs_named(f"; the model configs came from {source}: for another architecture pass config=<a "
-                       "diffusers folder or hub id of the same model>"):
-        modules, params, tokenizers = assemble(models, model_configs, tensors, dtype, attention, tokenizers=tokenizers)
-    absent = {"text_encoder_3": None, "tokenizer_3": None} if "text_encoder_3" not in models else {}
-    return {**absent, **tokenizers, "scheduler": scheduler, "dtype": dtype, **modules}, params, folder
+    return read_single_file(MMDiTFiles, path, config, dtype, None, scheduler, scheduler_config, attention, revision,
+                            left_out=left_out)[:2]
 
 
 def read_file(path, what) -> tuple[str, dict]:
