@@ -248,3 +248,36 @@ def test_embedding_zip_bomb_is_refused_before_decompressing(tmp_path):
     agree = _zip_bomb(tmp_path / "agree.pt", (64 << 20) // 4, 64 << 20)
     _refused(CheckpointFileError, lambda: read_embedding(disagree), disagree, "bytes")
     _refused(CheckpointFileError, lambda: read_embedding(agree), agree, "zip bomb")
+
+
+# --- 6. NaN or inf in the weights ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, bad", [(np.float32, np.nan), (np.float32, -np.inf), (np.float16, np.inf),
+                                        (np.float16, np.nan)])
+def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path, dtype, bad):
+    """Every loader's one path (`weights.convert_state_dict`) reads each tensor for NaN and inf as it copies it:
+    a model folder, a pipeline, a single file, an adapter or an image encoder would draw black images."""
+    from sdflax.loading.files import read_safetensors
+    from sdflax.loading.weights import NonFiniteWeightsError
+    from sdflax.models import AutoencoderKL
+    from test_tiny_checkpoint import TINY
+
+    written = read_safetensors(TINY / "vae" / "diffusion_pytorch_model.safetensors")
+    tensors = {k: np.array(v, dtype) for k, v in written.items()}
+    tensors["decoder.conv_out.weight"][1, 0, 2, 0] = bad
+    tensors["encoder.conv_in.bias"][3] = bad
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_bytes((TINY / "vae" / "config.json").read_bytes())
+    save_file(tensors, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
+    _refused(NonFiniteWeightsError, lambda: AutoencoderKL.from_pretrained(tmp_path, subfolder="vae"),
+             "NaN or inf in decoder.conv_out.weight, encoder.conv_in.bias")
+    tensors["decoder.conv_out.weight"][1, 0, 2, 0] = tensors["encoder.conv_in.bias"][3] = 3e4  # large, finite
+    save_file(tensors, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
+    AutoencoderKL.from_pretrained(tmp_path, subfolder="vae")
+
+
+def test_embedding_with_nan_is_refused(tmp_path):
+    path = tmp_path / "diverged.safetensors"
+    save_file({"emb_params": np.full((2, 8), np.nan, np.float32)}, str(path))
+    _refused(ValueError, lambda: read_embedding(path), path, "NaN or inf")

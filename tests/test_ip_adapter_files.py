@@ -96,6 +96,11 @@ BAD = {
                          "image_proj.norm.weight": torch.zeros(2),
                          "image_proj.norm.bias": torch.zeros(2), "ip_adapter.3.to_k_ip.weight": torch.zeros(5, 2),
                          "ip_adapter.3.to_v_ip.weight": torch.zeros(5, 2)}, "1, 3, 5"),
+    "nan.safetensors": ({"image_proj.proj.weight": torch.zeros(8, 3), "image_proj.proj.bias": torch.zeros(8),
+                         "image_proj.norm.weight": torch.zeros(2), "image_proj.norm.bias": torch.zeros(2),
+                         "ip_adapter.1.to_k_ip.weight": torch.zeros(5, 2).index_fill(1, torch.tensor([1]), torch.nan),
+                         "ip_adapter.1.to_v_ip.weight": torch.zeros(5, 2)},
+                        "NaN or inf in ip_adapter.1.to_k_ip.weight"),
     "flat.bin": ({"image_proj.proj.weight": torch.zeros(8, 3)}, "expected tensors under image_proj"),
     "adapter.pt": ({"image_proj.proj.weight": torch.zeros(8, 3)}, "unknown suffix"),
 }

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .files import read_safetensors, read_torch_object
+from .weights import non_finite
 
 __all__ = ["expand_prompts", "load_textual_inversion", "read_embedding", "read_sdxl_embedding"]
 
@@ -65,6 +66,9 @@ def _vectors(name, vectors, what="the embedding"):
     if not isinstance(vectors, np.ndarray) or vectors.ndim not in (1, 2):
         raise ValueError(f"{name}: {what} should be a (D,) or (n, D) tensor, "
                          f"got {getattr(vectors, 'shape', vectors)!r}")
+    if non_finite(vectors):
+        raise ValueError(f"{name}: {what} holds NaN or inf (a diverged training run?), which would draw black "
+                         "images: use another copy or another step's embedding")
     return np.asarray(vectors, np.float32).reshape(-1, vectors.shape[-1])
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from .files import read_safetensors, read_torch_object
 from ..models.ip_adapter import ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection
 from ..models.layers import Kernels, resolve_kernels, shapes_only
-from .weights import convert_state_dict
+from .weights import convert_state_dict, non_finite, short_list
 
 __all__ = ["IPAdapterFileError", "IPAdapterWeights", "read_ip_adapter"]
 
@@ -193,6 +193,9 @@ def _ip_kernels(name, ip_adapter, width):
             raise IPAdapterFileError(f"{name!r}: ip_adapter.{key} is {value.shape}; expected (hidden, {width}), "
                                      "the image projection's width")
         found[int(match[1]), match[2]] = value
+    if bad := [f"ip_adapter.{key}" for key, value in ip_adapter.items() if non_finite(np.asarray(value))]:
+        raise IPAdapterFileError(f"{name!r} holds NaN or inf in {short_list(bad, 6)}: a damaged or diverged file, "
+                                 "which would draw black images; use another copy")
     count = len(found) // 2
     if set(found) != {(2 * i + 1, kv) for i in range(count) for kv in "kv"}:
         keys = ", ".join(f"{i}.to_{kv}_ip" for i, kv in sorted(found)[:6])

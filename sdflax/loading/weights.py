@@ -53,6 +53,24 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not fit the model built from its config."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """A checkpoint holds NaN or inf: the model would draw black or NaN images without a word."""
+
+
+def non_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds NaN or inf, at about the speed of reading it: a float32 sum of finite weights is
+    finite (one that overflows is checked element by element); float16 by its exponent bits, which numpy would
+    otherwise convert one by one."""
+    if array.dtype == np.float16 and array.flags.c_contiguous:
+        exponent = np.uint16(0x7C00)
+        return bool(np.any((array.view(np.uint16) & exponent) == exponent))
+    if array.dtype.kind not in "fV" or array.dtype.kind == "V" and array.dtype.name != "bfloat16":
+        return False  # integers (T5's ids, a tokenizer's tables) and booleans are always finite
+    with np.errstate(all="ignore"):
+        total = np.add.reduce(array, axis=None, dtype=np.float64 if array.dtype == np.float64 else np.float32)
+    return not np.isfinite(total) and not bool(np.isfinite(array).all())
+
+
 def _module_and_leaf(key: str) -> tuple[str, str]:
     for prefix in OPTIONAL_PREFIXES:
         key = key.removeprefix(prefix)
@@ -82,7 +100,7 @@ def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="check
     """
     targets = traverse_util.flatten_dict(shapes)
     by_name = {("_".join(path[:-1]), path[-1]): path for path in targets}
-    params, unexpected, mismatched = {}, [], []
+    params, sources, unexpected, mismatched = {}, {}, [], []
     if any(copy in state_dict for copy in TIED):
         state_dict = dict(state_dict)
         for copy, original in TIED.items():
@@ -102,7 +120,7 @@ def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="check
         if value.shape != tuple(target.shape):
             mismatched.append(f"{key}: checkpoint {tuple(np.shape(array))}, model expects {tuple(target.shape)}")
             continue
-        params[path] = value
+        params[path], sources[path] = value, (key, np.asarray(array))
     missing = ["/".join(path) for path in targets if path not in params]
     problems = []
     if mismatched:
@@ -113,11 +131,12 @@ def convert_state_dict(state_dict: dict, shapes, dtype=jnp.float32, where="check
         problems.append(f"not used by the model: {short_list(unexpected)}")
     if problems:
         raise CheckpointMismatchError(f"{where} does not match the model config: " + " | ".join(problems))
-    return traverse_util.unflatten_dict(_to_device(params, np.dtype(dtype)))
+    return traverse_util.unflatten_dict(_to_device(params, np.dtype(dtype), sources, where))
 
 
-def _to_device(arrays: dict, dtype: np.dtype) -> dict:
-    """{key: numpy array or view} -> {key: jax.Array in `dtype`}, copied in batches by a few threads."""
+def _to_device(arrays: dict, dtype: np.dtype, sources: dict, where: str) -> dict:
+    """{key: numpy array or view} -> {key: jax.Array in `dtype`}, copied in batches by a few threads, each array
+    checked for NaN and inf as it goes (`sources`: the checkpoint's name and tensor of each)."""
     batches, size = [[]], 0
     for key, array in arrays.items():
         if size > COPY_BATCH_BYTES:
@@ -127,11 +146,15 @@ def _to_device(arrays: dict, dtype: np.dtype) -> dict:
         size += array.size * dtype.itemsize
 
     def copy(keys):  # cast one batch at a time: a bfloat16 load never holds a float32 copy of the model
-        return jax.device_put([arrays[key].astype(dtype, copy=False) for key in keys])
+        bad = [sources[key][0] for key in keys if non_finite(sources[key][1])]
+        return bad, None if bad else jax.device_put([arrays[key].astype(dtype, copy=False) for key in keys])
 
     with ThreadPoolExecutor(COPY_THREADS) as pool:
-        copies = pool.map(copy, batches)
-        return {key: value for keys, values in zip(batches, copies) for key, value in zip(keys, values)}
+        copies = list(pool.map(copy, batches))
+    if bad := [name for found, _ in copies for name in found]:
+        raise NonFiniteWeightsError(f"{where} holds NaN or inf in {short_list(bad, 6)}: a damaged or diverged "
+                                    "checkpoint, which would draw black images; use another copy of the file")
+    return {key: value for keys, (_, values) in zip(batches, copies) for key, value in zip(keys, values)}
 
 
 def weight_files(folder, variant: str | None = None) -> list[str]:
