@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "weights" / "tiny-sd"
-DEFAULT_TOKENIZER = REPO.parent / "shared" / "data" / "clip-tokenizer"  # vocab.json + merges.txt
+DEFAULT_TOKENIZER = REPO / "sdflax" / "configs" / "tokenizer"  # the bundled CLIP BPE: vocab.json + merges.txt
 SEED = 0
 
 # SD 1.x's UNet (block types, cross-attention, 32 norm groups, heads given as `attention_head_dim`),

@@ -20,6 +20,7 @@ first line.
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import re
@@ -104,6 +105,23 @@ def test_mkdocs_builds_strict(tmp_path):
     # The README is outside docs/: its links to the pages are checked here.
     links = re.findall(r"\]\((docs/[^)#]+)", (REPO / "README.md").read_text())
     assert links and [link for link in links if not (REPO / link).is_file()] == []
+
+
+def test_the_index_lists_every_page_and_the_command_line_page_every_option():
+    """Friction: docs/index.md left out the SD 3.5 page, and docs/command-line.md --guider and --guider-arg."""
+    from sdflax.cli.parse import build_parser
+
+    pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "index.md")
+    index, readme = (DOCS / "index.md").read_text(), (REPO / "README.md").read_text()
+    assert [page for page in pages if f"]({page})" not in index] == []
+    assert [page for page in pages if f"](docs/{page})" not in readme] == []
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    options = {option for name in ("generate", "img2img", "inpaint") for action in commands[name]._actions
+               for option in action.option_strings if option.startswith("--") and action.help != argparse.SUPPRESS}
+    documented = (DOCS / "command-line.md").read_text() + (DOCS / "img2img-inpainting.md").read_text()
+    assert sorted(option for option in options - {"--help"}
+                  if not re.search(re.escape(option) + r"(?![\w-])", documented)) == []
 
 
 def test_few_blocks_are_not_run():

@@ -55,3 +55,18 @@ def test_benchmark_scheduler_takes_the_names_the_cli_takes(capsys):
         parser.parse_args(["--scheduler", "DDIM Karras"])
     assert exit_.value.code == 2
     assert "argument --scheduler: scheduler 'DDIM Karras': DDIM has no Karras σ schedule" in capsys.readouterr().err
+
+
+def test_the_scripts_run_from_a_clone_with_the_runtime_install(tmp_path):
+    """Friction: make_tiny_checkpoint.py's default tokenizer folder was outside the repository, and the accelerator
+    report, which needs the test extra, ended in `ModuleNotFoundError: diffusers` in a runtime install."""
+    spec = importlib.util.spec_from_file_location("make_tiny", SCRIPTS / "make_tiny_checkpoint.py")
+    make_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny)
+    tokenizer = make_tiny.DEFAULT_TOKENIZER
+    assert tokenizer.is_relative_to(SCRIPTS.parent) and (tokenizer / "vocab.json").is_file()
+
+    result = without_torch("accelerator_report.py", "--out", tmp_path / "report.json")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "lacks torch" in result.stderr and "pip install -e '.[test]'" in result.stderr, result.stderr
+    assert not (tmp_path / "report.json").exists()

@@ -22,7 +22,9 @@ PYTHONPATH's /tmp/site): sdflax runs in bfloat16 with the Pallas flash attention
 blocks fit (`Kernels.pallas_runs`), correctness compares it with PyTorch on the host's CPU, and the diffusers speed
 jobs are skipped (PyTorch has no TPU without torch_xla), so the speed rows are sdflax's alone.
 
-On the CPU (`--size tiny`, the default there) the same code runs on small models of the same architectures, one
+On the CPU (`python scripts/accelerator_report.py --out report.json`: `--size tiny`, the default there; it needs
+the test extra, `pip install -e '.[test]'`, for torch and diffusers) the same code runs on small models of the
+same architectures, one
 job per code path; tests/test_accelerator_report.py does that daily, so the GPU path's code runs up to the device
 calls. There the jobs that do not time their own start-up are forked from the parent, which imports the libraries
 once (the tiny models cost less than importing torch and diffusers in every job), and two jobs run at once, each

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -212,6 +213,10 @@ def main(argv=None):
         return 0
     if not args.out:
         p.error("--out FILE.json is required")
+    lacking = [name for name in ("torch", "diffusers", "transformers") if importlib.util.find_spec(name) is None]
+    if lacking:  # the oracle side: the runtime install has none of them
+        p.error(f"the report compares sdflax with PyTorch's diffusers and lacks {', '.join(lacking)}: install the "
+                "test extra (pip install -e '.[test]'), or on a GPU machine the wheels the docstring names")
     out = Path(args.out)
     if out.exists():
         p.error(f"{out} exists: give a new file (the report never overwrites one)")
