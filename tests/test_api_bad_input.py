@@ -275,3 +275,34 @@ def test_generate_sharded_with_one_key_for_a_batch(tiny):
     ids = pipe.prepare_inputs(["a fox"] * jax.local_device_count())
     refused(ValueError, lambda: pipe.generate_sharded(ids, params, jax.random.key(0), 2),
             "prng_seed is one key, but generate_sharded takes one per device or per image: jax.random.split(key, ")
+
+
+def test_every_number_and_picture_is_finite_in_float32(tiny):
+    """NaN, inf and numbers past float32's range reached the program and drew black images (a guidance scale was
+    the only number checked): one check covers every argument, a conditioning's own too."""
+    import dataclasses
+
+    pipe, params, ids = tiny
+    key, latents = jax.random.PRNGKey(0), np.zeros((1, 4, 16, 16), np.float32)
+
+    @dataclasses.dataclass(frozen=True)
+    class Shift:  # a user's conditioning with one traced number
+        params_name, picture, arguments = "shift", None, {"shift_scale": 0.0}
+
+        def call_inputs(self, args, settings, batch, leading_dims):
+            return jnp.asarray(args["shift_scale"], jnp.float32)
+
+        def wrap(self, params, inputs, settings, cond, start):
+            return lambda unet_fn: unet_fn
+
+    shifted, with_shift = pipe.with_conditioning(Shift()), {**params, "shift": jnp.zeros(())}
+    euler = pipe.replace()
+    euler.scheduler = "euler"
+    for call, name in [
+        (lambda: pipe(ids, params, key, 2, latents=np.full_like(latents, np.nan)), "latents"),
+        (lambda: pipe(ids, params, key, 2, latents=jnp.asarray(latents).at[0, 0, 0, 0].set(np.inf)), "latents"),
+        (lambda: shifted(ids, with_shift, key, 2, shift_scale=float("nan")), "shift_scale"),
+        (lambda: shifted(ids, with_shift, key, 2, shift_scale=1e39), "shift_scale"),
+        (lambda: euler(ids, params, key, sigmas=[1e300, 1.0, 0.0]), "sigmas"),
+    ]:
+        refused(ValueError, call, f"{name} holds NaN, inf or a number past float32's range")

@@ -290,7 +290,7 @@ def check_controlnets(request, unet, vae_scale_factor):
     from ..loading.hub import ModelNotFoundError, resolve_folder
     from ..models.config import read_config_file
     from ..models.controlnet import ControlNetConfig
-    from ..pipeline.checks import condition_scale_mismatch
+    from ..pipeline.controlnet import condition_scale_mismatch
 
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):

@@ -23,7 +23,7 @@ from ..guiders import Guider
 from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter
-from .controlnet import ControlNet, as_nets
+from .controlnet import ControlNet, as_nets, check_control_images
 from .generate import SKIP_LAYERS, SkipLayerInputs
 from .starts import schedule_window
 from .t2i_adapter import T2IAdapters
@@ -37,6 +37,7 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=()):
     """(Inputs, Settings) from a call's arguments (`renamed`: argument names that differ from the Inputs field
     they fill), checked."""
     check_kinds(args)
+    call = args  # as given: the checks below name its arguments
     scheduler = spec.scheduler
     if args.get("timesteps") is not None or args.get("sigmas") is not None:  # their steps, as diffusers
         scheduler = scheduler.with_schedule(args.get("timesteps"), args.get("sigmas"))
@@ -101,6 +102,8 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=()):
     if settings.skip_guidance_layers:
         conditions[SKIP_LAYERS] = SkipLayerInputs(*(jnp.asarray(args[f"skip_layer_guidance_{name}"], jnp.float32)
                                                     for name in ("scale", "start", "stop")))
+    if leading_dims is not None:
+        check_finite(call)  # after the checks that say more of a particular argument
     return inputs.replace(conditions=conditions or None), settings
 
 
@@ -183,6 +186,32 @@ def check_kinds(args):
             continue
         if isinstance(value, bool) or not (hasattr(value, "shape") or isinstance(value, numbers.Real)):
             raise TypeError(f"{name} must be a number, got {value!r:.40} ({type(value).__name__})")
+
+
+def check_finite(args):
+    """Every number and picture of a call finite in float32, where the program computes with it: NaN, inf and
+    values past float32's range (sigmas=[1e300, 0]) drew black images without a word."""
+    for name, value in args.items():
+        if name.endswith("_ids") or callable(value) or isinstance(value, (str, bool)) or value is None:
+            continue
+        leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, (jax.Array, np.ndarray)))
+        if any(not finite_float32(leaf) for leaf in leaves):
+            raise ValueError(f"{name} holds NaN, inf or a number past float32's range (about 3.4e38): give finite "
+                             "numbers")
+
+
+def finite_float32(x) -> bool:
+    """Whether a number or array is finite as float32 (keys, tracers, text and booleans are taken as they are)."""
+    if isinstance(x, jax.core.Tracer) or isinstance(x, (bool, str, np.bool_)):
+        return True
+    if isinstance(x, jax.Array):
+        if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+            return True  # a key, or booleans
+        return bool(jnp.isfinite(x.astype(jnp.float32)).all())
+    if isinstance(x, numbers.Real) or isinstance(x, np.ndarray) and x.dtype.kind in "fiu":
+        with np.errstate(all="ignore"):
+            return bool(np.isfinite(np.asarray(x, np.float32)).all())
+    return True
 
 
 def guided(guidance_scale) -> bool:
@@ -338,7 +367,8 @@ def image_size(spec, inputs, args, leading_dims, height, width):
     sizes = [(name, pixels(spec, getattr(inputs, name))) for name, _ in spec.start.images]
     if nets_of(spec, ControlNet):  # the control images
         if leading_dims is not None:
-            check_control_images(spec, args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
+            check_control_images(nets_of(spec, ControlNet), spec.denoiser.model, spec.vae.scale_factor,
+                                 args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the control image", as_nets(args["control_image"])[0].shape[-2:]))
     if nets_of(spec, T2IAdapters):  # the T2I-Adapters' pictures
         if leading_dims is not None:
@@ -400,53 +430,9 @@ def check_picture_values(what, image, make):
         raise ValueError(f"{what} spans [{low:.4g}, {high:.4g}]; pictures are floats in [0, 1]: make it with {make}")
 
 
-def check_control_images(spec, given, leading_dims, batch):
-    """The control images against the nets: one (batch) per net, of the net's channels and one size."""
-    nets, images = nets_of(spec, ControlNet), as_nets(given)
-    if len(images) != len(nets):
-        raise ValueError(f"{len(images)} control images for {len(nets)} ControlNets: give one image (batch) per "
-                         "net, in the order of the nets")
-    size = None
-    for k, (net, image) in enumerate(zip(nets, images)):
-        name = f"control image {k}" if len(nets) > 1 else "the control image"
-        channels = net.config.conditioning_channels
-        if image.ndim != leading_dims + 3 or image.shape[-3] != channels:
-            expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
-            sharded = " and shard()" if leading_dims == 2 else ""
-            raise ValueError(f"{name} has shape {image.shape}; expected {expected}: make it with "
-                             f"pipeline.prepare_image_inputs(images){sharded}")
-        if image.shape[:leading_dims] != batch:
-            raise ValueError(f"{name} has shape {image.shape} for a batch of {batch}: give one control image "
-                             "per prompt")
-        if size is not None and image.shape[-2:] != size:
-            raise ValueError(f"{name} is {image.shape[-1]}x{image.shape[-2]}, the first {size[1]}x{size[0]}: "
-                             "give control images of one size")
-        size = image.shape[-2:]
-    check_controlnets(nets, spec.denoiser.model, spec.vae.scale_factor)
-
-
 def nets_of(spec, wrapper) -> tuple:
     """The nets of the spec's `wrapper` (ControlNet, T2IAdapters): () where it has none."""
     return next((piece.nets for piece in spec.wrappers if isinstance(piece, wrapper)), ())
-
-
-def check_controlnets(nets, unet, vae_scale_factor):
-    """ControlNets of the UNet's family, whose condition encoders bring a picture to the VAE's latent size."""
-    for net in nets:
-        if net.config.addition_embed_type != unet.config.addition_embed_type or (
-                net.config.cross_attention_dim != unet.config.cross_attention_dim):
-            raise ValueError("a ControlNet of another model family than the pipeline's UNet (cross-attention "
-                             f"dim {net.config.cross_attention_dim} vs {unet.config.cross_attention_dim}, "
-                             f"addition_embed_type {net.config.addition_embed_type!r} vs "
-                             f"{unet.config.addition_embed_type!r}): use a ControlNet trained for this base model")
-        if net.config.condition_scale != vae_scale_factor:
-            raise ValueError(condition_scale_mismatch(net.config, vae_scale_factor))
-
-
-def condition_scale_mismatch(config, vae_scale_factor) -> str:
-    return (f"a ControlNet whose condition encoder makes 1/{config.condition_scale} of the picture's size ("
-            f"{len(config.conditioning_embedding_out_channels)} conditioning_embedding_out_channels), but the VAE's "
-            f"latents are 1/{vae_scale_factor} of it: use a ControlNet trained for this base model")
 
 
 @functools.cache

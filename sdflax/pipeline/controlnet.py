@@ -83,3 +83,49 @@ class ControlNet:
             return controlled
 
         return wrapper
+
+
+# ---- checks -----------------------------------------------------------------------------------------------------
+
+def check_control_images(nets, unet, vae_scale_factor, given, leading_dims, batch):
+    """The control images against the nets: one (batch) per net, of the net's channels and one size."""
+    images = as_nets(given)
+    if len(images) != len(nets):
+        raise ValueError(f"{len(images)} control images for {len(nets)} ControlNets: give one image (batch) per "
+                         "net, in the order of the nets")
+    size = None
+    for k, (net, image) in enumerate(zip(nets, images)):
+        name = f"control image {k}" if len(nets) > 1 else "the control image"
+        channels = net.config.conditioning_channels
+        if image.ndim != leading_dims + 3 or image.shape[-3] != channels:
+            expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
+            sharded = " and shard()" if leading_dims == 2 else ""
+            raise ValueError(f"{name} has shape {image.shape}; expected {expected}: make it with "
+                             f"pipeline.prepare_image_inputs(images){sharded}")
+        if image.shape[:leading_dims] != batch:
+            raise ValueError(f"{name} has shape {image.shape} for a batch of {batch}: give one control image "
+                             "per prompt")
+        if size is not None and image.shape[-2:] != size:
+            raise ValueError(f"{name} is {image.shape[-1]}x{image.shape[-2]}, the first {size[1]}x{size[0]}: "
+                             "give control images of one size")
+        size = image.shape[-2:]
+    check_controlnets(nets, unet, vae_scale_factor)
+
+
+def check_controlnets(nets, unet, vae_scale_factor):
+    """ControlNets of the UNet's family, whose condition encoders bring a picture to the VAE's latent size."""
+    for net in nets:
+        if net.config.addition_embed_type != unet.config.addition_embed_type or (
+                net.config.cross_attention_dim != unet.config.cross_attention_dim):
+            raise ValueError("a ControlNet of another model family than the pipeline's UNet (cross-attention "
+                             f"dim {net.config.cross_attention_dim} vs {unet.config.cross_attention_dim}, "
+                             f"addition_embed_type {net.config.addition_embed_type!r} vs "
+                             f"{unet.config.addition_embed_type!r}): use a ControlNet trained for this base model")
+        if net.config.condition_scale != vae_scale_factor:
+            raise ValueError(condition_scale_mismatch(net.config, vae_scale_factor))
+
+
+def condition_scale_mismatch(config, vae_scale_factor) -> str:
+    return (f"a ControlNet whose condition encoder makes 1/{config.condition_scale} of the picture's size ("
+            f"{len(config.conditioning_embedding_out_channels)} conditioning_embedding_out_channels), but the VAE's "
+            f"latents are 1/{vae_scale_factor} of it: use a ControlNet trained for this base model")
