@@ -257,3 +257,28 @@ def test_guiders_compose_with_hooks_and_refuse_a_second_combiner(pipes):
             ours.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, latents=latents)
     with pytest.raises(TypeError, match="with_guider takes a guider from sdflax.guiders"):
         ours.with_guider(guiders.ClassifierFreeGuidance)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda g: g.ClassifierFreeGuidance(guidance_scale=float("nan")), "ClassifierFreeGuidance: guidance_scale=nan"),
+    (lambda g: g.AdaptiveProjectedGuidance(eta=1e38), "AdaptiveProjectedGuidance: eta=1e+38"),
+    (lambda g: g.MagnitudeAwareGuidance(alpha=-1e30), "MagnitudeAwareGuidance: alpha=-1e+30"),
+    (lambda g: g.FrequencyDecoupledGuidance(guidance_scales=(1e38, 2.0)), "guidance_scales=(1e+38, 2.0)"),
+    (lambda g: g.ClassifierFreeGuidance(7.5, guidance_rescale=float("inf")), "guidance_rescale=inf"),
+    (lambda g: g.SmoothedEnergyGuidance(seg_blur_sigma=0, seg_guidance_config=SEG_LAYER), "seg_blur_sigma=0 must "
+     "be above 0"),
+    (lambda g: g.SmoothedEnergyGuidance(seg_blur_sigma=-5.0, seg_guidance_config=SEG_LAYER), "seg_blur_sigma=-5.0"),
+    (lambda g: g.ClassifierFreeGuidance(7.5, guidance_rescale="x"), "guidance_rescale='x' must be a number"),
+])
+def test_guider_numbers_are_checked_at_construction(make, expected):
+    """NaN, inf and numbers whose arithmetic overflows float32 drew black or NaN images (only start and stop were
+    checked); SEG's blur of width 0 or below divides by zero."""
+    import sdflax.guiders as guiders
+
+    with pytest.raises(ValueError) as error:
+        make(guiders)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+    guiders.SmoothedEnergyGuidance(seg_blur_sigma=9999999.0, seg_guidance_config=SEG_LAYER)  # diffusers' default
+
+
+SEG_LAYER = {"indices": [0], "fqn": "mid_block.attentions.0.transformer_blocks"}

@@ -19,12 +19,14 @@ import numbers
 from typing import Any
 
 import flax
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import sampling
 from ..hooks.core import Hook
 
-__all__ = ["Guider", "arguments", "cfg", "check_interval", "norm", "norm_axes", "off_at", "positional", "rescale",
+__all__ = ["Guider", "arguments", "cfg", "check_interval", "check_numbers", "norm", "norm_axes", "off_at", "positional", "rescale",
            "static"]
 
 
@@ -52,9 +54,11 @@ class Guider(Hook):
     enabled: bool = static(True)
 
     extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
+    positive_arguments = ()  # traced arguments that must be above 0 (SEG's blur sigma)
 
     def __post_init__(self):
         check_interval(type(self).__name__, self.start, self.stop)
+        check_numbers(self)
 
     def in_interval(self, step, num_steps):
         """Whether guidance runs at evaluation `step` (traced) of `num_steps` (diffusers' `is_within_range`)."""
@@ -66,6 +70,30 @@ class Guider(Hook):
             return outputs[0]
         uncond, cond, *extra = outputs
         return self.guide(cond, uncond, *extra, step=scope.step, num_steps=scope.num_steps)
+
+
+NUMBER_BOUND = 1e8  # past it a guider's float32 arithmetic (scaled differences, norms) overflows into black images
+
+
+def check_numbers(guider):
+    """Each traced argument (scales, weights, momentum, eta, ...) a finite number of magnitude at most NUMBER_BOUND,
+    the `positive_arguments` above 0; arguments traced by a caller's jit are taken as they are."""
+    name = type(guider).__name__
+    for field in dataclasses.fields(guider):
+        value = getattr(guider, field.name)
+        leaves = jax.tree.leaves(value)
+        if not field.metadata.get("pytree_node", True) or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            continue
+        if any(isinstance(x, (bool, np.bool_)) or not (isinstance(x, numbers.Real) or hasattr(x, "dtype"))
+               for x in leaves):
+            raise ValueError(f"{name}: {field.name}={value!r:.60} must be a number")
+        with np.errstate(all="ignore"):
+            values = np.concatenate([np.asarray(x, np.float64).ravel() for x in leaves] or [np.zeros(0)])
+        if not np.isfinite(values).all() or np.abs(values).max(initial=0) > NUMBER_BOUND:
+            raise ValueError(f"{name}: {field.name}={value!r:.60} must be finite and at most {NUMBER_BOUND:.0e} in "
+                             "magnitude: larger values overflow float32 into black images")
+        if field.name in guider.positive_arguments and (values <= 0).any():
+            raise ValueError(f"{name}: {field.name}={value!r:.60} must be above 0")
 
 
 def check_interval(name, start, stop, where="", names=("start", "stop")):

@@ -17,7 +17,7 @@ import flax
 import jax.numpy as jnp
 from jax import lax
 
-from .base import Guider, check_interval, off_at, positional, rescale, static
+from .base import Guider, check_interval, check_numbers, off_at, positional, rescale, static
 
 __all__ = ["FrequencyDecoupledGuidance", "image_from_pyramid", "laplacian_pyramid", "pyrdown", "pyrup"]
 
@@ -128,6 +128,7 @@ class FrequencyDecoupledGuidance(Guider):
             object.__setattr__(self, field, per_level(getattr(self, field), levels))
         for level, (start, stop) in enumerate(zip(self.start, self.stop)):
             check_interval(name, start, stop, f" (level {level})")
+        check_numbers(self)
 
     @property
     def levels(self):

@@ -156,6 +156,7 @@ class SmoothedEnergyGuidance(PerturbsLayers):
     seg_guidance_config: Any = static(None)
 
     extra_predictions = ("pred_cond_seg",)
+    positive_arguments = ("seg_blur_sigma",)  # a Gaussian of width 0 or below divides by zero
     arguments = Arguments(layers="seg_guidance_layers", config="seg_guidance_config", scale="seg_guidance_scale",
                           start="seg_guidance_start", stop="seg_guidance_stop")
     config_class = SmoothedEnergyGuidanceConfig
