@@ -306,3 +306,25 @@ def test_every_number_and_picture_is_finite_in_float32(tiny):
         (lambda: euler(ids, params, key, sigmas=[1e300, 1.0, 0.0]), "sigmas"),
     ]:
         refused(ValueError, call, f"{name} holds NaN, inf or a number past float32's range")
+
+
+def test_settings_that_would_be_ignored_are_refused(tiny):
+    """A call's guidance scale beside a guider, a misspelled scheduler_config key and a coloured IP-Adapter mask were
+    ignored without a word (a PNG or a log would have recorded them)."""
+    from PIL import Image
+
+    from sdflax.guiders import ClassifierFreeGuidance
+
+    pipe, params, ids = tiny
+    guided, key = pipe.with_guider(ClassifierFreeGuidance(5.0)), jax.random.PRNGKey(0)
+    refused(ValueError, lambda: guided(ids, params, key, 2, guidance_scale=3.0),
+            "guidance_scale=3 with the pipeline's guider ClassifierFreeGuidance", "its guidance_scale is 5")
+    refused(ValueError, lambda: guided(ids, params, key, 2, guidance_rescale=0.7), "guidance_rescale=0.7")
+    for same in (5.0, 7.5):  # the guider's own scale, or the class default: nothing is lost
+        guided._checked((ids, params, key, 2), {"guidance_scale": same}, guided.signature, "jit=False", 1)
+    refused(ValueError, lambda: sdflax.StableDiffusion.from_pretrained(TINY, scheduler="euler", scheduler_config={
+        "use_karas_sigmas": True}), "scheduler_config: EulerScheduler takes no 'use_karas_sigmas' (a misspelling?")
+    red = Image.new("RGB", (64, 64), (255, 0, 0))
+    refused(ValueError, lambda: pipe.prepare_ip_adapter_masks([red], 64, 64), "IP-Adapter mask 0 is coloured")
+    grey = Image.new("RGB", (64, 64), (200, 200, 200))
+    assert float(np.asarray(pipe.prepare_ip_adapter_masks([grey], 64, 64)).min()) == 1.0

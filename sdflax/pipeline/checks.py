@@ -33,9 +33,9 @@ INPUTS = tuple(f.name for f in dataclasses.fields(Inputs))
 SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
 
 
-def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=()):
+def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: Mapping = {}):
     """(Inputs, Settings) from a call's arguments (`renamed`: argument names that differ from the Inputs field
-    they fill), checked."""
+    they fill; `defaults`: the pipeline class's), checked."""
     check_kinds(args)
     call = args  # as given: the checks below name its arguments
     scheduler = spec.scheduler
@@ -73,6 +73,8 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=()):
     if guiders and args.get("guidance") is not None:
         raise ValueError(f"guidance= and the pipeline's guider ({type(guiders[0]).__name__}) both combine the "
                          "predictions: give one")
+    if guiders:
+        check_left_to_the_guider(guiders[0], args, defaults)
     check_hooks_fit(spec, hooks, args.get("skip_guidance_layers"))
     settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
                            "height": height, "width": width,
@@ -186,6 +188,23 @@ def check_kinds(args):
             continue
         if isinstance(value, bool) or not (hasattr(value, "shape") or isinstance(value, numbers.Real)):
             raise TypeError(f"{name} must be a number, got {value!r:.40} ({type(value).__name__})")
+
+
+def check_left_to_the_guider(guider, args, defaults):
+    """A guider's scale and rescale are its own: the call's, if not the class default or the guider's value, would
+    be ignored."""
+    for name in ("guidance_scale", "guidance_rescale"):
+        given, default = args.get(name), defaults.get(name)
+        if given is None or isinstance(given, jax.core.Tracer) or np.ndim(given) or default is None:
+            continue
+        own = getattr(guider, name, None)
+        if isinstance(own, jax.core.Tracer):  # the caller's jit or grad traces the guider: its value is unknown
+            continue
+        if np.float32(given) not in [np.float32(default)] + ([] if own is None else [np.float32(own)]):
+            held = f"its {name} is {float(np.float32(own)):g}" if own is not None else f"it takes no {name}"
+            raise ValueError(f"{name}={float(given):g} with the pipeline's guider {type(guider).__name__}, whose "
+                             f"numbers apply ({held}): give it to the guider (pipeline.with_guider(...)), or leave "
+                             f"{name} out")
 
 
 def check_finite(args):

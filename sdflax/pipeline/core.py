@@ -54,7 +54,7 @@ class Pipeline(PipelineLoaders):
     start = FromNoise
     wrappers = ()
     signature: inspect.Signature
-    renamed = {}  # argument names that differ from the Inputs field they fill
+    renamed = {}  # argument names that differ from the Inputs field they fill (`defaults`: the table's)
     hooks = ()  # sdflax.hooks in every call (`with_hooks`)
     ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
     ip_adapter_piece = staticmethod(load_ip_adapter)  # what `load_ip_adapter` makes the piece with
@@ -245,7 +245,7 @@ class Pipeline(PipelineLoaders):
         values.pop("jit", None)
         params = values.pop("params")
         checks.check_params(self.spec, params, mode, type(self).__name__)
-        return (params, *checks.split(self.spec, values, leading_dims, self.renamed, self.hooks))
+        return (params, *checks.split(self.spec, values, leading_dims, self.renamed, self.hooks, self.defaults))
 
 
 CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "wrap")

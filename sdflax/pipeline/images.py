@@ -223,12 +223,16 @@ def preprocess_ip_adapter_masks(masks, height: int, width: int, scale_factor: in
     from PIL import Image
 
     resized = []
-    for mask in as_list(masks, (2, 3)):
+    for k, mask in enumerate(as_list(masks, (2, 3))):
         if not isinstance(mask, Image.Image):
             array = np.asarray(mask)
             array = array[..., 0] if array.ndim == 3 and array.shape[-1] == 1 else array
             if array.dtype != np.uint8:  # float in [0, 1], as sdflax reads every picture
                 array = (np.clip(np.asarray(array, np.float64), 0, 1) * 255).round().astype(np.uint8)
             mask = Image.fromarray(array)
+        rgb = np.asarray(mask.convert("RGB"))
+        if (rgb != rgb[..., :1]).any():  # greyscale at 0.5 would make a red mask black: it would do nothing
+            raise ValueError(f"IP-Adapter mask {k} is coloured; masks are black and white (white: where its picture "
+                             "acts), as diffusers' IPAdapterMaskProcessor reads them")
         resized.append(mask.convert("L").resize((width, height), Image.LANCZOS))
     return preprocess_masks(resized, scale_factor)[:, 0][None]
