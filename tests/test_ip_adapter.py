@@ -155,6 +155,10 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
     with pytest.raises(ValueError, match=r"ip_adapter_scale: up.block_1 has 3 scales; its blocks have 2 attention"):
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(),
                 ip_adapter_scale={"up": {"block_1": [0.0, 1.0, 1.0]}})
+    with pytest.raises(ValueError, match=r"ip_adapter_scale: up block_7 is not one of this UNet's up blocks with "
+                                         r"cross-attention \(block_"):  # it scaled nothing, so the adapter was off
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(),
+                ip_adapter_scale={"up": {"block_7": [1.0]}})
     with pytest.raises(ValueError, match="load_ip_adapter needs weight_name="):
         pipe.load_ip_adapter(params, folder, subfolder="models")
     # a later layer of another width (only layer 0 was checked): a reshape traceback in every call

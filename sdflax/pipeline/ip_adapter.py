@@ -224,6 +224,11 @@ def layer_scales(scale, layers, layers_per_block):
         raise ValueError(f"ip_adapter_scale: {sorted(unknown)} are not UNet parts; a per-block scale is a dict with "
                          "'down', 'mid' and 'up' keys, e.g. {'up': {'block_0': [0.0, 1.0, 0.0]}}")
     per_block = {"down": layers_per_block, "up": layers_per_block + 1}
+    for part, blocks in scale.items():
+        present = sorted({f"block_{name.split('.')[1]}" for name in layers if name.startswith(f"{part}_blocks.")})
+        if isinstance(blocks, dict) and (absent := sorted(set(blocks) - set(present))):  # they would scale nothing
+            raise ValueError(f"ip_adapter_scale: {part} {', '.join(map(str, absent))} is not one of this UNet's "
+                             f"{part} blocks with cross-attention ({', '.join(present) or 'none'})")
     out = []
     for name in layers:
         part, *rest = name.split(".")
