@@ -328,3 +328,27 @@ def test_settings_that_would_be_ignored_are_refused(tiny):
     refused(ValueError, lambda: pipe.prepare_ip_adapter_masks([red], 64, 64), "IP-Adapter mask 0 is coloured")
     grey = Image.new("RGB", (64, 64), (200, 200, 200))
     assert float(np.asarray(pipe.prepare_ip_adapter_masks([grey], 64, 64)).min()) == 1.0
+
+
+def test_components_and_pictures_of_the_wrong_kind_are_named(tiny):
+    """`adapter="path"` ended in an AttributeError at the first call; a grey (H, W) array was read as H pictures of
+    one row each ("got (64,)")."""
+    from sdflax.pipeline.clip_image import clip_image_inputs
+
+    pipe, params, ids = tiny
+    for name in ("adapter", "controlnet"):
+        refused(TypeError, lambda: sdflax.StableDiffusion(**{**pipe.components(), name: "path"}),
+                f"StableDiffusion: {name}= takes a", "not str 'path'")
+    refused(ValueError, lambda: clip_image_inputs(np.zeros((40, 50), np.float32)),
+            "an image array must be (H, W, 3), got (40, 50)")
+
+
+def test_a_pyramid_deeper_than_the_latents_is_refused(tiny):
+    """FrequencyDecoupledGuidance with more levels than the latents can halve: a reshape error from inside."""
+    from sdflax.guiders import FrequencyDecoupledGuidance
+
+    pipe, params, ids = tiny
+    deep = pipe.with_guider(FrequencyDecoupledGuidance(guidance_scales=(2.0,) * 8))
+    with pytest.raises(ValueError, match=r"FrequencyDecoupledGuidance: 8 levels halve the latents 7 times, but these "
+                                         r"are 16 wide on their short side: give at most 5 guidance_scales"):
+        deep(ids, params, jax.random.PRNGKey(0), 2, height=64, width=64)

@@ -269,6 +269,8 @@ def test_guiders_compose_with_hooks_and_refuse_a_second_combiner(pipes):
      "be above 0"),
     (lambda g: g.SmoothedEnergyGuidance(seg_blur_sigma=-5.0, seg_guidance_config=SEG_LAYER), "seg_blur_sigma=-5.0"),
     (lambda g: g.ClassifierFreeGuidance(7.5, guidance_rescale="x"), "guidance_rescale='x' must be a number"),
+    (lambda g: g.AdaptiveProjectedGuidance(adaptive_projected_guidance_norm_dim="x"),  # was a NameError at the call
+     "adaptive_projected_guidance_norm_dim='x' must be None"),
 ])
 def test_guider_numbers_are_checked_at_construction(make, expected):
     """NaN, inf and numbers whose arithmetic overflows float32 drew black or NaN images (only start and stop were

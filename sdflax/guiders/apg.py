@@ -44,6 +44,18 @@ class AdaptiveProjectedGuidance(Guider):
     adaptive_projected_guidance_norm_dim: Any = static(None)
     eta: Any = 1.0
 
+    def __post_init__(self):
+        dims = self.adaptive_projected_guidance_norm_dim
+        axes = (dims,) if isinstance(dims, int) else dims
+        if dims is not None and not (isinstance(axes, (tuple, list)) and axes and all(
+                isinstance(a, int) and not isinstance(a, bool) and -4 <= a < 4 for a in axes)):
+            raise ValueError(f"{type(self).__name__}: adaptive_projected_guidance_norm_dim={dims!r:.40} must be None "
+                             "(every axis but the batch's), an axis or a tuple of axes of the latents (B, C, H, W), "
+                             "e.g. (-2, -1)")
+        if isinstance(dims, list):  # a static field must hash
+            object.__setattr__(self, "adaptive_projected_guidance_norm_dim", tuple(dims))
+        super().__post_init__()
+
     @property
     def carries(self):
         return self.adaptive_projected_guidance_momentum is not None

@@ -140,6 +140,10 @@ class FrequencyDecoupledGuidance(Guider):
 
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         levels, original = self.levels, self.use_original_formulation
+        if (side := min(pred_cond.shape[-2:])) < 2 ** (levels - 1):  # a level would be less than one latent wide
+            raise ValueError(f"{type(self).__name__}: {levels} levels halve the latents {levels - 1} times, but "
+                             f"these are {side} wide on their short side: give at most {side.bit_length()} "
+                             "guidance_scales, or a larger picture")
         rescales = per_level(self.guidance_rescale, levels)
         weights = per_level(self.parallel_weights, levels)
         guided = []

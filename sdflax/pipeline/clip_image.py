@@ -30,7 +30,7 @@ def clip_image_inputs(images, size=224, crop_size=224, mean=CLIP_MEAN, std=CLIP_
     crop_height, crop_width = (crop_size, crop_size) if isinstance(crop_size, int) else crop_size
     mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
     out = []
-    for image in as_list(images):
+    for image in as_list(images, (2, 3)):  # (H, W): one grey picture
         image = rgb(image)
         width, height = image.size
         short, long = sorted((width, height))

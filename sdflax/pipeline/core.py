@@ -18,6 +18,7 @@ import numpy as np
 
 from ..guiders import Guider
 from ..loading.pipelines import PipelineLoaders
+from ..models import ControlNetModel, T2IAdapter
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
@@ -249,9 +250,11 @@ class Pipeline(PipelineLoaders):
 
 
 CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "wrap")
-# the conditioning nets a pipeline's wrappers are built from, and how to give them
-NEEDED_NETS = {ControlNet: ("controlnet", "a ControlNetModel (or a list of them) from ControlNetModel.from_pretrained"),
-               T2IAdapters: ("adapter", "a T2IAdapter (or a list of them) from sdflax.T2IAdapter.from_pretrained")}
+# the conditioning nets a pipeline's wrappers are built from: their argument, their class, how to give them
+NEEDED_NETS = {ControlNet: ("controlnet", ControlNetModel, "a ControlNetModel (or a list of them) from "
+                            "ControlNetModel.from_pretrained"),
+               T2IAdapters: ("adapter", T2IAdapter, "a T2IAdapter (or a list of them) from "
+                             "sdflax.T2IAdapter.from_pretrained")}
 
 
 def given_components(cls, components: dict) -> dict:
@@ -267,9 +270,11 @@ def given_components(cls, components: dict) -> dict:
     for name in ("controlnet", "adapter"):
         net = given.get(name)
         given[name] = () if net is None else tuple(net) if isinstance(net, (list, tuple)) else (net,)
-    for wrapper, (name, what) in NEEDED_NETS.items():
+    for wrapper, (name, net_class, what) in NEEDED_NETS.items():
         if wrapper in cls.wrappers and not given[name]:
             raise ValueError(f"{cls.__name__} needs {name}=: {what}")
+        if wrong := [net for net in given.get(name, ()) if not isinstance(net, net_class)]:
+            raise TypeError(f"{cls.__name__}: {name}= takes {what}, not {type(wrong[0]).__name__} {wrong[0]!r:.60}")
     return given
 
 
