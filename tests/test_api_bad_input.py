@@ -336,7 +336,7 @@ def test_components_and_pictures_of_the_wrong_kind_are_named(tiny):
     from sdflax.pipeline.clip_image import clip_image_inputs
 
     pipe, params, ids = tiny
-    for name in ("adapter", "controlnet"):
+    for name in ("adapter", "controlnet", "text_encoder", "vae"):  # text_encoder_3="none" was SD 3's alike
         refused(TypeError, lambda: sdflax.StableDiffusion(**{**pipe.components(), name: "path"}),
                 f"StableDiffusion: {name}= takes a", "not str 'path'")
     refused(ValueError, lambda: clip_image_inputs(np.zeros((40, 50), np.float32)),

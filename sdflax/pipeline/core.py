@@ -267,6 +267,10 @@ def given_components(cls, components: dict) -> dict:
     for name in (cls.text.denoiser.component, "vae", "scheduler"):
         if given[name] is None:
             raise ValueError(f"{cls.__name__} needs {name}= (from_pretrained loads every component)")
+    for name, model_class in cls.text.models.items():
+        if given[name] is not None and not isinstance(given[name], model_class):
+            raise TypeError(f"{cls.__name__}: {name}= takes a {model_class.__name__} (as from_pretrained loads it), "
+                            f"not {type(given[name]).__name__} {given[name]!r:.60}")
     for name in ("controlnet", "adapter"):
         net = given.get(name)
         given[name] = () if net is None else tuple(net) if isinstance(net, (list, tuple)) else (net,)

@@ -112,7 +112,7 @@ def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
                          f"names, or A1111's ({', '.join(names.SAMPLERS)}, each optionally followed by "
                          f"{', '.join(names.SIGMA_SCHEDULES)} or {names.SGM_UNIFORM})")
     config_class = typing.get_type_hints(cls)["config"]
-    known = {field.name for field in dataclasses.fields(config_class)} | set(config_class.unsupported)
+    known = {field.name for field in dataclasses.fields(config_class)} | set(getattr(config_class, "unsupported", {}))
     if unknown := sorted(set(overrides or {}) - known):  # a checkpoint's own keys may be other tools'; a user's not
         raise ValueError(f"scheduler_config: {cls.__name__} takes no {', '.join(map(repr, unknown))} (a misspelling? "
                          f"it would be ignored); its settings: {', '.join(sorted(known))}")
