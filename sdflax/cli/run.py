@@ -132,7 +132,7 @@ def load(request, checkpoint, dtype):
         adapters = load_t2i_adapters(request, dtype)
         extra = {"controlnet": [net for net, _ in nets]} if nets else {}
         extra.update({"adapter": [adapter for adapter, _ in adapters]} if adapters else {})
-        if checkpoint.single_file and checkpoint.family == "sd3":
+        if checkpoint.single_file and checkpoint.family.single_file == "mmdit":
             pipeline, params = load_sd3_file(request, kind, dtype)
         elif checkpoint.single_file:
             pipeline, params = load_single_file(request, kind, dtype, extra)
@@ -246,7 +246,7 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     # Pass negative ids even for an empty prompt (it is SD's and SD 3's unconditional one): one program with or
     # without them. SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt): None there.
     negative = any(r.negative_prompt or r.negative_prompt_2 for r in rows)
-    neg_ids = None if checkpoint.xl and not negative else pipeline.prepare_inputs(
+    neg_ids = None if checkpoint.family.zeros_for_empty_negative and not negative else pipeline.prepare_inputs(
         [r.negative_prompt for r in rows], **prompt_arguments(rows, negative=True))
     # one key per image (sdflax.random_draws), as numpy: every process of a mesh spanning several passes them all
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in rows])

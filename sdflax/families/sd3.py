@@ -32,7 +32,7 @@ ROWS = {
 }
 
 FAMILY = Family("sd3", "SD 3.x", SD3Text, ("StableDiffusion3",), ROWS, module=__name__, single_file="mmdit",
-                flags=FLAGS)
+                flags=FLAGS, cli="sdflax.cli.sd3")
 
 StableDiffusion3 = FAMILY.classes["StableDiffusion3"]
 StableDiffusion3Img2Img = FAMILY.classes["StableDiffusion3Img2Img"]
