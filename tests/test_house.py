@@ -168,9 +168,25 @@ def test_no_function_of_the_pipeline_layer_takes_the_pipeline_object():
     assert found == []
 
 
-
 def test_pipeline_class_is_at_most_200_lines():
     """`Pipeline` holds the entry points, the spec and its views; loading, checks and preprocessing are elsewhere."""
     tree = ast.parse((PACKAGE / "pipeline" / "core.py").read_text())
     pipeline = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Pipeline")
     assert pipeline.end_lineno - pipeline.lineno + 1 <= 200
+
+
+def test_no_family_name_comparison_under_cli():
+    """What the command line asks of a model family is an attribute of its `Family` value (or of the command-line
+    side it names, `Family.cli`), so a family from a user's module runs with `--model` as sdflax's own do: no
+    comparison of a family or of a family's name under sdflax/cli/."""
+    names = {'"sd"', '"sdxl"', '"sd3"', "'sd'", "'sdxl'", "'sd3'"}
+    found = []
+    for path in (PACKAGE / "cli").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [ast.unparse(side) for side in (node.left, *node.comparators)]
+            if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
+                    side in names or re.search(r"(^|\.)family(\.name)?$", side) for side in sides):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

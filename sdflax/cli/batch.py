@@ -352,7 +352,7 @@ def make_plan(todo, batch, checkpoints) -> list:
     groups = {}
     for line in todo:
         # SDXL's unconditional input is zeros without a negative prompt, the empty prompt's encoding with one
-        zeros = checkpoints[line.program].xl and not line.negative_prompt
+        zeros = checkpoints[line.program].family.zeros_for_empty_negative and not line.negative_prompt
         groups.setdefault((line.program, guidance(line, checkpoints), zeros), []).append(line)
     return [(key, lines[i:i + batch]) for key, lines in groups.items() for i in range(0, len(lines), batch)]
 

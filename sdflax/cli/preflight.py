@@ -5,15 +5,14 @@ gigabytes download. Configs only: no model is built here."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
-from .ip_adapter import check_ip_adapter_width
 from .parse import is_number
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
-from .sd3 import (check_family_flags, check_guider, check_scheduler, check_sd3_size, check_transformer, family_of,
-                  folder_parts, lacks_t5, read_transformer_config, sd3_file_configs)
-from .t2i_adapter import adapter_class, check_t2i_adapters, fit_adapters, read_adapter_pictures
+from .sd3 import check_family_flags, check_scheduler, sd3_file_configs
+from .t2i_adapter import adapter_class, fit_adapters, read_adapter_pictures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +23,7 @@ class Checkpoint:
     folder: str
     local: bool
     commit: str
-    family: str  # "sd", "sdxl" or "sd3"
+    family: object  # its `sdflax.families.Family`
     pipeline: type  # the class of the request's cell: family x start x ControlNet (x T2I-Adapter)
     guidance: float
     height: int
@@ -39,21 +38,20 @@ class Checkpoint:
     guider: object = dataclasses.field(default=None, compare=False)  # --guider's, its scale the guidance
     adapters: object = dataclasses.field(default=None, compare=False)  # t2i_adapter.Adapters, at this size
 
-    @property
-    def xl(self) -> bool:
-        return self.family == "sdxl"
+
+def command_line_side(family):
+    """The module of a family's command-line side (`Family.cli`: `unet.py`'s functions)."""
+    return importlib.import_module(family.cli)
 
 
-def read_configs(folder, family="sd", transformer_changes=None):
-    """(VAEConfig, the denoiser's config) of a checkpoint folder: a UNetConfig, or SD 3.x's transformer's (with
-    `transformer_changes`)."""
-    from ..models import UNetConfig, VAEConfig
+def read_configs(folder, family, transformer_changes=None):
+    """(VAEConfig, the denoiser's config) of a checkpoint folder: its family's (a UNetConfig, SD 3.x's transformer's
+    with `transformer_changes`)."""
+    from ..models import VAEConfig
     from ..models.config import read_config_file
 
     vae = VAEConfig.from_dict(read_config_file(os.path.join(folder, "vae", "config.json")))
-    if family == "sd3":
-        return vae, read_transformer_config(folder, transformer_changes)
-    return vae, UNetConfig.from_dict(read_config_file(os.path.join(folder, "unet", "config.json")))
+    return vae, command_line_side(family).read_denoiser(folder, transformer_changes)
 
 
 def check_checkpoint(request, pictures, controls=None):
@@ -61,7 +59,7 @@ def check_checkpoint(request, pictures, controls=None):
     from ..loading.hub import ModelNotFoundError, resolve_folder, snapshot_commit
     from ..loading.folders import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
-    from ..families import named
+    from ..families import for_index
     from ..schedulers.common import for_family
     from ..pipeline.starts import start_step
 
@@ -80,11 +78,12 @@ def check_checkpoint(request, pictures, controls=None):
             folder = resolve_folder(request.model, request.revision, allow_patterns=CONFIG_FILES)
             index_file = os.path.join(folder, "model_index.json")
             index = read_config_file(index_file) if os.path.isfile(index_file) else {}
-            family, transformer_changes = family_of(index), None
-            without_t5 = family == "sd3" and (request.no_t5 or lacks_t5(index))
-            check_pipeline_folder(folder, request.model, *folder_parts(family, request))
+            family, transformer_changes = for_index(index), None
+            without_t5 = command_line_side(family).without_t5(request, index)
+            check_pipeline_folder(folder, request.model, *command_line_side(family).folder_parts(request))
+        side = command_line_side(family)
         check_family_flags(request, family)
-        cls = named(family).pipeline_class(request.start, bool(request.controlnet))
+        cls = family.pipeline_class(request.start, bool(request.controlnet))
         vae, denoiser = read_configs(folder, family, transformer_changes)
         scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
         check_scheduler(request, family, scheduler)
@@ -92,9 +91,8 @@ def check_checkpoint(request, pictures, controls=None):
         scheduler.check_steps(request.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
-    xl = family == "sdxl"
     if request.t2i_adapter and request.start == "noise" and not request.controlnet:
-        cls = adapter_class(xl)  # the other classes take T2I-Adapters as they are (adapter=)
+        cls = adapter_class(family) or cls  # the other classes take T2I-Adapters as they are (adapter=)
     strength = None
     if pictures:
         strength = request.strength if request.strength is not None else cls.defaults["strength"]
@@ -103,29 +101,20 @@ def check_checkpoint(request, pictures, controls=None):
         except ValueError:
             raise UserError(f"--strength {strength} with --steps {request.steps} runs no denoising step: raise "
                             f"--strength to at least {1 / request.steps:.3g} or --steps") from None
-    if family == "sd":
+    if len(family.text.tokenizers) == 1:
         for flag, value in (("--prompt-2", request.prompt_2), ("--negative-prompt-2", request.negative_prompt_2)):
             if value is not None:
                 raise UserError(f"{flag} is for SDXL's second text encoder, but {request.model} is not an SDXL "
                                 f"checkpoint (it has one): drop {flag}")
-    factor, step = vae.scale_factor, vae.scale_factor
-    if family == "sd3":
-        check_transformer(request, denoiser, vae)
-        step = factor * denoiser.patch_size
-        adapter_configs = ()
-    else:
-        check_unet_channels(request, denoiser, vae)
-        check_controlnets(request, denoiser, factor)
-        check_ip_adapter_width(request, denoiser)
-        adapter_configs = check_t2i_adapters(request, denoiser, factor, xl)
+    adapter_configs = side.check_denoiser(request, family, denoiser, vae)
+    step, step_name = side.size_step(denoiser, vae)
     height, width, pictures, controls, adapter_pictures = fit_pictures(
-        request, denoiser.sample_size * factor, step, pictures, controls, read_adapter_pictures(request),
-        "the VAE scale factor" if step == factor else "the VAE scale factor times the patch size")
-    if family == "sd3":
-        check_sd3_size(request, height, width, denoiser, vae)
-    adapters = fit_adapters(request, adapter_configs, adapter_pictures, height, width, cls.defaults, xl)
+        request, denoiser.sample_size * vae.scale_factor, step, pictures, controls, read_adapter_pictures(request),
+        step_name)
+    side.check_size(request, height, width, denoiser, vae)
+    adapters = fit_adapters(request, adapter_configs, adapter_pictures, height, width, cls.defaults, family)
     guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
-    high_noise_frac = check_refiner(request, xl, scheduler, vae) if request.refiner else None
+    high_noise_frac = check_refiner(request, family, scheduler, vae) if request.refiner else None
     if request.high_noise_frac is not None and high_noise_frac is None:
         raise UserError("--high-noise-frac applies with --refiner: add --refiner ID_OR_DIR, or drop it")
     scales = ()
@@ -139,21 +128,10 @@ def check_checkpoint(request, pictures, controls=None):
         raise UserError(f"--guider {request.guider} with --scheduler {request.scheduler!r}: a CFG++ scheduler "
                         "re-noises with classifier-free guidance's unconditional prediction, which the guider "
                         "replaces: use another scheduler with it")
-    if family == "sd3":
-        check_guider(request, guider)
+    side.check_guider(request, guider)
     checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, without_t5,
                             single_file, strength, high_noise_frac, scales, scheduler, guider, adapters)
     return checkpoint, pictures, controls
-
-
-def check_unet_channels(request, unet, vae):
-    """An inpainting UNet (its mask and masked image as input channels) for inpaint only."""
-    latent, unet_channels = vae.latent_channels, unet.in_channels
-    if request.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
-        raise UserError(f"{request.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
-                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
-    if request.command != "inpaint" and unet_channels == 2 * latent + 1:
-        raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
 
 
 def make_guider(request, guidance):
@@ -179,7 +157,7 @@ def make_guider(request, guidance):
         raise UserError(f"--guider {request.guider}: {e}") from None
 
 
-def check_refiner(request, xl, scheduler, vae) -> float:
+def check_refiner(request, family, scheduler, vae) -> float:
     """The --high-noise-frac: --refiner's configs (kilobytes) are an SDXL checkpoint (a refiner or a base) whose
     latents are the base model's, and both halves of the schedule, cut there, run a step."""
     from ..loading.hub import ModelNotFoundError, resolve_folder
@@ -191,7 +169,7 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     from ..schedulers.common import for_family
 
     name = f"--refiner {request.refiner}"
-    if not xl:
+    if family is not StableDiffusionXLImg2Img.family:  # the refiner runs as the base's img2img
         raise UserError(f"{name}: a refiner finishes SDXL base images, but {request.model} is not an SDXL "
                         "checkpoint: drop --refiner, or give an SDXL base --model")
     for flag, given in (("--controlnet", request.controlnet), ("--t2i-adapter", request.t2i_adapter)):
@@ -200,7 +178,7 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     if os.path.isfile(os.path.expanduser(request.refiner)):
         raise UserError(f"{name} is a file: sdflax takes a refiner as a hub id or diffusers folder")
     fraction = request.high_noise_frac if request.high_noise_frac is not None else DEFAULT_HIGH_NOISE_FRAC
-    family = StableDiffusionXLImg2Img.text
+    text = StableDiffusionXLImg2Img.text
     try:
         folder = resolve_folder(request.refiner, None, allow_patterns=CONFIG_FILES)
         index_file = os.path.join(folder, "model_index.json")
@@ -208,9 +186,9 @@ def check_refiner(request, xl, scheduler, vae) -> float:
         if kind is not None and not str(kind).startswith("StableDiffusionXL"):  # before naming files it lacks
             raise UserError(f"{name} is a {kind} checkpoint, not an SDXL refiner or SDXL one: give the folder or hub "
                             "id of one, e.g. stabilityai/stable-diffusion-xl-refiner-1.0")
-        check_pipeline_folder(folder, name, tuple(family.models), family.tokenizers)  # null parts need no files
-        refiner_vae, unet = read_configs(folder)
-        refiner_scheduler = for_family(load_scheduler(folder, request.scheduler), "sdxl")
+        check_pipeline_folder(folder, name, tuple(text.models), text.tokenizers)  # null parts need no files
+        refiner_vae, unet = read_configs(folder, StableDiffusionXLImg2Img.family)
+        refiner_scheduler = for_family(load_scheduler(folder, request.scheduler), text.ays_family)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
     if kind is None or unet.addition_embed_type != "text_time":
@@ -233,7 +211,7 @@ def check_refiner(request, xl, scheduler, vae) -> float:
     return fraction
 
 
-def single_file_configs(request) -> tuple[str, str, dict | None, bool]:
+def single_file_configs(request) -> tuple[str, object, dict | None, bool]:
     """(the folder of configs for a single-file --model, its family, changes to an SD 3.x transformer's config,
     whether it runs without T5): the version is told from the tensor names (a .safetensors header, a .ckpt's
     pickle: the tensors are memory-mapped, not read), the configs are --config's or sdflax's bundled ones for that
@@ -243,6 +221,9 @@ def single_file_configs(request) -> tuple[str, str, dict | None, bool]:
     from ..loading.ldm_names import is_sd3_file, sd3_with_prefixes
     from ..loading.folders import check_pipeline_folder
     from ..loading.single_file import NAMES, bundled_config_folder, detect_version, file_contents
+    from ..loading.folders import read_index
+    from ..families import for_index
+    from ..families.sd3 import FAMILY as SD3
 
     suffix = os.path.splitext(request.model)[1].lower()
     if suffix not in SINGLE_FILE_SUFFIXES:
@@ -252,7 +233,7 @@ def single_file_configs(request) -> tuple[str, str, dict | None, bool]:
         tensors = sd3_with_prefixes(read_checkpoint(os.path.expanduser(request.model)))
         if is_sd3_file(tensors):
             folder, transformer_changes, without_t5 = sd3_file_configs(request, tensors)
-            return folder, "sd3", transformer_changes, without_t5
+            return folder, SD3, transformer_changes, without_t5
         version = detect_version(tensors)
     except ValueError as e:
         raise UserError(f"--model {request.model}: {e}") from e
@@ -260,7 +241,7 @@ def single_file_configs(request) -> tuple[str, str, dict | None, bool]:
         raise UserError(f"--model {request.model} is {NAMES[version]} checkpoint (one OpenCLIP text encoder, no "
                         "CLIP ViT-L): a refiner finishes a base model's images and does not draw from a prompt "
                         "alone; give an SD 1.x, 2.x or SDXL base checkpoint")
-    family = "sdxl" if version == "sdxl" else "sd"
+    family = for_index(read_index(bundled_config_folder(version)))  # the family its bundled configs are
     if request.config is None:
         return bundled_config_folder(version), family, None, False
     contents = file_contents(version)

@@ -16,9 +16,10 @@ from .. import cache
 from .ip_adapter import check_ip_adapters, ip_adapter_inputs, load_ip_adapters
 from .output import image_settings, output_target, save
 from .pictures import read_controls, read_pictures
-from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files, controlnet_configs
+from .preflight import (check_attention, check_checkpoint, check_lora_and_embedding_files, command_line_side,
+                        controlnet_configs)
 from .request import UserError
-from .sd3 import guidance_arguments, load_sd3_file, prompt_arguments
+from .sd3 import guidance_arguments, prompt_arguments
 from .t2i_adapter import adapter_inputs, check_adapter_flags, load_t2i_adapters
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
@@ -132,10 +133,8 @@ def load(request, checkpoint, dtype):
         adapters = load_t2i_adapters(request, dtype)
         extra = {"controlnet": [net for net, _ in nets]} if nets else {}
         extra.update({"adapter": [adapter for adapter, _ in adapters]} if adapters else {})
-        if checkpoint.single_file and checkpoint.family == "sd3":
-            pipeline, params = load_sd3_file(request, kind, dtype)
-        elif checkpoint.single_file:
-            pipeline, params = load_single_file(request, kind, dtype, extra)
+        if checkpoint.single_file:  # read by its family's layout, its errors in the family's flags
+            pipeline, params = command_line_side(checkpoint.family).load_single_file(request, kind, dtype, extra)
         else:
             extra.update({"text_encoder_3": None} if request.no_t5 else {})
             pipeline, params = kind.from_pretrained(request.model, revision=request.revision, dtype=dtype,
@@ -176,25 +175,6 @@ def load_refiner(request, dtype):
                                                         scheduler=request.scheduler, attention=request.attention)
     except (OSError, ValueError) as e:
         raise UserError(f"--refiner {request.refiner}: {e}") from e
-
-
-def load_single_file(request, kind, dtype, extra):
-    """(pipeline, params) of `kind` from a single-file --model, with its configs from --config or the bundled ones,
-    and the ControlNet pipelines' `controlnet=`."""
-    from ..loading.single_file import SingleFileError, load_single_file as load_file
-
-    try:
-        parts, params = load_file(os.path.expanduser(request.model), request.config, dtype,
-                                  scheduler=request.scheduler, attention=request.attention, family=kind.text,
-                                  pipeline=kind.__name__)
-    except SingleFileError as e:
-        if request.config is not None:
-            raise
-        detail = str(e).partition("; the model configs came from")[0]  # the library's hint names its config=
-        raise UserError(f"--model {request.model} does not fit sdflax's bundled configs for its version (another "
-                        "architecture?): pass --config <a diffusers folder or hub id of the same model>; "
-                        f"{detail}") from e
-    return kind(**parts, **extra), params
 
 
 def add_loras_and_embeddings(request, pipeline, params):
@@ -246,7 +226,7 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, control
     # Pass negative ids even for an empty prompt (it is SD's and SD 3's unconditional one): one program with or
     # without them. SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt): None there.
     negative = any(r.negative_prompt or r.negative_prompt_2 for r in rows)
-    neg_ids = None if checkpoint.xl and not negative else pipeline.prepare_inputs(
+    neg_ids = None if checkpoint.family.zeros_for_empty_negative and not negative else pipeline.prepare_inputs(
         [r.negative_prompt for r in rows], **prompt_arguments(rows, negative=True))
     # one key per image (sdflax.random_draws), as numpy: every process of a mesh spanning several passes them all
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in rows])

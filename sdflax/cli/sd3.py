@@ -1,6 +1,7 @@
-"""What the command line does differently for the model families: which family a checkpoint is (its
-model_index.json), the flags each family takes, and SD 3.x's own (--prompt-3, --no-t5, --max-sequence-length,
-skip-layer guidance), checked against its transformer's config before anything loads and passed to its pipeline."""
+"""The command line's side of SD 3.x (`Family.cli`; the UNet families' is `unet.py`, with the same functions): the
+parts its checks read, its transformer's config and the request's checks against it, and its own flags (--prompt-3,
+--no-t5, --max-sequence-length, skip-layer guidance), checked before anything loads and passed to its pipeline.
+Also what every family's flags share: a family's own flags for its checkpoints only, a scheduler of its kind."""
 
 from __future__ import annotations
 
@@ -13,13 +14,6 @@ from .request import CONFIG_FILES, UserError
 UNET_FLAGS = (("--controlnet", "controlnet"), ("--t2i-adapter", "t2i_adapter"), ("--ip-adapter", "ip_adapter"),
               ("--lora", "lora"), ("--embedding", "embedding"), ("--refiner", "refiner"))
 DEFAULT_SLG_SCALE = 2.8  # diffusers' skip_layer_guidance_scale
-
-
-def family_of(index: dict) -> str:
-    """The name of a checkpoint's family ("sd", "sdxl", "sd3", or one registered) from its model_index.json."""
-    from ..families import for_index
-
-    return for_index(index).name
 
 
 def lacks_t5(index: dict) -> bool:
@@ -37,13 +31,15 @@ def sd3_file_configs(request, tensors) -> tuple[str, dict, bool]:
     from ..loading.ldm_names import SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type
     from ..loading.folders import check_pipeline_folder, read_index
     from ..loading.single_file import bundled_config_folder
+    from ..families import for_index
+    from ..families.sd3 import FAMILY
 
     t5_in_file = "text_encoder_3" in sd3_components_in(tensors)
     if request.config is not None:
         folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
         check_pipeline_folder(folder, f"--config {request.config}", (), ())  # model_index.json, the scheduler's
         index = read_index(folder)
-        if family_of(index) != "sd3":
+        if for_index(index) is not FAMILY:
             raise UserError(f"--config {request.config} is a {index.get('_class_name')} checkpoint, but --model "
                             f"{request.model} is an SD 3.x file: give the diffusers folder or hub id of the same model")
         check_pipeline_folder(folder, f"--config {request.config}", ("transformer", "vae"), ())
@@ -56,20 +52,22 @@ def sd3_file_configs(request, tensors) -> tuple[str, dict, bool]:
         request.no_t5 or not t5_in_file
 
 
-def folder_parts(family, request) -> tuple[tuple, tuple]:
-    """(models, tokenizers) whose configs the checks read: SD 3.x's transformer in place of a UNet; T5 where it
-    loads (its tokenizer is checked when it loads)."""
-    if family != "sd3":
-        return ("text_encoder", "unet", "vae"), ("tokenizer",)
+def folder_parts(request) -> tuple[tuple, tuple]:
+    """(models, tokenizers) whose configs the checks read: the transformer in place of a UNet; T5 where it loads (its
+    tokenizer is checked when it loads)."""
     t5 = () if request.no_t5 else ("text_encoder_3",)
     return ("text_encoder", "text_encoder_2", *t5, "transformer", "vae"), ("tokenizer", "tokenizer_2")
 
 
-def check_family_flags(request, family):
-    """A family's own flags for its checkpoints only, and the UNet-side additions for UNet families only."""
-    from ..families import named, registered
+def without_t5(request, index) -> bool:
+    """--no-t5, or a folder saved without T5."""
+    return request.no_t5 or lacks_t5(index)
 
-    this = named(family)
+
+def check_family_flags(request, this):
+    """A family's own flags for its checkpoints only, and the UNet-side additions for UNet families only."""
+    from ..families import registered
+
     for other in registered().values():
         for flag, field in () if other is this else other.flags:
             if getattr(request, field) not in (None, False, ()):
@@ -99,18 +97,18 @@ def check_guider(request, guider):
 
 
 def check_scheduler(request, family, scheduler):
-    """A flow-matching scheduler for SD 3.x's transformer and for no UNet."""
+    """A flow-matching scheduler for a flow family's denoiser (SD 3.x's transformer) and for no UNet."""
     flow = getattr(scheduler.config, "prediction_type", None) == "flow"
     given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
-    if family == "sd3" and not flow:
+    if family.flow and not flow:
         raise UserError(f"{given}: SD 3.x's transformer samples with flow-matching Euler (A1111's Euler, "
                         "flow_match_euler): give --scheduler Euler")
-    if family != "sd3" and flow:
+    if not family.flow and flow:
         raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for SD 3.x; {request.model}'s UNet "
                         "predicts noise: choose another sampler")
 
 
-def read_transformer_config(folder, changes=None):
+def read_denoiser(folder, changes=None):
     """The transformer's config, with `changes` (a single file's with bundled configs: SD 3 Medium's MMDiT)."""
     from ..models import SD3TransformerConfig
     from ..models.config import read_config_file
@@ -119,9 +117,9 @@ def read_transformer_config(folder, changes=None):
     return SD3TransformerConfig.from_dict({**config, **(changes or {})})
 
 
-def check_transformer(request, transformer, vae):
+def check_denoiser(request, family, transformer, vae) -> tuple:
     """--slg-layers are blocks of the transformer; it takes latents of the VAE's channels (no SD 3.x inpainting
-    transformer takes a mask)."""
+    transformer takes a mask). No T2I-Adapter configs: ()."""
     bad = [i for i in request.slg_layers if i >= transformer.num_layers]
     if bad:
         raise UserError(f"--slg-layers {','.join(map(str, request.slg_layers))}: {request.model}'s transformer has "
@@ -129,9 +127,15 @@ def check_transformer(request, transformer, vae):
     if transformer.in_channels != vae.latent_channels:
         raise UserError(f"{request.model}: its transformer takes {transformer.in_channels} input channels, its VAE's "
                         f"latents have {vae.latent_channels}: sdflax runs SD 3.x transformers of the VAE's latents")
+    return ()
 
 
-def check_sd3_size(request, height, width, transformer, vae):
+def size_step(transformer, vae) -> tuple[int, str]:
+    """(what the output's sides are multiples of, its name in messages): a patch of latents."""
+    return vae.scale_factor * transformer.patch_size, "the VAE scale factor times the patch size"
+
+
+def check_size(request, height, width, transformer, vae):
     """The largest image the transformer's position table covers."""
     largest = transformer.pos_embed_max_size * transformer.patch_size * vae.scale_factor
     if max(height, width) > largest:
@@ -139,9 +143,9 @@ def check_sd3_size(request, height, width, transformer, vae):
                         f"{largest} pixels a side: give --height and --width of at most {largest}")
 
 
-def load_sd3_file(request, kind, dtype):
+def load_single_file(request, kind, dtype, extra):
     """(pipeline, params) of `kind` from an SD 3.x single file, the models it lacks from --config (as its configs;
-    else sdflax's bundled ones), T5 left out with --no-t5."""
+    else sdflax's bundled ones), T5 left out with --no-t5 (`extra`: none, SD 3.x takes no ControlNet here)."""
     from ..loading.single_file import load_sd3_single_file
 
     try:

@@ -84,10 +84,11 @@ def unet_levels(unet, vae_scale_factor) -> list:
     return levels
 
 
-def check_t2i_adapters(request, unet, vae_scale_factor, xl) -> tuple:
+def check_t2i_adapters(request, unet, vae_scale_factor, family) -> tuple:
     """Each --t2i-adapter's config: a T2IAdapter of grey or RGB pictures whose features fit the UNet's down blocks
-    (width and size, level by level); --adapter-factor is SDXL's. The configs, in order."""
-    if request.adapter_factor is not None and not xl:
+    (width and size, level by level); --adapter-factor is for a family whose adapter class takes one (SDXL's). The
+    configs, in order."""
+    if request.adapter_factor is not None and not takes_factor(family):
         raise UserError(f"--adapter-factor is for SDXL's T2I-Adapters, but {request.model} is not an SDXL checkpoint "
                         "(its adapters steer every step): drop --adapter-factor")
     configs = tuple(adapter_config(name) for name in request.t2i_adapter)
@@ -108,7 +109,7 @@ def levels_text(levels) -> str:
     return ", ".join(f"{width} wide at 1/{scale}" for width, scale in levels)
 
 
-def fit_adapters(request, configs, pictures, height, width, defaults, xl) -> Adapters | None:
+def fit_adapters(request, configs, pictures, height, width, defaults, family) -> Adapters | None:
     """The adapters' pictures (at the output size) with their scales and SDXL's factor (`defaults`: the pipeline
     class's), once the output size is a multiple of every adapter's total downscale factor (its smallest
     feature's)."""
@@ -122,17 +123,22 @@ def fit_adapters(request, configs, pictures, height, width, defaults, xl) -> Ada
                             f"factor), not {width}x{height}: give --width and --height multiples of {factor}, e.g. "
                             f"--width {fit[0]} --height {fit[1]}")
     scales = request.adapter_scale or (defaults["adapter_conditioning_scale"],)
-    factor = None if not xl else request.adapter_factor if request.adapter_factor is not None else defaults[
+    factor = None if not takes_factor(family) else request.adapter_factor if request.adapter_factor is not None else defaults[
         "adapter_conditioning_factor"]
     return Adapters(pictures, tuple(scales) * (len(configs) if len(scales) == 1 else 1), factor)
 
 
-def adapter_class(xl) -> type:
+def adapter_class(family) -> type:
     """generate's class with T2I-Adapters and no ControlNet: diffusers' StableDiffusion(XL)AdapterPipeline's."""
-    from ..families.sd import StableDiffusionAdapter
-    from ..families.sdxl import StableDiffusionXLAdapter
+    from ..pipeline.t2i_adapter import T2IAdapters
 
-    return StableDiffusionXLAdapter if xl else StableDiffusionAdapter
+    return next((cls for cls in family.classes.values() if T2IAdapters in cls.wrappers), None)
+
+
+def takes_factor(family) -> bool:
+    """Whether the family's adapters stop after a fraction of the steps (--adapter-factor: SDXL's)."""
+    cls = adapter_class(family)
+    return cls is not None and "adapter_conditioning_factor" in cls.defaults
 
 
 def load_t2i_adapters(request, dtype) -> list:

@@ -25,6 +25,9 @@ class Family:
     flags: tuple = ()  # (flag, Request field) pairs of the command line that only this family takes
     single_file: str | None = None  # "module:name" of the layout its single files are read by (loading)
     module: str = __name__  # where its classes live, for their repr and pickling
+    # the module of its command-line side: the checkpoint parts the checks read, its denoiser's config and the
+    # request's checks against it, the output size's step (`sdflax/cli/unet.py`'s functions)
+    cli: str = "sdflax.cli.unet"
 
     @functools.cached_property
     def classes(self) -> dict:
@@ -46,6 +49,12 @@ class Family:
     def flow(self) -> bool:
         """Whether its denoiser predicts a flow's velocity (flow-matching schedulers) rather than ε or v."""
         return self.text.denoiser.flow
+
+    @property
+    def zeros_for_empty_negative(self) -> bool:
+        """Whether no negative prompt is its own input (`force_zeros_for_empty_prompt`: SDXL), not the empty
+        prompt's ids."""
+        return "force_zeros_for_empty_prompt" in self.text.index_options
 
     def claims(self, class_name: str) -> int:
         """How long a prefix of `class_name` this family claims (0: none): the longest claim wins."""

@@ -31,8 +31,8 @@ ROWS = {
         {"strength": 0.6, "guidance_scale": 7.0}, "SD 3.x inpainting (the known region pasted back every step)."),
 }
 
-FAMILY = Family("sd3", "SD 3.x", SD3Text, ("StableDiffusion3",), ROWS, module=__name__, single_file="sdflax.loading.single_file:MMDiTFiles",
-                flags=FLAGS)
+FAMILY = Family("sd3", "SD 3.x", SD3Text, ("StableDiffusion3",), ROWS, module=__name__, flags=FLAGS,
+                single_file="sdflax.loading.single_file:MMDiTFiles", cli="sdflax.cli.sd3")
 
 StableDiffusion3 = FAMILY.classes["StableDiffusion3"]
 StableDiffusion3Img2Img = FAMILY.classes["StableDiffusion3Img2Img"]
