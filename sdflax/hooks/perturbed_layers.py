@@ -9,7 +9,8 @@ transformer block `{fqn}.{i}` whole. diffusers' `fqn="auto"`, which the `*_layer
 in DiT models only: on a UNet diffusers raises, and sdflax says what to write instead.
 
 Attention is perturbed at the hook point every hook sees (`attend`); whole blocks, self-attention layers and
-feed-forwards are skipped by intercepting the UNet's modules (`wrap_unet`), which have no hook point.
+feed-forwards are skipped by intercepting the UNet's modules (`wrap_unet`), which have no hook point. On SD 3's
+transformer only whole blocks are (`fqn="transformer_blocks"`): the image and text states both pass the skipped block.
 """
 
 from __future__ import annotations
