@@ -5,6 +5,7 @@ T5, prompt_3, a negative prompt, skip-layer guidance, no guidance (Large Turbo's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import jax
@@ -184,6 +185,91 @@ def test_a_skip_layer_window_that_holds_no_step_or_is_no_window_is_refused(text_
     for start, stop in [(0.5, 0.2), (float("nan"), 0.2), (-0.1, 0.2), (0.1, 1.5)]:
         with pytest.raises(ValueError, match="must be fractions of the steps with 0 <= start <= stop <= 1"):
             call(skip_layer_guidance_start=start, skip_layer_guidance_stop=stop)
+
+
+@contextlib.contextmanager
+def guided_by(pipe, guider, num_steps):
+    """diffusers' SD 3 pipeline with its transformer's [uncond; cond] output replaced, at every evaluation, by
+    diffusers' `guider`'s prediction (twice, so that the pipeline's CFG gives it back): the modular pipelines' loop
+    (`set_state`, `prepare_inputs`, each batch between `prepare_models` and `cleanup_models`, the guider)."""
+    transformer, step = pipe.transformer, [0]
+    forward = transformer.forward
+
+    def guided(hidden_states, *, timestep, return_dict=True, **kwargs):
+        rows = hidden_states.shape[0]
+
+        def half(x, index):  # the unconditional (0) or conditional (1) rows of the pipeline's batch
+            return x.chunk(2)[index] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows else x
+
+        guider.set_state(step=step[0], num_inference_steps=num_steps, timestep=timestep)
+        step[0] += 1
+        batches = guider.prepare_inputs({"half": (1, 0)})  # tuple index 0: conditional, 1: unconditional
+        for batch in batches:
+            guider.prepare_models(transformer)
+            batch.noise_pred = forward(half(hidden_states, batch.half), timestep=half(timestep, batch.half),
+                                       return_dict=False, **{k: half(v, batch.half) for k, v in kwargs.items()})[0]
+            guider.cleanup_models(transformer)
+        pred = guider(batches).pred
+        return (torch.cat([pred, pred]),)
+
+    transformer.forward = guided
+    try:
+        yield
+    finally:
+        del transformer.forward
+
+
+def test_skip_layer_guidance_guider_matches_diffusers_guider(text_to_image, monkeypatch):
+    """SkipLayerGuidance on the transformer (block 1 skipped on the conditional copy), its window rounded as
+    diffusers' guider rounds it (stop 0.5 of 5 steps: step 1 only, where the pipeline's skip_guidance_layers
+    would run steps 1 and 2); a new skip scale reuses the program. diffusers mended: its skipped block gives
+    (hidden_states, encoder_hidden_states) where SD 3's block returns (encoder_hidden_states, hidden_states)."""
+    from diffusers import LayerSkipConfig as TheirConfig
+    from diffusers.guiders import SkipLayerGuidance as TheirSLG
+    from diffusers.hooks.layer_skip import TransformerBlockSkipHook
+
+    skip = TransformerBlockSkipHook.new_forward
+
+    def in_the_blocks_order(self, module, *args, **kwargs):
+        out = skip(self, module, *args, **kwargs)
+        return out[::-1] if isinstance(out, tuple) and self._metadata.return_hidden_states_index == 1 else out
+
+    monkeypatch.setattr(TransformerBlockSkipHook, "new_forward", in_the_blocks_order)
+
+    from sdflax.guiders import LayerSkipConfig, SkipLayerGuidance
+
+    theirs, pipe, params = text_to_image
+    window = dict(skip_layer_guidance_start=0.01, skip_layer_guidance_stop=0.5)
+
+    def expected(scale):
+        guider = TheirSLG(guidance_scale=5.0, skip_layer_guidance_scale=scale,  # (its *_layers
+                          skip_layer_config=TheirConfig([1], fqn="auto"), **window)  # fail: int indices)
+        with guided_by(theirs, guider, STEPS):
+            return theirs_images(theirs, guidance_scale=2.0, negative_prompt=NEGATIVE)
+
+    slg = expected(3.0)
+    assert moves(slg, expected(0.0))  # the skipped pass reaches diffusers' image
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(NEGATIVE, max_sequence_length=T5_LENGTH)
+    config = LayerSkipConfig([1], fqn="transformer_blocks")
+    guided = pipe.with_guider(SkipLayerGuidance(5.0, skip_layer_guidance_scale=3.0, skip_layer_config=config,
+                                                **window))
+    check_images(ours_images(guided, params, ids, neg_prompt_ids=neg), slg)
+    compiled = pipe._jitted._cache_size()
+    guided = pipe.with_guider(SkipLayerGuidance(5.0, skip_layer_guidance_scale=0.0, skip_layer_config=config,
+                                                **window))
+    check_images(ours_images(guided, params, ids, neg_prompt_ids=neg), expected(0.0))
+    assert pipe._jitted._cache_size() == compiled  # the scales are traced
+
+
+def test_guiders_that_perturb_attention_are_refused_on_the_transformer(text_to_image):
+    from sdflax.guiders import LayerSkipConfig, PerturbedAttentionGuidance
+
+    _, pipe, params = text_to_image
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    pag = PerturbedAttentionGuidance(perturbed_guidance_config=LayerSkipConfig([1], fqn="transformer_blocks"))
+    with pytest.raises(ValueError, match="PerturbedAttentionGuidance perturbs attention or feed-forward layers"):
+        ours_images(pipe.with_guider(pag), params, ids)
 
 
 def test_no_guidance_matches_diffusers(text_to_image):

@@ -71,12 +71,15 @@ class PerturbsLayers(Guider):
             return rescale(jnp.where(cfg_on, guided, pred_cond), pred_cond, self.guidance_rescale)
         names = self.arguments
         scale, start, stop = getattr(self, names.scale), getattr(self, names.start), getattr(self, names.stop)
-        perturbed_on = (int(start * num_steps) < step) & (step < int(stop * num_steps)) & (jnp.asarray(scale) != 0)
+        perturbed_on = self.perturbed_window(step, num_steps, start, stop) & (jnp.asarray(scale) != 0)
         shift = scale * (pred_cond - perturbed[0])
         alone = (pred_cond if original else perturbed[0]) + shift
         pred = jnp.where(cfg_on, jnp.where(perturbed_on, guided + shift, guided),
                          jnp.where(perturbed_on, alone, pred_cond))
         return rescale(pred, pred_cond, self.guidance_rescale)
+
+    def perturbed_window(self, step, num_steps, start, stop):
+        return (int(start * num_steps) < step) & (step < int(stop * num_steps))
 
     @property
     def num_chunks(self) -> int:
@@ -138,6 +141,15 @@ class SkipLayerGuidance(PerturbsLayers):
     arguments = Arguments(layers="skip_layer_guidance_layers", config="skip_layer_config",
                           scale="skip_layer_guidance_scale", start="skip_layer_guidance_start",
                           stop="skip_layer_guidance_stop")
+
+
+@flax.struct.dataclass(kw_only=True)
+class PipelineSkipLayerGuidance(SkipLayerGuidance):
+    """SkipLayerGuidance as diffusers' StableDiffusion3Pipeline runs it (`skip_guidance_layers=`): its window is
+    n start < step < n stop unrounded, where the guider's rounds n start and n stop down."""
+
+    def perturbed_window(self, step, num_steps, start, stop):
+        return (step > num_steps * start) & (step < num_steps * stop)
 
 
 @flax.struct.dataclass(kw_only=True)

@@ -9,7 +9,8 @@ transformer block `{fqn}.{i}` whole. diffusers' `fqn="auto"`, which the `*_layer
 in DiT models only: on a UNet diffusers raises, and sdflax says what to write instead.
 
 Attention is perturbed at the hook point every hook sees (`attend`); whole blocks, self-attention layers and
-feed-forwards are skipped by intercepting the UNet's modules (`wrap_unet`), which have no hook point.
+feed-forwards are skipped by intercepting the UNet's modules (`wrap_unet`), which have no hook point. On SD 3's
+transformer only whole blocks are (`fqn="transformer_blocks"`): the image and text states both pass the skipped block.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import Attention
+from ..models.mmdit import SD3Transformer2DModel
+from ..models.mmdit_blocks import JointTransformerBlock
 from ..models.unet import BasicTransformerBlock, UNet2DConditionModel
 from .core import LayerError, checkpoint_name, layer_list
 
@@ -125,10 +128,11 @@ def replace_chunk(x, chunks, index, new):
 
 
 def in_unet(module) -> bool:
-    """Whether `module` belongs to the UNet (not to a ControlNet, whose layers have the same names)."""
+    """Whether `module` belongs to the denoiser, a UNet or SD 3's transformer (not to a ControlNet, whose layers
+    have the same names)."""
     while isinstance(module.parent, nn.Module):
         module = module.parent
-    return isinstance(module, UNet2DConditionModel)
+    return isinstance(module, (UNet2DConditionModel, SD3Transformer2DModel))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,12 +155,13 @@ class PerturbedLayers:
                    for prefix, kinds in self.layers())
 
     def check_layers(self, sites):
-        stacks = {name.rsplit(".", 2)[0] for name in sites if name.endswith("attn1")}
+        # a UNet block's self-attention is attn1, an MMDiT block's joint attention attn
+        stacks = {name.rsplit(".", 2)[0] for name in sites if name.endswith(("attn1", ".attn"))}
         for prefix, kinds in self.layers():
             if not any(name.startswith(prefix + ".") for name in sites):
                 raise LayerError(f"{self.setting}: {prefix!r:.80} is no module of this UNet with attention "
                                  f"layers in it: give fqn and indices of a list such as {layer_list(stacks)}")
-            if "block" in kinds and prefix + ".attn1" not in sites:
+            if "block" in kinds and prefix + ".attn1" not in sites and prefix + ".attn" not in sites:
                 raise LayerError(f"{self.setting}: {prefix!r:.80} is no transformer block, which skipping both "
                                  f"attention and feed-forward skips: give fqn of a list such as {layer_list(stacks)}")
 
@@ -192,6 +197,12 @@ class PerturbedLayers:
         if context.method_name != "__call__" or not in_unet(module):
             return next_fun(*args, **kwargs)
         name = checkpoint_name(module.path)
+        if isinstance(module, JointTransformerBlock) and self.perturbs("block", name):  # (context, x): both pass
+            context, x = next_fun(*args, **kwargs)
+            x = replace_chunk(x, chunks, index, jnp.split(args[0], chunks)[index])
+            if context is not None:  # the last block's context is None
+                context = replace_chunk(context, chunks, index, jnp.split(args[1], chunks)[index])
+            return context, x
         if (isinstance(module, BasicTransformerBlock) and self.perturbs("block", name)
                 or isinstance(module, Attention) and name.endswith("attn1") and self.perturbs("attention", name)):
             return replace_chunk(next_fun(*args, **kwargs), chunks, index, jnp.split(args[0], chunks)[index])

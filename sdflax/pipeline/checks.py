@@ -24,7 +24,7 @@ from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter
 from .controlnet import ControlNet, as_nets, check_control_images
-from .generate import SKIP_LAYERS, SkipLayerInputs
+from .skip_layers import check_skip_layer_window, check_skip_layers, skip_layer_guider
 from .starts import schedule_window
 from .t2i_adapter import T2IAdapters
 from .types import Inputs, Settings, float32_array
@@ -91,6 +91,11 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
     skipped_start, _ = schedule_window(scheduler, settings)  # checked before anything is traced
     if settings.skip_guidance_layers:
         check_skip_layer_window(args, settings.num_inference_steps - skipped_start)
+    if settings.skip_guidance_layers and settings.classifier_free_guidance:  # as diffusers: with CFG only
+        if args.get("guidance") is not None:
+            raise ValueError("guidance= and skip_guidance_layers (a SkipLayerGuidance) both combine the predictions: "
+                             "give one")
+        inputs = inputs.replace(hooks=(skip_layer_guider(args, inputs), *(inputs.hooks or ())))
     if not nets_of(spec, T2IAdapters):
         check_unused(args, T2I_ARGUMENTS, "T2I-Adapters: make the pipeline with them (sdflax.StableDiffusionAdapter."
                      "from_pretrained(..., adapter=...))")
@@ -101,9 +106,6 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
     batch = inputs.prompts().shape[:leading_dims or 1]
     conditions = {wrapper.params_name: wrapper.call_inputs(args, settings, batch, leading_dims)
                   for wrapper in spec.wrappers}
-    if settings.skip_guidance_layers:
-        conditions[SKIP_LAYERS] = SkipLayerInputs(*(jnp.asarray(args[f"skip_layer_guidance_{name}"], jnp.float32)
-                                                    for name in ("scale", "start", "stop")))
     if leading_dims is not None:
         check_finite(call)  # after the checks that say more of a particular argument
     return inputs.replace(conditions=conditions or None), settings
@@ -125,46 +127,27 @@ def check_unused(args, defaults: dict, needs: str):
 
 
 def check_hooks_fit(spec, hooks, skip_guidance_layers):
-    """Hooks act on a UNet's layers, as do the guiders that perturb layers; SD 3's transformer takes the guiders
-    that only combine predictions, and its own skip-layer guidance without a guider (as diffusers' pipeline)."""
+    """Hooks act on a UNet's layers; SD 3's transformer takes the guiders that combine predictions and those that
+    skip whole transformer blocks (SkipLayerGuidance, AutoGuidance with LayerSkipConfig(..., fqn=
+    "transformer_blocks")). skip_guidance_layers= is a SkipLayerGuidance of its own."""
     if skip_guidance_layers is not None and any(isinstance(hook, Guider) for hook in hooks):
         raise ValueError("skip_guidance_layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 "
-                         "pipeline: drop the guider (with_guider(None)), or drop skip_guidance_layers")
+                         "pipeline: drop the guider (with_guider(None)), or drop skip_guidance_layers and give "
+                         "SkipLayerGuidance(skip_layer_config=LayerSkipConfig([7, 8, 9], fqn='transformer_blocks'))")
     if spec.denoiser.component == "unet":
         return
-    on_layers = [hook for hook in hooks if not isinstance(hook, Guider) or isinstance(hook, PerturbsLayers)]
-    if on_layers:
-        raise ValueError(f"{type(on_layers[0]).__name__} acts on a UNet's layers; this pipeline's transformer "
-                         "takes guiders that combine predictions (ClassifierFreeGuidance, AdaptiveProjectedGuidance, "
-                         "...) and skip_guidance_layers= for skip-layer guidance")
-
-
-def check_skip_layers(spec, layers) -> tuple:
-    """Skip-layer guidance's blocks as a tuple of block indices of the transformer."""
-    count = getattr(spec.denoiser.model.config, "num_layers", 0)
-    given = [layers] if isinstance(layers, numbers.Integral) else layers
-    if not isinstance(given, (list, tuple)) or not given or not all(
-            isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < count for i in given):
-        raise ValueError(f"skip_guidance_layers={layers!r}: give the transformer blocks to skip, a list of indices in "
-                         f"0 .. {count - 1} (SD 3.5 Medium: [7, 8, 9])")
-    return tuple(int(i) for i in given)
-
-
-def check_skip_layer_window(args, steps: int):
-    """Skip-layer guidance's start and stop: finite fractions, start <= stop, and a window that holds a step (it runs
-    at the evaluations i with steps · start < i < steps · stop, as diffusers' SD 3 pipeline), else it would be
-    recorded and never run. Traced values are the caller's to check."""
-    start, stop = (args.get(f"skip_layer_guidance_{end}") for end in ("start", "stop"))
-    if isinstance(start, jax.core.Tracer) or isinstance(stop, jax.core.Tracer):
-        return
-    start, stop = np.float32(np.asarray(start).reshape(-1)[0]), np.float32(np.asarray(stop).reshape(-1)[0])
-    if not (np.isfinite(start) and np.isfinite(stop) and 0 <= start <= stop <= 1):
-        raise ValueError(f"skip_layer_guidance_start={start:.6g} and skip_layer_guidance_stop={stop:.6g} must be "
-                         "fractions of the steps with 0 <= start <= stop <= 1")
-    if not any(steps * start < i < steps * stop for i in range(steps)):
-        raise ValueError(f"skip-layer guidance from {start:.6g} to {stop:.6g} of {steps} steps runs at no step (it "
-                         "runs at the steps i with steps * start < i < steps * stop): run more steps, or widen "
-                         "skip_layer_guidance_start / skip_layer_guidance_stop")
+    for hook in hooks:
+        if isinstance(hook, PerturbsLayers):
+            kinds = {kind for _, layer_kinds in hook.perturbation.layers() for kind in layer_kinds}
+            if kinds <= {"block"}:
+                continue
+            raise ValueError(f"{type(hook).__name__} perturbs attention or feed-forward layers ({', '.join(sorted(kinds))}"
+                             "), which sdflax does on a UNet only; on SD 3's transformer skip whole blocks: "
+                             "LayerSkipConfig(indices, fqn='transformer_blocks')")
+        if not isinstance(hook, Guider):
+            raise ValueError(f"{type(hook).__name__} acts on a UNet's layers; this pipeline's transformer "
+                             "takes guiders that combine predictions (ClassifierFreeGuidance, AdaptiveProjectedGuidance, "
+                             "...) or skip whole blocks (SkipLayerGuidance), and skip_guidance_layers=")
 
 
 # Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take

@@ -10,9 +10,7 @@ A `Spec` names the pieces (`types.Spec`): a family's text conditioning (`text.SD
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 
@@ -78,8 +76,6 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
         guidance = settings.guidance or sampling.rescaled_guidance(jnp.asarray(inputs.guidance_rescale, jnp.float32))
         model = sampling.guided_model(unet_fn, cond.context, jnp.asarray(inputs.guidance_scale, jnp.float32),
                                       guidance, with_unconditional=takes_unconditional)
-        if settings.skip_guidance_layers:
-            model = skip_layer_guided_model(unet_fn, cond, guidance, inputs, settings.skip_guidance_layers, num_steps)
     else:
         model = sampling.conditional_model(unet_fn, cond.context)
     out = sampling.denoise(model, spec.scheduler, start.latents, settings.num_inference_steps, start.sampler_key,
@@ -93,42 +89,6 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     if settings.output_type == "latent":
         return Output(latents, trajectory)
     return Output(spec.vae.decode(params, latents), trajectory)
-
-
-@flax.struct.dataclass
-class SkipLayerInputs:
-    """SD 3.5's skip-layer guidance (`Inputs.conditions[SKIP_LAYERS]`): its scale, and the fractions of the steps
-    it acts between."""
-
-    scale: Any = None
-    start: Any = None
-    stop: Any = None
-
-
-SKIP_LAYERS = "skip_layer_guidance"
-
-
-def skip_layer_guided_model(unet_fn, cond, guidance, inputs, layers, num_steps):
-    """Skip-layer guidance as diffusers' SD 3 pipeline runs it (SD 3.5 Medium): classifier-free guidance, plus
-    s (cond - cond'), cond' the conditional rows' prediction with the transformer blocks `layers` skipped, at the
-    steps i with n start < i < n stop: an extra pass on B rows there, none elsewhere (`lax.cond`)."""
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    given = inputs.condition(SKIP_LAYERS)
-    scale, slg_scale = f32(inputs.guidance_scale), f32(given.scale)
-    first, last = num_steps * f32(given.start), num_steps * f32(given.stop)
-    text = cond.conditional()
-
-    def model(x, t, step):
-        uncond, conditional = jnp.split(unet_fn(jnp.concatenate([x, x]), t, cond.context, step).astype(jnp.float32), 2)
-        guided = guidance(uncond, conditional, scale)
-
-        def with_skip():
-            skipped = unet_fn(x, t, text.context, step, skip_layers=layers, **text.unet_kwargs).astype(jnp.float32)
-            return guided + (conditional - skipped) * slg_scale
-
-        return jax.lax.cond((step > first) & (step < last), with_skip, lambda: guided)
-
-    return model
 
 
 _PROGRAMS = Runner(generate_fn)  # generate's: the pipelines' one-device program, made when first called
