@@ -352,3 +352,20 @@ def test_a_pyramid_deeper_than_the_latents_is_refused(tiny):
     with pytest.raises(ValueError, match=r"FrequencyDecoupledGuidance: 8 levels halve the latents 7 times, but these "
                                          r"are 16 wide on their short side: give at most 5 guidance_scales"):
         deep(ids, params, jax.random.PRNGKey(0), 2, height=64, width=64)
+
+
+def test_a_perturbed_guider_whose_window_holds_no_step_says_so(tiny):
+    """PAG's default window (0.01 to 0.2 of the steps) holds none of 4: the images equalled plain CFG's silently."""
+    import warnings
+
+    from sdflax.guiders import PerturbedAttentionGuidance
+
+    pipe, params, ids = tiny
+    layer = {"indices": [0], "fqn": "mid_block.attentions.0.transformer_blocks"}
+    pag = pipe.with_guider(PerturbedAttentionGuidance(perturbed_guidance_config=layer))
+    with pytest.warns(UserWarning, match=r"PerturbedAttentionGuidance: perturbed_guidance_start=0.01 and "
+                                         r"perturbed_guidance_stop=0.2 hold none of the 4 steps"):
+        pag._checked((ids, params, jax.random.PRNGKey(0), 4), {}, pag.signature, "jit=False", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at 10 steps step 1 is in the window: no warning
+        pag._checked((ids, params, jax.random.PRNGKey(0), 10), {}, pag.signature, "jit=False", 1)

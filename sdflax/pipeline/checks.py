@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import numbers
+import warnings
 from collections.abc import Mapping
 
 import flax
@@ -91,6 +92,8 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
     skipped_start, _ = schedule_window(scheduler, settings)  # checked before anything is traced
     if settings.skip_guidance_layers:
         check_skip_layer_window(args, settings.num_inference_steps - skipped_start)
+    for guider in guiders:
+        warn_if_never_perturbed(guider, settings.num_inference_steps - skipped_start)
     if settings.skip_guidance_layers and settings.classifier_free_guidance:  # as diffusers: with CFG only
         if args.get("guidance") is not None:
             raise ValueError("guidance= and skip_guidance_layers (a SkipLayerGuidance) both combine the predictions: "
@@ -188,6 +191,20 @@ def check_left_to_the_guider(guider, args, defaults):
             raise ValueError(f"{name}={float(given):g} with the pipeline's guider {type(guider).__name__}, whose "
                              f"numbers apply ({held}): give it to the guider (pipeline.with_guider(...)), or leave "
                              f"{name} out")
+
+
+def warn_if_never_perturbed(guider, steps: int):
+    """A perturbed guider whose window holds none of the call's steps gives plain guidance's images: PAG's default
+    window, 0.01 to 0.2 of the steps, holds none of 4."""
+    if not getattr(guider, "extra_predictions", ()) or not hasattr(guider, "perturbed_window"):
+        return
+    names = guider.arguments
+    start, stop = getattr(guider, names.start), getattr(guider, names.stop)
+    if not any(guider.perturbed_window(step, steps, start, stop) for step in range(steps)):
+        warnings.warn(f"{type(guider).__name__}: {names.start}={start:g} and {names.stop}={stop:g} hold none of the "
+                      f"{steps} steps (it acts after step int({start:g} x {steps}) and before int({stop:g} x "
+                      f"{steps})): the images are plain guidance's; widen the window or take more steps",
+                      stacklevel=5)
 
 
 def check_finite(args):
