@@ -1,32 +1,47 @@
-"""sdflax: Stable Diffusion inference in pure JAX/Flax."""
+"""sdflax: Stable Diffusion in pure JAX/Flax.
 
-from .models import (AutoencoderKL, CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection,
-                     ControlNetModel, SD3Transformer2DModel, T2IAdapter, T5EncoderModel,
-                     UNet2DConditionModel)
-from .parallel import replicate, shard, unshard
-from .cache import enable_compile_cache
-from .families.sd import (StableDiffusion, StableDiffusionAdapter, StableDiffusionControlNet,
-                         StableDiffusionControlNetImg2Img, StableDiffusionControlNetInpaint, StableDiffusionImg2Img,
-                         StableDiffusionInpaint)
-from .families.sd3 import StableDiffusion3, StableDiffusion3Img2Img, StableDiffusion3Inpaint
-from .families.sdxl import (StableDiffusionXL, StableDiffusionXLAdapter, StableDiffusionXLControlNet,
-                           StableDiffusionXLControlNetImg2Img, StableDiffusionXLControlNetInpaint,
-                           StableDiffusionXLImg2Img, StableDiffusionXLInpaint)
-from .families import from_pretrained
-from .pipeline import Inputs, Pipeline, Settings, StableDiffusionOutput, generate, random_draws
-from .pipeline.clip_image import clip_image_inputs
-from .utils import make_image_grid
-from . import hooks
+The public names below are imported on first use (PEP 562): `import sdflax` costs nothing, and the `sdflax`
+command answers --help and argument errors without starting JAX. `from sdflax import StableDiffusion` imports
+what that class needs, and `sdflax.train` brings optax only when training."""
 
+from __future__ import annotations
+
+import importlib
+
+MODULES = {  # public name -> the module that defines it (a module itself where the name is the module's)
+    **dict.fromkeys(("AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
+                     "ControlNetModel", "SD3Transformer2DModel", "T2IAdapter", "T5EncoderModel",
+                     "UNet2DConditionModel"), ".models"),
+    **dict.fromkeys(("replicate", "shard", "unshard"), ".parallel"),
+    "enable_compile_cache": ".cache",
+    **dict.fromkeys(("StableDiffusion", "StableDiffusionAdapter", "StableDiffusionControlNet",
+                     "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img",
+                     "StableDiffusionInpaint"), ".families.sd"),
+    **dict.fromkeys(("StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint"), ".families.sd3"),
+    **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
+                     "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint",
+                     "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint"), ".families.sdxl"),
+    "from_pretrained": ".families",
+    **dict.fromkeys(("Inputs", "Pipeline", "Settings", "StableDiffusionOutput", "generate", "random_draws"),
+                    ".pipeline"),
+    "clip_image_inputs": ".pipeline.clip_image",
+    "make_image_grid": ".utils",
+    "hooks": ".hooks",
+    "train": ".train",
+}
 
 
 def __getattr__(name):
-    """`sdflax.train` on first use: sampling never imports optax."""
-    if name == "train":
-        import importlib
+    if name not in MODULES:
+        raise AttributeError(f"module 'sdflax' has no attribute {name!r}")
+    module = importlib.import_module(MODULES[name], __name__)
+    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
+    globals()[name] = value  # found here from now on
+    return value
 
-        return importlib.import_module(".train", __name__)
-    raise AttributeError(f"module 'sdflax' has no attribute {name!r}")
+
+def __dir__():
+    return sorted({*globals(), *__all__})
 
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",

@@ -119,6 +119,26 @@ def test_python_dash_m_and_help():
     assert result.returncode == 2 and "generate" in result.stderr
 
 
+def test_help_and_argument_errors_start_without_jax(tmp_path):
+    """A light start: `import sdflax` imports no JAX (its names load on first use), and the command answers --help
+    and a bad flag where importing JAX fails (a `jax` that raises stands in front of the real one)."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text('raise ImportError("jax is not to be imported here")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", "import sys, sdflax; sdflax.Pipeline"], capture_output=True,
+                            text=True, env=env)
+    assert "jax is not to be imported here" in result.stderr  # the stand-in is what `import jax` finds
+    result = subprocess.run([sys.executable, "-c", "import sys, sdflax, sdflax.cli; print(sorted(m for m in "
+                             "sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')))"], capture_output=True,
+                            text=True)
+    assert result.returncode == 0 and result.stdout == "[]\n", result.stderr
+    for args, code, expected in ((["generate", "--help"], 0, "--guidance SCALE"),
+                                 (["generate", "a fox", "--steps", "0"], 2, "--steps: must be at least 1, got 0")):
+        result = subprocess.run([sys.executable, "-m", "sdflax", *args], capture_output=True, text=True, env=env)
+        assert result.returncode == code and expected in result.stdout + result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def assert_help_lists(capsys, *options):
     """Each of the three image commands' --help names every option."""
     for command in ("generate", "img2img", "inpaint"):
@@ -162,7 +182,7 @@ def test_a_prompt_that_is_not_utf8_is_one_line(flag, capsys, tmp_path):
 
 def test_a_negative_number_in_exponent_form_is_an_argument_not_an_option():
     """`--guidance -1e6` was "expected one argument": argparse took -1e6 for an option."""
-    from sdflax.cli.parse import build_parser
+    from sdflax.cli.options import build_parser
 
     assert build_parser().parse_args(["generate", "a fox", "--guidance", "-1e6"]).guidance == -1e6
     assert build_parser().parse_args(["generate", "a fox", "--guidance", "-2.5E-1"]).guidance == -0.25
@@ -225,18 +245,21 @@ def test_the_step_bar_counts_the_steps_the_model_runs():
     from types import SimpleNamespace
 
     from sdflax.cli import Request
-    from sdflax.cli.run import refiner_start, steps_run
+    from sdflax.cli.features import refiner as refiner_feature
+    from sdflax.cli.features.refiner import refiner_start
+    from sdflax.cli.run import steps_run
     from sdflax.schedulers import scheduler_from_config
 
     request = Request("generate", "a fox", steps=10)
-    plain = SimpleNamespace(strength=None, high_noise_frac=None)
+    plain = SimpleNamespace(strength=None, features={})
     assert steps_run(request, plain) == 10
-    assert steps_run(request, SimpleNamespace(strength=0.75, high_noise_frac=None)) == 7
+    assert steps_run(request, SimpleNamespace(strength=0.75, features={})) == 7
     xl = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
           "timestep_spacing": "leading"}
     for kind, steps in (("euler", 8), ("heun", 7)):  # timesteps 901, 801, ..., 201 at or above 200, then 101, 1
         refiner = SimpleNamespace(scheduler=scheduler_from_config(xl, kind))
-        base = steps_run(request, SimpleNamespace(strength=None, high_noise_frac=0.8), (refiner, None))
+        base = steps_run(request, SimpleNamespace(strength=None, features={"refiner": 0.8}),
+                         (refiner_feature, (refiner, None)))
         assert base == refiner_start(refiner, 10, 0.8) == steps
 
 

@@ -197,7 +197,6 @@ def test_an_original_layout_net_takes_its_config_from_controlnet_config(folder, 
     from sdflax import ControlNetModel
     from sdflax.cli import Request, build_parser
     from sdflax.cli.batch import add_command
-    from sdflax.cli.pictures import read_controls
     from sdflax.cli.preflight import check_checkpoint
     from sdflax.cli.run import load
 
@@ -217,7 +216,7 @@ def test_an_original_layout_net_takes_its_config_from_controlnet_config(folder, 
         capsys)
 
     request = Request.from_args(build_parser(add_command).parse_args([*args, "--controlnet-config", "net1"]))
-    checkpoint, _, _ = check_checkpoint(request, {}, read_controls(request))
+    checkpoint, _ = check_checkpoint(request, {})
     _, params = load(request, checkpoint, "float32")
     _, expected = ControlNetModel.from_pretrained(folder / "net1")
     flat, expected = traverse_util.flatten_dict(params["controlnet"][0]), traverse_util.flatten_dict(expected)

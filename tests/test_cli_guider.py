@@ -86,7 +86,7 @@ def test_help_lists_the_guider_options(capsys):
 
 
 def test_a_layer_config_in_words_is_the_guiders_config():
-    from sdflax.cli.parse import guider_argument
+    from sdflax.cli.features.guider import guider_argument
     from sdflax.guiders import LayerSkipConfig, PerturbedAttentionGuidance, guider_from_name
 
     key, value = guider_argument("config=mid_block.attentions.0.transformer_blocks:0,1")

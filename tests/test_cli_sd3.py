@@ -97,7 +97,9 @@ def library_text_to_image(files, **load):
 def generated(files):
     """The CLI's text-to-image PNGs: plain, without T5, with skip-layer guidance."""
     args = ["generate", PROMPT, "--prompt-3", PROMPT_3, "--negative-prompt", NEGATIVE]
-    return {"plain": cli(files, "plain.png", *args), "no_t5": cli(files, "no-t5.png", *args, "--no-t5"),
+    # without T5 its prompt has no encoder: --prompt-3 with --no-t5 is refused (the library ignores prompts_3)
+    return {"plain": cli(files, "plain.png", *args),
+            "no_t5": cli(files, "no-t5.png", "generate", PROMPT, "--negative-prompt", NEGATIVE, "--no-t5"),
             "slg": cli(files, "slg.png", *args, "--slg-layers", "1,2", "--slg-scale", "10")}
 
 
@@ -211,6 +213,7 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
     (["--guider", "pag", "--guider-arg", "config=transformer_blocks:0"], "--guider pag perturbs a UNet's layers; "
      "SD 3.x's transformer takes the guiders that combine predictions"),
     (["--max-sequence-length", "513"], "argument --max-sequence-length: must be at most 512 (T5's longest)"),
+    (["--no-t5", "--prompt-3", "x"], "--prompt-3 is T5's prompt, but --no-t5 loads no T5: drop one of them"),
     (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x's transformer samples with flow-matching Euler"),
     (["--scheduler", "EulerDiscreteScheduler"], "--scheduler EulerDiscreteScheduler: SD 3.x's transformer samples "
      "with flow-matching Euler"),

@@ -175,13 +175,15 @@ def test_sdxl_takes_its_adapter_class_and_factor(tmp_path, capsys, monkeypatch):
 
     request, checkpoint = checked("generate", "--adapter-factor", "0.5")
     assert checkpoint.pipeline is StableDiffusionXLAdapter and (checkpoint.width, checkpoint.height) == (32, 32)
-    assert (checkpoint.adapters.scales, checkpoint.adapters.factor) == ((1.0,), 0.5)
+    adapters = checkpoint.features["t2i_adapter"]
+    assert (adapters.scales, adapters.factor) == ((1.0,), 0.5)
     settings = {**image_settings(request, checkpoint.scheduler, checkpoint, "float32"), "seed": 1}
     assert settings["adapter_factor"] == 0.5
     assert png_info(settings).chunks[-1][1].decode().endswith(
         ", T2I-Adapter: adapter (1.0), T2I-Adapter image: edges.png, T2I-Adapter factor: 0.5")
     _, checkpoint = checked("img2img", "--image", "edges.png")
-    assert checkpoint.pipeline is StableDiffusionXLImg2Img and checkpoint.adapters.factor == 1.0  # the default
+    assert checkpoint.pipeline is StableDiffusionXLImg2Img
+    assert checkpoint.features["t2i_adapter"].factor == 1.0  # the default
     capsys.readouterr()
     assert main(["generate", "a house", "--model", "xl", "--t2i-adapter", "adapter", "--adapter-image", "edges.png",
                  "--refiner", "xl", "--out", str(tmp_path / "out")]) == 2

@@ -109,7 +109,7 @@ def test_mkdocs_builds_strict(tmp_path):
 
 def test_the_index_lists_every_page_and_the_command_line_page_every_option():
     """Friction: docs/index.md left out the SD 3.5 page, and docs/command-line.md --guider and --guider-arg."""
-    from sdflax.cli.parse import build_parser
+    from sdflax.cli.options import build_parser
 
     pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "index.md")
     index, readme = (DOCS / "index.md").read_text(), (REPO / "README.md").read_text()

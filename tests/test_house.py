@@ -181,7 +181,7 @@ def test_no_family_name_comparison_under_cli():
     comparison of a family or of a family's name under sdflax/cli/."""
     names = {'"sd"', '"sdxl"', '"sd3"', "'sd'", "'sdxl'", "'sd3'"}
     found = []
-    for path in (PACKAGE / "cli").glob("*.py"):
+    for path in (PACKAGE / "cli").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Compare):
                 continue
@@ -189,4 +189,26 @@ def test_no_family_name_comparison_under_cli():
             if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
                     side in names or re.search(r"(^|\.)family(\.name)?$", side) for side in sides):
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_the_commands_loop_over_the_command_line_features():
+    """Each command-line feature (a ControlNet, an adapter, LoRAs, a guider, ...) is one module of
+    sdflax/cli/features/ with its flags, checks, loading, call arguments and PNG text: the parser, the checks
+    before loading, the loading, the call and the PNG text name none of its flags or their fields."""
+    import argparse
+
+    from sdflax.cli.features import FEATURES
+
+    fields = set()
+    for feature in FEATURES:
+        parser = argparse.ArgumentParser()
+        feature.add_flags(lambda flag, **kwargs: parser.add_argument(flag, **kwargs), "generate")
+        fields |= {action.dest for action in parser._actions if action.dest != "help"}
+    assert {"controlnet", "lora", "guider", "ip_adapter", "t2i_adapter", "refiner", "slg_layers"} <= fields
+    found = []
+    for name in ("options", "preflight", "pictures", "run", "output"):
+        source = (PACKAGE / "cli" / f"{name}.py").read_text()
+        found += [f"{name}.py: {word}" for field in sorted(fields) for word in (f".{field}", f"--{field.replace('_', '-')}",
+                                                                             f'"{field}"') if word in source]
     assert found == []

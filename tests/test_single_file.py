@@ -178,6 +178,25 @@ def test_params_equal_from_pretrained(checkpoint, suffix):
     np.testing.assert_array_equal(pipe.prepare_inputs(prompts), expected_pipe.prepare_inputs(prompts))
 
 
+def test_one_load_takes_a_folder_or_a_single_file(checkpoint):
+    """`sdflax.loading.pipelines.load(family, source)` is the one way in under both entry points: a folder and a
+    file (told apart by the path) give the same params and scheduler config as from_pretrained; options for the
+    other kind of source are refused in one line."""
+    from sdflax.loading.pipelines import load
+
+    arch, _, folder, path, _ = checkpoint
+    _, expected = StableDiffusion.from_pretrained(folder)
+    for source, options in ((folder, {}), (path, {"config": folder}), (str(path), {"config": folder})):
+        components, params, scheduler_config = load(StableDiffusion.family, source, **options)
+        assert_same_params(params, expected)
+        assert set(components) >= {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}
+        assert scheduler_config["prediction_type"] == ("v_prediction" if arch == "sd2" else "epsilon")
+    with pytest.raises(ValueError, match=r"config=.* applies to single files; .* is a diffusers folder"):
+        load(StableDiffusion.family, folder, config=folder)
+    with pytest.raises(ValueError, match=r"variant='fp16' names a diffusers folder's weight files"):
+        load(StableDiffusion.family, path, variant="fp16")
+
+
 def test_bundled_configs_path(checkpoint, monkeypatch):
     """Without `config`: the bundled tokenizer and configs; the tiny test models stand in for the bundled SD
     configs (the full-size configs are checked against diffusers below)."""

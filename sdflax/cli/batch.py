@@ -19,13 +19,14 @@ import os
 import sys
 
 from . import manifest as files
-from .ip_adapter import check_ip_adapters, check_line_images, line_images
+from .features.ip_adapter import check_line_images, line_images
 from .output import image_settings, output_target, slug
-from .parse import add_options, finite, positive_int, seed
-from .preflight import check_attention, check_checkpoint, check_lora_and_embedding_files
+from .options import add_options
+from .parse import finite, positive_int, seed
+from .preflight import check_attention, check_checkpoint
 from .request import Request, UserError
-from .run import compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows, use_compile_cache
-from .t2i_adapter import check_adapter_flags
+from .run import (check_flags, compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows,
+                  use_compile_cache)
 from .workers import Producer, Signals, Writer, run_until_done_or_signal
 
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
@@ -48,8 +49,7 @@ def add_command(commands):
                             "jax.distributed detects them on TPU, SLURM, Kubernetes) split the prompts over all their "
                             "devices.")
     b.add_argument("prompts", metavar="PROMPTS", help="text file (one prompt a line) or .jsonl (one object a line)")
-    add_options(b, exclude=("--num-images", "--grid", "--controlnet", "--controlnet-config", "--control-image",
-                            "--control-scale", "--out"))
+    add_options(b, "batch", exclude=("--num-images", "--grid", "--out"))
     b.add_argument("--out", required=True, metavar="DIR", help="the folder for the PNGs and the manifest")
     b.add_argument("--batch-per-device", type=positive_int, default=1, metavar="N",
                    help="images each device makes at once (default: 1)")
@@ -185,9 +185,7 @@ def run_lines(args, held) -> int:
     lines = read_prompts(args.prompts, args, len(args.ip_adapter))  # every mistake before JAX starts
     folder = output_folder(args.out)
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
-    check_lora_and_embedding_files(base)
-    check_ip_adapters(base, every_image=False)
-    check_adapter_flags(base)  # one picture per adapter for every line, resized to its size
+    check_flags(base, batch=True)  # a T2I-Adapter's picture is every line's, resized to its size
     check_line_images(base, lines, args.prompts)
     files.read_manifests(folder)  # a manifest that is not ours: refused before JAX starts
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from . import batch, run
-from .parse import build_parser
+from .options import build_parser
 from .request import Request, UserError, input_errors
 
 

@@ -191,6 +191,12 @@ def first_difference(made: dict, wanted: dict) -> str:
     return next(name for name in (*wanted, *made) if made.get(name) != wanted.get(name))
 
 
+def quoted(text):
+    """A `parameters` value as A1111 writes one (its infotext `quote`): in JSON quotes where a ',', ':' or newline
+    would end it early."""
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
+
+
 def as_text(value):
     return None if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 

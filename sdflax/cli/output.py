@@ -3,16 +3,13 @@ setting, and A1111's `parameters` line, which other image tools read."""
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 import math
 import os
 import re
 import tempfile
 
-from . import sd3
-from ..guiders.base import arguments
+from .features import having
 from .manifest import as_text, link_png
 from .request import UserError
 
@@ -103,7 +100,8 @@ def grid_shape(n):
 
 
 def image_settings(request, scheduler, checkpoint, dtype) -> dict:
-    """What a PNG records of the request that made it (`png_info`), all but the seed."""
+    """What a PNG records of the request that made it (`png_info`), all but the seed: the core settings, then each
+    feature's."""
     settings = {"prompt": request.prompt, "negative_prompt": request.negative_prompt, "steps": checkpoint.steps,
                 "scheduler": request.scheduler or scheduler_name(scheduler), "sampler": a1111_sampler(scheduler),
                 "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
@@ -115,42 +113,11 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
     settings.update({key: value for key, value in (("prompt_2", request.prompt_2),
                                                    ("negative_prompt_2", request.negative_prompt_2))
                      if value is not None})
-    settings.update(sd3.settings(request, checkpoint.without_t5))
-    if checkpoint.high_noise_frac is not None:
-        settings.update(refiner=request.refiner, high_noise_frac=checkpoint.high_noise_frac)
     if checkpoint.single_file and request.config:
         settings["config"] = request.config
-    if request.lora:  # lists in the order of merging (JSON in the PNG), as the ControlNet entries
-        settings.update(lora=[path for path, _ in request.lora], lora_scale=[scale for _, scale in request.lora])
-    if request.embedding:
-        settings["embedding"] = list(request.embedding)
-    if checkpoint.guider is not None:  # its every argument, the defaults written out (JSON in the PNG)
-        settings.update(guider=type(checkpoint.guider).__name__, guider_args={
-            name: plain(getattr(checkpoint.guider, name)) for name in arguments(checkpoint.guider)
-            if name != "guidance_scale"})
-    if request.controlnet:  # lists, one entry per net in their order (JSON in the PNG)
-        settings.update(controlnet=list(request.controlnet), control_image=list(request.control_image),
-                        control_scale=list(checkpoint.control_scales))
-        if request.controlnet_config:  # one per original-layout file of `controlnet`
-            settings["controlnet_config"] = list(request.controlnet_config)
-    if request.ip_adapter:  # lists, one entry per adapter in their order (JSON in the PNG)
-        settings.update(ip_adapter=[name for name, _ in request.ip_adapter], ip_image=list(request.ip_image),
-                        ip_adapter_scale=[scale for _, scale in request.ip_adapter])
-        if request.ip_image_encoder is not None:
-            settings["ip_image_encoder"] = request.ip_image_encoder
-    if checkpoint.adapters is not None:  # lists, one entry per T2I-Adapter in their order (JSON in the PNG)
-        settings.update(t2i_adapter=list(request.t2i_adapter), adapter_image=list(request.adapter_image),
-                        adapter_scale=list(checkpoint.adapters.scales))
-        if checkpoint.adapters.factor is not None:  # SDXL's
-            settings["adapter_factor"] = checkpoint.adapters.factor
+    for _, feature_settings in having("settings"):
+        settings.update(feature_settings(request, checkpoint))
     return settings
-
-
-def plain(value):
-    """A guider's argument as JSON holds it: layer configs as dicts, tuples as lists."""
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def png_info(settings):
@@ -161,39 +128,18 @@ def png_info(settings):
     for key, value in settings.items():  # iTXt (UTF-8) where Latin-1 cannot hold the text
         info.add_text(key, as_text(value))
     s = settings
-    # A1111 writes a LoRA into the prompt as <lora:NAME:WEIGHT>, NAME the file name without its extension
-    loras = "".join(f" <lora:{os.path.splitext(os.path.basename(path))[0]}:{scale}>"
-                    for path, scale in zip(s.get("lora", ()), s.get("lora_scale", ())))
+    in_prompt = "".join(text(s) for _, text in having("prompt_parameters"))  # A1111's <lora:NAME:WEIGHT>
     negative = f"\nNegative prompt: {s['negative_prompt']}" if s["negative_prompt"] else ""  # none: no line, as A1111
     sampler, schedule = a1111_parameters_sampler(s.get("sampler", s["scheduler"]))
     schedule = f", Schedule type: {schedule}" if schedule else ""
-    parameters = (f"{s['prompt']}{loras}{negative}\nSteps: {s['steps']}, Sampler: {sampler}{schedule}, CFG scale: "
-                  f"{s['guidance_scale']}, Seed: {s['seed']}, Size: {s['width']}x{s['height']}, Model: {s['model']}")
+    parameters = (f"{s['prompt']}{in_prompt}{negative}\nSteps: {s['steps']}, Sampler: {sampler}{schedule}, CFG "
+                  f"scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: {s['width']}x{s['height']}, Model: "
+                  f"{s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
-    if s.get("t5") == "off":  # SD 3.x's: entries of sdflax's own, as the adapters'
-        parameters += ", T5: off"
-    if "slg_layers" in s:
-        parameters += f", SLG layers: {quoted(','.join(map(str, s['slg_layers'])))}, SLG scale: {s['slg_scale']}"
-    if "refiner" in s:  # as A1111 writes its refiner
-        parameters += f", Refiner: {s['refiner']}, Refiner switch at: {s['high_noise_frac']}"
-    for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))):
-        parameters += f', ControlNet {k}: "Model: {net}, Weight: {scale}"'  # as A1111's ControlNet extension
-    if "ip_adapter" in s:  # A1111 has no entry of its own for it
-        adapters = ", ".join(f"{name} ({scale})" for name, scale in zip(s["ip_adapter"], s["ip_adapter_scale"]))
-        parameters += f", IP-Adapter: {quoted(adapters)}, IP-Adapter image: {quoted(', '.join(s['ip_image']))}"
-    if "t2i_adapter" in s:  # as the IP-Adapters: an entry of sdflax's own
-        adapters = ", ".join(f"{name} ({scale})" for name, scale in zip(s["t2i_adapter"], s["adapter_scale"]))
-        parameters += (f", T2I-Adapter: {quoted(adapters)}, T2I-Adapter image: {quoted(', '.join(s['adapter_image']))}"
-                       + (f", T2I-Adapter factor: {s['adapter_factor']}" if "adapter_factor" in s else ""))
+    parameters += "".join(text(s) for _, text in having("parameters"))
     info.add_text("parameters", parameters)
     return info
-
-
-def quoted(text):
-    """A `parameters` value as A1111 writes one (its infotext `quote`): in JSON quotes where a ',', ':' or newline
-    would end it early."""
-    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
 
 
 def save(request, target, images, seeds, settings):

@@ -1,15 +1,13 @@
-"""The pictures a request names (--image, --mask, --control-image, --adapter-image): read and checked before anything
-loads, and resized to the output size."""
+"""The pictures a request names (--image, --mask, and the features' pictures: a ControlNet's, a T2I-Adapter's): read
+and checked before anything loads, and resized to the output size."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
 import numpy as np
 
-from ..utils import is_float32
 from .request import MAX_PICTURE_SIDE, UserError
 
 
@@ -42,14 +40,6 @@ def read_picture(flag, path):
     return eight_bit(picture)
 
 
-@dataclasses.dataclass(frozen=True)
-class Controls:
-    """The --control-image pictures (RGB) and the --control-scale values given (none, one, or one per net)."""
-
-    pictures: tuple
-    scales: tuple
-
-
 def check_counts(models, flag, pictures, picture_flag, scales, scale_flag, noun):
     """One picture per model, in their order, and one scale for all or one per model (`noun`: "nets")."""
     if len(pictures) != len(models):
@@ -58,21 +48,6 @@ def check_counts(models, flag, pictures, picture_flag, scales, scale_flag, noun)
     if len(scales) not in (0, 1, len(models)):
         raise UserError(f"{len(scales)} {scale_flag} for {len(models)} {flag}: give one for all {noun} or one per "
                         f"{noun[:-1]}")
-
-
-def read_controls(request) -> Controls | None:
-    """The ControlNet flags checked against each other, and the control images read."""
-    nets, images, scales = request.controlnet, request.control_image, request.control_scale
-    if not nets and not images and not scales:
-        return None
-    if scales and not nets:
-        raise UserError("--control-scale without --controlnet: it says how strongly the nets steer; add "
-                        "--controlnet and --control-image, or leave it out")
-    check_counts(nets, "--controlnet", images, "--control-image", scales, "--control-scale", "nets")
-    for scale in scales:
-        if not is_float32(scale):
-            raise UserError(f"--control-scale {scale}: give a finite float32 number (1 steers fully, 0 not at all)")
-    return Controls(tuple(read_picture("--control-image", path).convert("RGB") for path in images), tuple(scales))
 
 
 def read_pictures(request) -> dict:
@@ -99,26 +74,25 @@ def read_pictures(request) -> dict:
     return pictures
 
 
-def fit_pictures(request, default, factor, pictures, controls, adapters=(), what="the VAE scale factor"):
-    """(height, width, pictures, controls, adapters): --height/--width must be multiples of `factor` (`what`: the
-    VAE scale factor, SD 3.x's times its patch size).
-    Without them the size is --image's, else the first --control-image's (as diffusers' pipelines take it), else the
-    first --adapter-image's, each side rounded down to a multiple (with a warning line), else the model's. Every
-    input picture is resized to it (scaled, not cropped; Lanczos, as diffusers resizes an adapter's picture)."""
+def fit_pictures(request, default, factor, pictures, conditions=(), what="the VAE scale factor"):
+    """(height, width, pictures, the conditions' pictures): --height/--width must be multiples of `factor` (`what`:
+    the VAE scale factor, SD 3.x's times its patch size). `conditions`: the features' (flag, paths, pictures).
+    Without them the size is --image's, else the first condition picture's (as diffusers' pipelines take a
+    ControlNet's), each side rounded down to a multiple (with a warning line), else the model's. Every input picture
+    is resized to it (scaled, not cropped; Lanczos, as diffusers resizes an adapter's picture)."""
     for flag, value in (("--height", request.height), ("--width", request.width)):
         if value is not None and value > MAX_PICTURE_SIDE:  # its latents and attention would exhaust any memory
             raise UserError(f"{flag} {value} is larger than sdflax makes ({MAX_PICTURE_SIDE} pixels at most)")
         if value is not None and value % factor:
             raise UserError(f"{flag} {value} is not a multiple of {factor}, {what} of {request.model}: "
                             f"use {max(factor, value // factor * factor)} or {(value // factor + 1) * factor}")
+    given = [(flag, paths[0], shown[0]) for flag, paths, shown in conditions if shown]
     if pictures:
         flag, path, source = "--image", request.image, pictures["image"]
-    elif controls:
-        flag, path, source = "--control-image", request.control_image[0], controls.pictures[0]
-    elif adapters:
-        flag, path, source = "--adapter-image", request.adapter_image[0], adapters[0]
+    elif given:
+        flag, path, source = given[0]
     else:
-        return request.height or default, request.width or default, pictures, controls, adapters
+        return request.height or default, request.width or default, pictures, [shown for _, _, shown in conditions]
     from PIL import Image
 
     own_width, own_height = source.size
@@ -135,7 +109,5 @@ def fit_pictures(request, default, factor, pictures, controls, adapters=(), what
     def resize(picture):
         return picture if picture.size == (width, height) else picture.resize((width, height), Image.LANCZOS)
 
-    pictures = {name: resize(picture) for name, picture in pictures.items()}
-    if controls:
-        controls = dataclasses.replace(controls, pictures=tuple(resize(picture) for picture in controls.pictures))
-    return height, width, pictures, controls, tuple(resize(picture) for picture in adapters)
+    return height, width, {name: resize(picture) for name, picture in pictures.items()}, \
+        [tuple(resize(picture) for picture in shown) for _, _, shown in conditions]

@@ -8,17 +8,17 @@ import dataclasses
 import importlib
 import os
 
-from .parse import is_number
+from .features import having, name, used
 from .pictures import fit_pictures
-from .request import CONFIG_FILES, DEFAULT_HIGH_NOISE_FRAC, SINGLE_FILE_SUFFIXES, UserError
-from .sd3 import check_family_flags, check_scheduler, sd3_file_configs
-from .t2i_adapter import adapter_class, fit_adapters, read_adapter_pictures
+from .request import CONFIG_FILES, SINGLE_FILE_SUFFIXES, UserError
+from .sd3 import sd3_file_configs
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """What the configs say and what the request resolves to with them: the folder, the pipeline class, the
-    values left to their defaults (the class's `defaults`, the model's size)."""
+    values left to their defaults (the class's `defaults`, the model's size), and what each feature the request
+    uses resolved to."""
 
     folder: str
     local: bool
@@ -29,14 +29,30 @@ class Checkpoint:
     height: int
     width: int
     steps: int  # --steps, or the pipeline's default
-    without_t5: bool = False  # SD 3.x: --no-t5, or a checkpoint without T5
+    without_t5: bool = False  # SD 3.x: run without T5 (asked for, or a checkpoint without it)
     single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
     strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
-    high_noise_frac: float | None = None  # with --refiner: where the base hands over to it
-    control_scales: tuple = ()  # one per --controlnet
     scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
-    guider: object = dataclasses.field(default=None, compare=False)  # --guider's, its scale the guidance
-    adapters: object = dataclasses.field(default=None, compare=False)  # t2i_adapter.Adapters, at this size
+    # a feature's name -> what it resolved to (`features.*.resolve`: the guider, the nets' pictures and scales, ...)
+    features: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Configs:
+    """What a feature checks a request against: the checkpoint's family and its command-line side, the pipeline class of the request's cell
+    (its `defaults`), its denoiser's and VAE's configs, its scheduler and the steps; once the output size is known,
+    that size and the guidance scale."""
+
+    family: object
+    side: object  # the family's command-line side (`Family.cli`)
+    pipeline: type
+    denoiser: object
+    vae: object
+    scheduler: object
+    steps: int
+    height: int | None = None
+    width: int | None = None
+    guidance: float | None = None
 
 
 def command_line_side(family):
@@ -54,8 +70,8 @@ def read_configs(folder, family, transformer_changes=None):
     return vae, command_line_side(family).read_denoiser(folder, transformer_changes)
 
 
-def check_checkpoint(request, pictures, controls=None):
-    """(Checkpoint, pictures, controls), the pictures resized to the output size."""
+def check_checkpoint(request, pictures):
+    """(Checkpoint, pictures), the pictures resized to the output size."""
     from ..loading.hub import ModelNotFoundError, resolve_folder, snapshot_commit
     from ..loading.folders import check_pipeline_folder, load_scheduler
     from ..models.config import read_config_file
@@ -71,6 +87,7 @@ def check_checkpoint(request, pictures, controls=None):
     if request.config is not None and not single_file:
         raise UserError(f"--config applies to a single-file --model ({', '.join(SINGLE_FILE_SUFFIXES)}), but "
                         f"{request.model} is not a file: drop --config")
+    features = used(request)
     try:
         if single_file:
             folder, family, transformer_changes, without_t5 = single_file_configs(request)
@@ -82,8 +99,10 @@ def check_checkpoint(request, pictures, controls=None):
             without_t5 = command_line_side(family).without_t5(request, index)
             check_pipeline_folder(folder, request.model, *command_line_side(family).folder_parts(request))
         side = command_line_side(family)
-        check_family_flags(request, family)
-        cls = family.pipeline_class(request.start, bool(request.controlnet))
+        check_family_flags(request, family, features)
+        cls = family.pipeline_class(request.start, False)
+        for _, choose in having("pipeline_class", features):
+            cls = choose(request, family, cls)
         vae, denoiser = read_configs(folder, family, transformer_changes)
         scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
         check_scheduler(request, family, scheduler)
@@ -91,8 +110,6 @@ def check_checkpoint(request, pictures, controls=None):
         scheduler.check_steps(request.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
-    if request.t2i_adapter and request.start == "noise" and not request.controlnet:
-        cls = adapter_class(family) or cls  # the other classes take T2I-Adapters as they are (adapter=)
     strength = None
     if pictures:
         strength = request.strength if request.strength is not None else cls.defaults["strength"]
@@ -106,109 +123,52 @@ def check_checkpoint(request, pictures, controls=None):
             if value is not None:
                 raise UserError(f"{flag} is for SDXL's second text encoder, but {request.model} is not an SDXL "
                                 f"checkpoint (it has one): drop {flag}")
-    adapter_configs = side.check_denoiser(request, family, denoiser, vae)
+    configs = Configs(family, side, cls, denoiser, vae, scheduler, request.steps)
+    side.check_denoiser(request, family, denoiser, vae)
+    for _, check in having("check_configs", features):
+        check(request, configs)
     step, step_name = side.size_step(denoiser, vae)
-    height, width, pictures, controls, adapter_pictures = fit_pictures(
-        request, denoiser.sample_size * vae.scale_factor, step, pictures, controls, read_adapter_pictures(request),
-        step_name)
+    shown = [(name(feature), pictures_of(request)) for feature, pictures_of in having("pictures", features)]
+    height, width, pictures, resized = fit_pictures(request, denoiser.sample_size * vae.scale_factor, step, pictures,
+                                                    [given for _, given in shown], step_name)
     side.check_size(request, height, width, denoiser, vae)
-    adapters = fit_adapters(request, adapter_configs, adapter_pictures, height, width, cls.defaults, family)
     guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
-    high_noise_frac = check_refiner(request, family, scheduler, vae) if request.refiner else None
-    if request.high_noise_frac is not None and high_noise_frac is None:
-        raise UserError("--high-noise-frac applies with --refiner: add --refiner ID_OR_DIR, or drop it")
-    scales = ()
-    if controls:
-        default = cls.defaults["controlnet_conditioning_scale"]
-        scales = controls.scales * (len(request.controlnet) if len(controls.scales) == 1 else 1) or \
-            (default,) * len(request.controlnet)
+    configs = dataclasses.replace(configs, height=height, width=width, guidance=guidance)
+    resized = {feature: pictures for (feature, _), pictures in zip(shown, resized)}
+    values = {name(feature): resolve(request, configs, resized.get(name(feature), ()))
+              for feature, resolve in having("resolve", features)}
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
-    guider = make_guider(request, guidance)
-    if guider is not None and getattr(scheduler, "takes_unconditional", False):
-        raise UserError(f"--guider {request.guider} with --scheduler {request.scheduler!r}: a CFG++ scheduler "
-                        "re-noises with classifier-free guidance's unconditional prediction, which the guider "
-                        "replaces: use another scheduler with it")
-    side.check_guider(request, guider)
     checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, without_t5,
-                            single_file, strength, high_noise_frac, scales, scheduler, guider, adapters)
-    return checkpoint, pictures, controls
+                            single_file, strength, scheduler, values)
+    return checkpoint, pictures
 
 
-def make_guider(request, guidance):
-    """--guider with its --guider-arg values, its guidance scale --guidance's (or the pipeline's default)."""
-    from ..guiders import guider_from_name
-    from ..guiders.names import guider_class
+def check_family_flags(request, this, features):
+    """A family's own flags for its checkpoints only, and each feature for the denoisers it takes."""
+    from ..families import registered
 
-    if request.guider is None:
-        if request.guider_arg:
-            raise UserError("--guider-arg applies with --guider: add --guider NAME, or drop it")
-        return None
-    arguments = dict(request.guider_arg)
-    if "guidance_scale" in arguments:
-        raise UserError("--guider-arg guidance_scale=...: give the scale as --guidance")
-    if any(f.name == "guidance_scale" for f in dataclasses.fields(guider_class(request.guider))):
-        arguments["guidance_scale"] = guidance
-    elif request.guidance is not None:  # FDG: a scale per frequency level
-        raise UserError(f"--guider {request.guider} has a guidance scale per frequency level: give them as "
-                        "--guider-arg guidance_scales=10,5 instead of --guidance")
-    try:
-        return guider_from_name(request.guider, **arguments)
-    except ValueError as e:
-        raise UserError(f"--guider {request.guider}: {e}") from None
+    for other in registered().values():
+        for flag, field in () if other is this else other.flags:
+            if getattr(request, field) not in (None, False, ()):
+                raise UserError(f"{flag} is for {other.title} checkpoints, but {request.model} is an {this.title} "
+                                f"checkpoint: drop {flag}")
+    denoiser = this.text.denoiser.component
+    for feature in features:
+        if denoiser not in getattr(feature, "DENOISERS", (denoiser,)):
+            raise UserError(f"{feature.FLAG} is not supported with {this.title} checkpoints yet ({request.model} is "
+                            f"one): drop {feature.FLAG}")
 
 
-def check_refiner(request, family, scheduler, vae) -> float:
-    """The --high-noise-frac: --refiner's configs (kilobytes) are an SDXL checkpoint (a refiner or a base) whose
-    latents are the base model's, and both halves of the schedule, cut there, run a step."""
-    from ..loading.hub import ModelNotFoundError, resolve_folder
-    from ..loading.folders import check_pipeline_folder, load_scheduler
-    from ..models.config import read_config_file
-    from ..families.sdxl import StableDiffusionXLImg2Img
-    from ..pipeline.starts import schedule_window
-    from ..pipeline.types import Settings
-    from ..schedulers.common import for_family
-
-    name = f"--refiner {request.refiner}"
-    if family is not StableDiffusionXLImg2Img.family:  # the refiner runs as the base's img2img
-        raise UserError(f"{name}: a refiner finishes SDXL base images, but {request.model} is not an SDXL "
-                        "checkpoint: drop --refiner, or give an SDXL base --model")
-    for flag, given in (("--controlnet", request.controlnet), ("--t2i-adapter", request.t2i_adapter)):
-        if given:
-            raise UserError(f"{name} with {flag} is not supported: drop one of them")
-    if os.path.isfile(os.path.expanduser(request.refiner)):
-        raise UserError(f"{name} is a file: sdflax takes a refiner as a hub id or diffusers folder")
-    fraction = request.high_noise_frac if request.high_noise_frac is not None else DEFAULT_HIGH_NOISE_FRAC
-    text = StableDiffusionXLImg2Img.text
-    try:
-        folder = resolve_folder(request.refiner, None, allow_patterns=CONFIG_FILES)
-        index_file = os.path.join(folder, "model_index.json")
-        kind = read_config_file(index_file).get("_class_name") if os.path.isfile(index_file) else None
-        if kind is not None and not str(kind).startswith("StableDiffusionXL"):  # before naming files it lacks
-            raise UserError(f"{name} is a {kind} checkpoint, not an SDXL refiner or SDXL one: give the folder or hub "
-                            "id of one, e.g. stabilityai/stable-diffusion-xl-refiner-1.0")
-        check_pipeline_folder(folder, name, tuple(text.models), text.tokenizers)  # null parts need no files
-        refiner_vae, unet = read_configs(folder, StableDiffusionXLImg2Img.family)
-        refiner_scheduler = for_family(load_scheduler(folder, request.scheduler), text.ays_family)
-    except (ModelNotFoundError, ValueError, TypeError) as e:
-        raise UserError(str(e)) from e
-    if kind is None or unet.addition_embed_type != "text_time":
-        raise UserError(f"{name} is not an SDXL refiner or SDXL checkpoint: give the folder or hub id of one, e.g. "
-                        "stabilityai/stable-diffusion-xl-refiner-1.0")
-    latent = vae.latent_channels
-    if (refiner_vae.latent_channels, unet.in_channels) != (latent, latent) \
-            or refiner_vae.scale_factor != vae.scale_factor:
-        raise UserError(f"{name} takes other latents than {request.model} ({refiner_vae.latent_channels} "
-                        f"channels, UNet input {unet.in_channels}, VAE scale factor "
-                        f"{refiner_vae.scale_factor}; the base: {latent}, {latent}, {vae.scale_factor}): give "
-                        "a refiner made for this base")
-    for which, which_scheduler, cut in (("the base", scheduler, dict(denoising_end=fraction)),
-                                        (name, refiner_scheduler, dict(denoising_start=fraction))):
-        try:
-            schedule_window(which_scheduler, Settings(request.steps, **cut))
-        except ValueError:
-            raise UserError(f"--high-noise-frac {fraction} with --steps {request.steps} leaves {which} no step: "
-                            "raise --steps, or move --high-noise-frac towards 0.5") from None
-    return fraction
+def check_scheduler(request, family, scheduler):
+    """A flow-matching scheduler for a flow family's denoiser (SD 3.x's transformer) and for no UNet."""
+    flow = getattr(scheduler.config, "prediction_type", None) == "flow"
+    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
+    if family.flow and not flow:
+        raise UserError(f"{given}: {family.title}'s {family.text.denoiser.component} samples with flow-matching "
+                        "Euler (A1111's Euler, flow_match_euler): give --scheduler Euler")
+    if not family.flow and flow:
+        raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for SD 3.x; {request.model}'s UNet "
+                        "predicts noise: choose another sampler")
 
 
 def single_file_configs(request) -> tuple[str, object, dict | None, bool]:
@@ -248,73 +208,6 @@ def single_file_configs(request) -> tuple[str, object, dict | None, bool]:
     folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
     check_pipeline_folder(folder, f"--config {request.config}", tuple(contents.models), contents.tokenizers)
     return folder, family, None, False
-
-
-def controlnet_configs(request) -> tuple:
-    """Each --controlnet's --controlnet-config: the original-layout files take them in order, the others None."""
-    files = [os.path.isfile(os.path.expanduser(name)) for name in request.controlnet]
-    given = request.controlnet_config
-    if given and not any(files):
-        raise UserError("--controlnet-config applies to original-layout --controlnet files (.safetensors, .pth), but "
-                        "no --controlnet is one: drop --controlnet-config (a folder or hub id has its config.json)")
-    if given and len(given) != sum(files):
-        raise UserError(f"{len(given)} --controlnet-config for {sum(files)} original-layout --controlnet files: give "
-                        "one per file, in their order")
-    configs = iter(given)
-    return tuple(next(configs) if is_file and given else None for is_file in files)
-
-
-def check_controlnets(request, unet, vae_scale_factor):
-    """Each --controlnet exists and, where its config.json can be read (a folder's, a hub id's or an original-layout
-    file's --controlnet-config: kilobytes), was made for the checkpoint's model family and latent size. An
-    original-layout file without one is checked when it loads."""
-    from ..loading.hub import ModelNotFoundError, resolve_folder
-    from ..models.config import read_config_file
-    from ..models.controlnet import ControlNetConfig
-    from ..pipeline.controlnet import condition_scale_mismatch
-
-    for name, config_source in zip(request.controlnet, controlnet_configs(request)):
-        if os.path.isfile(os.path.expanduser(name)):
-            if config_source is None:
-                continue
-            flag, source = f"--controlnet-config {config_source}", config_source
-        else:
-            flag, source = f"--controlnet {name}", name
-        try:
-            folder = resolve_folder(source, None, allow_patterns=["config.json"])
-            config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
-        except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
-            raise UserError(f"{flag}: {e}") from e
-        if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
-                                                                        unet.addition_embed_type):
-            raise UserError(f"{flag} was made for another model family than {request.model} (text "
-                            f"width {config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet "
-                            "trained for this base model")
-        if config.condition_scale != vae_scale_factor:
-            raise UserError(f"{flag}: {condition_scale_mismatch(config, vae_scale_factor)}")
-
-
-def check_lora_and_embedding_files(request):
-    """Each --lora and --embedding file is there, and no two embeddings claim one token (their file names); whether
-    they fit the model is known once it is loaded."""
-    for path, _ in request.lora:
-        if not os.path.isfile(os.path.expanduser(path)):
-            head, _, tail = path.rpartition(":")
-            if head and os.path.isfile(os.path.expanduser(head)) and not is_number(tail):
-                raise UserError(f"--lora {path}: the scale {tail!r} is not a number: write PATH:SCALE with a number, "
-                                f"e.g. {head}:0.7")
-            raise UserError(f"--lora {path}: no such file: give the path of a LoRA .safetensors file, with :SCALE "
-                            "after it if wanted")
-    tokens = {}
-    for path in request.embedding:
-        if not os.path.isfile(os.path.expanduser(path)):
-            raise UserError(f"--embedding {path}: no such file: give the path of a textual-inversion .pt or "
-                            ".safetensors file")
-        token = os.path.splitext(os.path.basename(path))[0]
-        if token in tokens:
-            raise UserError(f"--embedding {tokens[token]} and --embedding {path} both give the token {token!r} (the "
-                            "file name): rename one of the files")
-        tokens[token] = path
 
 
 def check_attention(request, backend, dtype):

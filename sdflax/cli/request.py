@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-DEFAULT_HIGH_NOISE_FRAC = 0.8  # diffusers' base + refiner example
 CONFIG_FILES = ["model_index.json", "*/config.json", "scheduler/*", "tokenizer/*", "tokenizer_2/*"]
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")  # --model as one file in the CompVis / A1111 / SGM layout
 MAX_PICTURE_SIDE = 8192  # every picture flag: at most 8192x8192 pixels (64 Mpx), read from the header
@@ -15,6 +14,12 @@ STARTS = {"generate": "noise", "img2img": "image", "inpaint": "image_mask"}  # c
 
 class UserError(Exception):
     """Something the user can fix; the message is one line that names it and says how."""
+
+
+def flag_error(flag, path, error) -> UserError:
+    """The library's message (an error or its text) about a file, led by the flag that named it."""
+    message = str(error)
+    return UserError(f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}")
 
 
 def input_errors() -> tuple[type, ...]:
@@ -90,12 +95,7 @@ class Request:
         """From an argparse Namespace: the fields it has (a command may lack some options), then `changes`."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values = {**values, **changes}
-        for name in ("controlnet", "controlnet_config", "control_image", "control_scale", "ip_image", "t2i_adapter",
-                     "adapter_image", "adapter_scale", "embedding", "guider_arg", "slg_layers"):
-            values[name] = tuple(values.get(name, ()))
-        for name in ("lora", "ip_adapter"):
-            values[name] = tuple(tuple(pair) for pair in values.get(name, ()))
-        return cls(**values)
+        return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in values.items()})
 
     @property
     def start(self) -> str:

@@ -1,20 +1,12 @@
 """The command line's side of SD 3.x (`Family.cli`; the UNet families' is `unet.py`, with the same functions): the
-parts its checks read, its transformer's config and the request's checks against it, and its own flags (--prompt-3,
---no-t5, --max-sequence-length, skip-layer guidance), checked before anything loads and passed to its pipeline.
-Also what every family's flags share: a family's own flags for its checkpoints only, a scheduler of its kind."""
+parts its checks read, its transformer's config and the request's checks against it, its single files. Its own
+flags are a feature, `features/sd3_flags.py`."""
 
 from __future__ import annotations
 
 import os
 
 from .request import CONFIG_FILES, UserError
-
-# UNet-side additions that the transformer families' pipelines do not take (yet): refused in one line before
-# anything loads
-UNET_FLAGS = (("--controlnet", "controlnet"), ("--t2i-adapter", "t2i_adapter"), ("--ip-adapter", "ip_adapter"),
-              ("--lora", "lora"), ("--embedding", "embedding"), ("--refiner", "refiner"))
-DEFAULT_SLG_SCALE = 2.8  # diffusers' skip_layer_guidance_scale
-
 
 def lacks_t5(index: dict) -> bool:
     """Whether an SD 3.x folder's model_index.json has no T5 (saved with text_encoder_3=None)."""
@@ -64,29 +56,6 @@ def without_t5(request, index) -> bool:
     return request.no_t5 or lacks_t5(index)
 
 
-def check_family_flags(request, this):
-    """A family's own flags for its checkpoints only, and the UNet-side additions for UNet families only."""
-    from ..families import registered
-
-    for other in registered().values():
-        for flag, field in () if other is this else other.flags:
-            if getattr(request, field) not in (None, False, ()):
-                raise UserError(f"{flag} is for {other.title} checkpoints, but {request.model} is an {this.title} "
-                                f"checkpoint: drop {flag}")
-    if this.text.denoiser.component == "unet":
-        return
-    for flag, field in UNET_FLAGS:
-        if getattr(request, field):
-            raise UserError(f"{flag} is not supported with {this.title} checkpoints yet ({request.model} is one): "
-                            f"drop {flag}")
-    if request.slg_scale is not None and not request.slg_layers:
-        raise UserError("--slg-scale applies with --slg-layers: add --slg-layers I,J,... (SD 3.5 Medium: 7,8,9), or "
-                        "drop it")
-    if request.guider is not None and request.slg_layers:
-        raise UserError("--slg-layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 pipeline: "
-                        "drop --guider or --slg-layers")
-
-
 def check_guider(request, guider):
     """A guider that perturbs a UNet's layers does not fit SD 3.x's transformer."""
     from ..guiders.perturbed import PerturbsLayers
@@ -94,18 +63,6 @@ def check_guider(request, guider):
     if isinstance(guider, PerturbsLayers):
         raise UserError(f"--guider {request.guider} perturbs a UNet's layers; SD 3.x's transformer takes the guiders "
                         "that combine predictions (cfg, apg, ...): for skip-layer guidance use --slg-layers")
-
-
-def check_scheduler(request, family, scheduler):
-    """A flow-matching scheduler for a flow family's denoiser (SD 3.x's transformer) and for no UNet."""
-    flow = getattr(scheduler.config, "prediction_type", None) == "flow"
-    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
-    if family.flow and not flow:
-        raise UserError(f"{given}: SD 3.x's transformer samples with flow-matching Euler (A1111's Euler, "
-                        "flow_match_euler): give --scheduler Euler")
-    if not family.flow and flow:
-        raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for SD 3.x; {request.model}'s UNet "
-                        "predicts noise: choose another sampler")
 
 
 def read_denoiser(folder, changes=None):
@@ -117,17 +74,11 @@ def read_denoiser(folder, changes=None):
     return SD3TransformerConfig.from_dict({**config, **(changes or {})})
 
 
-def check_denoiser(request, family, transformer, vae) -> tuple:
-    """--slg-layers are blocks of the transformer; it takes latents of the VAE's channels (no SD 3.x inpainting
-    transformer takes a mask). No T2I-Adapter configs: ()."""
-    bad = [i for i in request.slg_layers if i >= transformer.num_layers]
-    if bad:
-        raise UserError(f"--slg-layers {','.join(map(str, request.slg_layers))}: {request.model}'s transformer has "
-                        f"blocks 0 .. {transformer.num_layers - 1}: give blocks among them (SD 3.5 Medium: 7,8,9)")
+def check_denoiser(request, family, transformer, vae):
+    """The transformer takes latents of the VAE's channels (no SD 3.x inpainting transformer takes a mask)."""
     if transformer.in_channels != vae.latent_channels:
         raise UserError(f"{request.model}: its transformer takes {transformer.in_channels} input channels, its VAE's "
                         f"latents have {vae.latent_channels}: sdflax runs SD 3.x transformers of the VAE's latents")
-    return ()
 
 
 def size_step(transformer, vae) -> tuple[int, str]:
@@ -157,41 +108,3 @@ def load_single_file(request, kind, dtype, extra):
         advice = advice.replace(f"config={request.config}", f"--config {request.config}")
         raise UserError(f"--model {request.model}: {advice}") from e
     return kind(**parts), params
-
-
-def prompt_arguments(rows, negative=False) -> dict:
-    """prepare_inputs' keywords for the rows' second and third prompts (each row's prompt where it gives none) and
-    T5's length: only those given (the SD pipelines take no prompts_3)."""
-    prefix = "negative_prompt" if negative else "prompt"
-    arguments = {}
-    for n in (2, 3):
-        given = [getattr(r, f"{prefix}_{n}") for r in rows]
-        if any(given):
-            arguments[f"prompts_{n}"] = [g or getattr(r, prefix) for g, r in zip(given, rows)]
-    if rows[0].max_sequence_length is not None:
-        arguments["max_sequence_length"] = rows[0].max_sequence_length
-    return arguments
-
-
-def guidance_arguments(request) -> dict:
-    """The pipeline's skip-layer guidance keywords of --slg-layers and --slg-scale."""
-    if not request.slg_layers:
-        return {}
-    return {"skip_guidance_layers": tuple(request.slg_layers), "skip_layer_guidance_scale": slg_scale(request)}
-
-
-def slg_scale(request) -> float:
-    return request.slg_scale if request.slg_scale is not None else DEFAULT_SLG_SCALE
-
-
-def settings(request, without_t5=False) -> dict:
-    """What a PNG records of SD 3.x's flags (those given), and a T5 left out (--no-t5, or a checkpoint without)."""
-    values = {key: value for key, value in (("prompt_3", request.prompt_3),
-                                            ("negative_prompt_3", request.negative_prompt_3),
-                                            ("max_sequence_length", request.max_sequence_length)) if value is not None}
-    if without_t5:
-        values["t5"] = "off"
-    if request.slg_layers:
-        values.update(slg_layers=list(request.slg_layers), slg_scale=slg_scale(request))
-    return values
-

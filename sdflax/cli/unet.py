@@ -1,15 +1,12 @@
 """The command line's side of the UNet families (SD 1.x / 2.x, SDXL, and a registered family with a UNet): the
-checkpoint parts its checks read, its UNet's config and the request's checks against it (inpainting channels,
-ControlNets, IP-Adapters, T2I-Adapters). A family names its side in `Family.cli`; SD 3.x's is `sd3.py`, with the
-same functions."""
+checkpoint parts its checks read, its UNet's config and the request's checks against it (inpainting channels), its
+single files. A family names its side in `Family.cli`; SD 3.x's is `sd3.py`, with the same functions."""
 
 from __future__ import annotations
 
 import os
 
-from .ip_adapter import check_ip_adapter_width
 from .request import UserError
-from .t2i_adapter import check_t2i_adapters
 
 
 def folder_parts(request) -> tuple[tuple, tuple]:
@@ -30,15 +27,14 @@ def read_denoiser(folder, changes=None):
     return UNetConfig.from_dict(read_config_file(os.path.join(folder, "unet", "config.json")))
 
 
-def check_denoiser(request, family, unet, vae) -> tuple:
-    """The request's additions fit the UNet: its channels, each ControlNet, IP-Adapter and T2I-Adapter; the
-    T2I-Adapters' configs, in order."""
-    from .preflight import check_controlnets
-
-    check_unet_channels(request, unet, vae)
-    check_controlnets(request, unet, vae.scale_factor)
-    check_ip_adapter_width(request, unet)
-    return check_t2i_adapters(request, unet, vae.scale_factor, family)
+def check_denoiser(request, family, unet, vae):
+    """An inpainting UNet (its mask and masked image as input channels) for inpaint only."""
+    latent, unet_channels = vae.latent_channels, unet.in_channels
+    if request.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
+        raise UserError(f"{request.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
+                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
+    if request.command != "inpaint" and unet_channels == 2 * latent + 1:
+        raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
 
 
 def size_step(denoiser, vae) -> tuple[int, str]:
@@ -52,16 +48,6 @@ def check_size(request, height, width, denoiser, vae):
 
 def check_guider(request, guider):
     """A UNet takes every guider."""
-
-
-def check_unet_channels(request, unet, vae):
-    """An inpainting UNet (its mask and masked image as input channels) for inpaint only."""
-    latent, unet_channels = vae.latent_channels, unet.in_channels
-    if request.command == "inpaint" and unet_channels not in (latent, 2 * latent + 1):
-        raise UserError(f"{request.model}: its UNet takes {unet_channels} input channels; inpainting needs an "
-                        f"ordinary ({latent}) or an inpainting ({2 * latent + 1}) UNet")
-    if request.command != "inpaint" and unet_channels == 2 * latent + 1:
-        raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
 
 
 def load_single_file(request, kind, dtype, extra):

@@ -1,7 +1,7 @@
 """A pipeline's checkpoint -> (its constructor's components, params, the scheduler config a scheduler name is built
-from): one way in for a diffusers folder or hub id (`load_folder`) and for a single file (`load_file`), whatever
-the family; the family's text piece says which models and tokenizers it has. `PipelineLoaders` gives every pipeline
-its loading calls, as diffusers' loader mixins do."""
+from): `load(family, source)`, one way in for a diffusers folder, a hub id or a single file, whatever the family;
+the family's text piece says which models and tokenizers it has, its single-file layout how a file's tensors are
+named. `PipelineLoaders` gives every pipeline its loading calls, as diffusers' loader mixins do."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ class PipelineLoaders:
                         scheduler_config=None, variant=None, attention="auto", **components):
         """(pipeline, params) from a diffusers checkpoint folder or hub id; `scheduler="ddim"` swaps the kind,
         `scheduler_config={...}` single values; other components are passed on (`controlnet=`)."""
-        parts, params, base = load_folder(cls.text, path_or_repo_id, revision, dtype, scheduler, scheduler_config,
-                                          variant, attention, components)
+        parts, params, base = load(cls.family, path_or_repo_id, single_file=False, revision=revision, dtype=dtype,
+                                   scheduler=scheduler, scheduler_config=scheduler_config, variant=variant,
+                                   attention=attention, given=components, pipeline=cls.__name__)
         return cls.made_from(parts, components, base), params
 
     @classmethod
@@ -33,8 +34,10 @@ class PipelineLoaders:
         """(pipeline, params) from one .safetensors / .ckpt file in the CompVis / A1111 or SGM layout (SD 3.x:
         Stability's); configs from `config` or bundled defaults (docs/checkpoints.md); other components are passed
         on (`text_encoder_3=None`: SD 3 without T5)."""
-        parts, params, base = load_file(cls.family, cls.__name__, path, config, dtype, prediction_type, scheduler,
-                                        scheduler_config, attention, revision, components)
+        parts, params, base = load(cls.family, path, single_file=True, config=config, dtype=dtype,
+                                   prediction_type=prediction_type, scheduler=scheduler,
+                                   scheduler_config=scheduler_config, attention=attention, revision=revision,
+                                   given=components, pipeline=cls.__name__)
         return cls.made_from(parts, components, base), params
 
     @classmethod
@@ -80,6 +83,32 @@ class PipelineLoaders:
         if self.denoiser.component != "unet":
             raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
                              "are not supported yet")
+
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+
+
+def load(family, source, *, single_file=None, revision=None, dtype=jnp.float32, scheduler=None, scheduler_config=None,
+         variant=None, config=None, prediction_type=None, attention="auto", given=None, pipeline=None):
+    """(components, params, scheduler config) of a checkpoint of `family` (a `sdflax.families.Family`): a diffusers
+    folder or hub id, or one .safetensors / .ckpt file in its family's layout (`single_file`: None tells them apart
+    by the path), its configs from `config` or bundled ones. `scheduler` names a kind, `scheduler_config` overrides
+    single values; `given`: the components the caller passes (an optional encoder given as None is not loaded, nor
+    its tokenizer: SD 3 without T5); `pipeline`: the class named in messages."""
+    given, pipeline = given or {}, pipeline or family.title
+    if single_file is None:
+        path = os.path.expanduser(str(source))
+        single_file = os.path.isfile(path) and path.lower().endswith(SINGLE_FILE_SUFFIXES)
+    if single_file:
+        if variant is not None:
+            raise ValueError(f"variant={variant!r} names a diffusers folder's weight files; {source} is one file")
+        return load_file(family, pipeline, source, config, dtype, prediction_type, scheduler, scheduler_config,
+                         attention, revision, given)
+    for name, value in (("config", config), ("prediction_type", prediction_type)):
+        if value is not None:
+            raise ValueError(f"{name}={value!r} applies to single files; {source} is a diffusers folder or hub id, "
+                             "whose own configs say it: drop it")
+    return load_folder(family.text, source, revision, dtype, scheduler, scheduler_config, variant, attention, given)
 
 
 def load_folder(text, path_or_repo_id, revision, dtype, scheduler, scheduler_config, variant, attention, given):

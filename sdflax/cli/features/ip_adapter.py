@@ -1,15 +1,97 @@
-"""--ip-adapter, --ip-image and --ip-image-encoder: where the adapter files and their image encoder are (checked
-before anything loads), the adapters loaded as diffusers' `load_ip_adapter` loads them, and each row's image
-prompts as the pipeline takes them."""
+"""--ip-adapter, --ip-image and --ip-image-encoder: IP-Adapters steering by image prompts. Where the adapter files
+and their image encoder are (checked before anything loads), the adapters loaded as diffusers' `load_ip_adapter`
+loads them, and each row's image prompts as the pipeline takes them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 
-from .pictures import read_picture
-from .request import UserError
+from ...utils import is_float32
+from ..parse import is_number
+from ..pictures import read_picture
+from ..manifest import quoted
+from ..request import UserError
+
+FLAG = "--ip-adapter"
+DENOISERS = ("unet",)
+IP_ADAPTER_SUFFIXES = (".safetensors", ".bin")  # h94's files; diffusers reads nothing else as an IP-Adapter
+
+
+def add_flags(add, command):
+    add("--ip-adapter", action="append", default=[], type=ip_adapter_argument, metavar="ID_OR_FILE[:SCALE]",
+        help="an IP-Adapter steering by an image prompt (--ip-image) at SCALE (default: 1.0): an h94-layout "
+             ".safetensors/.bin file, its CLIP image encoder in image_encoder/ beside it, or a hub file "
+             "org/name/subfolder/file (h94/IP-Adapter/models/ip-adapter_sd15.safetensors); repeat for several, "
+             "from one folder")
+    add("--ip-image", action="append", default=[], metavar="IMG",
+        help="the image prompt of each --ip-adapter, in their order")
+    add("--ip-image-encoder", metavar="ID_OR_DIR",
+        help="the --ip-adapter files' CLIP image encoder where it is not image_encoder/ beside them: a folder, hub "
+             "id, or hub folder org/name/subfolder (h94's SDXL vit-h adapters: h94/IP-Adapter/models/image_encoder)")
+
+
+def ip_adapter_argument(text):
+    """ID_OR_FILE[:SCALE] -> (ID_OR_FILE, SCALE): an IP-Adapter is a .safetensors or .bin file, so a ':' after that
+    suffix starts the scale."""
+    name, colon, tail = text.rpartition(":")
+    if not (colon and name.lower().endswith(IP_ADAPTER_SUFFIXES)):
+        name, tail = text, None
+    if not name.lower().endswith(IP_ADAPTER_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"{text!r:.80} is not an IP-Adapter file (.safetensors or .bin): give its "
+                                         "path or hub file, e.g. h94/IP-Adapter/models/ip-adapter_sd15.safetensors")
+    if tail is None:
+        return name, 1.0
+    if not is_number(tail):
+        raise argparse.ArgumentTypeError(f"{text}: the scale {tail!r} is not a number: write ID_OR_FILE:SCALE with a "
+                                         f"number, e.g. {name}:0.6")
+    if not is_float32(float(tail)):
+        raise argparse.ArgumentTypeError(f"{text}: the scale must be a finite float32 number (1 is the adapter's "
+                                         "full strength, 0 turns it off)")
+    return name, float(tail)
+
+
+def used(request) -> bool:
+    return bool(request.ip_adapter)
+
+
+def check_flags(request, batch):
+    """A batch's lines may give their image prompts (`check_line_images`)."""
+    check_ip_adapters(request, every_image=not batch)
+
+
+def check_configs(request, configs):
+    check_ip_adapter_width(request, configs.denoiser)
+
+
+def load(request, pipeline, params, dtype):
+    return load_ip_adapters(request, pipeline, params)
+
+
+def call_arguments(pipeline, value, rows) -> tuple[list, dict]:
+    return [], ip_adapter_inputs(pipeline, rows)
+
+
+def settings(request, checkpoint) -> dict:
+    """Lists, one entry per adapter in their order (JSON in the PNG)."""
+    if not request.ip_adapter:
+        return {}
+    values = {"ip_adapter": [name for name, _ in request.ip_adapter], "ip_image": list(request.ip_image),
+              "ip_adapter_scale": [scale for _, scale in request.ip_adapter]}
+    if request.ip_image_encoder is not None:
+        values["ip_image_encoder"] = request.ip_image_encoder
+    return values
+
+
+def parameters(s) -> str:
+    """A1111 has no entry of its own for it."""
+    if "ip_adapter" not in s:
+        return ""
+    adapters = ", ".join(f"{name} ({scale})" for name, scale in zip(s["ip_adapter"], s["ip_adapter_scale"]))
+    return f", IP-Adapter: {quoted(adapters)}, IP-Adapter image: {quoted(', '.join(s['ip_image']))}"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +145,7 @@ def check_ip_adapters(request, every_image=True):
         return
     place, name = places[0], adapters[0][0]
     encoder = "/".join(filter(None, (place.subfolder, "image_encoder", "config.json")))
-    folder = place.source if place.local else resolve(f"--ip-adapter {name}", place.source, [encoder])
+    folder = place.source if place.local else hub_folder(f"--ip-adapter {name}", place.source, [encoder])
     if not os.path.isfile(os.path.join(folder, encoder)):
         raise UserError(f"--ip-adapter {name}: no image encoder beside it ({encoder}, as in h94's repository): give "
                         "its folder with --ip-image-encoder")
@@ -72,7 +154,7 @@ def check_ip_adapters(request, every_image=True):
 def check_ip_adapter_width(request, unet):
     """A local adapter file was made for the checkpoint's family: the width of its first to_k_ip kernel is the
     UNet's text width (its header, or its pickle's tensor records: nothing is read)."""
-    from ..loading.files import read_safetensors, read_torch_object
+    from ...loading.files import read_safetensors, read_torch_object
 
     for name, _ in request.ip_adapter:
         path = os.path.expanduser(name)
@@ -106,17 +188,17 @@ def encoder_folder(name, weights=False) -> str:
         repo, prefix = "/".join(parts[:2]), "".join(f"{part}/" for part in parts[2:])
         flag = f"--ip-image-encoder {name}"
         patterns = [f"{prefix}config.json"] + ([f"{prefix}*.safetensors"] if weights else [])
-        folder = os.path.join(resolve(flag, repo, patterns), *parts[2:])
+        folder = os.path.join(hub_folder(flag, repo, patterns), *parts[2:])
         if weights and os.path.isdir(folder) and not any(file.endswith(".safetensors") for file in os.listdir(folder)):
-            resolve(flag, repo, [f"{prefix}config.json", f"{prefix}*.bin"])
+            hub_folder(flag, repo, [f"{prefix}config.json", f"{prefix}*.bin"])
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise UserError(f"--ip-image-encoder {name}: no config.json in it: give the folder of a CLIP image encoder "
                         "(transformers' CLIPVisionModelWithProjection)")
     return folder
 
 
-def resolve(flag, repo, patterns) -> str:
-    from ..loading.hub import ModelNotFoundError, resolve_folder
+def hub_folder(flag, repo, patterns) -> str:
+    from ...loading.hub import ModelNotFoundError, resolve_folder
 
     try:
         return resolve_folder(repo, allow_patterns=patterns)

@@ -1,0 +1,49 @@
+"""The command line's features: each module is one addition a request may use (SD 3's own flags, a refiner, LoRAs,
+embeddings, a guider, ControlNets, IP-Adapters, T2I-Adapters), holding its flags, its checks, its loading, its
+call arguments and its PNG text. The commands loop over `FEATURES`; a module defines the functions it needs:
+
+    FLAG                                 the flag that turns it on, named in messages
+    DENOISERS                            the denoiser components it takes ("unet"); absent: every one
+    add_flags(add, command)              its flags: `add(flag, **argparse keywords)`; command: generate, img2img,
+                                         inpaint or batch
+    used(request) -> bool                whether the request uses it (the steps below run for those that do)
+    check_flags(request, batch)          before anything loads: its flags agree, its files and pictures are there
+    pipeline_class(request, family, cls) -> the pipeline class of the request's cell, where it picks one
+    check_configs(request, configs)      against the checkpoint's configs (kilobytes), before the output size
+    pictures(request) -> (flag, paths, pictures)   pictures resized to the output size; where no --image sets
+                                         it, the first feature's first picture does
+    resolve(request, configs, pictures) -> what the run uses, `Checkpoint.features[name]`, once the size is known
+    prompt_arguments(rows, negative)     `prepare_inputs`' keywords
+    components(request, dtype) -> (components, params)   models the pipeline is made with (controlnet=)
+    load(request, pipeline, params, dtype) -> (pipeline, params)   after the pipeline loads
+    configure(pipeline, value) -> pipeline   the pipeline (and a refiner) the call runs
+    call_arguments(pipeline, value, rows) -> (positional arrays, keywords) of `generate_sharded`
+    next_stage(request, checkpoint, dtype)   what the call hands its latents to (a refiner: its pipeline, params),
+                                         loaded with the pipeline; `staged(call, stage, ...)` runs both,
+                                         `steps_before(request, checkpoint, stage)`: the steps before it
+    settings(request, checkpoint) -> dict    its PNG text chunks (none where unused)
+    parameters(settings) -> str          its part of A1111's `parameters` line; `prompt_parameters`: of its prompt
+
+The order of `FEATURES` is the order of the PNG's entries and of the call's positional pictures.
+"""
+
+from __future__ import annotations
+
+from . import controlnet, embedding, guider, ip_adapter, lora, refiner, sd3_flags, t2i_adapter
+
+FEATURES = (sd3_flags, refiner, lora, embedding, guider, controlnet, ip_adapter, t2i_adapter)
+
+
+def name(feature) -> str:
+    return feature.__name__.rpartition(".")[2]
+
+
+def used(request) -> tuple:
+    """The features the request uses, in their order."""
+    return tuple(feature for feature in FEATURES if feature.used(request))
+
+
+def having(function, features=FEATURES) -> tuple:
+    """(feature, its `function`) of the features that define it."""
+    return tuple((feature, getattr(feature, function)) for feature in features if hasattr(feature, function))
+

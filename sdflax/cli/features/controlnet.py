@@ -1,0 +1,173 @@
+"""--controlnet, --controlnet-config, --control-image and --control-scale: ControlNets steering by condition
+pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's config
+checked against the checkpoint's UNet before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ...utils import is_float32
+from ..pictures import check_counts, read_picture
+from ..request import UserError, flag_error
+
+FLAG = "--controlnet"
+DENOISERS = ("unet",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Controls:
+    """The --control-image pictures (RGB, at the output size) and one scale per net."""
+
+    pictures: tuple
+    scales: tuple
+
+
+def add_flags(add, command):
+    if command == "batch":  # a batch's lines share no picture
+        return
+    add("--controlnet", action="append", default=[], metavar="ID_OR_PATH",
+        help="a ControlNet to steer by --control-image: hub id, diffusers folder, or an original-layout "
+             ".safetensors/.pth file (SD 1.x/2.x); repeat for several nets")
+    add("--controlnet-config", action="append", default=[], metavar="ID_OR_DIR",
+        help="a diffusers ControlNet folder or hub id of the same architecture as an original-layout --controlnet "
+             "file, for its config; one per such file, in their order; needed where the tensors do not tell the "
+             "architecture (SDXL nets, the shuffle net)")
+    add("--control-image", action="append", default=[], metavar="IMG",
+        help="the condition image (edges, pose, depth, ...) of each --controlnet, in their order; resized to the "
+             "output size")
+    add("--control-scale", action="append", default=[], type=float, metavar="S",
+        help="how strongly the nets steer: one value for all or one per net (default: the pipeline's, as diffusers: "
+             "1.0 for generate, 0.8 for img2img, 0.5 for inpaint)")
+
+
+def used(request) -> bool:
+    return bool(request.controlnet)
+
+
+def check_flags(request, batch):
+    """The flags agree, the scales are finite, the pictures readable."""
+    nets, images, scales = request.controlnet, request.control_image, request.control_scale
+    if scales and not nets:
+        raise UserError("--control-scale without --controlnet: it says how strongly the nets steer; add "
+                        "--controlnet and --control-image, or leave it out")
+    if not nets and not images:
+        return
+    check_counts(nets, "--controlnet", images, "--control-image", scales, "--control-scale", "nets")
+    for scale in scales:
+        if not is_float32(scale):
+            raise UserError(f"--control-scale {scale}: give a finite float32 number (1 steers fully, 0 not at all)")
+    pictures(request)
+
+
+def pictures(request) -> tuple:
+    return "--control-image", request.control_image, tuple(read_picture("--control-image", path).convert("RGB")
+                                                             for path in request.control_image)
+
+
+def pipeline_class(request, family, cls):
+    return family.pipeline_class(request.start, True)
+
+
+def controlnet_configs(request) -> tuple:
+    """Each --controlnet's --controlnet-config: the original-layout files take them in order, the others None."""
+    files = [os.path.isfile(os.path.expanduser(name)) for name in request.controlnet]
+    given = request.controlnet_config
+    if given and not any(files):
+        raise UserError("--controlnet-config applies to original-layout --controlnet files (.safetensors, .pth), but "
+                        "no --controlnet is one: drop --controlnet-config (a folder or hub id has its config.json)")
+    if given and len(given) != sum(files):
+        raise UserError(f"{len(given)} --controlnet-config for {sum(files)} original-layout --controlnet files: give "
+                        "one per file, in their order")
+    configs = iter(given)
+    return tuple(next(configs) if is_file and given else None for is_file in files)
+
+
+def check_configs(request, configs):
+    """Each --controlnet exists and, where its config.json can be read (a folder's, a hub id's or an original-layout
+    file's --controlnet-config: kilobytes), was made for the checkpoint's model family and latent size. An
+    original-layout file without one is checked when it loads."""
+    from ...loading.hub import ModelNotFoundError, resolve_folder
+    from ...models.config import read_config_file
+    from ...models.controlnet import ControlNetConfig
+    from ...pipeline.controlnet import condition_scale_mismatch
+
+    unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
+    for name, config_source in zip(request.controlnet, controlnet_configs(request)):
+        if os.path.isfile(os.path.expanduser(name)):
+            if config_source is None:
+                continue
+            flag, source = f"--controlnet-config {config_source}", config_source
+        else:
+            flag, source = f"--controlnet {name}", name
+        try:
+            folder = resolve_folder(source, None, allow_patterns=["config.json"])
+            config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
+        except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
+            raise UserError(f"{flag}: {e}") from e
+        if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
+                                                                        unet.addition_embed_type):
+            raise UserError(f"{flag} was made for another model family than {request.model} (text "
+                            f"width {config.cross_attention_dim} vs {unet.cross_attention_dim}): use a ControlNet "
+                            "trained for this base model")
+        if config.condition_scale != vae_scale_factor:
+            raise UserError(f"{flag}: {condition_scale_mismatch(config, vae_scale_factor)}")
+
+
+def resolve(request, configs, pictures) -> Controls:
+    """The pictures at the output size, with one scale per net (the pipeline's default where none is given)."""
+    scales = request.control_scale or (configs.pipeline.defaults["controlnet_conditioning_scale"],)
+    return Controls(pictures, tuple(scales) * (len(request.controlnet) if len(scales) == 1 else 1))
+
+
+def components(request, dtype) -> tuple[dict, dict]:
+    """The nets, from folders, hub ids or original-layout files."""
+    from ... import ControlNetModel
+
+    nets = []
+    for name, config in zip(request.controlnet, controlnet_configs(request)):
+        if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
+            nets.append(load_file(name, config, dtype, request.attention))
+        else:
+            nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=request.attention))
+    return {"controlnet": [net for net, _ in nets]}, {"controlnet": [params for _, params in nets]}
+
+
+def load_file(name, config, dtype, attention):
+    """(controlnet, params) of an original-layout --controlnet file, its config from --controlnet-config or read
+    off its tensors."""
+    from ... import ControlNetModel
+    from ...loading.single_file import SingleFileError
+    try:
+        return ControlNetModel.from_single_file(os.path.expanduser(name), config=config, dtype=dtype,
+                                                attention=attention)
+    except SingleFileError as e:  # the library's advice names its Python argument, config=: here it is a flag
+        raise flag_error("--controlnet", name, str(e).replace("pass config=<", "pass --controlnet-config <")) from e
+
+
+def call_arguments(pipeline, controls, rows) -> tuple[list, dict]:
+    """The condition pictures (one per net, the same for every row) and the scales."""
+    import numpy as np
+
+    from ...pipeline.images import preprocess_control_images
+
+    images = [np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(rows), axis=0)
+              for picture in controls.pictures]
+    return [images], {"controlnet_conditioning_scale": list(controls.scales)}
+
+
+def settings(request, checkpoint) -> dict:
+    """Lists, one entry per net in their order (JSON in the PNG)."""
+    if not request.controlnet:
+        return {}
+    values = {"controlnet": list(request.controlnet), "control_image": list(request.control_image),
+              "control_scale": list(checkpoint.features["controlnet"].scales)}
+    if request.controlnet_config:  # one per original-layout file of `controlnet`
+        values["controlnet_config"] = list(request.controlnet_config)
+    return values
+
+
+def parameters(s) -> str:
+    """As A1111's ControlNet extension."""
+    return "".join(f', ControlNet {k}: "Model: {net}, Weight: {scale}"'
+                   for k, (net, scale) in enumerate(zip(s.get("controlnet", ()), s.get("control_scale", ()))))
