@@ -191,6 +191,11 @@ def test_one_load_takes_a_folder_or_a_single_file(checkpoint):
         assert_same_params(params, expected)
         assert set(components) >= {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}
         assert scheduler_config["prediction_type"] == ("v_prediction" if arch == "sd2" else "epsilon")
+    import sdflax
+
+    pipe, params = sdflax.from_pretrained(path, config=folder)  # the family told by the file's tensor names
+    assert type(pipe) is StableDiffusion
+    assert_same_params(params, expected)
     with pytest.raises(ValueError, match=r"config=.* applies to single files; .* is a diffusers folder"):
         load(StableDiffusion.family, folder, config=folder)
     with pytest.raises(ValueError, match=r"variant='fp16' names a diffusers folder's weight files"):

@@ -11,7 +11,6 @@ import os
 from .features import having, name, used
 from .pictures import fit_pictures
 from .request import CONFIG_FILES, SINGLE_FILE_SUFFIXES, UserError
-from .sd3 import sd3_file_configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,42 +171,24 @@ def check_scheduler(request, family, scheduler):
 
 
 def single_file_configs(request) -> tuple[str, object, dict | None, bool]:
-    """(the folder of configs for a single-file --model, its family, changes to an SD 3.x transformer's config,
-    whether it runs without T5): the version is told from the tensor names (a .safetensors header, a .ckpt's
-    pickle: the tensors are memory-mapped, not read), the configs are --config's or sdflax's bundled ones for that
-    version."""
+    """(the folder of configs for a single-file --model, its family, changes to its denoiser's config, whether it
+    runs without T5): the family is told from the tensor names (a .safetensors header, a .ckpt's pickle: the
+    tensors are memory-mapped, not read), the configs are --config's or sdflax's bundled ones (its family's side
+    says, `file_configs`)."""
     from ..loading.files import read_checkpoint
-    from ..loading.hub import resolve_folder
-    from ..loading.ldm_names import is_sd3_file, sd3_with_prefixes
-    from ..loading.folders import check_pipeline_folder
-    from ..loading.single_file import NAMES, bundled_config_folder, detect_version, file_contents
-    from ..loading.folders import read_index
-    from ..families import for_index
-    from ..families.sd3 import FAMILY as SD3
+    from ..families import for_single_file
 
     suffix = os.path.splitext(request.model)[1].lower()
     if suffix not in SINGLE_FILE_SUFFIXES:
         raise UserError(f"--model {request.model} is a file but not a {' or '.join(SINGLE_FILE_SUFFIXES)} "
                         "checkpoint: give a single-file checkpoint, a diffusers folder or a hub id")
     try:
-        tensors = sd3_with_prefixes(read_checkpoint(os.path.expanduser(request.model)))
-        if is_sd3_file(tensors):
-            folder, transformer_changes, without_t5 = sd3_file_configs(request, tensors)
-            return folder, SD3, transformer_changes, without_t5
-        version = detect_version(tensors)
+        tensors = read_checkpoint(os.path.expanduser(request.model))
+        family = for_single_file(tensors)
+        folder, changes, without_t5 = command_line_side(family).file_configs(request, tensors)
     except ValueError as e:
         raise UserError(f"--model {request.model}: {e}") from e
-    if version == "sdxl_refiner":
-        raise UserError(f"--model {request.model} is {NAMES[version]} checkpoint (one OpenCLIP text encoder, no "
-                        "CLIP ViT-L): a refiner finishes a base model's images and does not draw from a prompt "
-                        "alone; give an SD 1.x, 2.x or SDXL base checkpoint")
-    family = for_index(read_index(bundled_config_folder(version)))  # the family its bundled configs are
-    if request.config is None:
-        return bundled_config_folder(version), family, None, False
-    contents = file_contents(version)
-    folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
-    check_pipeline_folder(folder, f"--config {request.config}", tuple(contents.models), contents.tokenizers)
-    return folder, family, None, False
+    return folder, family, changes, without_t5
 
 
 def check_attention(request, backend, dtype):

@@ -15,17 +15,19 @@ def lacks_t5(index: dict) -> bool:
     return "text_encoder_3" not in index or is_null(index, "text_encoder_3")
 
 
-def sd3_file_configs(request, tensors) -> tuple[str, dict, bool]:
+def file_configs(request, tensors) -> tuple[str, dict, bool]:
     """(the folder of configs for an SD 3.x single file, changes to its transformer's config, whether it runs
     without T5): --config's, else sdflax's bundled ones for the MMDiT's size (as `load_sd3_single_file` reads them).
     """
     from ..loading.hub import resolve_folder
-    from ..loading.ldm_names import SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type
+    from ..loading.ldm_names import (SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type,
+                                     sd3_with_prefixes)
     from ..loading.folders import check_pipeline_folder, read_index
     from ..loading.single_file import bundled_config_folder
     from ..families import for_index
     from ..families.sd3 import FAMILY
 
+    tensors = sd3_with_prefixes(tensors)
     t5_in_file = "text_encoder_3" in sd3_components_in(tensors)
     if request.config is not None:
         folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .request import UserError
+from .request import CONFIG_FILES, UserError
 
 
 def folder_parts(request) -> tuple[tuple, tuple]:
@@ -48,6 +48,26 @@ def check_size(request, height, width, denoiser, vae):
 
 def check_guider(request, guider):
     """A UNet takes every guider."""
+
+
+def file_configs(request, tensors) -> tuple[str, None, bool]:
+    """(the folder of configs for a single file of a UNet family, no config changes, with T5: False): --config's,
+    else sdflax's bundled ones for its version (told from its text encoders)."""
+    from ..loading.hub import resolve_folder
+    from ..loading.folders import check_pipeline_folder
+    from ..loading.single_file import NAMES, bundled_config_folder, detect_version, file_contents
+
+    version = detect_version(tensors)
+    if version == "sdxl_refiner":
+        raise UserError(f"--model {request.model} is {NAMES[version]} checkpoint (one OpenCLIP text encoder, no "
+                        "CLIP ViT-L): a refiner finishes a base model's images and does not draw from a prompt "
+                        "alone; give an SD 1.x, 2.x or SDXL base checkpoint")
+    if request.config is None:
+        return bundled_config_folder(version), None, False
+    contents = file_contents(version)
+    folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
+    check_pipeline_folder(folder, f"--config {request.config}", tuple(contents.models), contents.tokenizers)
+    return folder, None, False
 
 
 def load_single_file(request, kind, dtype, extra):

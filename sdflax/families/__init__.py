@@ -8,6 +8,7 @@ from anywhere, so a user's module can add one without editing sdflax.
 from __future__ import annotations
 
 import importlib
+import os
 
 from .base import Family, Row
 
@@ -49,16 +50,34 @@ def for_index(index: dict) -> Family:
     return best if claims[best] else named(FALLBACK)
 
 
+def for_single_file(state_dict) -> Family:
+    """The family of a single file from its tensor names: the first family whose layout (`Family.single_file`)
+    names the pipeline class the file is, as a folder's model_index.json would."""
+    from ..loading.single_file import layout_of, not_a_single_file
+
+    for family in registered().values():
+        name = family.single_file and layout_of(family.single_file).pipeline_name(state_dict)
+        if name:
+            return for_index({"_class_name": name})
+    raise not_a_single_file(state_dict)
+
+
 def from_pretrained(path_or_repo_id, revision=None, start="noise", controlnet=False, **kwargs):
-    """(pipeline, params) of the class a diffusers checkpoint's family has for `start` ("noise", "image",
-    "image_mask") and `controlnet`, chosen by its model_index.json, as diffusers' AutoPipelineForText2Image: the
-    other arguments are the class's `from_pretrained`'s."""
+    """(pipeline, params) of the class a checkpoint's family has for `start` ("noise", "image", "image_mask") and
+    `controlnet`, chosen by a diffusers folder's model_index.json, as diffusers' AutoPipelineForText2Image, or by a
+    single file's tensor names: the other arguments are the class's `from_pretrained`'s (`from_single_file`'s)."""
+    from ..loading.files import read_checkpoint
     from ..loading.folders import read_index
     from ..loading.hub import resolve_folder
+
+    path = os.path.expanduser(str(path_or_repo_id))
+    if os.path.isfile(path):
+        cls = for_single_file(read_checkpoint(path)).pipeline_class(start, controlnet)
+        return cls.from_single_file(path, revision=revision, **kwargs)
 
     index = read_index(resolve_folder(path_or_repo_id, revision, allow_patterns=["model_index.json"]))
     cls = for_index(index).pipeline_class(start, controlnet)
     return cls.from_pretrained(path_or_repo_id, revision=revision, **kwargs)
 
 
-__all__ = ["Family", "Row", "for_index", "from_pretrained", "named", "register", "registered"]
+__all__ = ["Family", "Row", "for_index", "for_single_file", "from_pretrained", "named", "register", "registered"]

@@ -6,7 +6,6 @@ named. `PipelineLoaders` gives every pipeline its loading calls, as diffusers' l
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 
 import jax.numpy as jnp
@@ -129,7 +128,7 @@ def load_file(family, pipeline, path, config, dtype, prediction_type, scheduler,
               revision, given):
     """`Pipeline.from_single_file`'s work, by the layout its family names (`Family.single_file`, "module:name":
     `sdflax.loading.single_file`'s UNetFiles for CompVis / A1111 / SGM files, MMDiTFiles for Stability's SD 3.x)."""
-    from .single_file import read_single_file
+    from .single_file import layout_of, read_single_file
 
     if family.single_file is None:
         raise ValueError(f"{pipeline}: {family.title} checkpoints load from diffusers folders (from_pretrained), "
@@ -137,8 +136,7 @@ def load_file(family, pipeline, path, config, dtype, prediction_type, scheduler,
     if prediction_type is not None and family.flow:
         raise ValueError(f"prediction_type={prediction_type!r}: {pipeline}'s transformer predicts a flow's "
                          "velocity; prediction_type is for UNet checkpoints")
-    module, attribute = family.single_file.split(":")
-    layout = getattr(importlib.import_module(module), attribute)
+    layout = layout_of(family.single_file)
     left_out = tuple(name for name in family.text.optional if name.startswith("text_encoder") and
                      name in given and given[name] is None)
     parts, params, folder = read_single_file(layout, path, config, dtype, prediction_type, scheduler,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import re
 import warnings
@@ -94,6 +95,20 @@ class SingleFileError(ValueError):
     """The file is not a single-file SD 1.x / 2.x / SDXL checkpoint, or holds tensors no table maps."""
 
 
+def layout_of(name: str):
+    """The single-file layout a family names ("module:name", `Family.single_file`): UNetFiles, MMDiTFiles, or a
+    user's own with the same methods."""
+    module, attribute = name.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def not_a_single_file(keys) -> SingleFileError:
+    """The error for a file that no family's layout claims."""
+    return SingleFileError(f"not a single-file Stable Diffusion checkpoint: no model.diffusion_model.* tensors "
+                           f"(found {short_list(keys, 5)}); a diffusers folder loads with "
+                           "StableDiffusion.from_pretrained")
+
+
 def detect_version(keys) -> str:
     """'sd1' (CLIP ViT-L text encoder), 'sd2' (OpenCLIP ViT-H), 'sdxl' (CLIP ViT-L and OpenCLIP ViT-bigG) or
     'sdxl_refiner' (OpenCLIP ViT-bigG alone) from the tensor names."""
@@ -102,9 +117,7 @@ def detect_version(keys) -> str:
         raise SingleFileError("an SD 3 / 3.5 checkpoint (an MMDiT under model.diffusion_model.joint_blocks.*): load "
                               "it with StableDiffusion3.from_single_file")
     if not any(k.startswith("model.diffusion_model.") for k in keys):
-        raise SingleFileError(f"not a single-file Stable Diffusion checkpoint: no model.diffusion_model.* tensors "
-                              f"(found {short_list(keys, 5)}); a diffusers folder loads with "
-                              "StableDiffusion.from_pretrained")
+        raise not_a_single_file(keys)
     encoders = {m[0] for k in keys if (m := re.match(r"(cond_stage_model|conditioner\.embedders\.\d+)\.\w+\.", k))}
     for version, layout in LAYOUTS.items():
         if encoders == {prefix for prefix in layout if prefix not in MODELS}:
@@ -196,6 +209,15 @@ class UNetFiles:
     version (`LAYOUTS`)."""
 
     @staticmethod
+    def pipeline_name(state_dict) -> str | None:
+        """The diffusers pipeline class the file is, as a folder's model_index.json names it; None for a file of
+        another layout."""
+        keys = list(state_dict)
+        if is_sd3_file(keys) or not any(k.startswith("model.diffusion_model.") for k in keys):
+            return None
+        return f"{PIPELINES[detect_version(keys)]}Pipeline"
+
+    @staticmethod
     def contents(where, state_dict, family, pipeline, left_out):
         version = detect_version(state_dict)
         contents = file_contents(version)
@@ -230,6 +252,10 @@ class UNetFiles:
 class MMDiTFiles:
     """Stability's SD 3 / 3.5 files: the MMDiT under `model.diffusion_model.joint_blocks.*`, the text encoders and
     VAE there too or (with `config`) from a diffusers folder; configs bundled per MMDiT size."""
+
+    @staticmethod
+    def pipeline_name(state_dict) -> str | None:
+        return "StableDiffusion3Pipeline" if is_sd3_file(sd3_with_prefixes(state_dict)) else None
 
     @staticmethod
     def contents(where, state_dict, family, pipeline, left_out):
