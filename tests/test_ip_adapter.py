@@ -160,8 +160,9 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(),
                 ip_adapter_scale={"up": {"block_7": [1.0]}})
     # image embeds of another width: Flax's ScopeParamShapeError from inside the projection
+    width = VISION["projection_dim"]
     with pytest.raises(ValueError, match=r"^ip_adapter_image_embeds has an array of shape \(2, 1, 7\); its adapter "
-                                         rf"takes {VISION['projection_dim']} wide ones \(E\), its image encoder's output$"):
+                                         rf"takes {width} wide ones \(E\), its image encoder's output$"):
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image_embeds=[np.zeros((2, 1, 7))])
     # a mask of another aspect than the image's: a ZeroDivisionError while tracing, where the layer's grid had no row
     with pytest.raises(ValueError, match=r"^ip_adapter_masks\[0\] is 4096x1, not of the image's aspect \(32x32\): "
