@@ -258,9 +258,10 @@ ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale", 
 
 def check_absent(args: dict):
     """Image prompts given to a pipeline without an IP-Adapter."""
-    if args.get("ip_adapter_image") is not None or args.get("ip_adapter_image_embeds") is not None:
-        raise ValueError("ip_adapter_image needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter("
-                         "params, 'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
+    for name in ("ip_adapter_image", "ip_adapter_image_embeds"):
+        if args.get(name) is not None:
+            raise ValueError(f"{name} needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter(params, "
+                             "'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
 
 
 def per_adapter(value, count: int, name: str) -> list:
