@@ -369,3 +369,17 @@ def test_a_perturbed_guider_whose_window_holds_no_step_says_so(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # at 10 steps step 1 is in the window: no warning
         pag._checked((ids, params, jax.random.PRNGKey(0), 10), {}, pag.signature, "jit=False", 1)
+
+
+def test_the_pag_hook_beside_a_pag_guider_is_refused(tiny):
+    """Each adds a perturbed batch: "array split does not result in an equal division" while tracing."""
+    from sdflax import guiders
+    from sdflax.hooks.pag import perturbed_attention_guidance
+
+    pipe, params, ids = tiny
+    guider = guiders.PerturbedAttentionGuidance(perturbed_guidance_config=guiders.LayerSkipConfig(
+        [0], fqn="mid_block.attentions.0.transformer_blocks", skip_attention=False, skip_attention_scores=True))
+    both = pipe.with_guider(guider).with_hooks(perturbed_attention_guidance(3.0))
+    refused(ValueError, lambda: both(ids, params, jax.random.PRNGKey(0), 2), "the guider PerturbedAttentionGuidance "
+            "and the hook PerturbedAttentionGuidance both combine the UNet's predictions: give one "
+            "(PerturbedAttentionGuidance is a guider too)")

@@ -237,6 +237,17 @@ def test_legacy_torch_format_gives_resave_advice(tmp_path):
     assert "old.pt" in str(raised.value)
 
 
+def test_a_truncated_zip_bin_is_called_truncated_not_legacy(tmp_path):
+    """A cut download of a torch.save file lost its zip directory: it was called the legacy (pre-1.6) format."""
+    whole, cut = tmp_path / "whole.bin", tmp_path / "cut.bin"
+    torch.save({"w": torch.ones(64)}, whole)
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(ValueError) as raised:
+        read_checkpoint(cut)
+    assert str(raised.value) == (f"{str(cut)!r} is a truncated or damaged zip-format PyTorch checkpoint (no zip "
+                                 "directory at its end): download or copy it again")
+
+
 def test_corrupt_safetensors_names_the_file(tmp_path):
     from safetensors.numpy import save_file
 

@@ -253,3 +253,24 @@ def test_a1111_euler_on_a_flow_config_is_the_flows_euler_and_names_itself_so():
     # on an ε / v config "Euler" stays k-diffusion's Euler
     ddpm = {"_class_name": "PNDMScheduler", "num_train_timesteps": 1000, "beta_schedule": "scaled_linear"}
     assert type(scheduler_from_config(ddpm, "Euler")) is EulerScheduler
+
+
+def test_a1111_kl_optimal_on_a_flow_config_is_honoured_and_align_your_steps_refused():
+    """Both gave plain Euler's σ while the name said otherwise: KL Optimal places the flow's σ evenly in atan σ
+    between the shifted end points (as Karras does its own); Align Your Steps' levels are SD 1.x's and SDXL's."""
+    from sdflax.schedulers import a1111_name, sigma_schedules
+
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "num_train_timesteps": 1000}
+    plain = scheduler_from_config(flow, "Euler").schedule(6)[1]
+    scheduler = scheduler_from_config(flow, "euler  kl optimal")
+    timesteps, sigmas = scheduler.schedule(6)
+    assert a1111_name(scheduler) == "Euler KL Optimal"
+    expected = sigma_schedules.kl_optimal_sigmas(plain[-2], plain[0], 6).astype(np.float32)
+    np.testing.assert_allclose(sigmas, [*expected, 0], rtol=1e-6)
+    np.testing.assert_allclose(timesteps, expected * 1000, rtol=1e-6)
+    assert np.abs(sigmas[1:-2] - plain[1:-2]).min() > 0.05  # not Euler's
+    with pytest.raises(ValueError) as info:
+        scheduler_from_config(flow, "Euler Align Your Steps")
+    assert str(info.value) == ("scheduler 'Euler Align Your Steps': Align Your Steps' noise levels are SD 1.x's and "
+                               "SDXL's, not a flow model's (SD 3.x): use Euler, or Euler with Karras, Exponential, "
+                               "Beta or KL Optimal")

@@ -251,8 +251,8 @@ def test_guiders_compose_with_hooks_and_refuse_a_second_combiner(pipes):
     images = hooked(ours.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, latents=latents).images
     np.testing.assert_allclose(images, expected, rtol=0, atol=ATOL)
     guider = guiders.ClassifierFreeGuidance(guidance_scale=7.5)
-    with pytest.raises(ValueError, match="ClassifierFreeGuidance and PerturbedAttentionGuidance both combine the "
-                                         "UNet's predictions: give one"):
+    with pytest.raises(ValueError, match="the guider ClassifierFreeGuidance and the hook PerturbedAttentionGuidance "
+                                         "both combine the UNet's predictions: give one"):
         ours.with_guider(guider).with_hooks(perturbed_attention_guidance(3.0))(
             ours.prepare_inputs(PROMPTS), params, jax.random.key(0), STEPS, latents=latents)
     with pytest.raises(TypeError, match="with_guider takes a guider from sdflax.guiders"):

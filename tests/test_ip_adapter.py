@@ -159,6 +159,23 @@ def test_bad_ip_adapter_input_is_one_line(sd1, adapters):
                                          r"cross-attention \(block_"):  # it scaled nothing, so the adapter was off
         ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(),
                 ip_adapter_scale={"up": {"block_7": [1.0]}})
+    # image embeds of another width: Flax's ScopeParamShapeError from inside the projection
+    width = VISION["projection_dim"]
+    with pytest.raises(ValueError, match=r"^ip_adapter_image_embeds has an array of shape \(2, 1, 7\); its adapter "
+                                         rf"takes {width} wide ones \(E\), its image encoder's output$"):
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image_embeds=[np.zeros((2, 1, 7))])
+    # a mask of another aspect than the image's: a ZeroDivisionError while tracing, where the layer's grid had no row
+    with pytest.raises(ValueError, match=r"^ip_adapter_masks\[0\] is 4096x1, not of the image's aspect \(32x32\): "
+                                         r"make the masks with pipeline.prepare_ip_adapter_masks\(masks, height, "):
+        ip_pipe(ids, ip_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels(),
+                ip_adapter_masks=[np.ones((1, 1, 1, 4096), np.float32)])
+    # pixels for an adapter loaded without its image encoder: KeyError: 'image_encoder'
+    bare_pipe, bare_params = pipe.load_ip_adapter(params, folder, subfolder="models", image_encoder_folder=None,
+                                                  weight_name="ip-adapter_base.safetensors")
+    with pytest.raises(ValueError, match=r"^ip_adapter_image needs the IP-Adapter's image encoder, which load_ip_"
+                                         r"adapter\(..., image_encoder_folder=None\) left out: give ip_adapter_image_"
+                                         "embeds, or load it with image_encoder_folder='image_encoder'$"):
+        bare_pipe(ids, bare_params, jax.random.key(0), STEPS, SIZE, SIZE, ip_adapter_image=pixels())
     with pytest.raises(ValueError, match="load_ip_adapter needs weight_name="):
         pipe.load_ip_adapter(params, folder, subfolder="models")
     # a later layer of another width (only layer 0 was checked): a reshape traceback in every call

@@ -171,8 +171,24 @@ def test_tokenizer_bad_input(tokenizer_folder, tmp_path):
     data["added_tokens"] = []
     data["model"]["vocab"] = [piece for piece in data["model"]["vocab"] if piece[0] != "</s>"]
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="no '</s>' token: not a T5 tokenizer"):
+    with pytest.raises(ValueError) as error:  # the message named no file
         T5Tokenizer.from_folder(tmp_path)
+    assert str(error.value) == (f"{tmp_path / 'tokenizer.json'} has no '</s>' token: not a T5 tokenizer (T5's "
+                                "tokenizer.json holds '</s>' and '<pad>', as SD 3.5's tokenizer_3 ships it)")
+
+
+def test_a_folder_without_t5s_tokenizer_json_names_it(tmp_path):
+    """SD 3's tokenizer_3 is T5's: it needs tokenizer.json (vocab.json + merges.txt were asked for, CLIP's files);
+    CLIP's tokenizer folders take either layout."""
+    from sdflax.loading.folders import missing_pipeline_files
+
+    for name in ("tokenizer", "tokenizer_3"):
+        (tmp_path / name).mkdir()
+        for file in ("vocab.json", "merges.txt"):
+            (tmp_path / name / file).write_text("{}")
+    missing = missing_pipeline_files(tmp_path, (), ("tokenizer", "tokenizer_3"), t5_tokenizers=("tokenizer_3",))
+    assert missing[-1:] == ["tokenizer_3/tokenizer.json (T5's tokenizer, as transformers saves it)"]
+    assert not [m for m in missing if m.startswith("tokenizer/")]
 
 
 def test_relu_encoder_matches_transformers(tmp_path):

@@ -395,11 +395,13 @@ def read_torch_object(path):
     except (OSError, zipfile.BadZipFile) as e:  # a damaged zip64 end record: a seek before the file, "multi-disk"
         raise CheckpointFileError(f"corrupt PyTorch file {name!r}: {_one_line(e)}") from None
     if not is_zip:
+        with open(name, "rb") as f:  # a zip begins with an entry and ends with its directory: a cut copy lacks that
+            cut = f.read(4) == b"PK\x03\x04"
         raise CheckpointFileError(
-            f"{name!r} is not a zip-format PyTorch checkpoint; the legacy (pre-1.6) torch format is "
-            "not supported: re-save it as safetensors (e.g. safetensors.torch.save_file(torch.load(f), "
-            "'model.safetensors'))"
-        )
+            f"{name!r} is a truncated or damaged zip-format PyTorch checkpoint (no zip directory at its end): "
+            "download or copy it again" if cut else f"{name!r} is not a zip-format PyTorch checkpoint; the legacy "
+            "(pre-1.6) torch format is not supported: re-save it as safetensors (e.g. safetensors.torch.save_file("
+            "torch.load(f), 'model.safetensors'))")
     try:
         return _read_torch_zip(name)
     except CheckpointFileError:

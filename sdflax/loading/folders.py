@@ -21,6 +21,7 @@ from .weights import read_weights, weight_files
 
 COMPONENTS = ("text_encoder", "unet", "vae")  # an SD 1.x / 2.x pipeline's models
 TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))  # SD 1.x hub layout, or transformers 5
+T5_TOKENIZER_FILES = (("tokenizer.json",),)  # what `T5Tokenizer.from_folder` reads (SD 3's tokenizer_3)
 
 
 def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer",)):
@@ -43,9 +44,11 @@ def is_null(index: dict, name: str) -> bool:
     return entry is None or (isinstance(entry, list) and all(part is None for part in entry))
 
 
-def missing_pipeline_files(folder, components=COMPONENTS, tokenizers=("tokenizer",)) -> list[str]:
+def missing_pipeline_files(folder, components=COMPONENTS, tokenizers=("tokenizer",), t5_tokenizers=()
+                           ) -> list[str]:
     """The files a diffusers pipeline folder needs that `folder` lacks (weights excepted: `weights.py` names those);
-    components that model_index.json lists as null need none."""
+    components that model_index.json lists as null need none. `t5_tokenizers`: those of `tokenizers` that are T5's
+    (one tokenizer.json), not CLIP's."""
     index = read_index(folder)
     components = [c for c in components if not is_null(index, c)]
     tokenizers = [t for t in tokenizers if not is_null(index, t)]
@@ -55,14 +58,18 @@ def missing_pipeline_files(folder, components=COMPONENTS, tokenizers=("tokenizer
         path = os.path.join(folder, name)
         if not os.path.isdir(path):
             missing.append(f"{name}/ (no tokenizer folder at {path})")
+        elif name in t5_tokenizers:
+            if not any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in T5_TOKENIZER_FILES):
+                missing.append(f"{name}/tokenizer.json (T5's tokenizer, as transformers saves it)")
         elif not any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in TOKENIZER_FILES):
             missing.append(f"{name}/vocab.json + merges.txt (or {name}/tokenizer.json)")
     return missing
 
 
-def check_pipeline_folder(folder, name=None, components=COMPONENTS, tokenizers=("tokenizer",)) -> None:
+def check_pipeline_folder(folder, name=None, components=COMPONENTS, tokenizers=("tokenizer",), t5_tokenizers=()
+                          ) -> None:
     """Raise ModelNotFoundError naming the missing files if `folder` is not a diffusers pipeline checkpoint."""
-    missing = missing_pipeline_files(folder, components, tokenizers)
+    missing = missing_pipeline_files(folder, components, tokenizers, t5_tokenizers)
     if missing:
         raise ModelNotFoundError(f"{name or folder} is not a diffusers Stable Diffusion checkpoint: "
                                  f"missing {', '.join(missing)}")
@@ -132,7 +139,8 @@ def load_pipeline(path_or_repo_id, models: dict, tokenizers: tuple, index_option
         # Older repos ship .bin or Flax msgpack only: fetch those for the components that need them.
         patterns = [f"{c}/*.bin" for c in models] + [f"{c}/*.msgpack" for c in models]
         folder = resolve_folder(path_or_repo_id, revision, allow_patterns=files + patterns)
-    check_pipeline_folder(folder, str(path_or_repo_id), tuple(models), tokenizers)  # before anything slow
+    check_pipeline_folder(folder, str(path_or_repo_id), tuple(models), tokenizers,  # before anything slow
+                          tuple(tokenizer_loaders or ()))  # the tokenizers that are not CLIP's are T5's
     for name in models:
         weight_files(os.path.join(folder, name), variant)  # fail on a missing weights file before reading anything
 

@@ -53,6 +53,7 @@ class IPAdapterWeights(NamedTuple):
     to_v_ip: list
     num_tokens: int  # image tokens the projection makes (diffusers' num_tokens)
     wants_hidden_states: bool  # the image encoder's penultimate hidden states, not its image embedding
+    input_width: int  # the width of what the projection takes (the image embedding's, or the hidden states')
 
 
 def read_ip_adapters(source, subfolder, weight_name, image_encoder_folder, revision, dtype):
@@ -94,7 +95,7 @@ def read_ip_adapter(path, dtype=jnp.float32, kernels: Kernels | None = None) -> 
     params = convert_state_dict(state_dict, variables["params"], dtype, where=f"IP-Adapter file {name!r}")
     return IPAdapterWeights(projection, params, [jnp.asarray(w.T, dtype) for w in to_k_ip],
                             [jnp.asarray(w.T, dtype) for w in to_v_ip], num_tokens,
-                            not isinstance(projection, ImageProjection))
+                            not isinstance(projection, ImageProjection), input_shape[-1])
 
 
 def _read_sections(name):

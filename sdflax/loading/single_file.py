@@ -342,7 +342,8 @@ def read_single_file(layout, path, config=None, dtype=None, prediction_type=None
         folder = resolve_folder(config, revision, allow_patterns=checkpoint_files(
             None, tuple(models.keys() - found.in_file), tokenizers_of(models)))
         models = layout.with_config(folder, config, found, models)
-        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizers_of(models))
+        check_pipeline_folder(folder, f"config={config}", tuple(models), tokenizers_of(models),
+                              tuple(TOKENIZER_LOADERS))
         for c in models.keys() - found.in_file:
             weight_files(os.path.join(folder, c))  # fail on a missing weights file before reading anything
         loaders = {**getattr(found.family, "tokenizer_loaders", {}), **TOKENIZER_LOADERS}

@@ -188,13 +188,14 @@ class T5Tokenizer:
     """Texts -> int32 ids (B, max_length), each text's pieces then `</s>`, padded with `<pad>`; `from_folder`
     builds one."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, source: str = "the tokenizer"):
         from tokenizers import processors
 
         self.backend = backend
         for token in (EOS_TOKEN, PAD_TOKEN):
             if backend.token_to_id(token) is None:
-                raise ValueError(f"the tokenizer has no {token!r} token: not a T5 tokenizer")
+                raise ValueError(f"{source} has no {token!r} token: not a T5 tokenizer (T5's tokenizer.json holds "
+                                 f"{EOS_TOKEN!r} and {PAD_TOKEN!r}, as SD 3.5's tokenizer_3 ships it)")
         # transformers' T5 tokenizer sets this post-processor whatever tokenizer.json holds.
         backend.post_processor = processors.TemplateProcessing(
             single=["$A", EOS_TOKEN], pair=["$A", EOS_TOKEN, "$B", EOS_TOKEN],
@@ -216,7 +217,7 @@ class T5Tokenizer:
         except Exception as e:  # the Rust tokenizers library raises bare Exceptions for damaged files
             detail = " ".join(str(e).split())[:200]
             raise ValueError(f"{path}: cannot build a tokenizer from it ({type(e).__name__}: {detail})") from None
-        return cls(backend)
+        return cls(backend, path)
 
     def __call__(self, texts, max_length: int) -> np.ndarray:
         """int32 ids (B, max_length) of a text or a list of texts: a longer text keeps its first max_length - 1

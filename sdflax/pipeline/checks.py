@@ -24,6 +24,7 @@ from ..guiders import Guider
 from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter
+from .arguments import check_kinds, described
 from .controlnet import ControlNet, as_nets, check_control_images
 from .skip_layers import check_skip_layer_window, check_skip_layers, skip_layer_guider
 from .starts import schedule_window
@@ -153,29 +154,6 @@ def check_hooks_fit(spec, hooks, skip_guidance_layers):
                              "...) or skip whole blocks (SkipLayerGuidance), and skip_guidance_layers=")
 
 
-# Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
-# one number.
-ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
-          "neg_pooled_prompt_embeds", "latents", "noise")
-NUMBERS = ("guidance_scale", "guidance_rescale", "strength", "aesthetic_score", "negative_aesthetic_score",
-           "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop")
-
-
-def check_kinds(args):
-    """Each argument of the kind it must be, before anything reads it (a list or a string failed deep inside)."""
-    for name in ARRAYS:
-        value = args.get(name)
-        if value is not None and not hasattr(value, "shape"):
-            raise TypeError(f"{name} must be an array (numpy or jax), got a {type(value).__name__}"
-                            + (": make it with pipeline.prepare_inputs(prompts)" if name.endswith("_ids") else ""))
-    for name in NUMBERS:
-        value = args.get(name)
-        if value is None and name != "guidance_scale":  # None: the default (guidance_scale has no None)
-            continue
-        if isinstance(value, bool) or not (hasattr(value, "shape") or isinstance(value, numbers.Real)):
-            raise TypeError(f"{name} must be a number, got {value!r:.40} ({type(value).__name__})")
-
-
 def check_left_to_the_guider(guider, args, defaults):
     """A guider's scale and rescale are its own: the call's, if not the class default or the guider's value, would
     be ignored."""
@@ -243,7 +221,8 @@ def guided(guidance_scale) -> bool:
 
 def check_size(name, value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
-        raise ValueError(f"{name} must be a positive whole number of pixels (or None for the default), got {value!r}")
+        raise ValueError(f"{name} must be a positive whole number of pixels (or None for the default), got "
+                         f"{described(value) if hasattr(value, 'shape') else repr(value)}")
 
 
 def sizes(spec, height, width):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import sampling
+from ..guiders import Guider
 from ..hooks.core import Hook, intercept
 from .runner import Runner
 from .starts import schedule_window
@@ -41,6 +42,13 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
     if not settings.classifier_free_guidance:
         cond = cond.conditional()
     hooks = tuple(inputs.hooks or ())
+    # checked before the hooks' conditions: two that each add a perturbed batch fail there
+    combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
+    if len(combines) > 1:
+        first, second = (f"{'the guider' if isinstance(h, Guider) else 'the hook'} {type(h).__name__}"
+                         for h in combines[:2])
+        raise ValueError(f"{first} and {second} both combine the UNet's predictions: give one "
+                         "(PerturbedAttentionGuidance is a guider too)")
     for hook in hooks:
         cond = hook.condition(cond, settings)
     start = spec.start.begin(params, inputs, settings, spec.scheduler)
@@ -59,10 +67,6 @@ def generate_fn(spec: Spec, params, inputs: Inputs, settings: Settings) -> Outpu
         unet_fn = wrapper.wrap(params, inputs, settings, cond, start)(unet_fn)
     for hook in hooks:
         unet_fn = hook.wrap_unet(unet_fn)
-    combines = [hook for hook in hooks if type(hook).combine is not Hook.combine]
-    if len(combines) > 1:
-        raise ValueError(f"{type(combines[0]).__name__} and {type(combines[1]).__name__} both combine the UNet's "
-                         "predictions: give one (PerturbedAttentionGuidance is a guider too)")
     takes_unconditional = getattr(spec.scheduler, "takes_unconditional", False)
     if combines and takes_unconditional:
         raise ValueError(f"{type(spec.scheduler).__name__} (CFG++) re-noises with classifier-free guidance's "

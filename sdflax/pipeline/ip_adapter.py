@@ -42,6 +42,7 @@ class Adapter:
 
     projection: Any
     wants_hidden_states: bool
+    input_width: int  # what the projection takes: ip_adapter_image_embeds' last axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,8 @@ class IPAdapter:
     picture = None
 
     def call_inputs(self, args: dict, settings, batch, leading_dims) -> IPAdapterInputs:
-        given = call_inputs(self, args, batch, leading_dims, settings.classifier_free_guidance)
+        given = call_inputs(self, args, batch, leading_dims, settings.classifier_free_guidance,
+                            (settings.height, settings.width))
         return IPAdapterInputs(**{name.replace("ip_adapter_", ""): value for name, value in given.items()})
 
     def image_embeds(self, params, pixels, adapter: Adapter):
@@ -256,9 +258,10 @@ ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale", 
 
 def check_absent(args: dict):
     """Image prompts given to a pipeline without an IP-Adapter."""
-    if args.get("ip_adapter_image") is not None or args.get("ip_adapter_image_embeds") is not None:
-        raise ValueError("ip_adapter_image needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter("
-                         "params, 'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
+    for name in ("ip_adapter_image", "ip_adapter_image_embeds"):
+        if args.get(name) is not None:
+            raise ValueError(f"{name} needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter(params, "
+                             "'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
 
 
 def per_adapter(value, count: int, name: str) -> list:
@@ -268,7 +271,8 @@ def per_adapter(value, count: int, name: str) -> list:
     return values
 
 
-def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_guidance: bool) -> dict:
+def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_guidance: bool, size: tuple
+                ) -> dict:
     """The Inputs fields of a call's `ip_adapter_image` (CLIP pixels from `prepare_ip_adapter_image`, one array
     per adapter: (N, 3, h, w), or (N, n, 3, h, w) for n images each; N = 1 is every prompt's),
     `ip_adapter_image_embeds` (diffusers' form: per adapter the encoder's output, [negative; positive] along the
@@ -278,6 +282,10 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
     if (image is None) == (embeds is None):
         raise ValueError("this pipeline has an IP-Adapter: give ip_adapter_image (pipeline.prepare_ip_adapter_image("
                          "pictures)) or ip_adapter_image_embeds, one of them")
+    if image is not None and piece.image_encoder is None:
+        raise ValueError("ip_adapter_image needs the IP-Adapter's image encoder, which load_ip_adapter(..., "
+                         "image_encoder_folder=None) left out: give ip_adapter_image_embeds, or load it with "
+                         "image_encoder_folder='image_encoder'")
     count = len(piece.adapters)
     lead = leading_dims or 1
     out = {}
@@ -298,11 +306,14 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
         out["ip_adapter_image"] = tuple(arrays)
     else:
         arrays = []
-        for x in per_adapter(embeds, count, "ip_adapter_image_embeds"):
+        for x, adapter in zip(per_adapter(embeds, count, "ip_adapter_image_embeds"), piece.adapters):
             x = jnp.asarray(x, jnp.float32)
             if x.ndim not in (lead + 2, lead + 3):
                 raise ValueError(f"ip_adapter_image_embeds has an array of shape {x.shape}; diffusers' form is "
                                  "(N, n, E) or (N, n, tokens, E) per adapter, negatives first with guidance")
+            if x.shape[-1] != adapter.input_width:
+                raise ValueError(f"ip_adapter_image_embeds has an array of shape {x.shape}; its adapter takes "
+                                 f"{adapter.input_width} wide ones (E), its image encoder's output")
             if classifier_free_guidance:
                 if x.shape[lead - 1] % 2:
                     raise ValueError(f"ip_adapter_image_embeds of shape {x.shape} with classifier-free guidance: "
@@ -335,6 +346,10 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
             if mask.ndim != 4 or mask.shape[:2] != (1, n):
                 raise ValueError(f"ip_adapter_masks[{a}] has shape {mask.shape}; expected (1, {n}, H, W), one mask per "
                                  "picture of its adapter: pipeline.prepare_ip_adapter_masks(masks)")
+            if mask.shape[-1] * size[0] != mask.shape[-2] * size[1]:  # the layers' grids would not fit it
+                raise ValueError(f"ip_adapter_masks[{a}] is {mask.shape[-1]}x{mask.shape[-2]}, not of the image's "
+                                 f"aspect ({size[1]}x{size[0]}): make the masks with pipeline.prepare_ip_adapter_masks"
+                                 "(masks, height, width)")
             if p.shape[1] not in (1, n):
                 raise ValueError(f"ip_adapter_scale gives {p.shape[1]} scales to adapter {a}'s {n} masked pictures: "
                                  "one, or one per picture")
@@ -369,7 +384,7 @@ def load_ip_adapter(unet, dtype, weights, encoder, encoder_params):
             raise ValueError(f"{name} projects image tokens {w.to_k_ip[0].shape[0]} wide; this UNet's cross-attention "
                              f"takes {width}: an IP-Adapter is made for one UNet family (SD 1.x / SD 2.x / SDXL)")
         check_layer_shapes(name, w, layers, unet.param_shapes(), width)
-        adapters.append(Adapter(w.projection, w.wants_hidden_states))
+        adapters.append(Adapter(w.projection, w.wants_hidden_states, w.input_width))
         cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
         params_of.append({"projection": jax.tree.map(cast, w.projection_params),
                           "to_k_ip": [cast(k) for k in w.to_k_ip], "to_v_ip": [cast(v) for v in w.to_v_ip]})

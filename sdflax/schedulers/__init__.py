@@ -97,6 +97,7 @@ def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
     flow-matching config, as SD 3's, "Euler" is the flow's Euler); `overrides` replace both."""
     if kind is None:
         kind = config.get("_class_name")
+    kind_given = kind
     a1111_spelling = kind in names.SAMPLERS or str(kind).lower() not in _BY_NAME
     a1111 = names.resolve(kind, SCHEDULERS) if a1111_spelling else None
     if a1111 is not None:
@@ -107,6 +108,10 @@ def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
     cls = _BY_NAME.get(str(kind).lower())
     if flow_model and a1111 is not None and cls is EulerScheduler:
         cls = FlowMatchEulerScheduler  # A1111's and Forge's "Euler" on a flow model (SD 3.x): the flow's Euler
+        if config.get("align_your_steps"):  # its levels are SD 1.x's and SDXL's σ (up to 14.6); a flow's σ end at 1
+            raise ValueError(f"scheduler {kind_given!r}: Align Your Steps' noise levels are SD 1.x's and SDXL's, not "
+                             "a flow model's (SD 3.x): use Euler, or Euler with Karras, Exponential, Beta or KL "
+                             "Optimal")
     if cls is None:
         raise ValueError(f"unknown scheduler {kind!r}; known: {', '.join(sorted(SCHEDULERS))}, diffusers' class "
                          f"names, or A1111's ({', '.join(names.SAMPLERS)}, each optionally followed by "

@@ -156,7 +156,7 @@ def check_steps(config: ScheduleConfig, num_inference_steps) -> None:
     points have stride 0, Euler clamps t to T - 1)."""
     T, n = config.num_train_timesteps, num_inference_steps
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"num_inference_steps must be an int, got {n!r}")
+        raise TypeError(f"num_inference_steps must be an int, got {' '.join(repr(n).split()):.80}")
     custom = custom_steps(config)
     if custom is not None:
         if n != custom:

@@ -37,9 +37,10 @@ class FlowMatchEulerConfig:
     max_image_seq_len: int = 4096
     invert_sigmas: bool = False
     shift_terminal: float | None = None  # stretch the shifted σ so that the last step starts at this σ
-    use_karras_sigmas: bool = False  # at most one of these three: σ placed between the shifted end points
+    use_karras_sigmas: bool = False  # at most one of these four: σ placed between the shifted end points
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
+    use_kl_optimal_sigmas: bool = False  # sdflax's (A1111's and ComfyUI's "KL Optimal"); diffusers has no such flag
     time_shift_type: str = "exponential"
     stochastic_sampling: bool = False  # x_next = (1 - σ_next) x̂_0 + σ_next z, z fresh noise
     # Never read from a config file; static, as the scheduler is: a new one is a new program.

@@ -45,7 +45,7 @@ def check_steps(config: ConsistencyScheduleConfig, num_inference_steps) -> None:
     is the custom schedule's length: diffusers takes timesteps off the grid, and more of them, with a warning)."""
     n, T, steps = num_inference_steps, config.num_train_timesteps, config.original_inference_steps
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"num_inference_steps must be an int, got {n!r}")
+        raise TypeError(f"num_inference_steps must be an int, got {' '.join(repr(n).split()):.80}")
     if (custom := common.custom_steps(config)) is not None:
         if n != custom:
             raise ValueError(f"num_inference_steps={n}, but the custom schedule has {custom} steps")
