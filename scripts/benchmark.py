@@ -89,7 +89,7 @@ def log(message):
 
 def build_parser():
     from sdflax.cli.parse import scheduler_argument
-    from sdflax.utils import ATTENTION_IMPLEMENTATIONS
+    from sdflax.models.layers import ATTENTION_IMPLEMENTATIONS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=SD15_NAME, help=f"{SD15_NAME} (default), {SD35_NAME}, a diffusers folder or "

@@ -1,13 +1,10 @@
-"""Small helpers: an image grid, and what every entry point shares without importing JAX (the number check, the
-attention implementations' names)."""
+"""Small helpers: an image grid, and the number check every entry point shares."""
 
 from __future__ import annotations
 
 import math
 
 FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
-# The attention implementations a model can be built with (`sdflax.models.layers.Attention`)
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
 
 def is_float32(value: float) -> bool:

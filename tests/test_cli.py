@@ -132,6 +132,10 @@ def test_help_and_argument_errors_start_without_jax(tmp_path):
                              "sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')))"], capture_output=True,
                             text=True)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stderr
+    from sdflax.cli.options import ATTENTION_IMPLEMENTATIONS
+    from sdflax.models.layers import ATTENTION_IMPLEMENTATIONS as MODELS_TAKE
+
+    assert ATTENTION_IMPLEMENTATIONS == MODELS_TAKE  # --attention's choices, written out in the command line
     for args, code, expected in ((["generate", "--help"], 0, "--guidance SCALE"),
                                  (["generate", "a fox", "--steps", "0"], 2, "--steps: must be at least 1, got 0")):
         result = subprocess.run([sys.executable, "-m", "sdflax", *args], capture_output=True, text=True, env=env)

@@ -7,10 +7,12 @@ import argparse
 import re
 
 from .. import cache
-from ..utils import ATTENTION_IMPLEMENTATIONS
 from .parse import finite, num_images, positive_int, prompt_text, scheduler_argument, seed, strength
 from .features import FEATURES
 from .request import DEFAULT_MODEL
+
+# sdflax.models.layers.ATTENTION_IMPLEMENTATIONS, written out so that --help and argument errors start without JAX
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
 
 class Parser(argparse.ArgumentParser):

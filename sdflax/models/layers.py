@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..utils import ATTENTION_IMPLEMENTATIONS
-
-# How attention is computed (ATTENTION_IMPLEMENTATIONS). "xla": sdflax's einsum-softmax-einsum (fastest on the
-# CPU); "cudnn": cuDNN's fused flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision);
-# "pallas": JAX's Pallas flash attention kernel for TPUs; "auto": cuDNN or Pallas where they run for the call's
-# shapes and dtype (`Kernels.cudnn_runs`, `Kernels.pallas_runs`), XLA elsewhere.
+# How attention is computed. "xla": sdflax's einsum-softmax-einsum (fastest on the CPU); "cudnn": cuDNN's fused
+# flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision); "pallas": JAX's Pallas flash
+# attention kernel for TPUs; "auto": cuDNN or Pallas where they run for the call's shapes and dtype
+# (`Kernels.cudnn_runs`, `Kernels.pallas_runs`), XLA elsewhere.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 # The Pallas TPU kernel's blocks: query and key lengths must be multiples of it, and head dims are zero-padded to it.
 PALLAS_BLOCK = 128
 # On the CPU, attention runs one (image, head) pair at a time, in blocks of queries whose float32 logits take at
