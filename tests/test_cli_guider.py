@@ -51,7 +51,8 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
     (["--guider", "pag", "--guider-arg", "config=mid_block:x"], "--guider pag: PerturbedAttentionGuidance: "
      "perturbed_guidance_config='mid_block:x': expected a layer list and its indices, e.g. "
      "mid_block.attentions.0.transformer_blocks:0"),
-    (["--guider", "pag"], "--guider pag: perturbed_guidance_config: give perturbed_guidance_config=LayerSkipConfig("),
+    (["--guider", "pag"], "--guider pag perturbs the layers you name: add --guider-arg config=FQN:INDICES, the list "
+     "of modules and the indices of those perturbed, e.g. config=mid_block.attentions.0.transformer_blocks:0"),
     (["--guider", "seg", "--guider-arg", "config=down_blocks.9.attentions.0.transformer_blocks:0"],
      "sdflax: error: seg_guidance_config: 'down_blocks.9.attentions.0.transformer_blocks.0' is no module of this "
      "UNet with attention layers in it"),

@@ -212,6 +212,7 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
     (["--slg-layers", "1", "--guider", "apg"], "--slg-layers runs with the pipeline's classifier-free guidance"),
     (["--guider", "pag", "--guider-arg", "config=transformer_blocks:0"], "--guider pag perturbs a UNet's layers; "
      "SD 3.x's transformer takes the guiders that combine predictions"),
+    (["--guider", "pag"], "--guider pag perturbs a UNet's layers"),  # the family's answer first
     (["--max-sequence-length", "513"], "argument --max-sequence-length: must be at most 512 (T5's longest)"),
     (["--no-t5", "--prompt-3", "x"], "--prompt-3 is T5's prompt, but --no-t5 loads no T5: drop one of them"),
     (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x's transformer samples with flow-matching Euler"),

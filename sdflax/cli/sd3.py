@@ -58,11 +58,15 @@ def without_t5(request, index) -> bool:
     return request.no_t5 or lacks_t5(index)
 
 
-def check_guider(request, guider):
+# a list of modules and the index of one, as --guider-arg config= names the layers a guider perturbs
+LAYER_EXAMPLE = "transformer_blocks:7"
+
+
+def check_guider(request, guider_class):
     """A guider that perturbs a UNet's layers does not fit SD 3.x's transformer."""
     from ..guiders.perturbed import PerturbsLayers
 
-    if isinstance(guider, PerturbsLayers):
+    if issubclass(guider_class, PerturbsLayers):
         raise UserError(f"--guider {request.guider} perturbs a UNet's layers; SD 3.x's transformer takes the guiders "
                         "that combine predictions (cfg, apg, ...): for skip-layer guidance use --slg-layers")
 

@@ -46,7 +46,11 @@ def check_size(request, height, width, denoiser, vae):
     """A UNet takes any multiple of the step."""
 
 
-def check_guider(request, guider):
+# a list of modules and the index of one, as --guider-arg config= names the layers a guider perturbs
+LAYER_EXAMPLE = "mid_block.attentions.0.transformer_blocks:0"
+
+
+def check_guider(request, guider_class):
     """A UNet takes every guider."""
 
 

@@ -69,10 +69,17 @@ def resolve(request, configs, pictures):
     from ...guiders import guider_from_name
     from ...guiders.names import guider_class
 
+    cls = guider_class(request.guider)
+    configs.side.check_guider(request, cls)  # a method the family's denoiser does not take, before its arguments
     arguments = dict(request.guider_arg)
+    layers = [field.name for field in dataclasses.fields(cls) if field.name.endswith("_config")]
+    if layers and not any(key in (layers[0], "config") or layers[0].endswith(f"_{key}") for key in arguments):
+        raise UserError(f"--guider {request.guider} perturbs the layers you name: add --guider-arg "
+                        f"config=FQN:INDICES, the list of modules and the indices of those perturbed, e.g. "
+                        f"config={configs.side.LAYER_EXAMPLE}")
     if "guidance_scale" in arguments:
         raise UserError("--guider-arg guidance_scale=...: give the scale as --guidance")
-    if any(f.name == "guidance_scale" for f in dataclasses.fields(guider_class(request.guider))):
+    if any(f.name == "guidance_scale" for f in dataclasses.fields(cls)):
         arguments["guidance_scale"] = configs.guidance
     elif request.guidance is not None:  # FDG: a scale per frequency level
         raise UserError(f"--guider {request.guider} has a guidance scale per frequency level: give them as "
@@ -85,7 +92,6 @@ def resolve(request, configs, pictures):
         raise UserError(f"--guider {request.guider} with --scheduler {request.scheduler!r}: a CFG++ scheduler "
                         "re-noises with classifier-free guidance's unconditional prediction, which the guider "
                         "replaces: use another scheduler with it")
-    configs.side.check_guider(request, guider)
     return guider
 
 
