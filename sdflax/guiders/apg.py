@@ -84,6 +84,8 @@ class AdaptiveProjectedMixGuidance(Guider):
     eta: Any = 0.0
     adaptive_projected_guidance_start_step: Any = 5
 
+    optional_arguments = ("adaptive_projected_guidance_momentum",)  # None: no momentum buffer, as diffusers
+
     @property
     def carries(self):
         return self.adaptive_projected_guidance_momentum is not None

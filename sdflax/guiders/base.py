@@ -56,6 +56,7 @@ class Guider(Hook):
     extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
     positive_arguments = ()  # traced arguments that must be above 0 (SEG's blur sigma)
     per_level_arguments = ()  # traced arguments that take one number or a tuple of them (FDG's, per level)
+    optional_arguments = ()  # traced arguments that take None (besides those whose default is None)
 
     def __post_init__(self):
         check_interval(type(self).__name__, self.start, self.stop)
@@ -78,7 +79,8 @@ NUMBER_BOUND = 1e8  # past it a guider's float32 arithmetic (scaled differences,
 
 def check_numbers(guider):
     """Each traced argument (scales, weights, momentum, eta, ...) one real number, finite, of magnitude at most
-    NUMBER_BOUND (a tuple or list of them for the `per_level_arguments`; None where None is its default), the
+    NUMBER_BOUND (a tuple or list of them for the `per_level_arguments`; None where None is its default or it is
+    one of the `optional_arguments`), the
     `positive_arguments` above 0; each `bool` field True or False. Arguments traced by a caller's jit are taken as
     they are."""
     name = type(guider).__name__
@@ -88,7 +90,8 @@ def check_numbers(guider):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{name}: {field.name}={shown(value)} must be True or False")
             continue
-        if not field.metadata.get("pytree_node", True) or (value is None and field.default is None):
+        if not field.metadata.get("pytree_node", True) or value is None and (
+                field.default is None or field.name in guider.optional_arguments):
             continue
         per_level = field.name in guider.per_level_arguments
         items = list(value) if per_level and isinstance(value, (tuple, list)) else [value]

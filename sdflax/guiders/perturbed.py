@@ -59,8 +59,10 @@ class PerturbsLayers(Guider):
                    for c in (configs if isinstance(configs, (list, tuple)) else [configs] * (configs is not None))):
             raise ValueError(f"{name}: {names.config}={shown(configs)} must be a {self.config_class.__name__}, a dict "
                              "of its fields, or a list of them")
-        given = layer_configs(self.config_class, getattr(self, names.layers), getattr(self, names.config), names.layers,
-                              names.config)
+        try:
+            given = layer_configs(self.config_class, layers, configs, names.layers, names.config)
+        except ValueError as e:  # its messages name the argument; they say which guider here
+            raise ValueError(f"{name}: {e}") from None
         object.__setattr__(self, names.config, tuple(dataclasses.replace(c, **self.forced) for c in given))
         if self.extra_predictions:
             check_interval(type(self).__name__, getattr(self, names.start), getattr(self, names.stop),
