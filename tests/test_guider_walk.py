@@ -116,3 +116,10 @@ def test_accepted_numbers_stay_accepted():
     guiders.ClassifierFreeZeroStarGuidance(zero_init_steps=np.int64(2), use_original_formulation=np.True_)
     guiders.FrequencyDecoupledGuidance(guidance_scales=[np.float32(4.0), 2], parallel_weights=(0.5, 0.5))
     guiders.AdaptiveProjectedMixGuidance(adaptive_projected_guidance_momentum=None)
+
+
+def test_zero_star_with_rescale_starts_from_zero_not_nan():
+    """CFG-Zero*'s first evaluations predict zero; diffusers then rescales that zero by std(ε(c)) / 0, a NaN image
+    (as did sdflax): the zero stands, and later steps are rescaled."""
+    predictions = guided(guiders.ClassifierFreeZeroStarGuidance(guidance_rescale=0.7, zero_init_steps=2))
+    assert (predictions[:2] == 0).all() and np.isfinite(predictions).all() and (predictions[2:] != 0).any()
