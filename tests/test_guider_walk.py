@@ -100,11 +100,13 @@ def test_every_guider_argument_refuses_hostile_values_or_guides_finitely(cls, na
     (lambda: guiders.AutoGuidance(auto_guidance_config=LAYER, dropout=0.5),
      "AutoGuidance: dropout=0.5 applies to the configs made from auto_guidance_layers"),
     (lambda: guiders.ClassifierFreeGuidance(start=np.ones((2, 3))), "start=<float64 array of shape (2, 3)> must be"),
+    (lambda: guiders.MagnitudeAwareGuidance(alpha=-58.0), "MagnitudeAwareGuidance: alpha=-58.0 must be 0 or above"),
 ])
 def test_guider_arguments_that_were_taken(make, expected):
     """None, arrays of any shape, complex and boolean numbers passed check_numbers and failed while tracing (or
     lost their imaginary part); flags took anything truthy; a config of the wrong kind was a TypeError naming no
-    argument; AutoGuidance's dropout beside a config was ignored; an array's repr spread a message over lines."""
+    argument; AutoGuidance's dropout beside a config was ignored; an array's repr spread a message over lines;
+    MAG's damping exp(−α ratio) overflowed float32 for α below about −60 (the fuzz found −58 at a ratio near 1.5)."""
     with pytest.raises((ValueError, TypeError)) as error:
         make()
     assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -55,6 +55,7 @@ class Guider(Hook):
 
     extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
     positive_arguments = ()  # traced arguments that must be above 0 (SEG's blur sigma)
+    non_negative_arguments = ()  # traced arguments that must be 0 or above (MAG's alpha)
     per_level_arguments = ()  # traced arguments that take one number or a tuple of them (FDG's, per level)
     optional_arguments = ()  # traced arguments that take None (besides those whose default is None)
 
@@ -80,9 +81,8 @@ NUMBER_BOUND = 1e8  # past it a guider's float32 arithmetic (scaled differences,
 def check_numbers(guider):
     """Each traced argument (scales, weights, momentum, eta, ...) one real number, finite, of magnitude at most
     NUMBER_BOUND (a tuple or list of them for the `per_level_arguments`; None where None is its default or it is
-    one of the `optional_arguments`), the
-    `positive_arguments` above 0; each `bool` field True or False. Arguments traced by a caller's jit are taken as
-    they are."""
+    one of the `optional_arguments`), the `positive_arguments` above 0, the `non_negative_arguments` 0 or above;
+    each `bool` field True or False. Arguments traced by a caller's jit are taken as they are."""
     name = type(guider).__name__
     for field in dataclasses.fields(guider):
         value = getattr(guider, field.name)
@@ -109,6 +109,8 @@ def check_numbers(guider):
                              "magnitude: larger values overflow float32 into black images")
         if field.name in guider.positive_arguments and (values <= 0).any():
             raise ValueError(f"{name}: {field.name}={shown(value)} must be above 0")
+        if field.name in guider.non_negative_arguments and (values < 0).any():
+            raise ValueError(f"{name}: {field.name}={shown(value)} must be 0 or above")
 
 
 def as_float64(x) -> float:

@@ -71,6 +71,8 @@ class MagnitudeAwareGuidance(Guider):
     guidance_scale: Any = positional(10.0)
     alpha: Any = 8.0
 
+    non_negative_arguments = ("alpha",)  # below 0 the damping grows as exp(|α| ratio): inf past |α| ratio ≈ 88
+
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         axes = tuple(range(1, pred_cond.ndim))
         diff = pred_cond - pred_uncond
