@@ -66,3 +66,42 @@ def test_hostile_numbers_that_were_taken(tiny):
         with pytest.raises((ValueError, TypeError)) as info:
             pipe(**{**base, name: value})
         assert expected in str(info.value), (name, str(info.value))
+
+
+@pytest.fixture(scope="module")
+def conditioned(tmp_path_factory):
+    """tiny-sd with a ControlNet, and with a T2I-Adapter: (pipeline, params, the argument that takes its pictures)."""
+    from builders import torch_controlnet
+    from diffusers import UNet2DConditionModel
+    from test_t2i_adapter_pipelines import torch_adapter
+
+    tmp = tmp_path_factory.mktemp("conditioned")
+    torch_controlnet(UNet2DConditionModel.from_pretrained(TINY, subfolder="unet"), (8, 16, 16)).save_pretrained(
+        tmp / "net")
+    torch_adapter(dict(in_channels=3, channels=[32, 64, 64], num_res_blocks=1, downscale_factor=4,
+                       adapter_type="full_adapter"), 1).save_pretrained(tmp / "adapter")
+    net, net_params = sdflax.ControlNetModel.from_pretrained(tmp / "net")
+    adapter, adapter_params = sdflax.T2IAdapter.from_pretrained(tmp / "adapter")
+    controlled, params = sdflax.StableDiffusionControlNet.from_pretrained(TINY, controlnet=net)
+    adapted = sdflax.StableDiffusionAdapter.from_pretrained(TINY, adapter=adapter)[0]
+    return [(controlled, {**params, "controlnet": net_params}, "control_image"),
+            (adapted, {**params, "adapter": adapter_params}, "adapter_image")]
+
+
+@pytest.mark.parametrize("picture", [None, [None], "edges.png"], ids=["None", "[None]", "str"])
+def test_missing_control_and_adapter_pictures_are_named_inside_a_callers_jit(conditioned, picture):
+    """`_generate` skips the checks of values, which a caller's jit traces: a ControlNet's or T2I-Adapter's
+    picture given as None was an AttributeError ('NoneType' object has no attribute 'shape') there, and the
+    ControlNet's in the checked call too; a file name, numpy's "could not convert string to float"."""
+    for pipe, params, name in conditioned:
+        call = dict(prompt_ids=pipe.prepare_inputs(["a fox"]), image=picture, params=params,
+                    prng_seed=jax.random.PRNGKey(0), num_inference_steps=2)
+        for run in (lambda: jax.jit(lambda ids: pipe._generate(**{**call, "prompt_ids": ids}))(call["prompt_ids"]),
+                    lambda: pipe(**call)):
+            with pytest.raises((ValueError, TypeError)) as error:
+                run()
+            message = str(error.value)
+            assert name in message and "prepare_image_inputs(pictures)" in message and "\n" not in message, message
+            if picture is None:
+                assert f"this pipeline has {'ControlNets' if 'control' in name else 'T2I-Adapters'}, but {name} is " \
+                       "not given: give their" in message, message

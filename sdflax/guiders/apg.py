@@ -11,7 +11,7 @@ import flax
 import jax.numpy as jnp
 
 from .. import sampling
-from .base import Guider, cfg, norm, norm_axes, off_at, positional, rescale, static
+from .base import Guider, cfg, norm, norm_axes, off_at, positional, rescale, shown, static
 
 MOMENTUM = "guider.momentum"  # the buffer's name in the scan's memory
 
@@ -49,7 +49,7 @@ class AdaptiveProjectedGuidance(Guider):
         axes = (dims,) if isinstance(dims, int) else dims
         if dims is not None and not (isinstance(axes, (tuple, list)) and axes and all(
                 isinstance(a, int) and not isinstance(a, bool) and -4 <= a < 4 for a in axes)):
-            raise ValueError(f"{type(self).__name__}: adaptive_projected_guidance_norm_dim={dims!r:.40} must be None "
+            raise ValueError(f"{type(self).__name__}: adaptive_projected_guidance_norm_dim={shown(dims):.40} must be None "
                              "(every axis but the batch's), an axis or a tuple of axes of the latents (B, C, H, W), "
                              "e.g. (-2, -1)")
         if isinstance(dims, list):  # a static field must hash
@@ -83,6 +83,8 @@ class AdaptiveProjectedMixGuidance(Guider):
     adaptive_projected_guidance_rescale: Any = 10.0
     eta: Any = 0.0
     adaptive_projected_guidance_start_step: Any = 5
+
+    optional_arguments = ("adaptive_projected_guidance_momentum",)  # None: no momentum buffer, as diffusers
 
     @property
     def carries(self):

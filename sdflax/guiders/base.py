@@ -26,8 +26,8 @@ import numpy as np
 from .. import sampling
 from ..hooks.core import Hook
 
-__all__ = ["Guider", "arguments", "cfg", "check_interval", "check_numbers", "norm", "norm_axes", "off_at", "positional", "rescale",
-           "static"]
+__all__ = ["Guider", "arguments", "cfg", "check_interval", "check_numbers", "is_real_number", "norm", "norm_axes",
+           "off_at", "positional", "rescale", "shown", "static"]
 
 
 def static(default):
@@ -55,6 +55,9 @@ class Guider(Hook):
 
     extra_predictions = ()  # names of the predictions after (pred_cond, pred_uncond), one UNet chunk each
     positive_arguments = ()  # traced arguments that must be above 0 (SEG's blur sigma)
+    non_negative_arguments = ()  # traced arguments that must be 0 or above (MAG's alpha)
+    per_level_arguments = ()  # traced arguments that take one number or a tuple of them (FDG's, per level)
+    optional_arguments = ()  # traced arguments that take None (besides those whose default is None)
 
     def __post_init__(self):
         check_interval(type(self).__name__, self.start, self.stop)
@@ -76,24 +79,65 @@ NUMBER_BOUND = 1e8  # past it a guider's float32 arithmetic (scaled differences,
 
 
 def check_numbers(guider):
-    """Each traced argument (scales, weights, momentum, eta, ...) a finite number of magnitude at most NUMBER_BOUND,
-    the `positive_arguments` above 0; arguments traced by a caller's jit are taken as they are."""
+    """Each traced argument (scales, weights, momentum, eta, ...) one real number, finite, of magnitude at most
+    NUMBER_BOUND (a tuple or list of them for the `per_level_arguments`; None where None is its default or it is
+    one of the `optional_arguments`), the `positive_arguments` above 0, the `non_negative_arguments` 0 or above;
+    each `bool` field True or False. Arguments traced by a caller's jit are taken as they are."""
     name = type(guider).__name__
     for field in dataclasses.fields(guider):
         value = getattr(guider, field.name)
-        leaves = jax.tree.leaves(value)
-        if not field.metadata.get("pytree_node", True) or any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if field.type in ("bool", bool):  # static flags: anything truthy was taken as True
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}: {field.name}={shown(value)} must be True or False")
             continue
-        if any(isinstance(x, (bool, np.bool_)) or not (isinstance(x, numbers.Real) or hasattr(x, "dtype"))
-               for x in leaves):
-            raise ValueError(f"{name}: {field.name}={value!r:.60} must be a number")
-        with np.errstate(all="ignore"):
-            values = np.concatenate([np.asarray(x, np.float64).ravel() for x in leaves] or [np.zeros(0)])
+        if not field.metadata.get("pytree_node", True) or value is None and (
+                field.default is None or field.name in guider.optional_arguments):
+            continue
+        per_level = field.name in guider.per_level_arguments
+        items = list(value) if per_level and isinstance(value, (tuple, list)) else [value]
+        if any(isinstance(x, jax.core.Tracer) for x in items):
+            continue
+        if not items or not all(is_real_number(x) for x in items):
+            complex_given = any(np.iscomplexobj(x) for x in items if isinstance(x, (numbers.Number, np.ndarray,
+                                                                                       jax.Array)))
+            levels = ", or a list of them, one per level" if per_level else ""
+            raise ValueError(f"{name}: {field.name}={shown(value)} must be {'a real' if complex_given else 'a'} "
+                             f"number{levels}")
+        values = np.array([as_float64(x) for x in items])
         if not np.isfinite(values).all() or np.abs(values).max(initial=0) > NUMBER_BOUND:
-            raise ValueError(f"{name}: {field.name}={value!r:.60} must be finite and at most {NUMBER_BOUND:.0e} in "
+            raise ValueError(f"{name}: {field.name}={shown(value)} must be finite and at most {NUMBER_BOUND:.0e} in "
                              "magnitude: larger values overflow float32 into black images")
         if field.name in guider.positive_arguments and (values <= 0).any():
-            raise ValueError(f"{name}: {field.name}={value!r:.60} must be above 0")
+            raise ValueError(f"{name}: {field.name}={shown(value)} must be above 0")
+        if field.name in guider.non_negative_arguments and (values < 0).any():
+            raise ValueError(f"{name}: {field.name}={shown(value)} must be 0 or above")
+
+
+def as_float64(x) -> float:
+    """A real number in float64; inf past its range (a Python int of 400 digits)."""
+    try:
+        with np.errstate(all="ignore"):
+            return float(np.asarray(x, np.float64))
+    except OverflowError:
+        return float("inf")
+
+
+def is_real_number(x) -> bool:
+    """One real number: a Python int or float, or a 0-d integer or float array (numpy or jax); not a boolean."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return np.shape(x) == () and np.dtype(x.dtype).kind in "fiu"
+    return isinstance(x, numbers.Real)
+
+
+def shown(value) -> str:
+    """A value in a few characters on one line: an array by its dtype and shape (its repr spans lines)."""
+    if hasattr(value, "dtype") and np.ndim(value) > 0:
+        return f"<{value.dtype} array of shape {tuple(np.shape(value))}>"
+    if isinstance(value, (tuple, list)) and any(np.ndim(x) > 0 for x in value if hasattr(x, "dtype")):
+        return f"<{type(value).__name__} of {len(value)} holding arrays>"
+    return f"{' '.join(repr(value).split()):.60}"
 
 
 def check_interval(name, start, stop, where="", names=("start", "stop")):
@@ -101,7 +145,7 @@ def check_interval(name, start, stop, where="", names=("start", "stop")):
     arguments', ("perturbed_guidance_start", "perturbed_guidance_stop") for PAG's own interval)."""
     for argument, value in zip(names, (start, stop)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name}: {argument}={value!r:.60}{where} must be a number, a fraction of the steps")
+            raise ValueError(f"{name}: {argument}={shown(value)}{where} must be a number, a fraction of the steps")
     if not 0.0 <= start < 1.0:
         raise ValueError(f"{name}: {names[0]}={start}{where} must be in [0, 1): the fraction of the steps after "
                          "which guidance begins")

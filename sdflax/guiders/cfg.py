@@ -40,8 +40,8 @@ class ClassifierFreeZeroStarGuidance(Guider):
         on = self.in_interval(step, num_steps) & ~off_at(self.guidance_scale, self.use_original_formulation)
         pred = jnp.where(on, cfg(pred_cond, scaled_uncond, self.guidance_scale, self.use_original_formulation),
                          pred_cond)
-        pred = jnp.where(step < self.zero_init_steps, jnp.zeros_like(pred), pred)
-        return rescale(pred, pred_cond, self.guidance_rescale)
+        # zero after the rescale: diffusers rescales the zero prediction, 0 x (std(ε(c)) / 0), a NaN image
+        return jnp.where(step < self.zero_init_steps, 0.0, rescale(pred, pred_cond, self.guidance_rescale))
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -70,6 +70,8 @@ class MagnitudeAwareGuidance(Guider):
 
     guidance_scale: Any = positional(10.0)
     alpha: Any = 8.0
+
+    non_negative_arguments = ("alpha",)  # below 0 the damping grows as exp(|α| ratio): inf past |α| ratio ≈ 88
 
     def guide(self, pred_cond, pred_uncond, *, step, num_steps):
         axes = tuple(range(1, pred_cond.ndim))

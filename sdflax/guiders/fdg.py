@@ -17,7 +17,7 @@ import flax
 import jax.numpy as jnp
 from jax import lax
 
-from .base import Guider, check_interval, check_numbers, off_at, positional, rescale, static
+from .base import Guider, check_interval, check_numbers, off_at, positional, rescale, shown, static
 
 __all__ = ["FrequencyDecoupledGuidance", "image_from_pyramid", "laplacian_pyramid", "pyrdown", "pyrup"]
 
@@ -111,18 +111,20 @@ class FrequencyDecoupledGuidance(Guider):
     guidance_rescale_space: str = static("data")
     upcast_to_double: bool = static(True)  # diffusers' float64 projection; sdflax computes it in float32
 
+    per_level_arguments = ("guidance_scales", "guidance_rescale", "parallel_weights")
+
     def __post_init__(self):
         name, levels = type(self).__name__, self.levels
         if levels < 1:
-            raise ValueError(f"{name}: guidance_scales={self.guidance_scales!r} must be a list of at least one "
+            raise ValueError(f"{name}: guidance_scales={shown(self.guidance_scales)} must be a list of at least one "
                              "scale, one per frequency level from the highest")
         for field in ("guidance_rescale", "parallel_weights", "start", "stop"):
             value = getattr(self, field)
             if isinstance(value, (tuple, list)) and len(value) != levels:
                 raise ValueError(f"{name}: {field} has {len(value)} values but guidance_scales has {levels} levels: "
                                  "give one value, or one per level")
-        if self.guidance_rescale_space not in ("data", "freq"):
-            raise ValueError(f"{name}: guidance_rescale_space={self.guidance_rescale_space!r} must be 'data' or "
+        if not isinstance(self.guidance_rescale_space, str) or self.guidance_rescale_space not in ("data", "freq"):
+            raise ValueError(f"{name}: guidance_rescale_space={shown(self.guidance_rescale_space)} must be 'data' or "
                              "'freq'")
         for field in ("start", "stop"):  # static fields must hash: lists become tuples
             object.__setattr__(self, field, per_level(getattr(self, field), levels))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from ..hooks import pag
 from ..hooks.perturbed_layers import (LayerSkipConfig, PerturbedLayers, SmoothedEnergyGuidanceConfig, layer_configs,
                                       smoothed_queries)
-from .base import Guider, cfg, check_interval, off_at, positional, rescale, static
+from .base import Guider, cfg, check_interval, off_at, positional, rescale, shown, static
 
 __all__ = ["AutoGuidance", "LayerSkipConfig", "PerturbedAttentionGuidance", "SkipLayerGuidance",
            "SmoothedEnergyGuidance", "SmoothedEnergyGuidanceConfig", "smoothed_queries"]
@@ -51,9 +51,18 @@ class PerturbsLayers(Guider):
     query_blur = None  # SEG's (σ, threshold) of the smoothed queries
 
     def __post_init__(self):
-        names = self.arguments
-        given = layer_configs(self.config_class, getattr(self, names.layers), getattr(self, names.config), names.layers,
-                              names.config)
+        names, name = self.arguments, type(self).__name__
+        layers, configs = getattr(self, names.layers), getattr(self, names.config)
+        if layers is not None and not isinstance(layers, (int, list, tuple)):
+            raise ValueError(f"{name}: {names.layers}={shown(layers)} must be None, a block index or a list of them")
+        if not all(isinstance(c, (dict, self.config_class)) or hasattr(c, "to_dict")
+                   for c in (configs if isinstance(configs, (list, tuple)) else [configs] * (configs is not None))):
+            raise ValueError(f"{name}: {names.config}={shown(configs)} must be a {self.config_class.__name__}, a dict "
+                             "of its fields, or a list of them")
+        try:
+            given = layer_configs(self.config_class, layers, configs, names.layers, names.config)
+        except ValueError as e:  # its messages name the argument; they say which guider here
+            raise ValueError(f"{name}: {e}") from None
         object.__setattr__(self, names.config, tuple(dataclasses.replace(c, **self.forced) for c in given))
         if self.extra_predictions:
             check_interval(type(self).__name__, getattr(self, names.start), getattr(self, names.stop),
@@ -190,3 +199,10 @@ class AutoGuidance(PerturbsLayers):
 
     arguments = Arguments(layers="auto_guidance_layers", config="auto_guidance_config")
     perturbed_chunk = 0  # the unconditional chunk
+
+    def __post_init__(self):
+        super().__post_init__()  # auto_guidance_layers, which dropout is for, are refused there
+        if self.dropout is not None:
+            raise ValueError(f"AutoGuidance: dropout={shown(self.dropout)} applies to the configs made from "
+                             "auto_guidance_layers, which sdflax does not take: give it in each auto_guidance_config "
+                             "(LayerSkipConfig(dropout=1.0)), or leave dropout out")

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from ..guiders.base import NUMBER_BOUND
+from .types import float32_array
 
 # Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
 # one number.
@@ -57,3 +58,13 @@ def check_kinds(args):
     for name in FLAGS:
         if name in args and not isinstance(args[name], (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {described(args[name])}")
+
+
+def picture_arrays(name, value):
+    """A conditioning's pictures (an array, or a list of them, one per net) as float32 arrays; a file name or
+    other text in one line naming the argument (numpy's "could not convert string to float" named none)."""
+    try:
+        return jax.tree.map(float32_array, value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an array of pixels, or a list of them (one per net), got "
+                        f"{described(value)}: make it with pipeline.prepare_image_inputs(pictures)") from None

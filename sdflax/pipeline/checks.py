@@ -24,7 +24,7 @@ from ..guiders import Guider
 from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter
-from .arguments import check_kinds, described
+from .arguments import check_kinds, described, picture_arrays
 from .controlnet import ControlNet, as_nets, check_control_images
 from .skip_layers import check_skip_layer_window, check_skip_layers, skip_layer_guider
 from .starts import schedule_window
@@ -56,7 +56,7 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
     args = {renamed.get(name, name): value for name, value in args.items()}
     for name in [wrapper.picture for wrapper in spec.wrappers if wrapper.picture]:  # checked as arrays
         if args.get(name) is not None:
-            args[name] = jax.tree.map(float32_array, args[name])
+            args[name] = picture_arrays(name, args[name])
     values = {name: args[name] for name in INPUTS if args.get(name) is not None}
     for name, _ in spec.start.images:
         values[name] = jax.tree.map(float32_array, values[name])
@@ -364,14 +364,16 @@ def image_size(spec, inputs, args, leading_dims, height, width):
     given."""
     sizes = [(name, pixels(spec, getattr(inputs, name))) for name, _ in spec.start.images]
     if nets_of(spec, ControlNet):  # the control images
+        first = given_pictures(args, "control_image")[0]
         if leading_dims is not None:
             check_control_images(nets_of(spec, ControlNet), spec.denoiser.model, spec.vae.scale_factor,
                                  args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
-        sizes.append(("the control image", as_nets(args["control_image"])[0].shape[-2:]))
+        sizes.append(("the control image", first.shape[-2:]))
     if nets_of(spec, T2IAdapters):  # the T2I-Adapters' pictures
+        first = given_pictures(args, "adapter_image")[0]
         if leading_dims is not None:
             check_adapter_images(spec, args.get("adapter_image"), leading_dims, inputs.prompts().shape[:leading_dims])
-        sizes.append(("the adapter image", as_nets(args["adapter_image"])[0].shape[-2:]))
+        sizes.append(("the adapter image", first.shape[-2:]))
     if not sizes:
         return height, width
     (first, actual), *others = sizes
@@ -385,6 +387,22 @@ def image_size(spec, inputs, args, leading_dims, height, width):
     return tuple(actual)
 
 
+# the pictures a conditioning's nets take: (the nets, what to give, the pipeline whose `image` argument they are)
+PICTURES = {"control_image": ("ControlNets", "their control images", "StableDiffusionControlNet"),
+            "adapter_image": ("T2I-Adapters", "their pictures", "StableDiffusionAdapter")}
+
+
+def given_pictures(args, name) -> tuple:
+    """The arrays of `name`, one per net; a missing one in one line, inside a caller's jit too."""
+    pictures = as_nets(args.get(name))
+    if not all(hasattr(picture, "shape") for picture in pictures):
+        nets, what, pipeline = PICTURES[name]
+        given = "not given" if args.get(name) is None else described(args[name])
+        raise ValueError(f"this pipeline has {nets}, but {name} is {given}: give {what} ({name}=, or the image "
+                         f"argument of {pipeline}), made with pipeline.prepare_image_inputs(pictures)")
+    return pictures
+
+
 def pixels(spec, image):
     """(H, W) of an image, or of the image that latents (an image with the latent channels) decode to."""
     f = spec.vae.scale_factor if spec.vae.is_latent_image(image) else 1
@@ -393,9 +411,6 @@ def pixels(spec, image):
 
 def check_adapter_images(spec, given, leading_dims, batch):
     """One picture per T2I-Adapter, (B, C, H, W) with the adapter's channels, sides a multiple of its downscale."""
-    if given is None:
-        raise ValueError("this pipeline has T2I-Adapters: give their pictures (adapter_image=, or the image argument "
-                         "of StableDiffusionAdapter), made with pipeline.prepare_image_inputs(pictures)")
     images, adapters = as_nets(given), nets_of(spec, T2IAdapters)
     if len(images) != len(adapters):
         raise ValueError(f"{len(images)} adapter images for {len(adapters)} T2I-Adapters: give one per adapter")

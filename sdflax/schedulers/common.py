@@ -382,12 +382,16 @@ def checked_schedule(kind: str, values, num_train_timesteps: int) -> tuple[float
     """Custom timesteps or σ as a tuple of floats, refused unless they can be a schedule: a flat list of finite
     numbers, strictly descending, timesteps within the training range, σ non-negative and at least two (the last
     is where the final step lands, 0 for a clean image), and at most num_train_timesteps steps."""
-    try:
-        array = np.asarray(values, np.float64)
-    except (TypeError, ValueError):
+    try:  # real numbers only: complex ones lost their imaginary part, booleans became 0 and 1
+        given = np.asarray(values)
+        array = given.astype(np.float64) if given.dtype.kind in "fiu" else None
+    except (TypeError, ValueError, OverflowError):
         array = None
-    if array is None or array.ndim != 1 or not np.isfinite(array).all():
-        raise ValueError(f"{kind} must be a list of finite numbers, got {values!r:.80}")
+    with np.errstate(over="ignore"):  # the schedule is float32: 1e300 passed in float64 and became inf
+        finite = array is not None and np.isfinite(array.astype(np.float32)).all()
+    if not finite or array.ndim != 1:
+        raise ValueError(f"{kind} must be a list of finite numbers (in float32, of magnitude below about 3.4e38), "
+                         f"got {' '.join(repr(values).split()):.80}")
     least = 1 if kind == "timesteps" else 2
     steps = len(array) - (kind == "sigmas")
     if steps > num_train_timesteps:  # the cap num_inference_steps has, whatever asks for the steps
