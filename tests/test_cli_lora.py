@@ -143,8 +143,8 @@ def test_bad_input_before_loading(args, expected, files, tmp_path, capsys, monke
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--lora", "wide-lora.safetensors"], "--lora wide-lora.safetensors: LoRA file wide-lora.safetensors is for a "
-     "model of 48-wide text states, this pipeline is SD 1.x/2.x"),
+    (["--lora", "wide-lora.safetensors"], "--lora wide-lora.safetensors is a LoRA for a model of 48-wide text "
+     "states, this pipeline is SD 1.x/2.x"),
     (["--embedding", "wide.pt"], "--embedding wide.pt: the embedding has vectors of 48 dimensions but "
      "text_encoder's have 32"),
     (["--model", "tiny.safetensors"], "--model tiny.safetensors does not fit sdflax's bundled configs for its "

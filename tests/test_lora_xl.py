@@ -161,13 +161,13 @@ def test_sd1_kohya_original_unet_names(sd1, tmp_path):
 
 @pytest.mark.parametrize("made_for, fmt, expected", [
     ("xl", "kohya", "SDXL, this pipeline is SD 1.x/2.x (names of SDXL's two text encoders): load it with "
-                    "StableDiffusionXL. E.g. lora_te2_"),
+                    "StableDiffusionXL"),
     ("xl", "peft", "SDXL, this pipeline is SD 1.x/2.x (names of SDXL's two text encoders): load it with "
-                   "StableDiffusionXL. E.g. text_encoder_2."),
+                   "StableDiffusionXL"),
     ("sd1", "kohya", "SD 1.x/2.x, this pipeline is SDXL (kohya's name of SD's one text encoder): load it with "
-                     "StableDiffusion. E.g. lora_te_"),
+                     "StableDiffusion"),
     ("sd1", "peft", "a model of 32-wide text states, this pipeline is SDXL (its cross-attention reads 32-wide text "
-                    "states, this UNet's 64): use a LoRA made for SDXL. E.g. unet."),
+                    "states, this UNet's 64): use a LoRA made for SDXL"),
 ])
 def test_a_lora_for_the_other_family_says_which_it_is_for(xl, sd1, tmp_path, made_for, fmt, expected):
     (theirs, _, _), (_, pipe, params) = (xl, sd1) if made_for == "xl" else (sd1, xl)
@@ -179,8 +179,7 @@ def test_a_lora_for_the_other_family_says_which_it_is_for(xl, sd1, tmp_path, mad
     with pytest.raises(LoraMismatchError) as error:
         pipe.load_lora(params, path)
     message = str(error.value)
-    assert message.startswith(f"LoRA file {path} is for {expected}")
-    assert len(message) - len(str(path)) < 300 and message.count(", ") <= 2  # one line, two names at most
+    assert message == f"{path} is a LoRA for {expected}"  # one short line: the file once, no tensor names
 
 
 def test_the_family_of_a_full_size_lora_comes_from_its_cross_attention_width(tmp_path):
@@ -189,7 +188,7 @@ def test_the_family_of_a_full_size_lora_comes_from_its_cross_attention_width(tmp
     params = {"unet": {name.replace(".", "_"): {"kernel": np.zeros((768, 320), np.float32)}}, "text_encoder": {}}
     save_file({f"unet.{name}.lora_A.weight": torch.zeros(4, 2048), f"unet.{name}.lora_B.weight": torch.zeros(640, 4)},
               tmp_path / "xl.safetensors")
-    with pytest.raises(LoraMismatchError, match=r"is for SDXL, this pipeline is SD 1.x \(its cross-attention reads "
-                                                r"2048-wide text states, this UNet's 768\): load it with "
-                                                r"StableDiffusionXL. E.g. unet.down_blocks.1"):
+    with pytest.raises(LoraMismatchError, match=r"is a LoRA for SDXL, this pipeline is SD 1.x \(its cross-attention "
+                                                r"reads 2048-wide text states, this UNet's 768\): load it with "
+                                                r"StableDiffusionXL$"):
         read_lora(tmp_path / "xl.safetensors", params)

@@ -288,25 +288,23 @@ def family_mismatch(name, keys, groups, params, unet_index) -> str | None:
         index, flat = unet_index
         width = next((flat[path].shape[0] for module, path in index.items() if module.endswith("attn2_to_k")), None)
     ours = "SDXL" if xl else FAMILIES.get(width, "SD 1.x/2.x")
-    theirs_width, width_key = next(((parts["down"][1].shape[1], parts["down"][0]) for (component, module), parts
-                                    in groups.items() if component == "unet" and module.endswith("attn2_to_k")
-                                    and "down" in parts and parts["down"][1].ndim == 2), (None, None))
+    theirs_width = next((parts["down"][1].shape[1] for (component, module), parts in groups.items()
+                         if component == "unet" and module.endswith("attn2_to_k") and "down" in parts
+                         and parts["down"][1].ndim == 2), None)
     downs = tuple(suffix for suffix, role in ROLES.items() if role == "down")  # one key per module
-    named = lambda prefixes: sorted(k for k in keys if k.startswith(prefixes) and k.endswith(downs))  # noqa: E731
+    named = lambda prefixes: any(k.startswith(prefixes) and k.endswith(downs) for k in keys)  # noqa: E731
     if named(SDXL_NAMES) and not xl:
         theirs, why = "SDXL", "names of SDXL's two text encoders"
-        examples = (named(SDXL_NAMES[1:]) or named(SDXL_NAMES))[:2]  # the second encoder's, where it has one
     elif named(SD_NAMES) and xl:
-        theirs, why, examples = FAMILIES.get(theirs_width, "SD 1.x/2.x"), "kohya's name of SD's one text encoder", \
-            named(SD_NAMES)[:2]
+        theirs, why = FAMILIES.get(theirs_width, "SD 1.x/2.x"), "kohya's name of SD's one text encoder"
     elif theirs_width and width and theirs_width != width:
         theirs = FAMILIES.get(theirs_width, f"a model of {theirs_width}-wide text states")
-        why, examples = f"its cross-attention reads {theirs_width}-wide text states, this UNet's {width}", [width_key]
+        why = f"its cross-attention reads {theirs_width}-wide text states, this UNet's {width}"
     else:
         return None
     fix = ("load it with StableDiffusionXL" if theirs == "SDXL" else "load it with StableDiffusion"
            if xl and theirs.startswith("SD") else f"use a LoRA made for {ours}")
-    return f"LoRA file {name} is for {theirs}, this pipeline is {ours} ({why}): {fix}. E.g. {', '.join(examples)}"
+    return f"{name} is a LoRA for {theirs}, this pipeline is {ours} ({why}): {fix}"
 
 
 def _delta(down, up, kernel_shape):
