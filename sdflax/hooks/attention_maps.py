@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import attention_probs
-from .core import Hook, current_scope, layer_list
+from .core import Hook, current_scope, layer_list, refuse_on_mmdit
 
 KEY = "cross_attention_maps"
 
@@ -18,6 +18,10 @@ KEY = "cross_attention_maps"
 class CrossAttentionMaps(Hook):
     layers: tuple | None = flax.struct.field(pytree_node=False, default=None)  # checkpoint names; None: all attn2
     per_layer: bool = flax.struct.field(pytree_node=False, default=False)  # also emit each layer's, by its name
+
+    def check_model(self, denoiser):
+        refuse_on_mmdit(denoiser, "cross_attention_maps", "it averages the cross-attention layers' maps of the "
+                        "image's pixels over CLIP's tokens")
 
     def attend(self, site, attend, q, k, v):
         if site.cross_attention and (self.layers is None or site.name in self.layers):
