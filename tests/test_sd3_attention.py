@@ -1,7 +1,8 @@
 """What perturbs SD 3's joint attention, against diffusers on the small random SD 3.5 Medium-shaped checkpoint of
 test_sd3_pipeline (qk RMSNorm, a dual-attention block 0, a context-pre-only last block 2): the PAG hook against
 StableDiffusion3PAGPipeline, the PAG and SEG guiders and LayerSkipConfig's attention, score and feed-forward skips
-against diffusers.guiders on its SD3Transformer2DModel; and the hooks that have no meaning there, refused.
+against diffusers.guiders on its SD3Transformer2DModel; attention maps against the joint attention's probabilities
+recorded in diffusers' transformer; and the hooks that have no meaning there, refused.
 
 The final latents are compared (the transformer's work; the VAE is test_sd3_pipeline's), within RTOL of their
 largest magnitude, float32."""
@@ -33,7 +34,6 @@ def check_latents(ours, expected):
     ours, expected = np.asarray(ours), np.asarray(expected)
     assert ours.shape == expected.shape == (len(PROMPTS), 16, SIZE // 8, SIZE // 8)
     scale = np.abs(expected).max()
-    print("RELDIFF", np.abs(ours - expected).max() / scale)
     assert np.abs(ours - expected).max() <= RTOL * scale, np.abs(ours - expected).max() / scale
 
 
@@ -196,13 +196,12 @@ def test_seg_guider_matches_diffusers_guider(text_to_image, monkeypatch, sigma):
 
 def test_hooks_without_a_meaning_on_the_transformer_are_refused(text_to_image):
     """Refused in one line before the transformer is traced: FreeU (a UNet's up blocks and skip connections),
-    DeepCache (a UNet's down-up branches), prompt-to-prompt and cross-attention maps (a UNet's cross-attention)."""
+    DeepCache (a UNet's down-up branches), prompt-to-prompt (a UNet's cross-attention, over CLIP's tokens)."""
     _, pipe, params = text_to_image
     ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
     edits = np.ones((1, 4, 4), np.float32)
     for hook, name in [(hooks.freeu(0.9, 0.2, 1.2, 1.4), "freeu"), (hooks.deep_cache(), "deep_cache"),
-                       (PromptToPrompt(edits, edits[:, 0], edits[:, 0]), "prompt_to_prompt"),
-                       (hooks.cross_attention_maps(), "cross_attention_maps")]:
+                       (PromptToPrompt(edits, edits[:, 0], edits[:, 0]), "prompt_to_prompt")]:
         with pytest.raises(ValueError, match=rf"^{name} works on a UNet only: .*, which SD 3's transformer \(an "
                                              r"MMDiT\) has not; drop the hook$"):
             pipe.with_hooks(hook)(ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS)
@@ -214,3 +213,62 @@ def test_pag_layers_the_transformer_has_not_are_refused(text_to_image):
     with pytest.raises(ValueError, match=r"'mid' matches no self-attention layer .* e\.g\. one of transformer_blocks"):
         pipe.with_hooks(perturbed_attention_guidance(3.0, "mid"))(ids, params, jax.random.PRNGKey(0),
                                                                    num_inference_steps=STEPS)
+
+
+def test_attention_maps_are_the_joint_attentions_image_to_text_probabilities(text_to_image):
+    """The image tokens' probabilities over the text's tokens in each joint attention (conditional rows, heads'
+    mean), as a processor recording diffusers' JointAttnProcessor2_0 computes them: one layer's at every
+    evaluation, and the mean over the three layers."""
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    theirs, pipe, params = text_to_image
+    records = []
+
+    class Recorder(JointAttnProcessor2_0):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kwargs):
+            if encoder_hidden_states is not None:
+                def heads(projection, norm, x):  # (B, L, inner) -> (B, heads, L, d), normed
+                    return norm(projection(x).unflatten(-1, (attn.heads, -1)).transpose(1, 2))
+
+                q = torch.cat([heads(attn.to_q, attn.norm_q, hidden_states),
+                               heads(attn.add_q_proj, attn.norm_added_q, encoder_hidden_states)], 2)
+                k = torch.cat([heads(attn.to_k, attn.norm_k, hidden_states),
+                               heads(attn.add_k_proj, attn.norm_added_k, encoder_hidden_states)], 2)
+                probs = (q @ k.transpose(-1, -2) * attn.scale).softmax(-1)
+                rows, n = hidden_states.shape[:2]
+                records.append((self.name, probs[rows // 2:, :, :n, n:].mean(1).numpy()))  # conditional half
+            return super().__call__(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
+
+    transformer = theirs.transformer
+    default = transformer.attn_processors
+    transformer.set_attn_processor({name: Recorder(name.removesuffix(".processor")) for name in default})
+    try:
+        theirs_latents(theirs)
+    finally:
+        transformer.set_attn_processor(default)
+    layers = sorted({name for name, _ in records})
+    assert layers == [f"transformer_blocks.{i}.attn" for i in range(3)]
+    side, patch = SIZE // 8 // 2, 2
+
+    def at_latent_size(probs):  # (B, N, S) over the 4 x 4 patches -> (B, 8, 8, S)
+        maps = probs.reshape(len(probs), side, side, -1)
+        return maps.repeat(patch, axis=1).repeat(patch, axis=2)
+
+    per_eval = [dict(records[i:i + len(layers)]) for i in range(0, len(records), len(layers))]
+    expected_layer = np.stack([at_latent_size(call[layers[1]]) for call in per_eval])
+    expected_mean = np.stack([np.mean([at_latent_size(p) for p in call.values()], 0) for call in per_eval])
+    assert expected_mean.shape == (STEPS, len(PROMPTS), SIZE // 8, SIZE // 8, 77 + T5_LENGTH)
+    assert np.abs(expected_layer - expected_mean).max() > MOVES * expected_mean.max()  # the layers differ
+
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(NEGATIVE, max_sequence_length=T5_LENGTH)
+    out = pipe.with_hooks(hooks.cross_attention_maps(per_layer=True))(
+        ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS, height=SIZE, width=SIZE,
+        guidance_scale=GUIDANCE, neg_prompt_ids=neg, latents=latents_for())
+    for ours, expected in ((out.trajectory.hooks[layers[1]], expected_layer),
+                           (out.trajectory.hooks["cross_attention_maps"], expected_mean)):
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=RTOL * expected.max())
