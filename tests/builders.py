@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -333,3 +334,40 @@ def t5_tokenizer_folder(folder):
 def parts(pipe) -> dict:
     """An SD pipeline's text encoder, UNet, VAE, tokenizer and scheduler, as another pipeline class takes them."""
     return {name: getattr(pipe, name) for name in ("text_encoder", "unet", "vae", "tokenizer", "scheduler")}
+
+
+@contextlib.contextmanager
+def guided_by_batches(model, guider, num_steps):
+    """diffusers' denoiser `model` (a UNet or SD 3's transformer, inside a diffusers pipeline) with its [uncond; cond]
+    output replaced, at every evaluation, by diffusers' `guider`'s prediction (twice, so that the pipeline's own CFG
+    at scale 2 gives it back unchanged): the loop of diffusers' modular pipelines (`set_state`, `prepare_inputs`, and
+    for each batch `prepare_models`, the model's own forward on that batch's rows, `cleanup_models`; then the guider
+    on the batches). The pipeline must call the model with return_dict=False."""
+    forward, step = model.forward, [0]
+
+    def guided(*args, return_dict=True, **kwargs):
+        assert not return_dict
+        rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
+
+        def half(x, index):  # the unconditional (0) or conditional (1) rows of the pipeline's batch
+            if isinstance(x, dict):
+                return {name: half(value, index) for name, value in x.items()}
+            return x.chunk(2)[index] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows else x
+
+        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        guider.set_state(step=step[0], num_inference_steps=num_steps, timestep=timestep)
+        step[0] += 1
+        batches = guider.prepare_inputs({"half": (1, 0)})  # tuple index 0: conditional, 1: unconditional
+        for batch in batches:
+            guider.prepare_models(model)
+            batch.noise_pred = forward(*(half(x, batch.half) for x in args), return_dict=False,
+                                       **half(kwargs, batch.half))[0]
+            guider.cleanup_models(model)
+        pred = guider(batches).pred
+        return (torch.cat([pred, pred]),)
+
+    model.forward = guided
+    try:
+        yield
+    finally:
+        del model.forward

@@ -4,7 +4,6 @@ taken off around each of the guider's batches as diffusers' modular pipelines do
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import diffusers.guiders as theirs_guiders
@@ -14,7 +13,7 @@ import pytest
 import test_guiders
 import torch
 from diffusers import LayerSkipConfig, SmoothedEnergyGuidanceConfig
-from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+from builders import guided_by_batches
 from test_guiders import ATOL, MOVES, PROMPTS, STEPS, diffusers_images, sdflax_images
 
 from sdflax.guiders import perturbed
@@ -22,45 +21,9 @@ from sdflax.guiders import perturbed
 pipes = test_guiders.pipes  # the fixture: (arch, diffusers' pipeline, sdflax's, its params, latents), SD 1.x and SDXL
 
 
-@contextlib.contextmanager
-def perturbed_by(pipe, guider, num_steps):
-    """diffusers' pipeline with its UNet's [uncond; cond] output replaced, at every evaluation, by the guider's
-    prediction (twice, so that the pipeline's own CFG at scale 2 gives it back unchanged): the loop of diffusers'
-    modular pipelines (`set_state`, `prepare_inputs`, and for each batch `prepare_models`, the UNet on that batch's
-    rows, `cleanup_models`; then the guider on the batches) inside diffusers' own denoising loop."""
-    unet, step = pipe.unet, [0]
-    forward = unet.forward
-
-    def guided(sample, timestep, *args, return_dict=True, **kwargs):
-        rows = sample.shape[0]
-
-        def half(x, index):  # the unconditional (0) or conditional (1) rows of the pipeline's batch
-            if isinstance(x, dict):
-                return {name: half(value, index) for name, value in x.items()}
-            return x.chunk(2)[index] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows else x
-
-        guider.set_state(step=step[0], num_inference_steps=num_steps, timestep=timestep)
-        step[0] += 1
-        batches = guider.prepare_inputs({"half": (1, 0)})  # tuple index 0: conditional, 1: unconditional
-        for batch in batches:
-            guider.prepare_models(unet)
-            batch.noise_pred = forward(half(sample, batch.half), timestep, *args, return_dict=False,
-                                       **half(kwargs, batch.half))[0]
-            guider.cleanup_models(unet)
-        pred = guider(batches).pred
-        out = torch.cat([pred, pred])
-        return UNet2DConditionOutput(sample=out) if return_dict else (out,)
-
-    unet.forward = guided
-    try:
-        yield
-    finally:
-        del unet.forward
-
-
 def oracle_images(theirs, latents, guider):
     call = dict(num_inference_steps=STEPS, latents=torch.from_numpy(latents), output_type="np")
-    with torch.no_grad(), perturbed_by(theirs, guider, STEPS):
+    with torch.no_grad(), guided_by_batches(theirs.unet, guider, STEPS):
         return theirs(PROMPTS, guidance_scale=2.0, **call).images
 
 

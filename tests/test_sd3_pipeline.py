@@ -5,15 +5,14 @@ T5, prompt_3, a negative prompt, skip-layer guidance, no guidance (Large Turbo's
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import jax
 import numpy as np
 import pytest
 import torch
-from builders import (SD3_CLIP, SD3_CLIP_G, TOKENIZER, randomize_norms, sd3_t5_config, t5_tokenizer_folder,
-                      torch_vae)
+from builders import (SD3_CLIP, SD3_CLIP_G, TOKENIZER, guided_by_batches, randomize_norms, sd3_t5_config,
+                      t5_tokenizer_folder, torch_vae)
 from PIL import Image
 from test_mmdit import torch_transformer
 
@@ -187,38 +186,6 @@ def test_a_skip_layer_window_that_holds_no_step_or_is_no_window_is_refused(text_
             call(skip_layer_guidance_start=start, skip_layer_guidance_stop=stop)
 
 
-@contextlib.contextmanager
-def guided_by(pipe, guider, num_steps):
-    """diffusers' SD 3 pipeline with its transformer's [uncond; cond] output replaced, at every evaluation, by
-    diffusers' `guider`'s prediction (twice, so that the pipeline's CFG gives it back): the modular pipelines' loop
-    (`set_state`, `prepare_inputs`, each batch between `prepare_models` and `cleanup_models`, the guider)."""
-    transformer, step = pipe.transformer, [0]
-    forward = transformer.forward
-
-    def guided(hidden_states, *, timestep, return_dict=True, **kwargs):
-        rows = hidden_states.shape[0]
-
-        def half(x, index):  # the unconditional (0) or conditional (1) rows of the pipeline's batch
-            return x.chunk(2)[index] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows else x
-
-        guider.set_state(step=step[0], num_inference_steps=num_steps, timestep=timestep)
-        step[0] += 1
-        batches = guider.prepare_inputs({"half": (1, 0)})  # tuple index 0: conditional, 1: unconditional
-        for batch in batches:
-            guider.prepare_models(transformer)
-            batch.noise_pred = forward(half(hidden_states, batch.half), timestep=half(timestep, batch.half),
-                                       return_dict=False, **{k: half(v, batch.half) for k, v in kwargs.items()})[0]
-            guider.cleanup_models(transformer)
-        pred = guider(batches).pred
-        return (torch.cat([pred, pred]),)
-
-    transformer.forward = guided
-    try:
-        yield
-    finally:
-        del transformer.forward
-
-
 def test_skip_layer_guidance_guider_matches_diffusers_guider(text_to_image, monkeypatch):
     """SkipLayerGuidance on the transformer (block 1 skipped on the conditional copy), its window rounded as
     diffusers' guider rounds it (stop 0.5 of 5 steps: step 1 only, where the pipeline's skip_guidance_layers
@@ -244,7 +211,7 @@ def test_skip_layer_guidance_guider_matches_diffusers_guider(text_to_image, monk
     def expected(scale):
         guider = TheirSLG(guidance_scale=5.0, skip_layer_guidance_scale=scale,  # (its *_layers
                           skip_layer_config=TheirConfig([1], fqn="auto"), **window)  # fail: int indices)
-        with guided_by(theirs, guider, STEPS):
+        with guided_by_batches(theirs.transformer, guider, STEPS):
             return theirs_images(theirs, guidance_scale=2.0, negative_prompt=NEGATIVE)
 
     slg = expected(3.0)
@@ -260,16 +227,6 @@ def test_skip_layer_guidance_guider_matches_diffusers_guider(text_to_image, monk
                                                 **window))
     check_images(ours_images(guided, params, ids, neg_prompt_ids=neg), expected(0.0))
     assert pipe._jitted._cache_size() == compiled  # the scales are traced
-
-
-def test_guiders_that_perturb_attention_are_refused_on_the_transformer(text_to_image):
-    from sdflax.guiders import LayerSkipConfig, PerturbedAttentionGuidance
-
-    _, pipe, params = text_to_image
-    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
-    pag = PerturbedAttentionGuidance(perturbed_guidance_config=LayerSkipConfig([1], fqn="transformer_blocks"))
-    with pytest.raises(ValueError, match="PerturbedAttentionGuidance perturbs attention or feed-forward layers"):
-        ours_images(pipe.with_guider(pag), params, ids)
 
 
 def test_no_guidance_matches_diffusers(text_to_image):

@@ -111,6 +111,9 @@ class PerturbsLayers(Guider):
     def attend(self, site, attend, q, k, v):
         return self.perturbation.attend(site, attend, q, k, v) if self.enabled else attend(q, k, v)
 
+    def queries(self, site, q):
+        return self.perturbation.queries(site, q) if self.enabled else q
+
     def wrap_unet(self, unet_fn):
         return self.perturbation.wrap_unet(unet_fn) if self.enabled else unet_fn
 

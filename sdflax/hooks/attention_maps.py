@@ -1,6 +1,11 @@
 """Cross-attention maps (DAAM, Tang et al. 2022): for every text token, how much each latent pixel attends to it,
 averaged over heads and cross-attention layers (each upsampled to the latents' resolution) at every evaluation;
-the steps' mean is the word's heat map. The hook leaves the images unchanged."""
+the steps' mean is the word's heat map. The hook leaves the images unchanged.
+
+SD 3.x's transformer has no cross-attention: its joint attentions (`transformer_blocks.i.attn`) attend over one
+sequence [image; text], and their probabilities' image-to-text block is the analogue, each image token's share of
+attention given to each text token (not renormalised over the text). Its text tokens are CLIP's 77, then T5's
+(S = 77 + max_sequence_length): `word_map(maps[..., :77], ids[:, :77], ...)` with CLIP's ids."""
 
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ KEY = "cross_attention_maps"
 
 @flax.struct.dataclass
 class CrossAttentionMaps(Hook):
-    layers: tuple | None = flax.struct.field(pytree_node=False, default=None)  # checkpoint names; None: all attn2
+    layers: tuple | None = flax.struct.field(pytree_node=False, default=None)  # checkpoint names; None: all
     per_layer: bool = flax.struct.field(pytree_node=False, default=False)  # also emit each layer's, by its name
 
     def attend(self, site, attend, q, k, v):
-        if site.cross_attention and (self.layers is None or site.name in self.layers):
+        if (site.cross_attention or site.joint_attention) and (self.layers is None or site.name in self.layers):
             probs = site.conditional(attention_probs(q, k, site.module.upcast)).mean(1)  # (B, T, S), heads' mean
+            if site.joint_attention:  # the image's tokens over the text's
+                probs = probs[:, :site.image_tokens, site.image_tokens:]
             scope = current_scope()
             maps = to_latent_size(probs, scope.latent_size)
             scope.emit_mean(KEY, maps)
@@ -30,10 +37,12 @@ class CrossAttentionMaps(Hook):
         return attend(q, k, v)
 
     def check_layers(self, sites):
-        cross = {name for name in sites if name.endswith("attn2")}
+        mmdit = any(name.endswith(".attn") for name in sites)
+        cross = {name for name in sites if name.endswith(".attn" if mmdit else "attn2")}
         for layer in self.layers or ():
             if layer not in cross:
-                raise ValueError(f"cross_attention_maps: layers {layer!r:.80} is not a cross-attention layer of this "
+                kind = "joint" if mmdit else "cross"
+                raise ValueError(f"cross_attention_maps: layers {layer!r:.80} is not a {kind}-attention layer of this "
                                  f"UNet: give their full names: {layer_list(cross, 3)}")
 
 

@@ -7,7 +7,11 @@ structure (the same hook set never recompiles, a new one compiles once) while ch
 
 A hook overrides what it needs of:
     attend(site, attend, q, k, v) -> out       every Attention of the UNet: q (B, T, heads, d), k and v
-                                               (B, S, heads, d); `attend` is the next hook's or the plain attention
+                                               (B, S, heads, d); `attend` is the next hook's or the plain attention.
+                                               An MMDiT's joint attention (`transformer_blocks.i.attn`) sees one
+                                               sequence [image; text]: `site.image_tokens` says where the text begins
+    queries(site, q) -> q                      every Attention's queries as to_q gives them (B, T, heads, d), the
+                                               image's tokens only in an MMDiT, before its RMSNorm
     up_inputs(site, x, skip) -> (x, skip)      every up layer of the UNet, before x and its skip are concatenated
     condition(cond, settings) -> cond          the text conditioning (generate.Cond) before the UNet sees it:
                                                its rows fix the UNet's batch (PAG adds a third chunk)
@@ -15,8 +19,8 @@ A hook overrides what it needs of:
     combine(outputs, inputs, settings) -> prediction   the UNet's output, one array per chunk -> the prediction
                                                (PAG's guidance); the first hook that has one decides
 
-They are applied through Flax's `nn.intercept_methods` on two small methods, `Attention.attend` and
-`UNet2DConditionModel.up_inputs`: the models stay unaware of hooks, and a layer is addressed by its module path,
+They are applied through Flax's `nn.intercept_methods` on small methods, `Attention.attend`, `Attention.queries`
+and `UNet2DConditionModel.up_inputs`: the models stay unaware of hooks, and a layer is addressed by its module path,
 which is the checkpoint's name (`down_blocks.1.attentions.0.transformer_blocks.0.attn2`).
 
 Inside the scan a hook may `emit(key, value)` per-image values (B, ...), which come back stacked per evaluation
@@ -36,6 +40,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..models.layers import Attention
+from ..models.mmdit_blocks import JointAttention
 from ..sampling import Scope, current_scope
 
 __all__ = ["Hook", "LayerError", "Scope", "Site", "checkpoint_name", "current_scope", "intercept"]
@@ -48,21 +53,39 @@ class LayerError(ValueError):
 class Site:
     """Where a hook is called: the layer's checkpoint name, the evaluation index (traced), how many chunks of
     B rows the UNet's batch holds (1: conditional only, 2: [uncond; cond], 3: PAG's [uncond; cond; perturbed]),
-    the up block index (up_inputs only) and the module."""
+    the up block index (up_inputs only), the module, and in an MMDiT's attention the image's tokens, which come
+    first in its sequence (attend only)."""
 
     name: str
     step: Any
     chunks: int
     block: int | None = None
     module: Any = None
+    image_tokens: int | None = None
+
+    @property
+    def mmdit(self) -> bool:
+        return isinstance(self.module, JointAttention)
 
     @property
     def self_attention(self) -> bool:
-        return self.name.endswith("attn1")
+        """Over the image's tokens alone: a UNet's attn1, an MMDiT's attn2 (SD 3.5 Medium's second attention)."""
+        return self.name.endswith("attn1") or self.mmdit and self.name.endswith("attn2")
+
+    @property
+    def joint_attention(self) -> bool:
+        """An MMDiT's attn: the image's and the text's tokens in one sequence."""
+        return self.mmdit and self.name.endswith(".attn")
 
     @property
     def cross_attention(self) -> bool:
-        return self.name.endswith("attn2")
+        return self.name.endswith("attn2") and not self.mmdit
+
+    @property
+    def perturbable(self) -> bool:
+        """What diffusers' PAG, SEG and layer skips call self-attention (not cross-attention): a UNet's attn1, every
+        attention of an MMDiT."""
+        return self.self_attention or self.joint_attention
 
     @property
     def conditional_chunk(self) -> int:
@@ -87,6 +110,9 @@ class Hook:
     def attend(self, site, attend, q, k, v):
         return attend(q, k, v)
 
+    def queries(self, site, q):
+        return q
+
     def up_inputs(self, site, x, skip):
         return x, skip
 
@@ -100,6 +126,10 @@ class Hook:
         """The UNet's output, one array per chunk of the guidance batch -> the prediction. A hook that does not
         override it leaves the pipeline's guidance in place."""
         return None
+
+    def check_model(self, denoiser):
+        """Raise a ValueError in one line if the hook has no meaning on `denoiser` (`pipeline.denoisers`: a UNet,
+        or SD 3's transformer, an MMDiT); checked before tracing."""
 
     def check_layers(self, sites):
         """Raise a LayerError naming the setting if a layer the hook names is not among `sites`, the names of the
@@ -115,13 +145,20 @@ def intercept(hooks, step, chunks, sites=None):
     def interceptor(next_fun, args, kwargs, context):
         module, method = context.module, context.method_name
         if method == "attend" and isinstance(module, Attention):
-            site = Site(checkpoint_name(module.path), step, chunks, module=module)
+            site = Site(checkpoint_name(module.path), step, chunks, module=module,
+                        image_tokens=kwargs.get("image_tokens"))
             if sites is not None:
                 sites.add(site.name)
-            call = next_fun
+            call = lambda q, k, v: next_fun(q, k, v, **kwargs)  # noqa: E731
             for hook in reversed(hooks):
                 call = _bind(hook.attend, site, call)
-            return call(*args, **kwargs)
+            return call(*args)
+        if method == "queries" and isinstance(module, Attention):
+            site = Site(checkpoint_name(module.path), step, chunks, module=module)
+            q, = args
+            for hook in hooks:
+                q = hook.queries(site, q)
+            return q
         if method == "up_inputs":
             x, skip, block = args
             site = Site(f"up_blocks.{block}", step, chunks, block=block, module=module)
@@ -139,6 +176,20 @@ def layer_list(names, limit=None) -> str:
     if limit is None or len(names) <= limit:
         return ", ".join(names)
     return ", ".join(names[:limit]) + f", ... ({len(names)} in all)"
+
+
+def refuse_on_mmdit(denoiser, hook: str, why: str):
+    """The one-line refusal of a hook that has a meaning on a UNet only."""
+    if denoiser.component != "unet":
+        raise ValueError(f"{hook} works on a UNet only: {why}, which SD 3's transformer (an MMDiT) has not; "
+                         "drop the hook")
+
+
+def self_attention_names(sites) -> set:
+    """The layers among `sites` (names) that diffusers' PAG and SEG perturb: a UNet's attn1, an MMDiT's attn and
+    attn2 (an MMDiT's joint attentions end in `.attn`)."""
+    mmdit = any(name.endswith(".attn") for name in sites)
+    return {name for name in sites if name.endswith(("attn1", ".attn")) or mmdit and name.endswith(".attn2")}
 
 
 def _bind(method, site, inner):

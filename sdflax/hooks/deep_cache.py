@@ -17,7 +17,7 @@ import jax
 
 from .. import sampling
 from ..models.unet import UNet2DConditionModel
-from .core import Hook, current_scope
+from .core import Hook, current_scope, refuse_on_mmdit
 
 KEY = "deep_cache"
 
@@ -39,6 +39,10 @@ class DeepCache(Hook):
     interval: int = flax.struct.field(pytree_node=False, default=3)
     branch: int = flax.struct.field(pytree_node=False, default=1)
     carries = True
+
+    def check_model(self, denoiser):
+        refuse_on_mmdit(denoiser, "deep_cache", "it reuses the deep features of a UNet's down and up blocks between "
+                        "steps, rerunning only the shallow layers around one of its skip connections")
 
     def wrap_unet(self, unet_fn):
         def cached(x, t, context, step, **residuals):

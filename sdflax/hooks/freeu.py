@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .core import Hook
+from .core import Hook, refuse_on_mmdit
 
 
 @flax.struct.dataclass
@@ -18,6 +18,10 @@ class FreeU(Hook):
     s2: float  # and of up block 1's
     b1: float  # backbone scale of up block 0's first half of channels
     b2: float
+
+    def check_model(self, denoiser):
+        refuse_on_mmdit(denoiser, "freeu", "it scales the backbone features and the skip connections of a UNet's "
+                        "up blocks")
 
     def up_inputs(self, site, x, skip):  # NHWC
         if site.block not in (0, 1):

@@ -8,9 +8,12 @@ layer skipped, the queries smoothed), to its feed-forwards, or, attention and fe
 transformer block `{fqn}.{i}` whole. diffusers' `fqn="auto"`, which the `*_layers` arguments use, finds such lists
 in DiT models only: on a UNet diffusers raises, and sdflax says what to write instead.
 
-Attention is perturbed at the hook point every hook sees (`attend`); whole blocks, self-attention layers and
-feed-forwards are skipped by intercepting the UNet's modules (`wrap_unet`), which have no hook point. On SD 3's
-transformer only whole blocks are (`fqn="transformer_blocks"`): the image and text states both pass the skipped block.
+Attention is perturbed at the hook points every hook sees (`attend`, `queries`); whole blocks, self-attention
+layers and feed-forwards are skipped by intercepting the UNet's modules (`wrap_unet`), which have no hook point.
+On SD 3's transformer (`fqn="transformer_blocks"`) diffusers' "self-attention" is every attention of a block, the
+joint one (`attn`) and SD 3.5 Medium's second (`attn2`): identity scores give the values of the whole [image; text]
+sequence, a skipped attention gives both streams' inputs, SEG smooths the image stream's queries before the
+RMSNorm, a skipped feed-forward is `ff` and `ff_context`, and a skipped block passes both streams.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import numpy as np
 
 from ..models.layers import Attention
 from ..models.mmdit import SD3Transformer2DModel
-from ..models.mmdit_blocks import JointTransformerBlock
+from ..models.mmdit_blocks import JointAttention, JointTransformerBlock
 from ..models.unet import BasicTransformerBlock, UNet2DConditionModel
-from .core import LayerError, checkpoint_name, layer_list
+from .core import LayerError, checkpoint_name, layer_list, self_attention_names
 
 __all__ = ["LayerSkipConfig", "PerturbedLayers", "SmoothedEnergyGuidanceConfig", "layer_configs",
            "smoothed_queries"]
@@ -155,8 +158,7 @@ class PerturbedLayers:
                    for prefix, kinds in self.layers())
 
     def check_layers(self, sites):
-        # a UNet block's self-attention is attn1, an MMDiT block's joint attention attn
-        stacks = {name.rsplit(".", 2)[0] for name in sites if name.endswith(("attn1", ".attn"))}
+        stacks = {name.rsplit(".", 2)[0] for name in self_attention_names(sites)}
         for prefix, kinds in self.layers():
             if not any(name.startswith(prefix + ".") for name in sites):
                 raise LayerError(f"{self.setting}: {prefix!r:.80} is no module of this UNet with attention "
@@ -165,17 +167,18 @@ class PerturbedLayers:
                 raise LayerError(f"{self.setting}: {prefix!r:.80} is no transformer block, which skipping both "
                                  f"attention and feed-forward skips: give fqn of a list such as {layer_list(stacks)}")
 
+    def queries(self, site, q):
+        """The queries as to_q gives them, this chunk's smoothed."""
+        if not (site.perturbable and self.perturbs("blur", site.name)):
+            return q
+        own = jnp.split(q, site.chunks)[self.chunk]
+        return replace_chunk(q, site.chunks, self.chunk, smoothed_queries(own, *self.query_blur))
+
     def attend(self, site, attend, q, k, v):
-        """The hook point's attention, with this chunk's queries smoothed or its scores the identity."""
-        if not site.self_attention:
-            return attend(q, k, v)
-        chunks, index = site.chunks, self.chunk
-        if self.perturbs("blur", site.name):
-            own = jnp.split(q, chunks)[index]
-            q = replace_chunk(q, chunks, index, smoothed_queries(own, *self.query_blur))
+        """The hook point's attention, with this chunk's scores the identity."""
         out = attend(q, k, v)
-        if self.perturbs("scores", site.name):  # identity scores: each token gives its own value
-            out = replace_chunk(out, chunks, index, jnp.split(v, chunks)[index])
+        if site.perturbable and self.perturbs("scores", site.name):  # identity scores: each token gives its value
+            out = replace_chunk(out, site.chunks, self.chunk, jnp.split(v, site.chunks)[self.chunk])
         return out
 
     def wrap_unet(self, unet_fn):
@@ -192,27 +195,35 @@ class PerturbedLayers:
 
     def skip_layers(self, ff_inputs, next_fun, args, kwargs, context):
         """The interceptor of the UNet's modules that skips them on the perturbed chunk: a transformer block or a
-        self-attention layer gives its input, a feed-forward its input (kept from ff_net_0_proj for ff_net_2)."""
+        self-attention layer gives its input (an MMDiT's: each stream its own), a feed-forward its input (kept from
+        its first Dense, `*_net_0_proj`, for its last, `*_net_2`)."""
         module, chunks, index = context.module, self.chunks, self.chunk
         if context.method_name != "__call__" or not in_unet(module):
             return next_fun(*args, **kwargs)
         name = checkpoint_name(module.path)
+
+        def passed(out, given):  # the chunk's rows of `out` replaced by those of the input `given`
+            return out if out is None else replace_chunk(out, chunks, index, jnp.split(given, chunks)[index])
+
         if isinstance(module, JointTransformerBlock) and self.perturbs("block", name):  # (context, x): both pass
             context, x = next_fun(*args, **kwargs)
-            x = replace_chunk(x, chunks, index, jnp.split(args[0], chunks)[index])
-            if context is not None:  # the last block's context is None
-                context = replace_chunk(context, chunks, index, jnp.split(args[1], chunks)[index])
-            return context, x
+            return passed(context, args[1]), passed(x, args[0])  # the last block's context is None
+        if isinstance(module, JointAttention) and self.perturbs("attention", name):
+            out = next_fun(*args, **kwargs)  # (x, context) of the joint attention, x of attn2
+            if isinstance(out, tuple):
+                return passed(out[0], args[0]), passed(out[1], args[1])
+            return passed(out, args[0])
         if (isinstance(module, BasicTransformerBlock) and self.perturbs("block", name)
                 or isinstance(module, Attention) and name.endswith("attn1") and self.perturbs("attention", name)):
-            return replace_chunk(next_fun(*args, **kwargs), chunks, index, jnp.split(args[0], chunks)[index])
+            return passed(next_fun(*args, **kwargs), args[0])
         block = checkpoint_name(module.path[:-1])
-        if module.name in ("ff_net_0_proj", "ff_net_2") and self.perturbs("ff", block):
-            if module.name == "ff_net_0_proj":
-                ff_inputs[block] = args[0]
+        feed_forward, _, layer = (module.name or "").partition("_net_")  # ff or an MMDiT's ff_context; 0_proj or 2
+        if feed_forward in ("ff", "ff_context") and layer in ("0_proj", "2") and self.perturbs("ff", block):
+            key = f"{block}.{feed_forward}"
+            if layer == "0_proj":
+                ff_inputs[key] = args[0]
                 return next_fun(*args, **kwargs)
-            return replace_chunk(next_fun(*args, **kwargs), chunks, index,
-                                 jnp.split(ff_inputs.pop(block), chunks)[index])
+            return passed(next_fun(*args, **kwargs), ff_inputs.pop(key))
         return next_fun(*args, **kwargs)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import apply_probs, attention_probs
-from .core import Hook, current_scope
+from .core import Hook, current_scope, refuse_on_mmdit
 
 SELF_ATTENTION_MAX_TOKENS = 16 * 16  # P2P injects self-attention only in the low-resolution layers
 
@@ -33,6 +33,10 @@ class PromptToPrompt(Hook):
     weights: jnp.ndarray  # (edits, S)
     cross_steps: float = 1.0
     self_steps: float = 0.0
+
+    def check_model(self, denoiser):
+        refuse_on_mmdit(denoiser, "prompt_to_prompt", "it gives the edits the source prompt's cross-attention "
+                        "maps, mapped between CLIP's tokens, in a UNet's cross-attention layers")
 
     def attend(self, site, attend, q, k, v):
         cross = site.cross_attention

@@ -308,7 +308,11 @@ class Attention(nn.Module):
     def __call__(self, x, context=None):  # x: (B, T, C); context: (B, S, D), x itself when None
         return multi_head_attention(x, x if context is None else context, self.heads, self.head_dim,
                                     qkv_bias=self.qkv_bias, upcast=self.upcast, dtype=self.dtype, kernels=self.kernels,
-                                    attend=self.attend)
+                                    attend=self.attend, queries=self.queries)
+
+    def queries(self, q):
+        """The queries as to_q gives them, (B, T, heads, head_dim): a hook point (SEG smooths them here)."""
+        return q
 
     def attend(self, q, k, v):
         """softmax(q kᵀ / √d) v over (B, T, heads, head_dim): the hook point of `sdflax.hooks`, which intercept this
@@ -330,14 +334,17 @@ def apply_probs(probs, v):
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
-def multi_head_attention(x, context, heads, head_dim, *, qkv_bias, upcast, dtype, kernels, attend=None):
+def multi_head_attention(x, context, heads, head_dim, *, qkv_bias, upcast, dtype, kernels, attend=None,
+                         queries=None):
     """to_out_0(attention(to_q(x), to_k(context), to_v(context))) split into heads; (B, T, C) -> (B, T, C).
     Called inside a compact method: the four projections become the caller's submodules, named as in diffusers.
-    `attend(q, k, v)` replaces `dot_product_attention` (the UNet's Attention passes its hook point)."""
+    `attend(q, k, v)` replaces `dot_product_attention` and `queries(q)` sees the queries (the UNet's Attention
+    passes its hook points)."""
     inner = heads * head_dim
     dense = lambda n, features, bias: Dense(features, use_bias=bias, name=n, dtype=dtype)  # noqa: E731
     split = lambda t: t.reshape(*t.shape[:2], heads, head_dim)  # noqa: E731
     q = split(dense("to_q", inner, qkv_bias)(x))
+    q = queries(q) if queries is not None else q
     k = split(dense("to_k", inner, qkv_bias)(context))
     v = split(dense("to_v", inner, qkv_bias)(context))
     out = (attend or functools.partial(dot_product_attention, upcast=upcast, kernels=kernels))(q, k, v)

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .layers import Attention, Dense, Kernels, LayerNorm, ReadsParams
+from .layers import Attention, Dense, Kernels, LayerNorm, ReadsParams, dot_product_attention
 
 QK_NORMS = (None, "rms_norm")  # the qk_norm values sdflax builds (SD 3: None, SD 3.5: "rms_norm")
 EPS = 1e-6  # every norm of the MMDiT
@@ -36,7 +36,8 @@ class JointAttention(Attention):
     context's add_q_proj/add_k_proj/add_v_proj attend as one sequence [image; context], and the outputs split back
     through to_out_0 and to_add_out (none for a `context_pre_only` block, whose context output is unused). Without
     one (the dual attention, attn2): self-attention of the image tokens. `attend` is the hook point, as in the
-    UNet's attention; it sees the joint sequence."""
+    UNet's attention: it sees the joint sequence, whose first `image_tokens` are the image's; `queries` sees the
+    image tokens' queries as to_q gives them, before the RMSNorm (where diffusers' SEG smooths them)."""
 
     qk_norm: str | None = None
     context_pre_only: bool = False
@@ -50,20 +51,24 @@ class JointAttention(Attention):
         def normed(name, t):
             return RMSNorm(EPS, self.dtype, name=name)(t) if self.qk_norm else t
 
-        q = normed("norm_q", split(dense("to_q")(x)))
+        q = normed("norm_q", self.queries(split(dense("to_q")(x))))
         k = normed("norm_k", split(dense("to_k")(x)))
         v = split(dense("to_v")(x))
         if context is not None:
             q = jnp.concatenate([q, normed("norm_added_q", split(dense("add_q_proj")(context)))], axis=1)
             k = jnp.concatenate([k, normed("norm_added_k", split(dense("add_k_proj")(context)))], axis=1)
             v = jnp.concatenate([v, split(dense("add_v_proj")(context))], axis=1)
-        out = self.attend(q, k, v)
-        out = out.reshape(*out.shape[:2], inner)
         n = x.shape[1]
+        out = self.attend(q, k, v, image_tokens=n)
+        out = out.reshape(*out.shape[:2], inner)
         image = dense("to_out_0", x.shape[-1])(out[:, :n])
         if context is None:
             return image
         return image, None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
+
+    def attend(self, q, k, v, image_tokens=None):
+        """The attention of the joint sequence; `image_tokens` tells the hooks where the text's tokens begin."""
+        return dot_product_attention(q, k, v, upcast=self.upcast, kernels=self.kernels)  # (not super's: a hook point)
 
 
 def modulate(x, shift, scale):

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..guiders import Guider
-from ..guiders.perturbed import PerturbsLayers
 from ..schedulers import common
 from . import ip_adapter
 from .arguments import check_kinds, described, picture_arrays
@@ -131,27 +130,14 @@ def check_unused(args, defaults: dict, needs: str):
 
 
 def check_hooks_fit(spec, hooks, skip_guidance_layers):
-    """Hooks act on a UNet's layers; SD 3's transformer takes the guiders that combine predictions and those that
-    skip whole transformer blocks (SkipLayerGuidance, AutoGuidance with LayerSkipConfig(..., fqn=
-    "transformer_blocks")). skip_guidance_layers= is a SkipLayerGuidance of its own."""
+    """Each hook on a denoiser where it has a meaning (`Hook.check_model`); skip_guidance_layers= is a
+    SkipLayerGuidance of its own."""
     if skip_guidance_layers is not None and any(isinstance(hook, Guider) for hook in hooks):
         raise ValueError("skip_guidance_layers runs with the pipeline's classifier-free guidance, as diffusers' SD 3 "
                          "pipeline: drop the guider (with_guider(None)), or drop skip_guidance_layers and give "
                          "SkipLayerGuidance(skip_layer_config=LayerSkipConfig([7, 8, 9], fqn='transformer_blocks'))")
-    if spec.denoiser.component == "unet":
-        return
     for hook in hooks:
-        if isinstance(hook, PerturbsLayers):
-            kinds = {kind for _, layer_kinds in hook.perturbation.layers() for kind in layer_kinds}
-            if kinds <= {"block"}:
-                continue
-            raise ValueError(f"{type(hook).__name__} perturbs attention or feed-forward layers ({', '.join(sorted(kinds))}"
-                             "), which sdflax does on a UNet only; on SD 3's transformer skip whole blocks: "
-                             "LayerSkipConfig(indices, fqn='transformer_blocks')")
-        if not isinstance(hook, Guider):
-            raise ValueError(f"{type(hook).__name__} acts on a UNet's layers; this pipeline's transformer "
-                             "takes guiders that combine predictions (ClassifierFreeGuidance, AdaptiveProjectedGuidance, "
-                             "...) or skip whole blocks (SkipLayerGuidance), and skip_guidance_layers=")
+        hook.check_model(spec.denoiser)
 
 
 def check_left_to_the_guider(guider, args, defaults):
