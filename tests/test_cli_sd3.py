@@ -82,10 +82,11 @@ def cli(files, name, *args, model="sd3"):
     return files / name
 
 
-def library_text_to_image(files, **load):
+def library_text_to_image(files, guider=None, **load):
     from sdflax import StableDiffusion3
 
     pipe, params = StableDiffusion3.from_pretrained(files / "sd3", **load)
+    pipe = pipe if guider is None else pipe.with_guider(guider)
     keys = as_the_cli(SEED)
     ids, neg = rows([pipe.prepare_inputs([PROMPT], prompts_3=[PROMPT_3], max_sequence_length=T5_LENGTH),
                      pipe.prepare_inputs([NEGATIVE], max_sequence_length=T5_LENGTH)], keys)
@@ -131,6 +132,19 @@ def test_no_t5_equals_the_library_without_t5(files, generated):
     assert np.abs(pixels(generated["no_t5"]).astype(int) - pixels(generated["plain"])).max() > 5  # T5 mattered
     text = Image.open(generated["no_t5"]).text
     assert text["t5"] == "off" and text["parameters"].endswith(f"Model: {files / 'sd3'}, T5: off")
+
+
+def test_a_guider_perturbing_the_transformers_attention_equals_the_library(files, generated):
+    """PAG on SD 3's joint attention from the command line: the library's guider on the block named."""
+    from sdflax.guiders import guider_from_name
+
+    png = cli(files, "pag.png", "generate", PROMPT, "--prompt-3", PROMPT_3, "--negative-prompt", NEGATIVE, "--guider",
+              "pag", "--guider-arg", "config=transformer_blocks:1", "--guider-arg", "perturbed_guidance_stop=1")
+    guider = guider_from_name("pag", guidance_scale=7.0, perturbed_guidance_stop=1.0,
+                              perturbed_guidance_config={"fqn": "transformer_blocks", "indices": [1]})
+    close_to(png, library_text_to_image(files, guider)())
+    assert np.abs(pixels(png).astype(int) - pixels(generated["plain"])).max() > 5  # the perturbation mattered
+    assert Image.open(png).text["guider"] == "PerturbedAttentionGuidance"
 
 
 def test_batch_makes_the_image_generate_makes(files, generated):
@@ -210,9 +224,8 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
     (["--slg-layers", "1,x"], "argument --slg-layers: expected block indices separated by commas"),
     (["--slg-scale", "2"], "--slg-scale applies with --slg-layers"),
     (["--slg-layers", "1", "--guider", "apg"], "--slg-layers runs with the pipeline's classifier-free guidance"),
-    (["--guider", "pag", "--guider-arg", "config=transformer_blocks:0"], "--guider pag perturbs a UNet's layers; "
-     "SD 3.x's transformer takes the guiders that combine predictions"),
-    (["--guider", "pag"], "--guider pag perturbs a UNet's layers"),  # the family's answer first
+    (["--guider", "pag"], "--guider pag perturbs the layers you name: add --guider-arg config=FQN:INDICES, the list "
+     "of modules and the indices of those perturbed, e.g. config=transformer_blocks:7"),  # the family's example
     (["--max-sequence-length", "513"], "argument --max-sequence-length: must be at most 512 (T5's longest)"),
     (["--no-t5", "--prompt-3", "x"], "--prompt-3 is T5's prompt, but --no-t5 loads no T5: drop one of them"),
     (["--scheduler", "DPM++ 2M"], "--scheduler DPM++ 2M: SD 3.x's transformer samples with flow-matching Euler"),

@@ -63,12 +63,7 @@ LAYER_EXAMPLE = "transformer_blocks:7"
 
 
 def check_guider(request, guider_class):
-    """A guider that perturbs a UNet's layers does not fit SD 3.x's transformer."""
-    from ..guiders.perturbed import PerturbsLayers
-
-    if issubclass(guider_class, PerturbsLayers):
-        raise UserError(f"--guider {request.guider} perturbs a UNet's layers; SD 3.x's transformer takes the guiders "
-                        "that combine predictions (cfg, apg, ...): for skip-layer guidance use --slg-layers")
+    """The transformer takes every guider: those that perturb layers name its transformer_blocks."""
 
 
 def read_denoiser(folder, changes=None):
