@@ -387,11 +387,13 @@ def checked_schedule(kind: str, values, num_train_timesteps: int) -> tuple[float
         array = given.astype(np.float64) if given.dtype.kind in "fiu" else None
     except (TypeError, ValueError, OverflowError):
         array = None
-    with np.errstate(over="ignore"):  # the schedule is float32: 1e300 passed in float64 and became inf
-        finite = array is not None and np.isfinite(array.astype(np.float32)).all()
-    if not finite or array.ndim != 1:
+    if array is None or array.ndim != 1 or not np.isfinite(array).all():
         raise ValueError(f"{kind} must be a list of finite numbers (in float32, of magnitude below about 3.4e38), "
                          f"got {' '.join(repr(values).split()):.80}")
+    with np.errstate(over="ignore"):  # the schedule is float32: 1e300 passes in float64 and becomes inf
+        if not np.isfinite(array.astype(np.float32)).all():  # the words of the pipeline's own finiteness check
+            raise ValueError(f"{kind} holds NaN, inf or a number past float32's range (about 3.4e38): give finite "
+                             "numbers")
     least = 1 if kind == "timesteps" else 2
     steps = len(array) - (kind == "sigmas")
     if steps > num_train_timesteps:  # the cap num_inference_steps has, whatever asks for the steps
