@@ -220,6 +220,20 @@ def test_unknown_tensors_fail(checkpoint, tmp_path):
     assert all(key in str(error.value) for key in bad) and "\n" not in str(error.value)
 
 
+def test_a_fused_tensor_of_the_wrong_shape_is_named_in_one_line(checkpoint, tmp_path):
+    """An attention's qkv whose rows do not split in three: numpy's "array split does not result in an equal
+    division" before."""
+    _, theirs, folder, _, _ = checkpoint
+    state = to_single_file(theirs)
+    key = next(k for k in state if k.endswith("x_block.attn.qkv.weight"))
+    save_file({**state, key: state[key][:-1]}, tmp_path / "cut.safetensors")
+    with pytest.raises(single_file.SingleFileError) as error:
+        single_file.load_sd3_single_file(tmp_path / "cut.safetensors", config=folder)
+    message = str(error.value)
+    assert f"{key} has shape {tuple(state[key][:-1].shape)}: its rows do not split into the 3 tensors it holds " \
+        "(transformer_blocks.0.attn.to_q.weight, " in message and "\n" not in message
+
+
 def test_other_files_are_refused_in_one_line(checkpoint, tmp_path):
     _, _, folder, path, _ = checkpoint
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2),

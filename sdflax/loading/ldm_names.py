@@ -239,6 +239,19 @@ def swapped_halves(cfg) -> frozenset:
     return frozenset(f"{module}.{leaf}" for module in modules for leaf in ("weight", "bias"))
 
 
+def fused_parts(key, array, names) -> list:
+    """A fused tensor (an attention's qkv) cut into the models' tensors `names`, along its rows."""
+    if len(names) == 1:
+        return [array]
+    if np.ndim(array) == 0 or np.shape(array)[0] % len(names):
+        from .weights import CheckpointMismatchError
+
+        raise CheckpointMismatchError(f"{key} has shape {tuple(np.shape(array))}: its rows do not split into the "
+                                      f"{len(names)} tensors it holds ({', '.join(names)}), so it does not fit the "
+                                      "model config (a damaged file, or another architecture)")
+    return np.split(array, len(names))
+
+
 def split_sd3(state_dict: dict, configs: dict, components) -> tuple[dict, list[str]]:
     """({component: {diffusers name: array}} for `components`, the keys no table maps) of an SD 3 file.
 
@@ -259,8 +272,7 @@ def split_sd3(state_dict: dict, configs: dict, components) -> tuple[dict, list[s
         if names is None:
             unknown.append(key)
             continue
-        parts = np.split(array, len(names)) if len(names) > 1 else [array]
-        for name, part in zip(names, parts):
+        for name, part in zip(names, fused_parts(key, array, names)):
             out[SD3_LAYOUT[prefix]][name] = np.concatenate(np.split(part, 2)[::-1]) if name in swapped else part
     if "text_encoder" in out:  # SD 3 pools CLIP-L unprojected
         width = configs["text_encoder"].hidden_size

@@ -42,8 +42,8 @@ from .assemble import assemble
 from .files import read_checkpoint
 from .hub import resolve_folder
 from .ldm_names import (SD3_BUNDLED, SD3_NAMES, SD3_PARTS, SD3_TRANSFORMER_CHANGES, clip_table, controlnet_table,
-                        is_sd3_file, map_key, openclip_table, sd3_components_in, sd3_model_type, sd3_with_prefixes,
-                        split_sd3, unet_table, vae_table)
+                        fused_parts, is_sd3_file, map_key, openclip_table, sd3_components_in, sd3_model_type,
+                        sd3_with_prefixes, split_sd3, unet_table, vae_table)
 from .folders import check_pipeline_folder, checkpoint_files, is_null, load_scheduler, load_tokenizer, read_index
 from ..models.clip import CLIPTextModel, CLIPTextModelWithProjection
 from ..models.config import read_config_file
@@ -168,8 +168,7 @@ def split_components(state_dict: dict, configs: dict, version: str) -> dict[str,
             continue
         if OPENCLIP_PROJECTION.search(key):
             array = np.asarray(array).T
-        parts = np.split(array, len(names)) if len(names) > 1 else [array]
-        for name, part in zip(names, parts):
+        for name, part in zip(names, fused_parts(key, array, names)):
             out[component][name] = part
     if unknown:
         raise SingleFileError(f"{len(unknown)} tensors that no table maps (is the config right for this file?): "
