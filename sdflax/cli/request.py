@@ -75,6 +75,7 @@ class Request:
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
     embedding: tuple[str, ...] = ()
     scheduler: str | None = None
+    eta: float | None = None  # the scheduler's eta (DDIM, DPM++ 3M SDE, TCD); None: its own
     steps: int | None = None  # None: the pipeline's default (50; 28 for SD 3.x)
     guidance: float | None = None
     guider: str | None = None  # sdflax.guiders' name, with `guider_arg` ((key, value), ...) its arguments
