@@ -42,33 +42,6 @@ def test_a_guider_makes_the_librarys_image_and_the_png_records_it(tmp_path):
         "use_original_formulation": False, "start": 0.0, "stop": 1.0, "enabled": True}
 
 
-def test_eta_makes_the_librarys_image_and_the_png_records_it(tmp_path, capsys, monkeypatch):
-    """--eta is the scheduler's eta, as `scheduler_config={"eta": ...}` gives it in the library; a sampler without
-    one refuses it in one line."""
-    from sdflax import StableDiffusion
-
-    result = run_cli_here(["generate", "a house", "--model", TINY, "--steps", "3", "--seed", "7", "--height", "32",
-                           "--width", "32", "--scheduler", "ddim", "--eta", "1", "--no-progress", "--out",
-                           str(tmp_path / "out")], tmp_path, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    path = result.stdout.split()[0]
-    keys = as_the_cli(7)
-    made = {}
-    for eta in (1.0, 0.0):
-        pipe, params = StableDiffusion.from_pretrained(TINY, scheduler="ddim", scheduler_config={"eta": eta})
-        ids, neg = pipe.prepare_inputs(["a house"] * len(keys)), pipe.prepare_inputs([""] * len(keys))
-        made[eta] = pipe.generate_sharded(ids, params, keys, 3, neg_prompt_ids=neg, height=32, width=32)[0]
-    assert_close_to(path, made[1.0])
-    assert np.abs(made[1.0] - made[0.0]).max() > 0.02  # the noise eta adds made the image
-    text = Image.open(path).text
-    assert text["eta"] == "1.0" and text["parameters"].endswith(", Eta: 1.0")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["generate", "a house", "--model", TINY, "--scheduler", "euler", "--eta", "1", "--out",
-                 str(tmp_path / "other")]) == 2
-    assert "--eta applies to the samplers that add noise by an eta (DDIM, DPM++ 3M SDE, TCD), and --scheduler euler " \
-        "(EulerScheduler) has none: drop --eta, or add --scheduler ddim" in one_error_line(capsys)
-
-
 @pytest.mark.parametrize("args, expected", [
     (["--guider", "nope"], "argument --guider: unknown guider 'nope': one of cfg, apg"),
     (["--guider", "apg", "--guider-arg", "momentum"], "argument --guider-arg: expected KEY=VALUE (e.g. "

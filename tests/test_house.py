@@ -209,6 +209,7 @@ def test_the_commands_loop_over_the_command_line_features():
     found = []
     for name in ("options", "preflight", "pictures", "run", "output"):
         source = (PACKAGE / "cli" / f"{name}.py").read_text()
-        found += [f"{name}.py: {word}" for field in sorted(fields) for word in (f".{field}", f"--{field.replace('_', '-')}",
-                                                                             f'"{field}"') if word in source]
+        words = [(f"request.{field}", f"r.{field}", f"--{field.replace('_', '-')}", f'features["{field}"]')
+                 for field in sorted(fields)]
+        found += [f"{name}.py: {word}" for group in words for word in group if word in source]
     assert found == []

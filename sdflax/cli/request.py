@@ -72,6 +72,7 @@ class Request:
     adapter_image: tuple[str, ...] = ()  # one per `t2i_adapter`, in their order
     adapter_scale: tuple[float, ...] = ()  # none, one for all, or one per adapter
     adapter_factor: float | None = None  # SDXL's: the fraction of the steps the adapters steer
+    vae: str | None = None  # a VAE folder or hub id in place of the checkpoint's
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
     embedding: tuple[str, ...] = ()
     scheduler: str | None = None

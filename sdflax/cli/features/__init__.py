@@ -1,7 +1,7 @@
-"""The command line's features: each module is one addition a request may use (SD 3's own flags, a refiner, LoRAs,
-embeddings, a sampler's eta, a guider, ControlNets, IP-Adapters, T2I-Adapters), holding its flags, its checks, its
-loading, its call arguments and its PNG text. The commands loop over `FEATURES`; a module defines the functions it
-needs:
+"""The command line's features: each module is one addition a request may use (SD 3's own flags, a refiner, a VAE,
+LoRAs, embeddings, a sampler's eta, a guider, ControlNets, IP-Adapters, T2I-Adapters), holding its flags, its checks,
+its loading, its call arguments and its PNG text. The commands loop over `FEATURES`; a module defines the functions
+it needs:
 
     FLAG                                 the flag that turns it on, named in messages
     DENOISERS                            the denoiser components it takes ("unet"); absent: every one
@@ -30,9 +30,9 @@ The order of `FEATURES` is the order of the PNG's entries and of the call's posi
 
 from __future__ import annotations
 
-from . import controlnet, embedding, eta, guider, ip_adapter, lora, refiner, sd3_flags, t2i_adapter
+from . import controlnet, embedding, eta, guider, ip_adapter, lora, refiner, sd3_flags, t2i_adapter, vae
 
-FEATURES = (sd3_flags, refiner, lora, embedding, eta, guider, controlnet, ip_adapter, t2i_adapter)
+FEATURES = (sd3_flags, refiner, vae, lora, embedding, eta, guider, controlnet, ip_adapter, t2i_adapter)
 
 
 def name(feature) -> str:
