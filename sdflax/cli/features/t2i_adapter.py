@@ -13,6 +13,7 @@ from ..parse import finite, number
 from ..pictures import check_counts, read_picture
 from ..manifest import quoted
 from ..request import UserError
+from .model_config import model_config
 
 FLAG = "--t2i-adapter"
 DENOISERS = ("unet",)
@@ -79,24 +80,10 @@ def pipeline_class(request, family, cls):
 
 def adapter_config(name):
     """The T2IAdapterConfig of a folder or hub id (its config.json alone is fetched)."""
-    from ...loading.hub import ModelNotFoundError, resolve_folder
-    from ...models.config import read_config_file
     from ...models.t2i_adapter import T2IAdapterConfig
 
-    flag = f"--t2i-adapter {name}"
-    if os.path.isfile(os.path.expanduser(name)):
-        raise UserError(f"{flag} is a file: give the folder of a diffusers T2IAdapter (config.json beside its "
-                        "weights) or a hub id, e.g. TencentARC/t2iadapter_canny_sd15v2")
-    try:
-        folder = resolve_folder(name, None, allow_patterns=["config.json"])
-        config = read_config_file(os.path.join(folder, "config.json"))
-        kind = config.get("_class_name", "T2IAdapter")
-        if kind != "T2IAdapter":
-            raise UserError(f"{flag} is a {kind}, not a T2IAdapter: give the folder or hub id of a T2I-Adapter, e.g. "
-                            "TencentARC/t2iadapter_canny_sd15v2")
-        return T2IAdapterConfig.from_dict(config)
-    except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
-        raise UserError(f"{flag}: {e}") from e
+    return model_config(f"--t2i-adapter {name}", name, "T2IAdapter", T2IAdapterConfig, "a T2I-Adapter",
+                        "TencentARC/t2iadapter_canny_sd15v2")
 
 
 def feature_levels(config) -> list:

@@ -7,6 +7,7 @@ import os
 
 from ..manifest import quoted
 from ..request import UserError
+from .model_config import model_config
 
 FLAG = "--vae"
 DENOISERS = ("unet",)  # SD 3.x's single files are read by their own layout, which takes no VAE given
@@ -23,24 +24,10 @@ def used(request) -> bool:
 
 def vae_config(request):
     """--vae's config.json (kilobytes): an AutoencoderKL's."""
-    from ...loading.hub import ModelNotFoundError, resolve_folder
     from ...models import VAEConfig
-    from ...models.config import read_config_file
 
-    flag = f"--vae {request.vae}"
-    if os.path.isfile(os.path.expanduser(request.vae)):
-        raise UserError(f"{flag} is a file: sdflax takes a VAE as a diffusers folder or hub id (config.json beside "
-                        "its weights), e.g. stabilityai/sd-vae-ft-mse")
-    try:
-        config = read_config_file(os.path.join(resolve_folder(request.vae, None, allow_patterns=["config.json"]),
-                                               "config.json"))
-        kind = config.get("_class_name", "AutoencoderKL")
-        if kind != "AutoencoderKL":
-            raise UserError(f"{flag} is a {kind}, not an AutoencoderKL: give the folder or hub id of a VAE, e.g. "
-                            "stabilityai/sd-vae-ft-mse")
-        return VAEConfig.from_dict(config)
-    except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
-        raise UserError(f"{flag}: {e}") from e
+    return model_config(f"--vae {request.vae}", request.vae, "AutoencoderKL", VAEConfig, "a VAE",
+                        "stabilityai/sd-vae-ft-mse")
 
 
 def check_configs(request, configs):
