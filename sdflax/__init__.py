@@ -18,6 +18,8 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
                      "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img",
                      "StableDiffusionInpaint"), ".families.sd"),
     **dict.fromkeys(("StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint"), ".families.sd3"),
+    **dict.fromkeys(("Flux", "FluxFill", "FluxImg2Img", "FluxInpaint"), ".families.flux"),
+    "FluxTransformer2DModel": ".models.flux",
     **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
                      "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint",
                      "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint"), ".families.sdxl"),

@@ -1,7 +1,7 @@
 """The model families as values (`base.Family`), and the registry that finds one by name or by a checkpoint's
 `model_index.json`.
 
-sdflax's own (`sd`, `sdxl`, `sd3`) are modules of this package, imported on first lookup; `register` adds a family
+sdflax's own (`sd`, `sdxl`, `sd3`, `flux`) are modules of this package, imported on first lookup; `register` adds a family
 from anywhere, so a user's module can add one without editing sdflax.
 """
 
@@ -12,7 +12,7 @@ import os
 
 from .base import Family, Row
 
-BUILT_IN = ("sd", "sdxl", "sd3")  # modules of this package, each with a FAMILY
+BUILT_IN = ("sd", "sdxl", "sd3", "flux")  # modules of this package, each with a FAMILY
 FALLBACK = "sd"  # the family of a checkpoint whose pipeline class no family claims (LCM, AltDiffusion: SD UNets)
 _added: dict = {}
 

@@ -40,7 +40,7 @@ class Family:
         from ..pipeline.t2i_adapter import T2IAdapters
 
         for cls in self.classes.values():
-            if START_NAMES[cls.start] == start and (ControlNet in cls.wrappers) == controlnet \
+            if START_NAMES.get(cls.start) == start and (ControlNet in cls.wrappers) == controlnet \
                     and T2IAdapters not in cls.wrappers:
                 return cls
         raise ValueError(f"no {self.title} pipeline for start={start!r}, controlnet={controlnet}")

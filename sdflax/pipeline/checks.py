@@ -53,6 +53,7 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
     if args.get("skip_guidance_layers") is not None:
         args = {**args, "skip_guidance_layers": check_skip_layers(spec, args["skip_guidance_layers"])}
     args = {renamed.get(name, name): value for name, value in args.items()}
+    defaults = {renamed.get(name, name): value for name, value in defaults.items()}
     for name in [wrapper.picture for wrapper in spec.wrappers if wrapper.picture]:  # checked as arrays
         if args.get(name) is not None:
             args[name] = picture_arrays(name, args[name])
@@ -69,6 +70,7 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
         check_shapes(spec, inputs, leading_dims)
         check_values(spec, inputs, leading_dims)
     height, width = sizes(spec, *image_size(spec, inputs, args, leading_dims, args.get("height"), args.get("width")))
+    guides = spec.text.can_guide(inputs)  # Flux's true CFG needs a negative prompt; the others' default to ""
     inputs = spec.text.fill_inputs(inputs, height, width)
     guiders = [hook for hook in hooks if isinstance(hook, Guider)]
     if guiders and args.get("guidance") is not None:
@@ -83,7 +85,7 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
                            # combines both halves at any scale, and a CFG++ scheduler re-noises with the
                            # unconditional half at any scale
                            "classifier_free_guidance": guiders[0].enabled if guiders else
-                           args.get("guidance") is not None or guided(args["guidance_scale"])
+                           args.get("guidance") is not None or guided(args["guidance_scale"]) and guides
                            or getattr(scheduler, "takes_unconditional", False),
                            "image_seq_len": spec.denoiser.image_seq_len(height // spec.vae.scale_factor,
                                                                         width // spec.vae.scale_factor)})
@@ -212,14 +214,17 @@ def check_size(name, value):
 
 
 def sizes(spec, height, width):
-    """(height, width): as given, or the UNet's sample size in pixels; multiples of the VAE scale factor."""
-    f = spec.vae.scale_factor
+    """(height, width): as given, or the denoiser's sample size in pixels; multiples of the VAE scale factor (times
+    a transformer's patch)."""
+    f, patch = spec.vae.scale_factor, spec.denoiser.patch
     height = height or spec.denoiser.sample_size * f
     width = width or spec.denoiser.sample_size * f
+    step = f * patch
     for name, value in (("height", height), ("width", width)):
-        if value % f:
-            raise ValueError(f"{name}={value} is not a multiple of the VAE scale factor {f}: "
-                             f"use {value // f * f} or {(value // f + 1) * f}")
+        if value % step:
+            what = f"the VAE scale factor {f}" + (f" times the patch size {patch}" if patch > 1 else "")
+            raise ValueError(f"{name}={value} is not a multiple of {what}: use {value // step * step} or "
+                             f"{(value // step + 1) * step}")
     return height, width
 
 
@@ -272,18 +277,17 @@ def check_values(spec, inputs, leading_dims):
     """Keys, token ids and scales of the right kind (a (3,) guidance scale would broadcast over the latent
     width)."""
     check_key(inputs.prng_seed, leading_dims)
-    vocab = min(encoder.config.vocab_size for encoder in (getattr(spec.text, name, None) for name in (
-        "text_encoder", "text_encoder_2")) if encoder)
-    t5 = getattr(spec.text, "text_encoder_3", None)
-    clip_columns = 2 * spec.text.clip_length if hasattr(spec.text, "clip_length") else None  # SD 3's ids
+    t5 = getattr(spec.text, "t5", None)  # SD 3 and Flux: T5's ids follow CLIP's, from a smaller vocabulary
+    clip = [getattr(spec.text, name, None) for name in ("text_encoder", "text_encoder_2")]
+    vocab = min(encoder.config.vocab_size for encoder in clip if encoder is not None and encoder is not t5)
     for name in ("prompt_ids", "neg_prompt_ids"):
         ids = getattr(inputs, name)
-        if clip_columns is None or ids is None:
+        if ids is None or not hasattr(spec.text, "t5"):
             check_ids(name, ids, vocab)
             continue
-        check_ids(name, ids[..., :clip_columns], vocab)
-        if t5 is not None:  # T5's columns: its vocabulary is smaller than CLIP's
-            check_ids(name, ids[..., clip_columns:], t5.config.vocab_size, "T5's")
+        check_ids(name, ids[..., :spec.text.clip_columns], vocab)
+        if t5 is not None:
+            check_ids(name, ids[..., spec.text.clip_columns:], t5.config.vocab_size, "T5's")
     for name in ("guidance_scale", "guidance_rescale"):
         value = getattr(inputs, name)
         if value.ndim:
@@ -309,16 +313,16 @@ def check_params(spec, params, mode: str | None, pipeline_name: str):
     if missing:
         raise ValueError(f"params has no {', '.join(map(repr, missing))} (it has {', '.join(map(repr, params))}): "
                          f"pass the params from {pipeline_name}.from_pretrained")
-    kernel = spec.denoiser.replication_probe(params)
+    kernel, rank = spec.denoiser.replication_probe(params), spec.denoiser.probe_rank
     if kernel is None or mode is None:
         return
     replicated = mode == "jit=True"
-    if kernel.ndim == 5 and not replicated:
+    if kernel.ndim == rank + 1 and not replicated:
         raise ValueError(f"params are replicated (a leading device axis), but {mode} takes them as "
                          "from_pretrained gives them: pass unreplicated params, or call with jit=True")
-    if kernel.ndim == 4 and replicated:
+    if kernel.ndim == rank and replicated:
         raise ValueError("jit=True runs under pmap and needs replicated params: sdflax.replicate(params)")
-    if kernel.ndim == 5 and kernel.shape[0] != jax.local_device_count():
+    if kernel.ndim == rank + 1 and kernel.shape[0] != jax.local_device_count():
         raise ValueError(f"params are replicated for {kernel.shape[0]} devices, but there are "
                          f"{jax.local_device_count()}: sdflax.replicate(params) on this machine")
 

@@ -74,8 +74,7 @@ class Pipeline(PipelineLoaders):
         self.denoiser = self.text.denoiser(given[self.text.denoiser.component])
         self.controlnets, self.adapters = (given[name] for name in ("controlnet", "adapter"))
         self.dtype = given["dtype"]
-        self._scheduler = fitting_scheduler(given["scheduler"], type(self).__name__, self.denoiser.flow,
-                                            self.text.ays_family)
+        self._scheduler = fitting_scheduler(given["scheduler"], type(self).__name__, self.text)
         self._force_zeros = bool(given.get("force_zeros_for_empty_prompt", True))
         self.requires_aesthetics_score = bool(given.get("requires_aesthetics_score", False))  # an SDXL refiner's
         self.text.check_components(SimpleNamespace(**self.components()))
@@ -172,7 +171,7 @@ class Pipeline(PipelineLoaders):
         if isinstance(scheduler, str):
             scheduler = scheduler_by_name(scheduler, self.scheduler_base_config or config_dict(self._scheduler))
         # a new spec: the old one's programs stay cached, for a scheduler set back
-        self._scheduler = fitting_scheduler(scheduler, type(self).__name__, self.denoiser.flow, self.text.ays_family)
+        self._scheduler = fitting_scheduler(scheduler, type(self).__name__, self.text)
         self._spec = None
 
     @property
@@ -282,19 +281,21 @@ def given_components(cls, components: dict) -> dict:
     return given
 
 
-def fitting_scheduler(scheduler, pipeline_name: str, flow: bool, ays_family: str):
+def fitting_scheduler(scheduler, pipeline_name: str, text):
     """A scheduler checked (a flow-matching one for a flow model, no other), its "auto" Align Your Steps levels
-    the family's."""
-    scheduler = checked_scheduler(scheduler)
+    or a flow's σ spacing the family's (`text`: its text piece)."""
+    scheduler, flow = checked_scheduler(scheduler), text.denoiser.flow
     predicts_flow = getattr(getattr(scheduler, "config", None), "prediction_type", None) == "flow"
     if predicts_flow and not flow:  # a UNet predicts ε or v
-        raise ValueError(f"{type(scheduler).__name__} is a flow-matching scheduler, for SD 3.x checkpoints; "
+        raise ValueError(f"{type(scheduler).__name__} is a flow-matching scheduler, for SD 3.x and Flux checkpoints; "
                          f"{pipeline_name}'s UNet predicts noise: choose one of sdflax.schedulers.SCHEDULERS' other "
                          "samplers")
     if flow and not predicts_flow:
         raise ValueError(f"{pipeline_name}'s transformer predicts a flow's velocity: it samples with a flow-matching "
                          f"scheduler ('flow_match_euler', A1111's 'Euler'), not {type(scheduler).__name__}")
-    return for_family(scheduler, ays_family)
+    if predicts_flow:
+        return scheduler.with_sigma_spacing(text.sigma_spacing)
+    return for_family(scheduler, text.ays_family)
 
 
 def signature_with(signature: inspect.Signature, piece, pipeline_name: str) -> inspect.Signature:

@@ -6,6 +6,7 @@ the checks ask it for what they need (its params' key, input channels, default s
   residuals).
 - `MMDiTDenoiser`: SD 3.x's transformer (velocity); `extra` carries `pooled_projections` and, for skip-layer
   guidance, `skip_layers`.
+- Flux.1's transformer: `sdflax.families.flux_text.FluxDenoiser`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class Denoiser:
     model: Any
+
+    patch = 1  # the latent side must be a multiple of this (a transformer's patch)
+    probe_rank = 4  # the rank of `replication_probe`'s kernel, one more when replicated for pmap
 
     @property
     def in_channels(self) -> int:
@@ -65,6 +69,10 @@ class MMDiTDenoiser(Denoiser):
     @property
     def context_width(self) -> int:
         return self.model.config.joint_attention_dim
+
+    @property
+    def patch(self) -> int:
+        return self.model.config.patch_size
 
     def image_seq_len(self, latent_height, latent_width) -> int:
         """The image's tokens, from which a dynamically shifting schedule takes its shift (diffusers' SD 3)."""

@@ -18,7 +18,7 @@ import numpy as np
 from ..models import AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, T5EncoderModel
 from ..loading.tokenizers import T5Tokenizer
 from .denoisers import MMDiTDenoiser
-from .text import check_pooled_with_states, frozen_ids, tokenize
+from .text import SDText, check_pooled_with_states, frozen_ids, tokenize
 from .types import Cond
 
 MAX_SEQUENCE_LENGTH = 512  # T5's longest, as diffusers' SD 3 pipelines allow
@@ -56,10 +56,20 @@ class SD3Text:
     tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
     tokenizer_loaders = {"tokenizer_3": T5Tokenizer.from_folder}
     ays_family = "sd1"  # unused: no flow schedule takes Align Your Steps levels
+    sigma_spacing = "trained"  # the flow scheduler's own σ (diffusers' SD 3 pipelines give it none)
     optional = ("text_encoder_3", "tokenizer_3")  # T5 may be left out (its states are then zeros)
     index_options = ()
     denoiser = MMDiTDenoiser
     prompt_arguments = {"prompts_2": None, "prompts_3": None, "max_sequence_length": 256}
+
+    @property
+    def t5(self):
+        return self.text_encoder_3
+
+    @property
+    def clip_columns(self) -> int:
+        """Where T5's ids begin: after both CLIPs'."""
+        return 2 * self.clip_length
 
     @staticmethod
     def check_components(parts):
@@ -112,6 +122,8 @@ class SD3Text:
     @staticmethod
     def check_inputs(inputs):
         check_pooled_with_states(inputs, "SD 3")
+
+    can_guide = SDText.can_guide
 
     def fill_inputs(self, inputs, height, width):
         """The empty prompt's ids as `neg_prompt_ids` where none are given (one program for calls with and without

@@ -202,12 +202,18 @@ class FromImageMask:
         else:
             latents = scheduler.add_noise(state, image_latents, noise, 0)
         if self.nine:
-            condition = jnp.concatenate([latent_mask, masked_latents], axis=1)
+            condition = self.condition(mask, latent_mask, masked_latents)
             return Start(latents, state, sampler_key, wrap_unet=functools.partial(_with_channels, condition),
                          num_evals=num_evals)
         num_evals_run = state.timesteps.shape[0] if num_evals is None else num_evals
         paste = functools.partial(_paste_known, scheduler, image_latents, noise, latent_mask, num_evals_run)
         return Start(latents, state, sampler_key, post_step=paste, num_evals=num_evals)
+
+
+    @staticmethod
+    def condition(mask, latent_mask, masked_latents):
+        """What an inpainting denoiser sees beside the latents: the UNet's [mask, masked image latents]."""
+        return jnp.concatenate([latent_mask, masked_latents], axis=1)
 
 
 def _with_channels(condition, unet_fn):

@@ -28,7 +28,7 @@ DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_
             "ip_adapter_masks": None,
             "adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0,
             "skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
-            "skip_layer_guidance_stop": 0.2}
+            "skip_layer_guidance_stop": 0.2, "true_cfg_scale": 1.0}
 REQUIRED = ("prompt_ids", "image", "mask", "control_image", "params", "prng_seed")
 
 # argument orders, as the classes have always had them (the SD ones follow diffusers' old Flax pipelines)
@@ -46,6 +46,7 @@ class Row(NamedTuple):
     arguments: str  # positional order after the fixed leading ones
     defaults: dict  # where this pipeline's defaults differ from DEFAULTS
     doc: str
+    renamed: dict = {}  # call arguments that fill another Inputs field (Flux: guidance_scale is the distilled one)
 
 
 def signature(row: Row, text) -> inspect.Signature:
@@ -90,7 +91,8 @@ def make_class(name: str, row: Row, family) -> type:
     namespace = {"family": family, "text": text, "start": row.start, "wrappers": row.wrappers,
                  "signature": call_signature,
                  "defaults": {n: p.default for n, p in call_signature.parameters.items() if n not in REQUIRED},
-                 "renamed": {"image": row.wrappers[0].picture} if row.wrappers and not row.start.images else {},
+                 "renamed": {**row.renamed, **({"image": row.wrappers[0].picture}
+                                               if row.wrappers and not row.start.images else {})},
                  "__call__": __call__, "prepare_inputs": prepare_inputs, "__doc__": row.doc,
                  "__module__": family.module}
     if row.wrappers and not row.start.images:

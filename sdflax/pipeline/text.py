@@ -88,6 +88,11 @@ class SDText:
     def check_inputs(inputs):
         pass
 
+    @staticmethod
+    def can_guide(inputs) -> bool:
+        """Whether classifier-free guidance may run: always (no negative prompt is the empty prompt's)."""
+        return True
+
     def fill_inputs(self, inputs, height, width):
         return fill_negative(inputs, self.empty_ids)[0]
 
@@ -184,6 +189,8 @@ class SDXLText:
     @staticmethod
     def check_inputs(inputs):
         check_pooled_with_states(inputs, "SDXL")
+
+    can_guide = SDText.can_guide
 
     def fill_inputs(self, inputs, height, width):
         """The size ids and aesthetic scores filled in before the compiled call, so that other values reuse the

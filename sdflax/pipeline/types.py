@@ -43,6 +43,7 @@ class Inputs:
     prng_seed: Any = batched()  # one key, or one key per image (B,); under pmap one per device or per image
     guidance_scale: Any = 7.5
     guidance_rescale: Any = 0.0
+    embedded_guidance: Any = None  # a guidance-distilled denoiser's guidance input (Flux.1 dev's guidance_scale)
     # SDXL's micro-conditioning, (h, w) / (top, left) pairs; None: (height, width), (0, 0), (height, width)
     original_size: Any = None
     crops_coords_top_left: Any = None

@@ -22,6 +22,7 @@ from . import common, sigma_schedules
 from .sigma_config import check_one_schedule
 
 TIME_SHIFT_TYPES = ("exponential", "linear")
+SIGMA_SPACINGS = ("trained", "flux")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,9 @@ class FlowMatchEulerConfig:
     mu: float | None = None  # the dynamic shift (`with_mu`)
     custom_sigmas: tuple[float, ...] | None = None  # `with_schedule(sigmas=)`: n σ, then 0
     custom_timesteps: None = None  # flow σ are given, not timesteps (what the pipelines read)
+    # the σ before shifting where none are given: "trained", evenly between the training σ's ends (diffusers' own,
+    # its SD 3 pipelines'); "flux", linspace(1, 1/n, n), what diffusers' Flux pipelines hand it (`with_sigma_spacing`)
+    sigma_spacing: str = "trained"
 
     prediction_type = "flow"  # the model's output: the velocity ε - x_0
 
@@ -56,7 +60,8 @@ class FlowMatchEulerConfig:
         `ConfigError` naming the file."""
         if not isinstance(config, Mapping):
             raise ConfigError(f"{cls.__name__}: the scheduler config is a {type(config).__name__}, not a JSON object")
-        fields = {k: v for k, v in config.items() if k not in ("mu", "custom_sigmas", "custom_timesteps")}
+        fields = {k: v for k, v in config.items() if k not in ("mu", "custom_sigmas", "custom_timesteps",
+                                                                  "sigma_spacing")}
         try:
             return config_from_dict(cls, fields)
         except ConfigError:
@@ -65,6 +70,8 @@ class FlowMatchEulerConfig:
             raise ConfigError(f"{config_source(config)}{' '.join(str(e).split())[:300]}") from None
 
     def __post_init__(self):
+        if self.sigma_spacing not in SIGMA_SPACINGS:
+            raise ValueError(f"sigma_spacing={self.sigma_spacing!r}; allowed: {SIGMA_SPACINGS}")
         if self.time_shift_type not in TIME_SHIFT_TYPES:
             raise ValueError(f"time_shift_type={self.time_shift_type!r}; allowed: {TIME_SHIFT_TYPES}")
         check_one_schedule(self)
@@ -106,6 +113,12 @@ class FlowMatchEulerScheduler(common.SchedulerBase):
             raise ValueError(f"mu={mu!r} must be a finite number (the log of the shift)")
         return dataclasses.replace(self, config=dataclasses.replace(self.config, mu=float(mu)))
 
+    def with_sigma_spacing(self, spacing: str):
+        """This scheduler spacing its σ as a family's pipelines do (`FlowMatchEulerConfig.sigma_spacing`)."""
+        if spacing == self.config.sigma_spacing:
+            return self
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, sigma_spacing=spacing))
+
     def for_image_seq_len(self, image_seq_len: int):
         """This scheduler with the mu diffusers' SD3 and Flux pipelines give an image of `image_seq_len` latent
         tokens ((h / patch) (w / patch)) where its config shifts dynamically and no mu is set; else itself."""
@@ -137,6 +150,8 @@ class FlowMatchEulerScheduler(common.SchedulerBase):
         cfg, T = self.config, self.config.num_train_timesteps
         if cfg.custom_sigmas is not None:  # float32, as diffusers casts given σ
             sigmas = np.asarray(cfg.custom_sigmas[:-1], np.float32)
+        elif cfg.sigma_spacing == "flux":
+            sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).astype(np.float32)
         else:  # between the end points of diffusers' T training σ, float32 and already shifted (unless
             # dynamically): the last σ is shifted twice, as diffusers'
             train = np.linspace(1, T, T, dtype=np.float32)[::-1] / np.float32(T)

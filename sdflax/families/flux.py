@@ -1,0 +1,75 @@
+"""Flux.1 (Black Forest Labs 2024): CLIP-L and T5-XXL (`flux_text.FluxText`), a rectified-flow transformer of
+double- and single-stream blocks over packed latents, and its public pipeline classes. `guidance_scale` is the
+guidance dev was distilled to take as an input (schnell has none and ignores it); `true_cfg_scale` above 1 with a
+negative prompt runs classifier-free guidance on top, as diffusers' Flux pipelines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ..pipeline.starts import FromImage, FromImageMask, FromNoise
+from ..pipeline.table import Row
+from .base import Family
+from .flux_text import FluxText
+
+FLUX_TAIL = ("true_cfg_scale jit callback guidance return_trajectory prompt_embeds neg_prompt_embeds "
+             "pooled_prompt_embeds neg_pooled_prompt_embeds")
+FLUX_IMAGE = "num_inference_steps guidance_scale height width noise neg_prompt_ids"
+# the call's guidance_scale is the distilled guidance the transformer takes, its true_cfg_scale the scale of
+# classifier-free guidance (the Inputs field every family's guidance reads)
+RENAMED = {"guidance_scale": "embedded_guidance", "true_cfg_scale": "guidance_scale"}
+
+
+
+@dataclasses.dataclass(frozen=True)
+class FromImageMaskFill(FromImageMask):
+    """Flux.1 Fill's inpainting: the transformer sees [latents, masked image latents, mask] on its channels at
+    every step, the full-resolution mask folded into f x f channels (diffusers' `FluxFillPipeline`)."""
+
+    @classmethod
+    def build(cls, vae, denoiser) -> "FromImageMaskFill":
+        f, c = vae.scale_factor, vae.latent_channels
+        if denoiser.in_channels != 2 * c + f * f:
+            raise ValueError(f"Flux Fill's transformer takes {4 * (2 * c + f * f)} features per token (latents, "
+                             f"masked image latents and the {f}x{f}-folded mask, packed); this one takes "
+                             f"{4 * denoiser.in_channels}: use FluxInpaint with an ordinary Flux checkpoint")
+        return cls(vae, True)
+
+    @staticmethod
+    def condition(mask, latent_mask, masked_latents):
+        b, _, height, width = mask.shape
+        h, w = masked_latents.shape[2:]
+        f = height // h
+        folded = mask[:, 0].reshape(b, h, f, w, f).transpose(0, 2, 4, 1, 3).reshape(b, f * f, h, w)
+        return jnp.concatenate([masked_latents, folded], axis=1)
+
+
+ROWS = {
+    "Flux": Row(
+        FromNoise, (),
+        f"prompt_ids params prng_seed num_inference_steps guidance_scale height width latents neg_prompt_ids "
+        f"{FLUX_TAIL}", {"num_inference_steps": 28, "guidance_scale": 3.5},
+        "Flux.1 text-to-image (dev: `guidance_scale` is its distilled guidance; schnell: 4 steps, no guidance).",
+        RENAMED),
+    "FluxImg2Img": Row(
+        FromImage, (), f"prompt_ids image params prng_seed strength {FLUX_IMAGE} {FLUX_TAIL}",
+        {"num_inference_steps": 28, "strength": 0.6, "guidance_scale": 7.0}, "Flux.1 image-to-image.", RENAMED),
+    "FluxInpaint": Row(
+        FromImageMask, (), f"prompt_ids image mask params prng_seed strength {FLUX_IMAGE} {FLUX_TAIL}",
+        {"num_inference_steps": 28, "strength": 0.6, "guidance_scale": 7.0},
+        "Flux.1 inpainting (the known region pasted back every step).", RENAMED),
+    "FluxFill": Row(
+        FromImageMaskFill, (), f"prompt_ids image mask params prng_seed strength {FLUX_IMAGE} {FLUX_TAIL}",
+        {"num_inference_steps": 50, "strength": 1.0, "guidance_scale": 30.0},
+        "Flux.1 Fill: inpainting and outpainting with the Fill model (384 input features: the masked image and "
+        "the mask beside the latents).", RENAMED),
+}
+
+FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__)
+
+Flux = FAMILY.classes["Flux"]
+FluxImg2Img = FAMILY.classes["FluxImg2Img"]
+FluxInpaint = FAMILY.classes["FluxInpaint"]
+FluxFill = FAMILY.classes["FluxFill"]

@@ -1,0 +1,239 @@
+"""Flux.1 pipelines (text-to-image, image-to-image, inpainting) against diffusers' FluxPipeline, FluxImg2ImgPipeline
+and FluxInpaintPipeline (PyTorch) on small random dev- and schnell-shaped checkpoints (CLIP-L, T5, a transformer of
+double and single blocks, a 16-channel VAE), float32: dev's distilled guidance, true CFG with a negative prompt,
+schnell (no guidance input), dynamic shifting at two sizes, packed latents, and the pmap / sharded paths."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from builders import SD3_CLIP, TOKENIZER, sd3_t5_config, t5_tokenizer_folder, torch_vae
+from test_sd3_pipeline import VAE, patch_draws, pictures_and_masks
+
+from sdflax import Flux, FluxImg2Img, FluxInpaint, random_draws, replicate, shard, unshard
+
+MODES_ATOL = 1e-5  # pmap / sharded against one device, the same program
+MOVES = 1e-2  # what each tested setting changes in diffusers' image, at least
+STEPS = 4
+SIZE = 64  # pixels: latents 8x8, 16 packed tokens
+T5_LENGTH = 16
+PROMPTS = ["a photo of an astronaut riding a horse on mars", "a red cat"]
+NEGATIVE = ["blurry", "a dog"]
+
+JOINT = 32  # T5's width: the transformer's text tokens
+CLIP = {**SD3_CLIP, "projection_dim": None}  # CLIPTextModel: its 32-wide pooled output conditions the transformer
+TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=JOINT, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                 max_image_seq_len=4096)
+
+
+def torch_flux_transformer(seed, **config):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(**{**TRANSFORMER, **config}).eval()
+    with torch.no_grad():  # every weight random, the zero-initialised ones too
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 / max(1, p.shape[-1]) ** 0.5 if p.ndim > 1 else torch.randn_like(p) * 0.1)
+    return model
+
+
+def torch_flux_pipeline(folder, guidance_embeds=True):
+    """diffusers' FluxPipeline of small random models (tokenizer_2's files written under `folder`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    torch.manual_seed(0)
+    clip = CLIPTextModel(CLIPTextConfig(**{k: v for k, v in CLIP.items() if k != "projection_dim"})).eval()
+    t5 = T5EncoderModel(T5Config(**sd3_t5_config(JOINT))).eval()
+    tokenizer_2 = t5_tokenizer_folder(folder / "t5_tokenizer")
+    return FluxPipeline(
+        transformer=torch_flux_transformer(2, guidance_embeds=guidance_embeds), vae=torch_vae(VAE, seed=3),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), text_encoder=clip, text_encoder_2=t5,
+        tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER),
+        tokenizer_2=T5TokenizerFast(tokenizer_file=str(tokenizer_2 / "tokenizer.json")))
+
+
+IMAGE_ATOL = 1e-3  # images in [0, 1], float32
+
+
+def check_images(ours, expected, shape=(SIZE, SIZE)):
+    assert ours.shape == expected.shape == (len(expected), *shape, 3)
+    assert expected.std() > 0.05  # not a blank image: the comparison means something
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=IMAGE_ATOL)
+
+
+def moves(a, b):
+    return np.abs(np.asarray(a) - np.asarray(b)).max() > MOVES
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{"dev": (folder, diffusers' pipeline), "schnell": ...}, saved once."""
+    from diffusers import FluxPipeline
+
+    tmp = tmp_path_factory.mktemp("flux")
+    dev = torch_flux_pipeline(tmp)
+    schnell = FluxPipeline(**{**dev.components, "transformer": torch_flux_transformer(4, guidance_embeds=False)})
+    for name, theirs in (("dev", dev), ("schnell", schnell)):
+        theirs.save_pretrained(tmp / name, safe_serialization=True)
+    return {"dev": (tmp / "dev", dev), "schnell": (tmp / "schnell", schnell)}
+
+
+@pytest.fixture(scope="module")
+def dev(checkpoints):
+    folder, theirs = checkpoints["dev"]
+    return (theirs, *Flux.from_pretrained(folder))
+
+
+def latents_for(batch=2, seed=0, height=SIZE, width=SIZE):
+    return np.random.default_rng(seed).standard_normal((batch, 16, height // 8, width // 8), dtype=np.float32)
+
+
+def packed(latents):
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(torch.from_numpy(latents), b, c, h, w)
+
+
+def theirs_images(theirs, prompts=PROMPTS, latents=None, height=SIZE, width=SIZE, **kwargs):
+    latents = latents_for(len(prompts), height=height, width=width) if latents is None else latents
+    with torch.no_grad():
+        return theirs(prompts, num_inference_steps=STEPS, height=height, width=width, max_sequence_length=T5_LENGTH,
+                      latents=packed(latents), output_type="np", **kwargs).images
+
+
+def ours_images(pipe, params, ids, latents=None, height=SIZE, width=SIZE, **kwargs):
+    latents = latents_for(len(ids), height=height, width=width) if latents is None else latents
+    return pipe(ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS, height=height, width=width,
+                latents=latents, **kwargs).images
+
+
+# ---- text-to-image ------------------------------------------------------------------------------------------------
+def test_dev_guidance_matches_diffusers_without_recompiling(dev):
+    """dev's guidance is an input of the transformer (no unconditional batch): 3.5 and 5 each equal diffusers'
+    image, and the second scale runs the first one's program."""
+    theirs, pipe, params = dev
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    assert ids.shape == (2, 77 + T5_LENGTH)
+    expected = theirs_images(theirs, guidance_scale=3.5)
+    assert moves(expected, theirs_images(theirs, guidance_scale=5.0))
+    check_images(ours_images(pipe, params, ids, guidance_scale=3.5), expected)
+    compiles = pipe._jitted._cache_size()
+    check_images(ours_images(pipe, params, ids, guidance_scale=5.0), theirs_images(theirs, guidance_scale=5.0))
+    assert pipe._jitted._cache_size() == compiles
+
+
+def test_true_cfg_with_a_negative_prompt_matches_diffusers(dev):
+    """true_cfg_scale 4 with a negative prompt runs [negative; prompt] (diffusers' do_true_cfg); packed latents
+    (B, h/2 · w/2, 64), as diffusers takes them, are accepted."""
+    theirs, pipe, params = dev
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(NEGATIVE, max_sequence_length=T5_LENGTH)
+    expected = theirs_images(theirs, guidance_scale=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE)
+    assert moves(expected, theirs_images(theirs, guidance_scale=3.5))
+    ours = ours_images(pipe, params, ids, latents=packed(latents_for()).numpy(), guidance_scale=3.5,
+                       true_cfg_scale=4.0, neg_prompt_ids=neg)
+    check_images(ours, expected)
+
+
+def test_schnell_at_another_size_matches_diffusers(checkpoints):
+    """schnell's transformer has no guidance input (guidance_scale is ignored, as diffusers); at 96x64 the image
+    has 24 tokens, another dynamic shift than 64x64's 16."""
+    folder, theirs = checkpoints["schnell"]
+    pipe, params = Flux.from_pretrained(folder)
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    size = dict(height=96, width=64)
+    expected = theirs_images(theirs, **size)
+    assert moves(expected[:, :64], theirs_images(theirs)[:, :64])  # the shift (and the size) matter
+    check_images(ours_images(pipe, params, ids, guidance_scale=7.0, **size), expected, shape=(96, 64))
+
+
+# ---- image-to-image and inpainting --------------------------------------------------------------------------------
+def test_img2img_matches_diffusers(checkpoints, monkeypatch):
+    import diffusers.pipelines.flux.pipeline_flux_img2img as module
+    from diffusers import FluxImg2ImgPipeline
+
+    folder, theirs = checkpoints["dev"]
+    theirs = FluxImg2ImgPipeline(**theirs.components)
+    pipe, params = FluxImg2Img.from_pretrained(folder)
+    pictures, _ = pictures_and_masks()
+    ids, image = pipe.prepare_inputs(PROMPTS, pictures, max_sequence_length=T5_LENGTH)
+    key = jax.random.PRNGKey(3)
+    (posterior_eps, _), _ = random_draws(key, (2, 16, SIZE // 8, SIZE // 8), 2)
+    noise = latents_for(seed=1)
+
+    def run(strength):
+        patch_draws(monkeypatch, module, [posterior_eps], noise)
+        with torch.no_grad():
+            return theirs(PROMPTS, image=pictures, strength=strength, num_inference_steps=STEPS, guidance_scale=7.0,
+                          height=SIZE, width=SIZE, max_sequence_length=T5_LENGTH, output_type="np").images
+
+    expected = run(0.6)
+    assert moves(expected, run(0.9))
+    ours = pipe(ids, image, params, key, strength=0.6, num_inference_steps=STEPS, guidance_scale=7.0,
+                noise=noise).images
+    check_images(ours, expected)
+
+
+def test_inpaint_matches_diffusers(checkpoints, monkeypatch):
+    """Strength 1 (from noise): the kept region pasted back after every step."""
+    import diffusers.pipelines.flux.pipeline_flux_inpaint as module
+    from diffusers import FluxInpaintPipeline
+
+    folder, theirs = checkpoints["dev"]
+    pipe, params = FluxInpaint.from_pretrained(folder)
+    pictures, masks = pictures_and_masks()
+    ids, image, mask = pipe.prepare_inputs(PROMPTS, pictures, masks, max_sequence_length=T5_LENGTH)
+    key = jax.random.PRNGKey(4)
+    (image_eps, masked_eps, _), _ = random_draws(key, (2, 16, SIZE // 8, SIZE // 8), 3)
+    noise = latents_for(seed=2)
+
+    def run(mask_images):
+        posterior = patch_draws(monkeypatch, module, [image_eps, masked_eps], noise)
+        with torch.no_grad():
+            images = FluxInpaintPipeline(**theirs.components)(
+                PROMPTS, image=pictures, mask_image=mask_images, strength=1.0, num_inference_steps=STEPS,
+                guidance_scale=7.0, height=SIZE, width=SIZE, max_sequence_length=T5_LENGTH, output_type="np").images
+        assert not posterior, "diffusers drew fewer posterior samples than expected"
+        return images
+
+    expected = run(masks)
+    from PIL import Image
+    assert moves(expected, run([Image.fromarray(np.full((SIZE, SIZE), 255, np.uint8))] * 2))
+    ours = pipe(ids, image, mask, params, key, strength=1.0, num_inference_steps=STEPS, guidance_scale=7.0,
+                noise=noise).images
+    check_images(ours, expected)
+
+
+# ---- devices and refusals -----------------------------------------------------------------------------------------
+def test_pmap_and_sharded_equal_single_device(dev):
+    """The settings of the guidance test (its program) over eight devices."""
+    _, pipe, params = dev
+    devices = jax.local_device_count()
+    assert devices == 8
+    prompts = [f"a painting of a {i}" for i in range(2 * devices)]
+    ids = pipe.prepare_inputs(prompts, max_sequence_length=T5_LENGTH)
+    latents = latents_for(len(prompts), seed=5)
+    keys = jax.random.split(jax.random.PRNGKey(0), devices)
+    settings = dict(num_inference_steps=STEPS, guidance_scale=3.5, height=SIZE, width=SIZE)
+    images = pipe(shard(ids), replicate(params), keys, jit=True, latents=shard(latents), **settings).images
+    assert images.shape == (devices, 2, SIZE, SIZE, 3)
+    for i in (0, 5):
+        rows = slice(2 * i, 2 * i + 2)
+        single = pipe(ids[rows], params, keys[i], latents=latents[rows], **settings).images
+        np.testing.assert_allclose(images[i], single, rtol=0, atol=MODES_ATOL)
+    sharded = pipe.generate_sharded(ids, params, keys, latents=latents, **settings)
+    np.testing.assert_allclose(sharded, unshard(images), rtol=0, atol=MODES_ATOL)
+
+
+def test_a_size_off_the_patch_grid_is_refused(dev):
+    _, pipe, params = dev
+    ids = pipe.prepare_inputs(PROMPTS[:1], max_sequence_length=T5_LENGTH)
+    with pytest.raises(ValueError, match="height=72 is not a multiple of the VAE scale factor 8 times the patch size "
+                                         "2: use 64 or 80"):
+        pipe(ids, params, jax.random.PRNGKey(0), height=72, width=64)
