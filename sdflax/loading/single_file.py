@@ -44,6 +44,7 @@ from .hub import resolve_folder
 from .ldm_names import (SD3_BUNDLED, SD3_NAMES, SD3_PARTS, SD3_TRANSFORMER_CHANGES, clip_table, controlnet_table,
                         fused_parts, is_sd3_file, map_key, openclip_table, sd3_components_in, sd3_model_type,
                         sd3_with_prefixes, split_sd3, unet_table, vae_table)
+from .flux_names import is_flux_file
 from .folders import check_pipeline_folder, checkpoint_files, is_null, load_scheduler, load_tokenizer, read_index
 from ..models.clip import CLIPTextModel, CLIPTextModelWithProjection
 from ..models.config import read_config_file
@@ -116,6 +117,9 @@ def detect_version(keys) -> str:
     if is_sd3_file(keys):
         raise SingleFileError("an SD 3 / 3.5 checkpoint (an MMDiT under model.diffusion_model.joint_blocks.*): load "
                               "it with StableDiffusion3.from_single_file")
+    if is_flux_file(keys):
+        raise SingleFileError("a FLUX.1 transformer (double_blocks.*, single_blocks.*): load it with "
+                              "sdflax.loading.flux_single_file.load_flux_single_file")
     if not any(k.startswith("model.diffusion_model.") for k in keys):
         raise not_a_single_file(keys)
     encoders = {m[0] for k in keys if (m := re.match(r"(cond_stage_model|conditioner\.embedders\.\d+)\.\w+\.", k))}
@@ -212,7 +216,8 @@ class UNetFiles:
         """The diffusers pipeline class the file is, as a folder's model_index.json names it; None for a file of
         another layout."""
         keys = list(state_dict)
-        if is_sd3_file(keys) or not any(k.startswith("model.diffusion_model.") for k in keys):
+        if is_sd3_file(keys) or is_flux_file(keys) or not any(
+                k.startswith("model.diffusion_model.") for k in keys):
             return None
         return f"{PIPELINES[detect_version(keys)]}Pipeline"
 

@@ -1,6 +1,7 @@
 from .clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTextOutput
 from .clip_vision import CLIPVisionConfig, CLIPVisionModelWithProjection, CLIPVisionOutput
 from .controlnet import ControlNetConfig, ControlNetModel
+from .flux import FluxTransformer2DModel, FluxTransformerConfig
 from .layers import Kernels, resolve_kernels
 from .mmdit import SD3Transformer2DModel, SD3TransformerConfig
 from .t2i_adapter import T2IAdapter, T2IAdapterConfig, combine_adapter_states
@@ -10,6 +11,7 @@ from .vae import AutoencoderKL, DiagonalGaussian, VAEConfig
 
 __all__ = ["AutoencoderKL", "CLIPTextConfig", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTextOutput",
            "CLIPVisionConfig", "CLIPVisionModelWithProjection", "CLIPVisionOutput", "ControlNetConfig",
-           "ControlNetModel", "DiagonalGaussian", "Kernels", "SD3Transformer2DModel", "SD3TransformerConfig",
+           "ControlNetModel", "DiagonalGaussian", "FluxTransformer2DModel", "FluxTransformerConfig",
+           "Kernels", "SD3Transformer2DModel", "SD3TransformerConfig",
            "T2IAdapter", "T2IAdapterConfig", "T5Config", "T5EncoderModel", "UNet2DConditionModel", "UNetConfig",
            "UNetEncoderConfig", "VAEConfig", "combine_adapter_states", "resolve_kernels"]

@@ -37,13 +37,15 @@ class JointAttention(Attention):
     through to_out_0 and to_add_out (none for a `context_pre_only` block, whose context output is unused). Without
     one (the dual attention, attn2): self-attention of the image tokens. `attend` is the hook point, as in the
     UNet's attention: it sees the joint sequence, whose first `image_tokens` are the image's; `queries` sees the
-    image tokens' queries as to_q gives them, before the RMSNorm (where diffusers' SEG smooths them)."""
+    image tokens' queries as to_q gives them, before the RMSNorm (where diffusers' SEG smooths them). Flux passes
+    `rope`, the rotary (cos, sin) of the joint sequence's tokens (`rotate`), applied to queries and keys after the
+    RMSNorm."""
 
     qk_norm: str | None = None
     context_pre_only: bool = False
 
     @nn.compact
-    def __call__(self, x, context=None):  # x: (B, N, D); context: (B, T, D) or None
+    def __call__(self, x, context=None, rope=None):  # x: (B, N, D); context: (B, T, D) or None
         inner = self.heads * self.head_dim
         dense = lambda name, features=inner: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
         split = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
@@ -58,6 +60,8 @@ class JointAttention(Attention):
             q = jnp.concatenate([q, normed("norm_added_q", split(dense("add_q_proj")(context)))], axis=1)
             k = jnp.concatenate([k, normed("norm_added_k", split(dense("add_k_proj")(context)))], axis=1)
             v = jnp.concatenate([v, split(dense("add_v_proj")(context))], axis=1)
+        if rope is not None:
+            q, k = rotate(q, rope), rotate(k, rope)
         n = x.shape[1]
         out = self.attend(q, k, v, image_tokens=n)
         out = out.reshape(*out.shape[:2], inner)
@@ -71,6 +75,17 @@ class JointAttention(Attention):
         return dot_product_attention(q, k, v, upcast=self.upcast, kernels=self.kernels)  # (not super's: a hook point)
 
 
+def rotate(x, rope):
+    """Rotary position embedding (Su et al. 2021) as diffusers' `apply_rotary_emb` on interleaved pairs: each pair
+    (x₂ⱼ, x₂ⱼ₊₁) of (B, L, heads, head_dim) x turned by its token's angle, whose cos and sin `rope` holds, each
+    (L, head_dim / 2) float32; in float32."""
+    cos, sin = (r[None, :, None] for r in rope)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    real, imaginary = pairs[..., 0], pairs[..., 1]
+    turned = jnp.stack([real * cos - imaginary * sin, imaginary * cos + real * sin], axis=-1)
+    return turned.reshape(x.shape).astype(x.dtype)
+
+
 def modulate(x, shift, scale):
     """adaLN: x * (1 + scale) + shift, with (B, D) shift and scale over (B, N, D) tokens."""
     return x * (1 + scale[:, None]) + shift[:, None]
@@ -80,7 +95,8 @@ class JointTransformerBlock(nn.Module):
     """(image (B, N, D), context (B, T, D), temb (B, D)) -> (context or None, image), as diffusers'
     JointTransformerBlock. norm1 is AdaLayerNormZero (SD35AdaLayerNormZeroX with `dual_attention`: three more
     chunks, the shift, scale and gate of attn2); norm1_context AdaLayerNormZero, or AdaLayerNormContinuous
-    (scale, then shift) in the last block, which keeps no context stream after its attention."""
+    (scale, then shift) in the last block, which keeps no context stream after its attention. Flux's double-stream
+    block (diffusers' FluxTransformerBlock) is this block with qk RMSNorm and `rope` given to its attention."""
 
     heads: int
     head_dim: int
@@ -91,7 +107,7 @@ class JointTransformerBlock(nn.Module):
     kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
-    def __call__(self, x, context, temb):
+    def __call__(self, x, context, temb, rope=None):
         dim = x.shape[-1]
         emb = nn.silu(temb)
 
@@ -114,7 +130,7 @@ class JointTransformerBlock(nn.Module):
             context_in = modulate(layer_norm(context, self.dtype), c_shift_msa, c_scale_msa)
 
         image_out, context_out = attention("attn", self.context_pre_only)(modulate(normed, shift_msa, scale_msa),
-                                                                          context_in)
+                                                                          context_in, rope)
         x = x + gate_msa[:, None] * image_out
         if self.dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = dual
