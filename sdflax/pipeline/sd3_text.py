@@ -123,7 +123,7 @@ class SD3Text:
     def check_inputs(inputs):
         check_pooled_with_states(inputs, "SD 3")
 
-    can_guide = SDText.can_guide
+    can_guide = staticmethod(SDText.can_guide)
 
     def fill_inputs(self, inputs, height, width):
         """The empty prompt's ids as `neg_prompt_ids` where none are given (one program for calls with and without

@@ -190,7 +190,7 @@ class SDXLText:
     def check_inputs(inputs):
         check_pooled_with_states(inputs, "SDXL")
 
-    can_guide = SDText.can_guide
+    can_guide = staticmethod(SDText.can_guide)
 
     def fill_inputs(self, inputs, height, width):
         """The size ids and aesthetic scores filled in before the compiled call, so that other values reuse the
