@@ -18,7 +18,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
                      "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img",
                      "StableDiffusionInpaint"), ".families.sd"),
     **dict.fromkeys(("StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint"), ".families.sd3"),
-    **dict.fromkeys(("Flux", "FluxFill", "FluxImg2Img", "FluxInpaint"), ".families.flux"),
+    **dict.fromkeys(("Flux", "FluxFill", "FluxImg2Img", "FluxInpaint", "FluxKontext"), ".families.flux"),
     "FluxTransformer2DModel": ".models.flux",
     **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
                      "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint",

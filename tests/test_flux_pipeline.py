@@ -12,7 +12,7 @@ import torch
 from builders import SD3_CLIP, TOKENIZER, sd3_t5_config, t5_tokenizer_folder, torch_vae
 from test_sd3_pipeline import VAE, patch_draws, pictures_and_masks
 
-from sdflax import Flux, FluxImg2Img, FluxInpaint, random_draws, replicate, shard, unshard
+from sdflax import Flux, FluxFill, FluxImg2Img, FluxInpaint, FluxKontext, random_draws, replicate, shard, unshard
 
 MODES_ATOL = 1e-5  # pmap / sharded against one device, the same program
 MOVES = 1e-2  # what each tested setting changes in diffusers' image, at least
@@ -37,7 +37,7 @@ def torch_flux_transformer(seed, **config):
     model = FluxTransformer2DModel(**{**TRANSFORMER, **config}).eval()
     with torch.no_grad():  # every weight random, the zero-initialised ones too
         for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3 / max(1, p.shape[-1]) ** 0.5 if p.ndim > 1 else torch.randn_like(p) * 0.1)
+            p.copy_(torch.randn_like(p) / max(1, p.shape[-1]) ** 0.5 if p.ndim > 1 else torch.randn_like(p) * 0.1)
     return model
 
 
@@ -72,15 +72,19 @@ def moves(a, b):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{"dev": (folder, diffusers' pipeline), "schnell": ...}, saved once."""
-    from diffusers import FluxPipeline
+    """{"dev": (folder, diffusers' pipeline), "schnell": ..., "fill": ...}, saved once."""
+    from diffusers import FluxFillPipeline, FluxPipeline
 
     tmp = tmp_path_factory.mktemp("flux")
     dev = torch_flux_pipeline(tmp)
     schnell = FluxPipeline(**{**dev.components, "transformer": torch_flux_transformer(4, guidance_embeds=False)})
-    for name, theirs in (("dev", dev), ("schnell", schnell)):
+    common = {name: part for name, part in dev.components.items() if name not in ("image_encoder",
+                                                                                 "feature_extractor")}
+    fill = FluxFillPipeline(**{**common, "transformer": torch_flux_transformer(5, in_channels=384, out_channels=64)})
+    pipelines = {"dev": dev, "schnell": schnell, "fill": fill}
+    for name, theirs in pipelines.items():
         theirs.save_pretrained(tmp / name, safe_serialization=True)
-    return {"dev": (tmp / "dev", dev), "schnell": (tmp / "schnell", schnell)}
+    return {name: (tmp / name, theirs) for name, theirs in pipelines.items()}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +212,63 @@ def test_inpaint_matches_diffusers(checkpoints, monkeypatch):
     ours = pipe(ids, image, mask, params, key, strength=1.0, num_inference_steps=STEPS, guidance_scale=7.0,
                 noise=noise).images
     check_images(ours, expected)
+
+
+def test_fill_matches_diffusers(checkpoints, monkeypatch):
+    """The Fill model sees the masked image's latents and the 8x8-folded mask beside the latents (384 features)."""
+    import diffusers.pipelines.flux.pipeline_flux_fill as module
+    from diffusers import FluxFillPipeline
+    from PIL import Image
+
+    folder, theirs = checkpoints["fill"]
+    pipe, params = FluxFill.from_pretrained(folder)
+    pictures, masks = pictures_and_masks()
+    ids, image, mask = pipe.prepare_inputs(PROMPTS, pictures, masks, max_sequence_length=T5_LENGTH)
+    key = jax.random.PRNGKey(5)
+    (image_eps, masked_eps, _), _ = random_draws(key, (2, 16, SIZE // 8, SIZE // 8), 3)
+    noise = latents_for(seed=3)
+
+    def run(mask_images):
+        posterior = patch_draws(monkeypatch, module, [image_eps, masked_eps], noise)
+        with torch.no_grad():
+            images = theirs(
+                PROMPTS, image=pictures, mask_image=mask_images, num_inference_steps=STEPS, guidance_scale=30.0,
+                height=SIZE, width=SIZE, max_sequence_length=T5_LENGTH, output_type="np").images
+        assert not posterior, "diffusers drew fewer posterior samples than expected"
+        return images
+
+    expected = run(masks)
+    assert moves(expected, run([Image.fromarray(np.full((SIZE, SIZE), 255, np.uint8))] * 2))
+    check_images(pipe(ids, image, mask, params, key, num_inference_steps=STEPS, noise=noise).images, expected)
+
+
+def test_kontext_matches_diffusers(dev):
+    """The reference image's latents (the posterior's mean) are extra tokens with ids (1, row, column); diffusers
+    at the reference's size (max_area its area, no resizing to Kontext's trained sizes). A reference given as
+    latents is taken as it is, and two of them show that the reference matters."""
+    from diffusers import FluxKontextPipeline
+
+    theirs, pipe, params = dev
+    pipe = FluxKontext(**pipe.components())
+    pictures, _ = pictures_and_masks(seed=1)
+    ids, image = pipe.prepare_inputs(PROMPTS, pictures, max_sequence_length=T5_LENGTH)
+    kontext = FluxKontextPipeline(**theirs.components)  # (FluxPipeline's: Kontext's are the same)
+
+    def run(reference):
+        with torch.no_grad():
+            return kontext(prompt=PROMPTS, image=reference, num_inference_steps=STEPS, guidance_scale=2.5,
+                           height=SIZE, width=SIZE, max_area=SIZE * SIZE, _auto_resize=False,
+                           max_sequence_length=T5_LENGTH, latents=packed(latents_for()), output_type="np").images
+
+    def ours(reference):
+        return pipe(ids, reference, params, jax.random.PRNGKey(0), num_inference_steps=STEPS, guidance_scale=2.5,
+                    latents=latents_for()).images
+
+    check_images(ours(image), run(pictures))
+    references = [3 * latents_for(seed=seed) for seed in (6, 7)]
+    expected = run(torch.from_numpy(references[0]))
+    assert moves(expected, run(torch.from_numpy(references[1])))
+    check_images(ours(references[0]), expected)
 
 
 # ---- devices and refusals -----------------------------------------------------------------------------------------

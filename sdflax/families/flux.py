@@ -9,6 +9,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from ..pipeline.types import Start
+
 from ..pipeline.starts import FromImage, FromImageMask, FromNoise
 from ..pipeline.table import Row
 from .base import Family
@@ -46,6 +48,32 @@ class FromImageMaskFill(FromImageMask):
         return jnp.concatenate([masked_latents, folded], axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class FromNoiseWithReference(FromNoise):
+    """Flux.1 Kontext: text-to-image whose transformer also attends to a reference image's latents (the VAE
+    posterior's mean, as diffusers' `sample_mode="argmax"`), extra tokens with position ids (1, row, column);
+    the image is made at the reference's size."""
+
+    images = (("image", (3, 16)),)  # RGB, or the reference's 16-channel latents
+
+    def begin(self, params, inputs, settings, scheduler) -> Start:
+        start = super().begin(params, inputs, settings, scheduler)
+        image = inputs.image
+        if self.vae.is_latent_image(image):
+            reference = image.astype(jnp.float32)
+        else:
+            shape = (image.shape[0], self.vae.latent_channels, *(side // self.vae.scale_factor for side in image.shape[2:]))
+            reference = self.vae.encode(params, image, jnp.zeros(shape, jnp.float32))
+
+        def wrap(unet_fn):
+            def with_reference(x, t, context, step, **extra):
+                tiled = jnp.tile(reference, (x.shape[0] // reference.shape[0], 1, 1, 1))  # the guided batch's rows
+                return unet_fn(x, t, context, step, reference=tiled, **extra)
+            return with_reference
+
+        return start._replace(wrap_unet=wrap)
+
+
 ROWS = {
     "Flux": Row(
         FromNoise, (),
@@ -65,6 +93,11 @@ ROWS = {
         {"num_inference_steps": 50, "strength": 1.0, "guidance_scale": 30.0},
         "Flux.1 Fill: inpainting and outpainting with the Fill model (384 input features: the masked image and "
         "the mask beside the latents).", RENAMED),
+    "FluxKontext": Row(
+        FromNoiseWithReference, (), f"prompt_ids image params prng_seed {FLUX_IMAGE.replace('noise', 'latents')} "
+        f"{FLUX_TAIL}", {"num_inference_steps": 28, "guidance_scale": 3.5},
+        "Flux.1 Kontext: an image edited as the prompt says (`image`: the reference, at one of Kontext's trained "
+        "sizes, e.g. 1024x1024, 832x1248, 1248x832).", RENAMED),
 }
 
 FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__)
@@ -73,3 +106,4 @@ Flux = FAMILY.classes["Flux"]
 FluxImg2Img = FAMILY.classes["FluxImg2Img"]
 FluxInpaint = FAMILY.classes["FluxInpaint"]
 FluxFill = FAMILY.classes["FluxFill"]
+FluxKontext = FAMILY.classes["FluxKontext"]
