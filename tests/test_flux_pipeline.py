@@ -217,7 +217,6 @@ def test_inpaint_matches_diffusers(checkpoints, monkeypatch):
 def test_fill_matches_diffusers(checkpoints, monkeypatch):
     """The Fill model sees the masked image's latents and the 8x8-folded mask beside the latents (384 features)."""
     import diffusers.pipelines.flux.pipeline_flux_fill as module
-    from diffusers import FluxFillPipeline
     from PIL import Image
 
     folder, theirs = checkpoints["fill"]
