@@ -270,6 +270,26 @@ def test_kontext_matches_diffusers(dev):
     check_images(ours(references[0]), expected)
 
 
+def test_single_files_load_as_their_pipeline(checkpoints, tmp_path):
+    """A transformer file in Black Forest Labs' layout with config= the folder of the other parts gives the folder's
+    params; `sdflax.from_pretrained` reads the family and, for a Fill model (folder or file), FluxFill."""
+    from safetensors.torch import save_file
+    from test_flux_model import to_bfl
+    from test_single_file import assert_same_params
+
+    import sdflax
+
+    for name, expected in (("dev", Flux), ("fill", FluxFill)):
+        folder, theirs = checkpoints[name]
+        path = tmp_path / f"flux1-{name}.safetensors"
+        save_file(to_bfl(theirs.transformer.state_dict(), dict(theirs.transformer.config)), path)
+        pipe, params = sdflax.from_pretrained(path, config=folder)
+        assert type(pipe) is expected and type(sdflax.from_pretrained(folder)[0]) is expected
+        _, folder_params = expected.from_pretrained(folder)
+        assert_same_params(params["transformer"], folder_params["transformer"])
+        assert pipe.transformer.config == expected.from_pretrained(folder)[0].transformer.config
+
+
 # ---- devices and refusals -----------------------------------------------------------------------------------------
 def test_pmap_and_sharded_equal_single_device(dev):
     """The settings of the guidance test (its program) over eight devices."""

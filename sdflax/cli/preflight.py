@@ -184,7 +184,7 @@ def single_file_configs(request) -> tuple[str, object, dict | None, bool]:
                         "checkpoint: give a single-file checkpoint, a diffusers folder or a hub id")
     try:
         tensors = read_checkpoint(os.path.expanduser(request.model))
-        family = for_single_file(tensors)
+        family, _ = for_single_file(tensors)
         folder, changes, without_t5 = command_line_side(family).file_configs(request, tensors)
     except ValueError as e:
         raise UserError(f"--model {request.model}: {e}") from e

@@ -50,15 +50,15 @@ def for_index(index: dict) -> Family:
     return best if claims[best] else named(FALLBACK)
 
 
-def for_single_file(state_dict) -> Family:
-    """The family of a single file from its tensor names: the first family whose layout (`Family.single_file`)
-    names the pipeline class the file is, as a folder's model_index.json would."""
+def for_single_file(state_dict) -> tuple[Family, str]:
+    """(family, pipeline class name) of a single file from its tensor names: the first family whose layout
+    (`Family.single_file`) names the pipeline class the file is, as a folder's model_index.json would."""
     from ..loading.single_file import layout_of, not_a_single_file
 
     for family in registered().values():
         name = family.single_file and layout_of(family.single_file).pipeline_name(state_dict)
         if name:
-            return for_index({"_class_name": name})
+            return for_index({"_class_name": name}), name
     raise not_a_single_file(state_dict)
 
 
@@ -72,11 +72,12 @@ def from_pretrained(path_or_repo_id, revision=None, start="noise", controlnet=Fa
 
     path = os.path.expanduser(str(path_or_repo_id))
     if os.path.isfile(path):
-        cls = for_single_file(read_checkpoint(path)).pipeline_class(start, controlnet)
+        family, class_name = for_single_file(read_checkpoint(path))
+        cls = family.pipeline_class(start, controlnet, class_name)
         return cls.from_single_file(path, revision=revision, **kwargs)
 
     index = read_index(resolve_folder(path_or_repo_id, revision, allow_patterns=["model_index.json"]))
-    cls = for_index(index).pipeline_class(start, controlnet)
+    cls = for_index(index).pipeline_class(start, controlnet, index.get("_class_name"))
     return cls.from_pretrained(path_or_repo_id, revision=revision, **kwargs)
 
 

@@ -34,11 +34,15 @@ class Family:
         """The public classes of its rows, made once."""
         return {name: make_class(name, row, self) for name, row in self.rows.items()}
 
-    def pipeline_class(self, start: str = "noise", controlnet: bool = False) -> type:
-        """The class of a cell: start "noise", "image" or "image_mask", with or without ControlNets."""
+    def pipeline_class(self, start: str = "noise", controlnet: bool = False, class_name: str | None = None) -> type:
+        """The class of a cell: start "noise", "image" or "image_mask", with or without ControlNets; a checkpoint
+        made for one pipeline of its own (`class_name`, its model_index.json's: Flux Fill) gets that one."""
         from ..pipeline.controlnet import ControlNet
         from ..pipeline.t2i_adapter import T2IAdapters
 
+        own = self.classes.get((class_name or "").removesuffix("Pipeline"))
+        if own is not None and own.start not in START_NAMES:
+            return own
         for cls in self.classes.values():
             if START_NAMES.get(cls.start) == start and (ControlNet in cls.wrappers) == controlnet \
                     and T2IAdapters not in cls.wrappers:

@@ -100,7 +100,8 @@ ROWS = {
         "sizes, e.g. 1024x1024, 832x1248, 1248x832).", RENAMED),
 }
 
-FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__)
+FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__,
+                single_file="sdflax.loading.flux_single_file:FluxFiles")
 
 Flux = FAMILY.classes["Flux"]
 FluxImg2Img = FAMILY.classes["FluxImg2Img"]
