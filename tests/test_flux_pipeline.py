@@ -35,9 +35,12 @@ def torch_flux_transformer(seed, **config):
 
     torch.manual_seed(seed)
     model = FluxTransformer2DModel(**{**TRANSFORMER, **config}).eval()
-    with torch.no_grad():  # every weight random, the zero-initialised ones too
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) / max(1, p.shape[-1]) ** 0.5 if p.ndim > 1 else torch.randn_like(p) * 0.1)
+    with torch.no_grad():  # every weight random; the qk norms' scales near 1, so that attention is not uniform
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if ".norm_" in name else 0.0))
     return model
 
 
@@ -143,6 +146,9 @@ def test_true_cfg_with_a_negative_prompt_matches_diffusers(dev):
     ours = ours_images(pipe, params, ids, latents=packed(latents_for()).numpy(), guidance_scale=3.5,
                        true_cfg_scale=4.0, neg_prompt_ids=neg)
     check_images(ours, expected)
+    compiles = pipe._jitted._cache_size()
+    other = ours_images(pipe, params, ids, guidance_scale=3.5, true_cfg_scale=6.0, neg_prompt_ids=neg)
+    assert pipe._jitted._cache_size() == compiles and moves(other, ours)  # the scale is traced
 
 
 def test_schnell_at_another_size_matches_diffusers(checkpoints):
@@ -288,6 +294,73 @@ def test_single_files_load_as_their_pipeline(checkpoints, tmp_path):
         _, folder_params = expected.from_pretrained(folder)
         assert_same_params(params["transformer"], folder_params["transformer"])
         assert pipe.transformer.config == expected.from_pretrained(folder)[0].transformer.config
+
+
+# ---- guiders and hooks -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fqn, index", [("transformer_blocks", 1), ("single_transformer_blocks", 0)])
+def test_a_skipped_block_matches_diffusers_layer_skip(dev, monkeypatch, fqn, index):
+    """Skip-layer guidance's perturbed pass on Flux: a double- or single-stream block skipped gives both streams
+    back, as diffusers' apply_layer_skip (mended, as in the SD 3 test: its skipped block returns (hidden_states,
+    encoder_hidden_states) where Flux's blocks return (encoder_hidden_states, hidden_states))."""
+    import copy
+    import functools
+
+    import flax.linen as nn
+    from diffusers import LayerSkipConfig as TheirConfig
+    from diffusers.hooks.layer_skip import TransformerBlockSkipHook, apply_layer_skip
+
+    from sdflax.guiders import LayerSkipConfig
+    from sdflax.hooks.perturbed_layers import PerturbedLayers
+
+    skip = TransformerBlockSkipHook.new_forward
+    monkeypatch.setattr(TransformerBlockSkipHook, "new_forward", lambda self, module, *a, **k: skip(
+        self, module, *a, **k)[::-1])
+    theirs, pipe, params = dev
+    rng = np.random.default_rng(0)
+    x, context = rng.standard_normal((1, 16, 64), np.float32), rng.standard_normal((1, T5_LENGTH, JOINT), np.float32)
+    pooled, t, guidance = rng.standard_normal((1, 32), np.float32), np.array([0.7], np.float32), np.array([3.5], np.float32)
+    img_ids = np.stack(np.meshgrid(np.zeros(1), np.arange(4), np.arange(4), indexing="ij"), -1).reshape(-1, 3)
+    txt_ids = np.zeros((T5_LENGTH, 3), np.float32)
+    model = copy.deepcopy(theirs.transformer)
+    apply_layer_skip(model, TheirConfig([index], fqn=fqn))
+    with torch.no_grad():
+        arrays = [torch.from_numpy(np.asarray(a, np.float32)) for a in (x, context, pooled, t, img_ids, txt_ids, guidance)]
+        expected = model(hidden_states=arrays[0], encoder_hidden_states=arrays[1], pooled_projections=arrays[2],
+                         timestep=arrays[3], img_ids=arrays[4], txt_ids=arrays[5], guidance=arrays[6],
+                         return_dict=False)[0].numpy()
+        whole = theirs.transformer(*arrays[:2], arrays[2], arrays[3], arrays[4], arrays[5], arrays[6],
+                                   return_dict=False)[0].numpy()
+    assert np.abs(expected - whole).max() > MOVES
+    layers = PerturbedLayers((LayerSkipConfig([index], fqn=fqn),), "test", chunks=1, chunk=0)
+    with nn.intercept_methods(functools.partial(layers.skip_layers, {})):
+        ours = pipe.transformer.apply(params["transformer"], x, context, pooled, t, img_ids.astype(np.float32),
+                                      txt_ids, guidance)
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_guiders_on_flux(dev):
+    """A classifier-free guider with a negative prompt is true CFG; PAG, SEG and SLG perturb Flux's attentions and
+    blocks; FreeU, which has no meaning on a transformer, is refused in one line."""
+    from sdflax.guiders import ClassifierFreeGuidance
+    from sdflax.guiders.names import guider_from_name
+    from sdflax.hooks import freeu
+
+    _, pipe, params = dev
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(NEGATIVE, max_sequence_length=T5_LENGTH)
+    true_cfg = ours_images(pipe, params, ids, true_cfg_scale=4.0, neg_prompt_ids=neg)
+    cfg = ours_images(pipe.with_guider(ClassifierFreeGuidance(4.0)), params, ids, neg_prompt_ids=neg)
+    np.testing.assert_allclose(cfg, true_cfg, rtol=0, atol=1e-6)
+    everywhere = {"pag": dict(perturbed_guidance_start=0.0, perturbed_guidance_stop=1.0),
+                  "seg": dict(seg_guidance_start=0.0, seg_guidance_stop=1.0),
+                  "slg": dict(skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0)}
+    for name, config in (("pag", "transformer_blocks:1"), ("seg", "transformer_blocks:1"),
+                         ("slg", "single_transformer_blocks:0")):
+        guider = guider_from_name(name, guidance_scale=4.0, config=config, **everywhere[name])
+        assert moves(ours_images(pipe.with_guider(guider), params, ids, neg_prompt_ids=neg), cfg), name
+    with pytest.raises(ValueError, match=r"freeu works on a UNet only: .* which a transformer \(SD 3.x's, Flux.1's\) "
+                                         r"has not; drop the hook"):
+        ours_images(pipe.with_hooks(freeu(0.9, 0.2, 1.2, 1.4)), params, ids)
 
 
 # ---- devices and refusals -----------------------------------------------------------------------------------------

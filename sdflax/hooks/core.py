@@ -181,7 +181,7 @@ def layer_list(names, limit=None) -> str:
 def refuse_on_mmdit(denoiser, hook: str, why: str):
     """The one-line refusal of a hook that has a meaning on a UNet only."""
     if denoiser.component != "unet":
-        raise ValueError(f"{hook} works on a UNet only: {why}, which SD 3's transformer (an MMDiT) has not; "
+        raise ValueError(f"{hook} works on a UNet only: {why}, which a transformer (SD 3.x's, Flux.1's) has not; "
                          "drop the hook")
 
 

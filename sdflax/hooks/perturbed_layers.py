@@ -27,6 +27,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.flux import FluxTransformer2DModel
+from ..models.flux_blocks import FluxSingleTransformerBlock
 from ..models.layers import Attention
 from ..models.mmdit import SD3Transformer2DModel
 from ..models.mmdit_blocks import JointAttention, JointTransformerBlock
@@ -131,11 +133,11 @@ def replace_chunk(x, chunks, index, new):
 
 
 def in_unet(module) -> bool:
-    """Whether `module` belongs to the denoiser, a UNet or SD 3's transformer (not to a ControlNet, whose layers
-    have the same names)."""
+    """Whether `module` belongs to the denoiser, a UNet or SD 3's or Flux's transformer (not to a ControlNet, whose
+    layers have the same names)."""
     while isinstance(module.parent, nn.Module):
         module = module.parent
-    return isinstance(module, (UNet2DConditionModel, SD3Transformer2DModel))
+    return isinstance(module, (UNet2DConditionModel, SD3Transformer2DModel, FluxTransformer2DModel))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +207,8 @@ class PerturbedLayers:
         def passed(out, given):  # the chunk's rows of `out` replaced by those of the input `given`
             return out if out is None else replace_chunk(out, chunks, index, jnp.split(given, chunks)[index])
 
-        if isinstance(module, JointTransformerBlock) and self.perturbs("block", name):  # (context, x): both pass
+        if isinstance(module, (JointTransformerBlock, FluxSingleTransformerBlock)) and self.perturbs("block", name):
+            # (context, x): both streams pass
             context, x = next_fun(*args, **kwargs)
             return passed(context, args[1]), passed(x, args[0])  # the last block's context is None
         if isinstance(module, JointAttention) and self.perturbs("attention", name):
