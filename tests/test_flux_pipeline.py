@@ -351,6 +351,9 @@ def test_guiders_on_flux(dev):
     true_cfg = ours_images(pipe, params, ids, true_cfg_scale=4.0, neg_prompt_ids=neg)
     cfg = ours_images(pipe.with_guider(ClassifierFreeGuidance(4.0)), params, ids, neg_prompt_ids=neg)
     np.testing.assert_allclose(cfg, true_cfg, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="true_cfg_scale=6 with the pipeline's guider ClassifierFreeGuidance, whose "
+                                         r"numbers apply \(its guidance_scale is 4\)"):
+        ours_images(pipe.with_guider(ClassifierFreeGuidance(4.0)), params, ids, neg_prompt_ids=neg, true_cfg_scale=6.0)
     everywhere = {"pag": dict(perturbed_guidance_start=0.0, perturbed_guidance_stop=1.0),
                   "seg": dict(seg_guidance_start=0.0, seg_guidance_stop=1.0),
                   "slg": dict(skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0)}

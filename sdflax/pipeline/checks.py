@@ -77,7 +77,7 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
         raise ValueError(f"guidance= and the pipeline's guider ({type(guiders[0]).__name__}) both combine the "
                          "predictions: give one")
     if guiders:
-        check_left_to_the_guider(guiders[0], args, defaults)
+        check_left_to_the_guider(guiders[0], args, defaults, {field: name for name, field in renamed.items()})
     check_hooks_fit(spec, hooks, args.get("skip_guidance_layers"))
     settings = Settings(**{**{name: args[name] for name in SETTINGS if name in args},
                            "height": height, "width": width,
@@ -142,9 +142,9 @@ def check_hooks_fit(spec, hooks, skip_guidance_layers):
         hook.check_model(spec.denoiser)
 
 
-def check_left_to_the_guider(guider, args, defaults):
+def check_left_to_the_guider(guider, args, defaults, called):
     """A guider's scale and rescale are its own: the call's, if not the class default or the guider's value, would
-    be ignored."""
+    be ignored (`called`: the call's names of renamed fields, Flux's true_cfg_scale)."""
     for name in ("guidance_scale", "guidance_rescale"):
         given, default = args.get(name), defaults.get(name)
         if given is None or isinstance(given, jax.core.Tracer) or np.ndim(given) or default is None:
@@ -154,6 +154,7 @@ def check_left_to_the_guider(guider, args, defaults):
             continue
         if np.float32(given) not in [np.float32(default)] + ([] if own is None else [np.float32(own)]):
             held = f"its {name} is {float(np.float32(own)):g}" if own is not None else f"it takes no {name}"
+            name = called.get(name, name)
             raise ValueError(f"{name}={float(given):g} with the pipeline's guider {type(guider).__name__}, whose "
                              f"numbers apply ({held}): give it to the guider (pipeline.with_guider(...)), or leave "
                              f"{name} out")
