@@ -163,6 +163,23 @@ def test_schnell_at_another_size_matches_diffusers(checkpoints):
     check_images(ours_images(pipe, params, ids, guidance_scale=7.0, **size), expected, shape=(96, 64))
 
 
+def test_without_t5_the_call_takes_prompt_embeds(checkpoints, dev):
+    """text_encoder_2=None spares T5's memory (it never loads): the call takes the states and pooled embeddings a
+    pipeline with T5 made (on the host, say), and the image is the full pipeline's; ids alone are refused."""
+    _, pipe, params = dev
+    light, light_params = Flux.from_pretrained(checkpoints["dev"][0], text_encoder_2=None)
+    assert light.text_encoder_2 is None and "text_encoder_2" not in light_params
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    states, pooled = pipe.encode_prompt(params, ids)
+    expected = ours_images(pipe, params, ids, guidance_scale=3.5)
+    ours = ours_images(light, light_params, None, latents=latents_for(), guidance_scale=3.5,
+                       prompt_embeds=np.asarray(states), pooled_prompt_embeds=np.asarray(pooled))
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"this Flux pipeline has no T5 \(text_encoder_2=None\): give prompt_embeds "
+                                         "and pooled_prompt_embeds"):
+        ours_images(light, light_params, light.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH))
+
+
 # ---- image-to-image and inpainting --------------------------------------------------------------------------------
 def test_img2img_matches_diffusers(checkpoints, monkeypatch):
     import diffusers.pipelines.flux.pipeline_flux_img2img as module

@@ -234,6 +234,8 @@ class FluxText:
                 states, pooled = inputs.prompt_embeds, inputs.pooled_prompt_embeds
             if inputs.neg_prompt_embeds is not None:
                 neg_states, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
+            elif self.text_encoder_2 is None and not settings.classifier_free_guidance:
+                neg_states, neg_pooled = states, pooled  # unused: only the prompt's half runs
             else:
                 shape = (states.shape[0], self.clip_length + states.shape[1])
                 neg_states, neg_pooled = self.encode_prompt(params, self.negative_ids(inputs.neg_prompt_ids, shape))
