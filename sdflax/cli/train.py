@@ -76,12 +76,11 @@ def check_method(settings):
     if method not in METHODS:
         raise UserError(f"METHOD {method!r}: choose one of {', '.join(METHODS)}")
     textual = method == "textual-inversion"
-    if textual != bool(settings["placeholder_token"] and settings["initializer_token"]):
-        if textual:
-            raise UserError("textual-inversion needs --placeholder-token (the new token, e.g. '<cat-toy>') and "
-                            "--initializer-token (a word it starts from, e.g. 'toy')")
-        if settings["placeholder_token"] or settings["initializer_token"]:
-            raise UserError(f"--placeholder-token and --initializer-token are for textual-inversion, not {method}")
+    if textual and not (settings["placeholder_token"] and settings["initializer_token"]):
+        raise UserError("textual-inversion needs --placeholder-token (the new token, e.g. '<cat-toy>') and "
+                        "--initializer-token (a word it starts from, e.g. 'toy')")
+    if not textual and (settings["placeholder_token"] or settings["initializer_token"]):
+        raise UserError(f"--placeholder-token and --initializer-token are for textual-inversion, not {method}")
     if method == "dreambooth" and not settings["instance_prompt"]:
         raise UserError("dreambooth needs --instance-prompt, e.g. 'a photo of sks dog' (the caption of every "
                         "picture without its own)")

@@ -21,7 +21,7 @@ LORA_INITS = ("default", "gaussian")
 NONE = "none"  # a number option's "no value" (no clipping, no weighting), as TOML has no null
 MAX_CONFIG_BYTES = 2**20
 # Settings that change no weight: a rerun may give others
-NOT_COMPARED = ("progress", "cache_dir", "devices", "validation_only")
+NOT_COMPARED = ("progress", "cache_dir", "devices", "latent_cache")
 
 
 def whole(low):
@@ -44,7 +44,8 @@ def number(low=None, high=None, low_open=False, high_open=False, none=False):
         value = finite(text)
         if (low is not None and (value <= low if low_open else value < low)) or \
                 (high is not None and (value >= high if high_open else value > high)):
-            bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{')' if high_open else ']'}"
+            bounds = (f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}"
+                      f"{')' if high_open else ']'}")
             raise argparse.ArgumentTypeError(f"must be in {bounds}, got {value}")
         return value
     return parse
@@ -130,6 +131,8 @@ RUN = {
                 "resolution's area, each update from one bucket"),
     "cache_latents": (None, False, "flag", None, "encode each picture once, on disk in OUT/cache (keyed by the "
                       "file and the settings)"),
+    "latent_cache": (str, None, "value", "DIR", "with --cache-latents: the cache's folder, which runs may share "
+                     "(default: OUT/cache)"),
     "caption_column": (prompt_text, "text", "value", "NAME", "metadata.jsonl / .csv: the caption's column"),
     "instance_prompt": (text_or_none, None, "value", "TEXT", "the caption of every picture without one "
                         "(DreamBooth: of every picture)"),

@@ -24,6 +24,7 @@ from .workers import Signals
 CHECKPOINTS = "checkpoints"
 SAMPLES = "samples"
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+PIPELINES = {}  # the last run's pipeline object (no params): (model, revision) -> pipeline
 SMOOTHING = 0.9  # loss.png's and log.jsonl's smoothed loss: an exponential moving average, debiased
 
 
@@ -32,6 +33,7 @@ def train(plan) -> int:
     if settings["seed"] is None:
         settings["seed"] = int.from_bytes(os.urandom(4), "little") >> 1
     config = train_config(settings, bool(plan.class_pictures) or bool(settings["class_prompt"]))
+    devices = local_devices(settings, config.with_prior_preservation)
     out = settings["out"]
     try:
         os.makedirs(out, exist_ok=True)
@@ -43,7 +45,7 @@ def train(plan) -> int:
 
             atomic_write(os.path.join(out, SETTINGS), [toml_text(settings).encode()])
         with Signals() as signals:
-            return Run(plan, config).go(signals)
+            return Run(plan, config, devices).go(signals)
 
 
 def train_config(settings, prior):
@@ -63,8 +65,23 @@ def train_config(settings, prior):
         raise UserError(str(e).replace("TrainConfig: ", "")) from None
 
 
+def local_devices(settings, prior) -> list:
+    """The local devices the rows are split over (--devices: the first N), checked to divide a micro-batch."""
+    import jax
+
+    devices = jax.local_devices()
+    count = settings["devices"] or len(devices)
+    if count > len(devices):
+        raise UserError(f"--devices {count}: this process has {len(devices)} ({jax.default_backend()})")
+    rows = settings["train_batch_size"] * (2 if prior else 1)
+    if rows % count:
+        raise UserError(f"--train-batch-size {settings['train_batch_size']} ({rows} rows a micro-batch) does not "
+                        f"split over {count} devices: give a multiple of {count}, or --devices N")
+    return devices[:count]
+
+
 class Run:
-    def __init__(self, plan, config):
+    def __init__(self, plan, config, devices):
         import jax
 
         from .run import use_compile_cache
@@ -75,15 +92,8 @@ class Run:
         self.out, self.seed, self.size = s["out"], s["seed"], s["resolution"]
         self.status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if s["progress"] else (lambda m: 0)
         use_compile_cache(Request(command="generate", prompt="", cache_dir=s["cache_dir"]))
-        devices = jax.local_devices()
-        count = s["devices"] or len(devices)
-        if count > len(devices):
-            raise UserError(f"--devices {count}: this process has {len(devices)} ({jax.default_backend()})")
+        count = len(devices)
         self.prior = config.with_prior_preservation
-        rows = s["train_batch_size"] * (2 if self.prior else 1)
-        if rows % count:
-            raise UserError(f"--train-batch-size {s['train_batch_size']} ({rows} rows a micro-batch) does not split "
-                            f"over {count} devices: give a multiple of {count}, or --devices N")
         self.where = f"{count} {jax.default_backend().upper()} device" + ("s" if count > 1 else "")
         self.status(f"Loading {s['model']} ...")
         cls = plan.checkpoint.pipeline
@@ -91,6 +101,11 @@ class Run:
             pipeline, params = cls.from_pretrained(s["model"], revision=s["revision"])
         except (OSError, ValueError) as e:
             raise UserError(f"--model {s['model']}: {e}") from None
+        # a run after another in this process samples with the same pipeline object, whose programs are compiled
+        same = PIPELINES.get((s["model"], s["revision"]))
+        pipeline = same if same is not None and same.spec == pipeline.spec else pipeline
+        PIPELINES.clear()
+        PIPELINES[s["model"], s["revision"]] = pipeline
         self.class_pictures = plan.class_pictures
         if self.prior:
             self.class_pictures = make_class_pictures(self, pipeline, params)
@@ -98,7 +113,7 @@ class Run:
         if count > 1:
             from jax.sharding import Mesh
 
-            mesh = Mesh(np.array(devices[:count]), ("fsdp",) if s["fsdp"] else ("data",))
+            mesh = Mesh(np.array(devices), ("fsdp",) if s["fsdp"] else ("data",))
         from ..train import Trainer
         from ..train.data import bucket_sizes, row_sizes
 
@@ -107,6 +122,9 @@ class Run:
         buckets = bucket_sizes(self.size, plan.divisible) if s["buckets"] else None
         self.sizes = row_sizes(plan.pictures, self.size, buckets)
         self.class_sizes = row_sizes(self.class_pictures, self.size)
+        self.cache = self.encoder = None
+        if s["cache_latents"]:
+            self.fill_cache()
         self.start = self.restore()
         self.log = TrainLog(os.path.join(self.out, "log.jsonl"), self.start)
 
@@ -153,35 +171,90 @@ class Run:
     # ---- the rows ---------------------------------------------------------------------------------------------
     def batch(self, step) -> dict:
         """Update `step`'s rows (k micro-batches, each [instance rows; class rows] with prior preservation)."""
-        from ..train.data import batch_at, load_row, row_draws
+        from ..train.data import batch_at, row_draws
 
         s = self.settings
         k, b = s["gradient_accumulation_steps"], s["train_batch_size"]
-        pictures = self.plan.pictures
-        repeats = [p.repeats for p in pictures]
-        indices = batch_at(step, self.sizes, repeats, k * b, self.seed)
-        dropped, flipped, crops = row_draws(self.seed, step, k * b, s["caption_dropout"], s["random_flip"])
         rows = []
-        for n, i in enumerate(indices):
-            crop = None if s["center_crop"] else crops[n]
-            rows.append((*load_row(pictures[i].path, self.sizes[i], bool(flipped[n]), crop), self.sizes[i],
-                         "" if dropped[n] else pictures[i].caption))
-        if self.prior:
-            pictures = self.class_pictures
-            indices = batch_at(step, self.class_sizes, [1] * len(pictures), k * b, self.seed, stream=1)
-            _, flipped, crops = row_draws(self.seed, step, k * b, 0.0, s["random_flip"], stream=1)
-            extra = [(*load_row(pictures[i].path, self.class_sizes[i], bool(flipped[n]),
-                                None if s["center_crop"] else crops[n]), self.class_sizes[i], pictures[i].caption)
-                     for n, i in enumerate(indices)]
-            rows = [row for m in range(k) for row in rows[m * b:(m + 1) * b] + extra[m * b:(m + 1) * b]]
-        pixels, originals, corners, sizes, captions = zip(*rows)
-        batch = {"pixel_values": np.stack(pixels),
-                 "input_ids": np.asarray(self.trainer.pipeline.prepare_inputs(list(captions)))}
+        for stream, pictures, sizes in ((0, self.plan.pictures, self.sizes),
+                                        (1, self.class_pictures, self.class_sizes))[:2 if self.prior else 1]:
+            indices = batch_at(step, sizes, [p.repeats for p in pictures], k * b, self.seed, stream)
+            dropped, flipped, crops = row_draws(self.seed, step, k * b, s["caption_dropout"] if stream == 0 else 0.0,
+                                                s["random_flip"], stream)
+            rows.append([(*self.row(stream, i, bool(flipped[n]), None if s["center_crop"] else crops[n]), sizes[i],
+                          "" if dropped[n] else pictures[i].caption) for n, i in enumerate(indices)])
+        if self.prior:  # each micro-batch: its instance rows, then as many class rows
+            rows = [[row for m in range(k) for row in rows[0][m * b:(m + 1) * b] + rows[1][m * b:(m + 1) * b]]]
+        arrays, originals, corners, sizes, captions = zip(*rows[0])
+        arrays = np.stack(arrays)
+        if self.cache is None:
+            batch = {"pixel_values": arrays}
+        else:  # (mean, std) of each row: a posterior sample, as the VAE draws one
+            noise = np.random.default_rng([self.seed, step, 4]).standard_normal(arrays[:, 0].shape, np.float32)
+            batch = {"latents": arrays[:, 0] + arrays[:, 1] * noise}
+        batch["input_ids"] = np.asarray(self.trainer.pipeline.prepare_inputs(list(captions)))
         if self.sdxl:
             batch.update(original_size=np.asarray(originals, np.float32),
                          crops_coords_top_left=np.asarray(corners, np.float32),
                          target_size=np.asarray([(h, w) for w, h in sizes], np.float32))
         return batch
+
+    def row(self, stream, index, flip, crop):
+        """(pixels, or the cached (mean, std) stacked, original (h, w), crop corner) of a picture of the stream."""
+        from ..train.data import load_row
+
+        picture, size = ((self.plan.pictures, self.sizes), (self.class_pictures, self.class_sizes))[stream]
+        if self.cache is None:
+            return load_row(picture[index].path, size[index], flip, crop)
+        mean, std, original, corner = self.cache.read(self.cached[stream, index, flip])
+        return np.stack([mean, std]), original, corner
+
+    # ---- the latent cache -------------------------------------------------------------------------------------
+    def fill_cache(self):
+        """Each picture's (and flipped, with --random-flip) posterior, from the cache or encoded into it (at the
+        centre crop: the cache holds one crop a picture)."""
+        import hashlib
+
+        import jax
+
+        from ..train.data import LatentCache, file_digest, load_row
+
+        s = self.settings
+        vae = hashlib.sha256(np.dtype(self.trainer.compute_dtype).name.encode())
+        for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(self.trainer.base_params["vae"])[0],
+                                 key=lambda item: jax.tree_util.keystr(item[0])):
+            vae.update(jax.tree_util.keystr(path).encode() + np.asarray(leaf).tobytes())
+        folder = os.path.expanduser(s["latent_cache"]) if s["latent_cache"] else os.path.join(self.out, "cache")
+        self.cache, self.cached = LatentCache(folder, vae.hexdigest()), {}
+        encoded = read = 0
+        for stream, pictures, sizes in ((0, self.plan.pictures, self.sizes),
+                                        (1, self.class_pictures, self.class_sizes)):
+            for index, picture in enumerate(pictures):
+                digest = file_digest(picture.path)
+                for flip in (False, True)[:2 if s["random_flip"] else 1]:
+                    key = self.cached[stream, index, flip] = self.cache.key(digest, sizes[index], flip)
+                    if self.cache.read(key) is not None:
+                        read += 1
+                        continue
+                    pixels, original, corner = load_row(picture.path, sizes[index], flip)
+                    mean, std = self.encode(pixels[None])
+                    self.cache.write(key, mean[0], std[0], original, corner)
+                    encoded += 1
+        self.status(f"train: latents of {encoded + read} pictures: {encoded} encoded, {read} read from {folder}")
+
+    def encode(self, pixels):
+        """The VAE posterior's (mean, std) of pixels (B, 3, H, W), scaled as the UNet sees latents."""
+        import jax
+
+        if self.encoder is None:
+            vae = self.trainer.vae
+
+            def encode(params, pixels):
+                mean = vae.encode(params, pixels, 0.0)
+                return mean, vae.encode(params, pixels, 1.0) - mean
+
+            self.encoder = jax.jit(encode)
+        return jax.device_get(self.encoder(self.trainer.frozen, pixels))
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def go(self, signals) -> int:

@@ -53,10 +53,12 @@ def read_folder(folder, caption_column="text", default_caption=None, label="--da
                         "a metadata.jsonl")
     metadata = [os.path.join(folder, name) for name in METADATA_FILES if os.path.lexists(os.path.join(folder, name))]
     if metadata:
-        rows = read_metadata(metadata[0], folder, caption_column)
+        rows = [(path, caption, 1, picture_size(path)) for path, caption in
+                read_metadata(metadata[0], folder, caption_column)]
     else:
         rows = []
         for path, repeats in walk(folder):
+            size = picture_size(path)
             stem = os.path.splitext(path)[0]
             caption_files = [stem + suffix for suffix in CAPTION_SUFFIXES if os.path.lexists(stem + suffix)]
             if caption_files:
@@ -66,11 +68,11 @@ def read_folder(folder, caption_column="text", default_caption=None, label="--da
             else:
                 raise DataError(f"{path} has no caption: write it in {os.path.basename(stem)}.txt beside it (or give "
                                 "--instance-prompt, the caption of every picture without one)")
-            rows.append((path, caption, repeats))
+            rows.append((path, caption, repeats, size))
     if not rows and not empty_ok:
         raise DataError(f"{label} {folder} holds no picture ({', '.join(PICTURE_SUFFIXES)}): put the pictures "
                         "there, each with its caption in a .txt file of the same name")
-    return [Picture(path, caption, *picture_size(path), repeats) for path, caption, repeats in rows]
+    return [Picture(path, caption, *size, repeats) for path, caption, repeats, size in rows]
 
 
 def walk(folder):
@@ -89,7 +91,11 @@ def walk(folder):
         for entry in entries:
             if entry.name.startswith("."):
                 continue
-            if entry.is_dir():
+            try:
+                is_folder = entry.is_dir()
+            except OSError as e:  # a link that points to itself
+                raise DataError(f"{entry.path}: cannot read it ({e.strerror or e}): remove or replace it") from None
+            if is_folder:
                 match = REPEATS.match(entry.name)
                 yield from visit(entry.path, int(match.group(1)) if match else repeats)
             elif entry.name.lower().endswith(PICTURE_SUFFIXES):
@@ -123,7 +129,7 @@ def caption_text(where, data) -> str:
 
 
 def read_metadata(path, folder, caption_column) -> list:
-    """(picture, caption, 1) of an imagefolder's metadata.jsonl / .csv: `file_name` (relative to the folder) and
+    """(picture, caption) of an imagefolder's metadata.jsonl / .csv: `file_name` (relative to the folder) and
     the caption column."""
     try:
         if os.stat(path).st_size > MAX_METADATA_BYTES:
@@ -169,7 +175,7 @@ def read_metadata(path, folder, caption_column) -> list:
         if os.path.isabs(name) or not picture.startswith(os.path.normpath(folder) + os.sep):
             raise DataError(f"{path} line {number}: file_name {name!r} is outside the folder: name pictures "
                             "relative to it")
-        rows.append((picture, caption_text(f"{path} line {number}", caption.encode()), 1))
+        rows.append((picture, caption_text(f"{path} line {number}", caption.encode())))
     return rows
 
 
@@ -258,16 +264,19 @@ def row_draws(seed, step, count, caption_dropout=0.0, random_flip=False, stream=
 
 def load_row(path, size, flip=False, crop=None):
     """(pixels (3, H, W) float32 in [-1, 1], original (h, w), crop corner (top, left)) of a picture at `size`
-    (width, height), as diffusers' SDXL script makes a row: resized (bilinear) until it covers the size, flipped,
-    then cropped: at the centre, or at `crop` ((y, x) in [0, 1)) of the room left."""
+    (width, height), as diffusers' SDXL script makes a row: resized (bilinear) until it covers the size (a square
+    size: the shorter side to it, as torchvision's Resize(resolution)), flipped, then cropped: at the centre, or at
+    `crop` ((y, x) in [0, 1)) of the room left."""
     from PIL import Image
 
     with Image.open(path) as picture:
         image = picture.convert("RGB")
     original = (image.height, image.width)
     width, height = size
-    scale = max(width / image.width, height / image.height)
-    resized = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    if width * image.height >= height * image.width:  # the width fits first: torchvision's Resize, its rounding
+        resized = (width, max(height, int(width * image.height / image.width)))
+    else:
+        resized = (max(width, int(height * image.width / image.height)), height)
     if resized != image.size:
         image = image.resize(resized, Image.BILINEAR)
     if flip:
@@ -279,3 +288,55 @@ def load_row(path, size, flip=False, crop=None):
     image = image.crop((left, top, left + width, top + height))
     pixels = np.asarray(image, np.float32).transpose(2, 0, 1) / 127.5 - 1
     return pixels, original, (top, left)
+
+
+# ---- the latent cache ---------------------------------------------------------------------------------------
+
+def file_digest(path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class LatentCache:
+    """A folder of the VAE's posteriors of pictures, one `<key>.safetensors` each: the mean and std scaled as the UNet
+    sees latents (a row's latents are mean + std * noise, as the VAE's own sample), the original size and the crop
+    corner. The key is a digest of the picture file's bytes, its training size, flip and crop (the centre) and
+    `vae` (the VAE's weights' digest and dtype): a changed picture or setting is encoded again."""
+
+    def __init__(self, folder, vae: str):
+        self.folder, self.vae = os.fspath(folder), vae
+
+    def key(self, digest, size, flip) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps([digest, list(size), bool(flip), "centre", self.vae]).encode()).hexdigest()
+
+    def path(self, key) -> str:
+        return os.path.join(self.folder, f"{key}.safetensors")
+
+    def read(self, key):
+        """(mean, std, original (h, w), corner (top, left)), or None where the entry is missing or unreadable."""
+        from ..loading.files import read_safetensors, safetensors_metadata
+
+        path = self.path(key)
+        if not os.path.isfile(path):
+            return None
+        try:
+            tensors, info = read_safetensors(path), safetensors_metadata(path)
+            return (np.array(tensors["mean"]), np.array(tensors["std"]), tuple(json.loads(info["original"])),
+                    tuple(json.loads(info["corner"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # cut short or not ours: encoded again
+
+    def write(self, key, mean, std, original, corner):
+        from .files import write_safetensors
+
+        os.makedirs(self.folder, exist_ok=True)
+        write_safetensors(self.path(key), {"mean": np.asarray(mean, np.float32), "std": np.asarray(std, np.float32)},
+                          {"original": json.dumps(list(original)), "corner": json.dumps(list(corner))},
+                          overwrite=True)
