@@ -233,9 +233,9 @@ def test_bad_data_is_one_line_before_anything_is_written(tmp_path, capsys, how, 
 
 @pytest.mark.parametrize("flags, message", [
     (["--rank", "0"], "argument --rank: must be at least 1, got 0"),
-    (["--placeholder-token", "<t>"], "--placeholder-token and --initializer-token are for textual-inversion"),
+    (["--placeholder-token", "<t>"], "--placeholder-token and --initializer-token are for textual-inversion,"),
     (["--resolution", "36"], "--resolution 36 is not a multiple of 16"),
-    (["--train-batch-size", "3", "--devices", "2"], "--train-batch-size 3 (3 rows a micro-batch) does not split"),
+    (["--train-batch-size", "3", "--devices", "2"], "--train-batch-size 3 (3 rows a micro-batch) does not"),
 ])
 def test_bad_flags_are_one_line(data, tmp_path, capsys, flags, message):
     args = ["train", "lora", "--data", str(data), "--out", str(tmp_path / "out"), *RUN, *flags]
@@ -327,3 +327,93 @@ def test_buckets_one_size_an_update_sdxl_size_ids_per_row_and_the_latent_cache(s
     picture(9, (80, 60)).save(folder / "p3.png")  # a changed picture: encoded again, the others read
     assert main([*args, "--out", str(tmp_path / "c")]) == 0
     assert len(encoded) == 1 and "1 encoded, 5 read" in capsys.readouterr().err
+
+
+FAKE = ["--model", TINY, "--resolution", "32", "--devices", "1", "--no-progress", "--seed", "1", "--max-train-steps",
+        "2", "--train-batch-size", "2"]
+
+
+def test_textual_inversion_full_and_kohya_results_load(data, tmp_path, recorded, capsys):
+    """Each method's result where it belongs, in the format asked for, loaded by the library (the updates are the
+    core's, tests/test_train.py's; here they are recorded, not made)."""
+    from sdflax import StableDiffusion
+    from sdflax.loading.files import read_safetensors
+
+    pipe, params = StableDiffusion.from_pretrained(TINY)
+    tokens = tmp_path / "tokens"
+    make_data(tokens)
+    for i in range(4):
+        (tokens / f"p{i}.txt").write_text(f"a photo of <fox> {CAPTIONS[i]}")
+    for format, name in (("diffusers", "learned_embeds.safetensors"), ("kohya", "fox-token.safetensors")):
+        out = tmp_path / format / "fox-token"
+        assert main(["train", "textual-inversion", "--data", str(tokens), "--out", str(out), "--placeholder-token",
+                     "<fox>", "--initializer-token", "fox", "--output-format", format, *FAKE]) == 0
+        assert sorted(read_safetensors(out / name)) == (["<fox>"] if format == "diffusers" else ["emb_params"])
+        with_token, _ = pipe.load_textual_inversion(params, out / name, token="<fox>")
+        new = with_token.tokenizer.convert_tokens_to_ids("<fox>")
+        assert all(new in ids for ids in recorded[-1]["input_ids"])  # every caption holds the new token
+    assert main(["train", "full", "--data", str(data), "--out", str(tmp_path / "full"), *FAKE]) == 0
+    _, tuned = StableDiffusion.from_pretrained(tmp_path / "full" / "model")
+    assert relative(tuned["unet"]["conv_in"]["kernel"], params["unet"]["conv_in"]["kernel"]) == 0  # not trained
+    kohya = tmp_path / "kohya" / "my-subject"
+    assert main(["train", "lora", "--data", str(data), "--out", str(kohya), "--output-format", "kohya", *FAKE]) == 0
+    tensors = read_safetensors(kohya / "my-subject.safetensors")
+    assert len(tensors) == 3 * 4 * 14 and all(name.startswith("lora_unet_") for name in tensors)
+    pipe.load_lora(params, kohya / "my-subject.safetensors")  # sdflax's kohya reader takes every name
+
+    from diffusers import StableDiffusionPipeline
+
+    theirs = StableDiffusionPipeline.from_pretrained(TINY, safety_checker=None)
+    theirs.load_lora_weights(str(kohya), weight_name="my-subject.safetensors")  # and diffusers'
+    capsys.readouterr()
+
+
+def test_dreambooth_draws_its_class_pictures_and_pairs_them_in_every_micro_batch(data, tmp_path, recorded):
+    classes = tmp_path / "classes"
+    args = ["train", "dreambooth", "--data", str(data), "--out", str(tmp_path / "out"), "--instance-prompt",
+            "a photo of sks pattern", "--class-prompt", "a photo of a pattern", "--class-data-dir", str(classes),
+            "--num-class-images", "3", "--validation-inference-steps", "2", "--gradient-accumulation-steps", "2",
+            *FAKE]
+    args[args.index("--train-batch-size") + 1] = "1"
+    assert main(args) == 0
+    assert sorted(os.listdir(classes)) == ["class-00000.png", "class-00001.png", "class-00002.png"]
+    from sdflax import StableDiffusion
+
+    pipe, _ = StableDiffusion.from_pretrained(TINY)
+    class_ids = np.asarray(pipe.prepare_inputs(["a photo of a pattern"]))[0]
+    for batch in recorded:  # two micro-batches of [instance row; class row]
+        assert batch["pixel_values"].shape == (4, 3, 32, 32)
+        assert [np.array_equal(ids, class_ids) for ids in batch["input_ids"]] == [False, True, False, True]
+
+
+def test_the_rows_are_split_over_the_devices_asked_for(data, tmp_path, recorded):
+    for flags, axis in ((["--devices", "2"], "data"), (["--devices", "2", "--fsdp"], "fsdp")):
+        out = tmp_path / axis
+        assert main(["train", "lora", "--data", str(data), "--out", str(out), *FAKE, *flags]) == 0
+        assert recorded[-1]["mesh"].shape == {axis: 2}
+
+
+def test_a_full_disk_while_saving_keeps_the_last_checkpoint(data, tmp_path, recorded, monkeypatch, capsys):
+    import errno
+
+    import sdflax.train.trainer
+
+    write = sdflax.train.trainer.write_safetensors
+
+    def fills_the_disk(path, tensors, *args, **kwargs):
+        if "checkpoint-2" in str(path):
+            with open(str(path) + ".part", "wb") as f:
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(path, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(sdflax.train.trainer, "write_safetensors", fills_the_disk)
+    out = tmp_path / "out"
+    args = ["train", "lora", "--data", str(data), "--out", str(out), *FAKE, "--checkpointing-steps", "1"]
+    assert main(args) == 2
+    err = one_error_line(capsys)
+    assert f"cannot save {out / 'checkpoints' / 'checkpoint-2'} (No space left on device); " \
+        f"{out / 'checkpoints' / 'checkpoint-1'} is kept: make room" in err
+    assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint-1"]
+    monkeypatch.setattr(sdflax.train.trainer, "write_safetensors", write)
+    assert main(args) == 0 and len(recorded) == 2 + 1  # the rerun made update 2 only
