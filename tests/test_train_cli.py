@@ -417,3 +417,27 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint(data, tmp_path, reco
     assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint-1"]
     monkeypatch.setattr(sdflax.train.trainer, "write_safetensors", write)
     assert main(args) == 0 and len(recorded) == 2 + 1  # the rerun made update 2 only
+
+
+def test_the_options_are_the_cores_arguments_and_help_starts_without_jax(tmp_path):
+    """Every TrainConfig argument is a flag with its default (written out, so that --help starts without JAX)."""
+    import dataclasses
+
+    from sdflax.cli import train_options
+    from sdflax.train import TrainConfig, config
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    derived = {"method", "max_train_steps", "with_prior_preservation"}  # the command, --max-train-steps, DreamBooth
+    assert set(train_options.CORE) == set(fields) - derived
+    for name, (_, default, *_) in train_options.CORE.items():
+        assert (tuple(default) if isinstance(default, list) else default) == fields[name], name
+    assert train_options.LR_SCHEDULERS == config.LR_SCHEDULERS and train_options.LORA_INITS == config.LORA_INITS
+    assert train_options.MIXED_PRECISIONS == config.MIXED_PRECISIONS
+    assert (None, *train_options.PREDICTION_TYPES) == config.PREDICTION_TYPES
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text('raise ImportError("jax is not to be imported here")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    for args, code, expected in ((["train", "--help"], 0, "--snr-gamma GAMMA"),
+                                 (["train", "lora", "--rank", "x"], 2, "--rank: expected a whole number")):
+        result = subprocess.run([sys.executable, "-m", "sdflax", *args], capture_output=True, text=True, env=env)
+        assert result.returncode == code and expected in result.stdout + result.stderr, result.stderr

@@ -9,13 +9,7 @@ import os
 import sys
 
 from .request import Request, UserError
-from .train_options import METHODS, first_difference, read_config, settings_of
-
-SETTINGS = "settings.toml"
-LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name, which load_lora_weights(folder) finds
-EMBEDDING_FILE = "learned_embeds.safetensors"  # diffusers' textual_inversion.py's
-MODEL_FOLDER = "model"
-CORE_METHOD = {"lora": "lora", "dreambooth": "lora", "full": "full", "textual-inversion": "textual_inversion"}
+from .train_options import METHODS, SETTINGS, first_difference, read_config, result_path, settings_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +91,6 @@ def check_method(settings):
         raise UserError("textual-inversion trains the new token's embedding only: drop --train-text-encoder")
 
 
-def result_path(settings) -> str:
-    out, method = settings["out"], settings["method"]
-    if method == "full":
-        return os.path.join(out, MODEL_FOLDER)
-    if settings["output_format"] == "kohya":  # A1111 names a LoRA, and an embedding's token, after its file
-        from .output import slug
-
-        return os.path.join(out, slug(os.path.basename(os.path.abspath(out)) or "lora") + ".safetensors")
-    return os.path.join(out, EMBEDDING_FILE if method == "textual-inversion" else LORA_FILE)
-
-
 def earlier_run(out, settings) -> bool:
     """Whether --out holds a run of these settings (to continue); another run's, or other files, are refused."""
     if not os.path.lexists(out):
@@ -152,10 +135,11 @@ def check_model(settings):
         checkpoint, _ = check_checkpoint(request, {})
     except UserError as e:
         raise UserError(str(e).replace("--height", "--resolution")) from None
-    if checkpoint.family.name not in ("sd", "sdxl"):
-        raise UserError(f"{settings['model']} is an {checkpoint.family.name} checkpoint: sdflax train trains SD 1.x, "
-                        "2.x and SDXL")
+    from ..models import UNetConfig
+
     vae, unet = read_configs(checkpoint.folder, checkpoint.family)
+    if not isinstance(unet, UNetConfig):  # the training core trains UNets
+        raise UserError(f"{settings['model']} is not a UNet checkpoint: sdflax train trains SD 1.x, 2.x and SDXL")
     divisible = vae.scale_factor * 2 ** (len(unet.block_out_channels) - 1)
     if checkpoint.height % divisible:
         raise UserError(f"--resolution {checkpoint.height} is not a multiple of {divisible} (the VAE's and UNet's "

@@ -20,6 +20,11 @@ PREDICTION_TYPES = ("epsilon", "v_prediction")
 LORA_INITS = ("default", "gaussian")
 NONE = "none"  # a number option's "no value" (no clipping, no weighting), as TOML has no null
 MAX_CONFIG_BYTES = 2**20
+SETTINGS = "settings.toml"  # a run's, in --out
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name, which load_lora_weights(folder) finds
+EMBEDDING_FILE = "learned_embeds.safetensors"  # diffusers' textual_inversion.py's
+MODEL_FOLDER = "model"
+CORE_METHOD = {"lora": "lora", "dreambooth": "lora", "full": "full", "textual-inversion": "textual_inversion"}
 # Settings that change no weight: a rerun may give others
 NOT_COMPARED = ("progress", "cache_dir", "devices", "latent_cache")
 
@@ -275,3 +280,14 @@ def first_difference(saved, settings) -> str | None:
         if saved.get(name, OPTIONS.get(name, (None, None))[1]) != settings[name]:
             return name
     return None
+
+
+def result_path(settings) -> str:
+    out, method = settings["out"], settings["method"]
+    if method == "full":
+        return os.path.join(out, MODEL_FOLDER)
+    if settings["output_format"] == "kohya":  # A1111 names a LoRA, and an embedding's token, after its file
+        from .output import slug
+
+        return os.path.join(out, slug(os.path.basename(os.path.abspath(out)) or "lora") + ".safetensors")
+    return os.path.join(out, EMBEDDING_FILE if method == "textual-inversion" else LORA_FILE)

@@ -17,8 +17,7 @@ import numpy as np
 
 from .manifest import folder_lock
 from .request import UserError
-from .train import CORE_METHOD, SETTINGS
-from .train_options import toml_text
+from .train_options import CORE_METHOD, SETTINGS, result_path, toml_text
 from .workers import Signals
 
 CHECKPOINTS = "checkpoints"
@@ -302,8 +301,6 @@ class Run:
         return 0
 
     def write_result(self):
-        from .train import result_path
-
         s, trainer = self.settings, self.trainer
         path = result_path(s)
         if s["method"] == "full":
