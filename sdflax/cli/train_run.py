@@ -277,8 +277,10 @@ class Run:
             batch = self.batch(step) if step < total else None  # the next rows while the devices compute
             loss = float(metrics["loss"])
             self.log.add(step, loss, float(metrics["learning_rate"]))
+            if step == done_at_start + 1:  # the rate leaves the first update's compile out
+                began = time.perf_counter()
             if bar is not None:
-                rate = (step - done_at_start) / max(time.perf_counter() - began, 1e-9)
+                rate = (step - done_at_start - 1) / max(time.perf_counter() - began, 1e-9)
                 bar.set_postfix_str(f"loss {loss:.4f}, {rate * rows:.2f} images/s", refresh=False)
                 bar.update(1)
             if step % s["validation_steps"] == 0 or step == total:
