@@ -111,7 +111,7 @@ class Manifest:
 
 
 @contextlib.contextmanager
-def folder_lock(folder, out, process):
+def folder_lock(folder, out, process, command="batch"):
     """This process's lock on the folder while the run lasts (the kernel lets go when the process ends, however it
     ends): two runs on one --out would make the same images and race for their names. The lock file says who
     holds it."""
@@ -120,7 +120,7 @@ def folder_lock(folder, out, process):
     except ImportError:  # no flock (Windows): unlocked
         yield
         return
-    path = os.path.join(folder, f".sdflax-batch.{process}.lock")
+    path = os.path.join(folder, f".sdflax-{command}.{process}.lock")
     try:
         fd = open_for_writing(path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
@@ -130,7 +130,7 @@ def folder_lock(folder, out, process):
     except OSError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise UserError(f"--out {out} is in use by another sdflax batch ({holder}): wait for it to finish, or "
+        raise UserError(f"--out {out} is in use by another sdflax {command} ({holder}): wait for it to finish, or "
                         "choose another --out") from None
     try:
         os.ftruncate(fd, 0)

@@ -38,6 +38,8 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 SIZE_IDS = ("original_size", "crops_coords_top_left", "target_size")  # SDXL's micro-conditioning, per row
 CHECKPOINT_VERSION = 1
 MESH_AXES = ("data", "fsdp")
+PROGRAMS = {}  # the compiled (update, loss) of this process's trainers, by what makes them (`Trainer._programs`)
+MAX_PROGRAMS = 8
 
 
 @flax.struct.dataclass
@@ -96,17 +98,42 @@ class Trainer:
         self.mesh = mesh
         if mesh is None:
             self.state = state
-            self._step = jax.jit(self._update, donate_argnums=(0,))
         else:
             unknown = set(mesh.axis_names) - set(MESH_AXES)
             if unknown:
                 raise ValueError(f"the training mesh's axes are {MESH_AXES} (or one of them), not {mesh.axis_names}")
-            state_shardings = self._shardings(state)
-            self.state = jax.device_put(state, state_shardings)
+            self.state = jax.device_put(state, self._shardings(state))
             self.frozen = jax.device_put(self.frozen, self._shardings(self.frozen))
-            self._step = jax.jit(self._update, donate_argnums=(0,),
-                                 out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())))
-        self._loss = jax.jit(self._mean_loss)
+        self._step, self._loss = self._programs()
+
+    def _programs(self):
+        """(the update, the loss), compiled; shared by the trainers of one process whose programs are the same
+        (equal models, config, schedule, LoRA alphas, new tokens and mesh), so that a second trainer (a resumed
+        run, another seed) neither traces nor compiles again. They hold a copy of this trainer without its
+        arrays."""
+        shell = copy.copy(self)
+        shell.state = shell.frozen = shell.base_params = None
+        try:
+            key = (self.config, jnp.dtype(self.compute_dtype).name, self.unet, self.text, self.vae,
+                   self.schedule.alpha_prod.tobytes(), self.schedule.prediction_type, self.pipeline.vae_scale_factor,
+                   self.pipeline.vae.config.latent_channels, jnp.dtype(self.pipeline.dtype).name, self.mesh,
+                   json.dumps(getattr(self, "alphas", None), sort_keys=True),
+                   json.dumps({k: v.tolist() for k, v in getattr(self, "token_ids", {}).items()}, sort_keys=True))
+            hash(key)
+        except TypeError:  # a part that does not hash: programs of its own
+            key = None
+        if key is not None and key in PROGRAMS:
+            PROGRAMS[key] = PROGRAMS.pop(key)  # the most recently used last
+            return PROGRAMS[key]
+        kwargs = {}
+        if self.mesh is not None:
+            kwargs["out_shardings"] = (self._shardings(self.state), NamedSharding(self.mesh, PartitionSpec()))
+        programs = jax.jit(shell._update, donate_argnums=(0,), **kwargs), jax.jit(shell._mean_loss)
+        if key is not None:
+            PROGRAMS[key] = programs
+            while len(PROGRAMS) > MAX_PROGRAMS:
+                PROGRAMS.pop(next(iter(PROGRAMS)))
+        return programs
 
     def _trainable(self, pipeline, params, initial_lora, key):
         """(pipeline, params, what the method trains): a textual inversion's pipeline and params gain the token."""
