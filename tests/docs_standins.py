@@ -189,6 +189,43 @@ def sd35(folder):
             tokenizer_3=tokenizer_3).save_pretrained(folder)
 
 
+def flux(folder, guidance_embeds=True, in_channels=64):
+    """Flux.1's family: CLIP-L (its pooled output), T5 (the builders' small vocabulary), a transformer of two double-
+    and two single-stream blocks (dev: a guidance embedder; schnell none; Fill 384 input features), a 16-channel
+    VAE, the flow-matching scheduler with FLUX.1-dev's dynamic shift."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+    from transformers import T5TokenizerFast
+
+    from builders import T5_PIECES, TOKENIZER, randomize_norms, t5_tokenizer_folder
+
+    torch.manual_seed(11)
+    clip = randomize_norms(CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
+        pad_token_id=49407)), 11).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=len(T5_PIECES), d_model=32, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
+                                 feed_forward_proj="gated-gelu")).eval()
+    transformer = randomize_norms(FluxTransformer2DModel(
+        patch_size=1, in_channels=in_channels, out_channels=64, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6)), 12).eval()
+    vae = randomize_norms(AutoencoderKL(  # Flux's scale factor 8: its default 1024 px are 4096 tokens
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[4, 4, 8, 8], layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=32,
+        shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False, use_post_quant_conv=False), 13).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    with tempfile.TemporaryDirectory() as t5_folder:
+        tokenizer_2 = T5TokenizerFast(tokenizer_file=str(t5_tokenizer_folder(t5_folder) / "tokenizer.json"))
+        FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=clip, text_encoder_2=t5,
+                     tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER), tokenizer_2=tokenizer_2).save_pretrained(folder)
+    if in_channels != 64:  # the Fill model's own pipeline class, as its model_index.json names it
+        index = Path(folder) / "model_index.json"
+        index.write_text(index.read_text().replace('"FluxPipeline"', '"FluxFillPipeline"'))
+
+
 # hub id -> how its stand-in is made.
 STANDINS = {
     "stable-diffusion-v1-5/stable-diffusion-v1-5": sd15,
@@ -209,6 +246,10 @@ STANDINS = {
     "stabilityai/stable-diffusion-3.5-medium": sd35,
     "stabilityai/stable-diffusion-3.5-large": sd35,
     "stabilityai/stable-diffusion-3.5-large-turbo": sd35,
+    "black-forest-labs/FLUX.1-dev": flux,
+    "black-forest-labs/FLUX.1-Kontext-dev": flux,
+    "black-forest-labs/FLUX.1-schnell": functools.partial(flux, guidance_embeds=False),
+    "black-forest-labs/FLUX.1-Fill-dev": functools.partial(flux, in_channels=384),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..guiders.base import NUMBER_BOUND
@@ -35,7 +36,8 @@ def check_kinds(args):
         if value is not None and not hasattr(value, "shape"):
             raise TypeError(f"{name} must be an array (numpy or jax), got a {type(value).__name__}"
                             + (": make it with pipeline.prepare_inputs(prompts)" if name.endswith("_ids") else ""))
-        if value is not None and np.dtype(value.dtype).kind not in "fiu":
+        real = value is None or any(jnp.issubdtype(value.dtype, kind) for kind in (jnp.floating, jnp.integer))
+        if not real:  # bfloat16 is one
             raise TypeError(f"{name} must be an array of real numbers, got {value.dtype}")
         if value is not None and np.ndim(value) < 2:
             raise ValueError(f"{name} has shape {value.shape}; it takes a batch, (B, ...): one row per prompt")
