@@ -151,6 +151,17 @@ def test_true_cfg_with_a_negative_prompt_matches_diffusers(dev):
     assert pipe._jitted._cache_size() == compiles and moves(other, ours)  # the scale is traced
 
 
+def test_custom_sigmas_match_diffusers(dev):
+    """A σ schedule of one's own, shifted by the image's mu as diffusers' Flux pipelines shift theirs (diffusers takes
+    the n σ, sdflax the n σ and the 0 the last step lands at)."""
+    theirs, pipe, params = dev
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    sigmas = [1.0, 0.7, 0.45, 0.2]
+    expected = theirs_images(theirs, guidance_scale=3.5, sigmas=sigmas)
+    assert moves(expected, theirs_images(theirs, guidance_scale=3.5))
+    check_images(ours_images(pipe, params, ids, guidance_scale=3.5, sigmas=[*sigmas, 0.0]), expected)
+
+
 def test_schnell_at_another_size_matches_diffusers(checkpoints):
     """schnell's transformer has no guidance input (guidance_scale is ignored, as diffusers); at 96x64 the image
     has 24 tokens, another dynamic shift than 64x64's 16."""
