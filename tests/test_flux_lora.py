@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 from flax import traverse_util
+from builders import REPO
 from safetensors.torch import save_file
 from test_flux_pipeline import (PROMPTS, T5_LENGTH, TRANSFORMER, check_images, latents_for, ours_images,
                                 theirs_images, torch_flux_pipeline)
 
-from sdflax import Flux
+from sdflax import Flux, StableDiffusion
 from sdflax.loading.flux_names import SWAPPED, flux_table
 from sdflax.loading.flux_lora import read_flux_lora
 from sdflax.loading.lora import LoraMismatchError, merge_lora
@@ -332,9 +333,6 @@ def test_another_familys_lora_is_one_line(flux, tmp_path):
     save_file({f"{sd3}.lora_down.weight": torch.zeros(4, 1536), f"{sd3}.lora_up.weight": torch.zeros(4608, 4)},
               tmp_path / "sd3.safetensors")
     one_line_error(lambda: pipe.load_lora(params, tmp_path / "sd3.safetensors"), "is a LoRA for SD 3.x")
-
-    from sdflax import StableDiffusion
-    from builders import REPO
 
     sd_pipe, sd_params = StableDiffusion.from_pretrained(REPO / "weights" / "tiny-sd")
     kohya_file(tmp_path / "flux.safetensors", theirs)
