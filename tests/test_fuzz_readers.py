@@ -256,12 +256,12 @@ def test_copies_of_one_storage_are_bounded(tmp_path):
 def test_lora_metadata_with_any_json(tmp_path, meta, raw):
     """diffusers' lora_adapter_metadata of any JSON (or any text): alphas that are finite numbers, or a
     LoraMismatchError in one line (a pattern "(" was a re.error, a huge int an OverflowError)."""
-    from sdflax.loading.lora import LoraMismatchError, _peft_alphas
+    from sdflax.loading.lora import LoraMismatchError, peft_alphas
 
     text = json.dumps(meta) if not raw else json.dumps(meta)[::-1]
     save_file({"x": np.zeros(1, np.float32)}, tmp_path / "lora.safetensors", metadata={"lora_adapter_metadata": text})
     try:
-        alphas = _peft_alphas(tmp_path / "lora.safetensors")
+        alphas = peft_alphas(tmp_path / "lora.safetensors")
     except LoraMismatchError as e:
         assert "\n" not in str(e), str(e)
         return

@@ -12,7 +12,8 @@ Two naming schemes are in circulation and both are read:
 
 Both name a module by its PyTorch path, which is our module path with "." -> "_" (see weights.py), so a target
 is found by name alone. Original UNet names (input_blocks / middle_block / output_blocks) go through the LDM
-table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's config.
+table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's config. Flux.1's layouts (its
+transformer named by diffusers, kohya, XLabs or Black Forest Labs) are read by `flux_lora.py` into the same pytree.
 
 `read_lora` turns a file into a small pytree (torch-layout `down`/`up` and `alpha` per target kernel);
 `merge_lora` is a pure function of (params, lora, scale), so LoRAs stack by calling it twice and
@@ -21,6 +22,7 @@ table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -38,7 +40,7 @@ from .weights import short_list
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
 
 # Name prefix -> (component, separator between module names in the rest of the key).
 PREFIXES = {
@@ -83,6 +85,9 @@ FAMILIES = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL"}
 # kohya's one text encoder of SD 1.x / 2.x (its SDXL files say te1 and te2)
 SDXL_NAMES = ("lora_te1_", "lora_te2_", "text_encoder_2.")
 SD_NAMES = ("lora_te_",)
+# Names only Flux.1's LoRAs have, in any of its layouts: BFL's and kohya's blocks, diffusers' single-stream blocks,
+# kohya's diffusers-named flavour
+FLUX_NAMES = re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks)[._]\d|^lora_transformer_")
 
 
 MODULE_NAME = re.compile(r"[A-Za-z0-9_.]{1,256}")
@@ -106,7 +111,7 @@ def ldm_names(unet_config) -> dict:
     return table
 
 
-def _split_key(key: str, ldm=None):
+def split_key(key: str, ldm=None):
     """'unet.a.b.lora_A.weight' -> ('unet', 'a.b', 'a_b', 'down'); None for keys that are not LoRA tensors.
 
     The second item is the module's PyTorch name (what PEFT's alpha_pattern matches), the third our flat name.
@@ -133,7 +138,7 @@ def _split_key(key: str, ldm=None):
     return component, stem, flat.replace(".", "_"), ROLES[suffix]
 
 
-def _peft_alphas(path) -> dict:
+def peft_alphas(path) -> dict:
     """{component: (lora_alpha, alpha_pattern, use_rslora)} from diffusers' `lora_adapter_metadata`, if present."""
     if not str(path).endswith(".safetensors"):
         return {}
@@ -167,7 +172,7 @@ def _peft_alphas(path) -> dict:
     return out
 
 
-def _peft_alpha(module_path: str, lora_alpha, alpha_pattern, use_rslora, rank):
+def peft_alpha(module_path: str, lora_alpha, alpha_pattern, use_rslora, rank):
     # PEFT matches pattern keys against the end of the dotted module name.
     for pattern, value in alpha_pattern.items():
         if re.fullmatch(rf"(.*\.)?({pattern})", module_path):
@@ -182,7 +187,7 @@ def kernel_index(params) -> tuple[dict, dict]:
     return {"_".join(path[:-1]): path for path in flat if path[-1] == "kernel"}, flat
 
 
-def _expected_kernel(down, up, kernel_ndim):
+def expected_kernel(down, up, kernel_ndim):
     """The Flax kernel shape that up @ down gives: (in, out) or HWIO, or None if the two do not chain."""
     if up.ndim not in (2, 4) or down.ndim not in (2, 4):
         return None
@@ -195,85 +200,105 @@ def _expected_kernel(down, up, kernel_ndim):
     return (*window, inp, out)
 
 
+@dataclasses.dataclass
+class Problems:
+    """The tensors of a LoRA file that do not fit, by kind, for its one-line error."""
+
+    unknown: list = dataclasses.field(default_factory=list)  # targets the model lacks
+    mismatched: list = dataclasses.field(default_factory=list)  # messages: shapes, rank 0, alphas
+    incomplete: list = dataclasses.field(default_factory=list)  # a down without its up, or the reverse
+    not_finite: list = dataclasses.field(default_factory=list)
+    not_lora: list = dataclasses.field(default_factory=list)
+    unsupported: dict = dataclasses.field(default_factory=dict)  # what -> keys: LoRA tensors sdflax does not merge
+
+    def line(self, name, hint="") -> str | None:
+        problems = []
+        if self.unknown:
+            problems.append(f"targets not in the model{hint}: {short_list(set(self.unknown))}")
+        if self.mismatched:
+            problems.append("shape mismatch: " + "; ".join(list(dict.fromkeys(self.mismatched))[:8]))
+        if self.incomplete:
+            problems.append(f"down/up pairs with a half missing: {short_list(self.incomplete)}")
+        if self.not_finite:
+            problems.append(f"values that are not finite (NaN or inf): {short_list(set(self.not_finite))}")
+        for what, keys in self.unsupported.items():
+            problems.append(f"{what}: {short_list(keys)}")
+        if self.not_lora:
+            problems.append("not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): "
+                            + short_list(self.not_lora))
+        return f"LoRA file {name} does not fit this pipeline: " + " | ".join(problems) if problems else None
+
+
+def lora_entry(parts, up, kernel_shape, default_alpha, problems: Problems) -> dict | None:
+    """{"down", "up", "alpha"} of one target kernel (`up`: the rows of `parts`' up that reach it), or None with
+    what is wrong added to `problems`. `default_alpha(rank)`: the alpha where the file stores none."""
+    down = parts["down"][1]
+    if expected_kernel(down, up, len(kernel_shape)) != kernel_shape:
+        problems.mismatched.append(f"{parts['down'][0]}: down {down.shape} and up {up.shape} do not make a kernel "
+                                   f"of {kernel_shape} (Flax layout)")
+        return None
+    rank = down.shape[0]
+    if rank == 0:
+        problems.mismatched.append(f"{parts['down'][0]}: rank 0 (down {down.shape}), an empty LoRA")
+        return None
+    bad = next((parts[role][0] for role in ("down", "up") if not np.isfinite(parts[role][1]).all()), None)
+    if bad is not None:  # merged, they would make a black image
+        problems.not_finite.append(bad)
+        return None
+    if "alpha" not in parts:
+        return {"down": down, "up": up, "alpha": np.float32(default_alpha(rank))}
+    stored = np.asarray(parts["alpha"][1], np.float32)
+    if stored.size != 1 or not np.isfinite(stored).all():
+        problems.mismatched.append(f"{parts['alpha'][0]}: alpha must be one finite number, got {stored.shape} "
+                                   f"{stored.ravel()[:4]}")
+        return None
+    return {"down": down, "up": up, "alpha": np.float32(stored.reshape(()))}
+
+
 def read_lora(path, params, unet_config=None) -> dict:
     """A LoRA file -> {component: {"a/b/kernel": {"down", "up", "alpha"}}} for the models in `params`.
 
     `params` is the pipeline's params dict ({"unet": ..., "text_encoder": ..., SDXL: "text_encoder_2": ...}); it is
     only read, to resolve the names and check the shapes. `unet_config` (`pipeline.unet.config`) lets kohya's
     original UNet names (lora_unet_input_blocks_*) resolve. Unknown targets and keys that are not LoRA tensors are
-    an error that lists them.
+    an error that lists them. (A Flux.1 pipeline's LoRAs: `flux_lora.read_flux_lora`.)
     """
     name = os.fspath(path)
     tensors = read_checkpoint(name)
-    peft = _peft_alphas(name)
+    peft = peft_alphas(name)
     ldm = None if unet_config is None else ldm_names(unet_config)
-    groups, not_lora = {}, []
+    groups, problems = {}, Problems()
     for key, array in tensors.items():
-        parsed = _split_key(key, ldm)
+        parsed = split_key(key, ldm)
         if parsed is None:
-            not_lora.append(key)
+            problems.not_lora.append(key)
             continue
         component, torch_name, module, role = parsed
         groups.setdefault((component, module), {"name": torch_name})[role] = (key, np.asarray(array))
 
     indexes = {c: kernel_index(params[c]) for c in COMPONENTS if c in params}
     lora = {}
-    unknown, mismatched, incomplete, not_finite = [], [], [], []
     for (component, module), parts in sorted(groups.items()):
         torch_name = parts.pop("name")
         keys = [k for k, _ in parts.values()]
         if "down" not in parts or "up" not in parts:
-            incomplete.extend(keys)
+            problems.incomplete.extend(keys)
             continue
         index, flat = indexes.get(component, ({}, {}))
         target = index.get(module)
         if target is None:
-            unknown.extend(k for k in keys if not k.endswith(".alpha"))
+            problems.unknown.extend(k for k in keys if not k.endswith(".alpha"))
             continue
-        down, up = parts["down"][1], parts["up"][1]
-        kernel_shape = tuple(flat[target].shape)
-        if _expected_kernel(down, up, len(kernel_shape)) != kernel_shape:
-            mismatched.append(f"{parts['down'][0]}: down {down.shape} and up {up.shape} do not make a kernel of "
-                              f"{kernel_shape} (Flax layout)")
-            continue
-        rank = down.shape[0]
-        if rank == 0:
-            mismatched.append(f"{parts['down'][0]}: rank 0 (down {down.shape}), an empty LoRA")
-            continue
-        bad = next((parts[role][0] for role in ("down", "up") if not np.isfinite(parts[role][1]).all()), None)
-        if bad is not None:  # merged, they would make a black image
-            not_finite.append(bad)
-            continue
-        if "alpha" in parts:
-            stored = np.asarray(parts["alpha"][1], np.float32)
-            if stored.size != 1 or not np.isfinite(stored).all():
-                mismatched.append(f"{parts['alpha'][0]}: alpha must be one finite number, got {stored.shape} "
-                                  f"{stored.ravel()[:4]}")
-                continue
-            alpha = float(stored.reshape(()))
-        elif component in peft:
-            alpha = _peft_alpha(torch_name, *peft[component], rank)
-        else:
-            alpha = float(rank)  # no alpha stored: scale 1, as kohya and diffusers do
-        lora.setdefault(component, {})["/".join(target)] = {
-            "down": down, "up": up, "alpha": np.float32(alpha)}
+        entry = lora_entry(parts, parts["up"][1], tuple(flat[target].shape), lambda rank: peft_alpha(
+            torch_name, *peft[component], rank) if component in peft else rank, problems)  # no alpha: scale 1
+        if entry is not None:
+            lora.setdefault(component, {})["/".join(target)] = entry
 
-    problems = []
-    if unknown:
-        hint = " (original UNet names: pass unet_config=pipeline.unet.config)" if ldm is None and any(
-            re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", k) for k in unknown) else ""
-        problems.append(f"targets not in the model{hint}: {short_list(unknown)}")
-    if mismatched:
-        problems.append("shape mismatch: " + "; ".join(mismatched[:8]))
-    if incomplete:
-        problems.append(f"down/up pairs with a half missing: {short_list(incomplete)}")
-    if not_finite:
-        problems.append(f"values that are not finite (NaN or inf): {short_list(not_finite)}")
-    if not_lora:
-        problems.append(f"not LoRA tensors (LoHa/LoKr/DoRA and Tucker LoRA are not supported): {short_list(not_lora)}")
-    if problems:
-        raise LoraMismatchError(family_mismatch(name, list(tensors), groups, params, indexes.get("unet"))
-                                or f"LoRA file {name} does not fit this pipeline: " + " | ".join(problems))
+    hint = " (original UNet names: pass unet_config=pipeline.unet.config)" if ldm is None and any(
+        re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", k) for k in problems.unknown) else ""
+    line = problems.line(name, hint)
+    if line:
+        raise LoraMismatchError(family_mismatch(name, list(tensors), groups, params, indexes.get("unet")) or line)
     if not lora:
         raise LoraMismatchError(f"LoRA file {name} holds no LoRA tensors")
     return lora
@@ -293,7 +318,9 @@ def family_mismatch(name, keys, groups, params, unet_index) -> str | None:
                          and parts["down"][1].ndim == 2), None)
     downs = tuple(suffix for suffix, role in ROLES.items() if role == "down")  # one key per module
     named = lambda prefixes: any(k.startswith(prefixes) and k.endswith(downs) for k in keys)  # noqa: E731
-    if named(SDXL_NAMES) and not xl:
+    if any(FLUX_NAMES.search(k) for k in keys):  # before te1 / te2: kohya's Flux files name CLIP lora_te1_
+        theirs, why = "Flux.1", "names of Flux's double- and single-stream blocks"
+    elif named(SDXL_NAMES) and not xl:
         theirs, why = "SDXL", "names of SDXL's two text encoders"
     elif named(SD_NAMES) and xl:
         theirs, why = FAMILIES.get(theirs_width, "SD 1.x/2.x"), "kohya's name of SD's one text encoder"
@@ -303,7 +330,8 @@ def family_mismatch(name, keys, groups, params, unet_index) -> str | None:
     else:
         return None
     fix = ("load it with StableDiffusionXL" if theirs == "SDXL" else "load it with StableDiffusion"
-           if xl and theirs.startswith("SD") else f"use a LoRA made for {ours}")
+           if xl and theirs.startswith("SD") else "load it with sdflax.Flux" if theirs == "Flux.1"
+           else f"use a LoRA made for {ours}")
     return f"{name} is a LoRA for {theirs}, this pipeline is {ours} ({why}): {fix}"
 
 
@@ -323,7 +351,8 @@ def _delta(down, up, kernel_shape):
 
 
 def merge_lora(params, lora, scale=1.0):
-    """params with every LoRA target replaced by W + scale * (alpha / rank) * up @ down; a pure function.
+    """params with every LoRA target replaced by W + scale * (alpha / rank) * up @ down (a `"value"` entry: by that
+    value, as diffusers loads the norm scales of Flux Control LoRAs); a pure function.
 
     `scale` may be a traced value (`jax.jit(merge_lora)(params, lora, scale)` compiles once for all scales).
     Sums are done in float32 and cast back to each weight's dtype.
@@ -335,6 +364,9 @@ def merge_lora(params, lora, scale=1.0):
         flat = traverse_util.flatten_dict(params[component], sep="/")
         for name, w in targets.items():
             kernel = flat[name]
+            if "value" in w:  # a weight the file replaces (Flux Control LoRAs' RMSNorm scales), at any scale
+                flat[name] = jnp.asarray(w["value"]).astype(kernel.dtype)
+                continue
             delta = _delta(w["down"], w["up"], kernel.shape)
             flat[name] = _add(kernel, delta, w["alpha"] / w["down"].shape[0], scale)
         merged[component] = traverse_util.unflatten_dict(flat, sep="/")
@@ -346,9 +378,15 @@ def _add(kernel, delta, alpha_over_rank, scale):
     return (kernel.astype(jnp.float32) + (scale * alpha_over_rank) * delta).astype(kernel.dtype)
 
 
-def load_lora(params, path, scale=1.0, unet_config=None):
-    """Read a LoRA file and merge it into `params` (the pipeline's params dict) at `scale`."""
+def checked_scale(scale):
+    """`scale`, where it is a finite float32 number or traced; else a ValueError."""
     if isinstance(scale, (int, float)) and not is_float32(scale):
         raise ValueError(f"LoRA scale must be a finite float32 number (1 is the LoRA's full strength, 0 leaves the "
                          f"model as it is), got {scale}")
+    return scale
+
+
+def load_lora(params, path, scale=1.0, unet_config=None):
+    """Read a LoRA file and merge it into `params` (the pipeline's params dict) at `scale`."""
+    checked_scale(scale)
     return merge_lora(params, read_lora(path, params, unet_config), scale)

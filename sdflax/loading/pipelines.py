@@ -46,11 +46,16 @@ class PipelineLoaders:
         return pipeline
 
     def load_lora(self, params, path, scale=1.0):
-        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s). Pure:
+        """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s); Flux.1's
+        transformer, CLIP and T5 also from XLabs' and Black Forest Labs' names (`sdflax.loading.flux_lora`). Pure:
         LoRAs stack by calling it again (`sdflax.loading.lora.merge_lora` merges under jit with a traced `scale`)."""
+        if self.family.name == "flux":
+            from .flux_lora import load_flux_lora
+
+            return load_flux_lora(params, path, scale)
         from .lora import load_lora
 
-        self.unet_only("LoRAs")
+        self.unet_only("LoRAs", " and Flux.1")
         return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):
@@ -78,10 +83,10 @@ class PipelineLoaders:
         view.ip_adapter, view._spec = piece, None
         return view, {**params, **added}
 
-    def unet_only(self, what):
+    def unet_only(self, what, also=""):
         if self.denoiser.component != "unet":
-            raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL); SD 3.x's "
-                             "are not supported yet")
+            raise ValueError(f"{type(self).__name__}: {what} are for UNet checkpoints (SD 1.x, 2.x, SDXL){also}; "
+                             f"{self.family.title}'s are not supported yet")
 
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
