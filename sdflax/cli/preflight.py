@@ -106,7 +106,12 @@ def check_checkpoint(request, pictures):
         vae, denoiser = read_configs(folder, family, transformer_changes)
         cls = side.pipeline_class(request, cls, denoiser, vae)  # Flux.1 Fill's inpainting
         defaults = side.defaults(cls, denoiser)
-        scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
+        try:
+            scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
+        except ValueError:  # another sampler may not read a flow's config (Flux.1's dynamic shift): say why
+            if family.flow and request.scheduler is not None:
+                raise UserError(flow_only(request, family)) from None
+            raise
         check_scheduler(request, family, scheduler)
         request = dataclasses.replace(request, steps=request.steps or defaults["num_inference_steps"])
         # the step count fits whatever the size: a schedule shifted by the image's tokens (Flux.1's) at any
@@ -175,16 +180,20 @@ def with_article(title) -> str:
 def check_scheduler(request, family, scheduler):
     """A flow-matching scheduler for a flow family's denoiser (SD 3.x's transformer) and for no UNet."""
     flow = getattr(scheduler.config, "prediction_type", None) == "flow"
-    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
     if family.flow and not flow:
-        raise UserError(f"{given}: {family.title}'s {family.text.denoiser.component} samples with flow-matching "
-                        "Euler (A1111's Euler, flow_match_euler): give --scheduler Euler")
+        raise UserError(flow_only(request, family))
     if not family.flow and flow:
         from ..families import registered
 
         flows = " and ".join(other.title for other in registered().values() if other.flow)
         raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for {flows}; {request.model}'s "
                         "UNet predicts noise: choose another sampler")
+
+
+def flow_only(request, family) -> str:
+    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
+    return (f"{given}: {family.title}'s {family.text.denoiser.component} samples with flow-matching Euler (A1111's "
+            "Euler, flow_match_euler): give --scheduler Euler")
 
 
 def single_file_configs(request) -> tuple[str, object, dict | None, bool]:

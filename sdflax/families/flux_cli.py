@@ -54,8 +54,8 @@ def check_denoiser(request, family, transformer, vae):
                         f"Flux.1 transformers of {ordinary} (the VAE's latents, packed) and Fill's {fill}")
     if not transformer.guidance_embeds and request.guidance not in (None, 0):
         raise UserError(f"--guidance is the guidance Flux.1 dev was distilled to take, and {request.model}'s "
-                        "transformer takes none (as schnell's): drop --guidance (classifier-free guidance: --true-cfg "
-                        "with --negative-prompt)")
+                        "transformer has no guidance input (as FLUX.1-schnell's): drop --guidance (classifier-free "
+                        "guidance: --true-cfg with --negative-prompt)")
 
 
 def pipeline_class(request, cls, transformer, vae):
