@@ -44,7 +44,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
     i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
     i.add_argument("--strength", type=strength, help="how far to noise the image, in (0, 1]: 1 repaints "
                    "everything, small values keep the image; runs int(steps * strength) steps (default: the "
-                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL, 0.6 for SD 3.x)")
+                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL, 0.6 for SD 3.x and Flux.1)")
     add_options(i, "img2img", image=True)
 
     p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
@@ -56,7 +56,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
                    "repainted, black kept (binarised at 0.5)")
     p.add_argument("--strength", type=strength, help="in (0, 1]: 1 starts the masked region from pure noise, "
                    "smaller values from the noised image (default: the pipeline's, as diffusers: 1; 0.9999 for SDXL, "
-                   "0.6 for SD 3.x)")
+                   "0.6 for SD 3.x and Flux.1, 1 for Flux.1 Fill)")
     add_options(p, "inpaint", image=True)
     for add_command in more:
         add_command(commands)
