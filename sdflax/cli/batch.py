@@ -19,6 +19,7 @@ import os
 import sys
 
 from . import manifest as files
+from .features import having, used
 from .features.ip_adapter import check_line_images, line_images
 from .output import image_settings, output_target, slug
 from .options import add_options
@@ -187,6 +188,8 @@ def run_lines(args, held) -> int:
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
     check_flags(base, batch=True)  # a T2I-Adapter's picture is every line's, resized to its size
     check_line_images(base, lines, args.prompts)
+    for _, check in having("check_lines", used(base)):  # the features' checks of the lines' own values
+        check(base, lines, args.prompts)
     files.read_manifests(folder)  # a manifest that is not ours: refused before JAX starts
     process, processes = join_processes(args)  # before anything starts JAX's backend (the scheduler checks do)
     held.enter_context(files.folder_lock(folder, args.out, process))

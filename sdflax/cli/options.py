@@ -44,7 +44,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
     i.add_argument("--image", required=True, metavar="IN.png", help="the picture to start from")
     i.add_argument("--strength", type=strength, help="how far to noise the image, in (0, 1]: 1 repaints "
                    "everything, small values keep the image; runs int(steps * strength) steps (default: the "
-                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL, 0.6 for SD 3.x)")
+                   "pipeline's, as diffusers: 0.8; 0.3 for SDXL, 0.6 for SD 3.x and Flux.1)")
     add_options(i, "img2img", image=True)
 
     p = commands.add_parser("inpaint", help="image + mask + text -> PNG images", description="Repaint the white part "
@@ -56,7 +56,7 @@ def build_parser(*more) -> argparse.ArgumentParser:
                    "repainted, black kept (binarised at 0.5)")
     p.add_argument("--strength", type=strength, help="in (0, 1]: 1 starts the masked region from pure noise, "
                    "smaller values from the noised image (default: the pipeline's, as diffusers: 1; 0.9999 for SDXL, "
-                   "0.6 for SD 3.x)")
+                   "0.6 for SD 3.x and Flux.1, 1 for Flux.1 Fill)")
     add_options(p, "inpaint", image=True)
     for add_command in more:
         add_command(commands)
@@ -72,25 +72,27 @@ def add_options(parser, command, image=False, exclude=()):
 
     text = dict(type=prompt_text, metavar="TEXT")
     add("--negative-prompt", default="", help="what to steer away from", **text)
-    add("--prompt-2", help="SDXL and SD 3.x: the prompt of the second text encoder (default: the prompt)", **text)
-    add("--negative-prompt-2", help="SDXL and SD 3.x: the negative prompt of the second text encoder (default: the "
-        "negative prompt)", **text)
+    add("--prompt-2", help="SDXL, SD 3.x and Flux.1 (T5's): the prompt of the second text encoder (default: the "
+        "prompt)", **text)
+    add("--negative-prompt-2", help="SDXL, SD 3.x and Flux.1: the negative prompt of the second text encoder "
+        "(default: the negative prompt)", **text)
     add("--model", default=DEFAULT_MODEL, metavar="ID_DIR_OR_FILE",
-        help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x, SDXL base or SD 3.x, told "
-             f"apart by its tensor names) (default: {DEFAULT_MODEL})")
+        help=f"hub id, local diffusers folder, or one .safetensors/.ckpt file (SD 1.x, 2.x, SDXL base, SD 3.x or a "
+             f"FLUX.1 transformer, told apart by its tensor names) (default: {DEFAULT_MODEL})")
     add("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
     add("--config", metavar="ID_OR_DIR", help="with a single-file --model: a diffusers folder or hub id of the "
-        "same architecture, for the model, scheduler and tokenizer configs, and the models an SD 3.x file lacks "
-        "(default: sdflax's bundled SD 1.5, SD 2.1 (768 px, v-prediction), SDXL base, SD 3 / 3.5 Medium or 3.5 Large "
-        "configs)")
+        "same architecture, for the model, scheduler and tokenizer configs, and the models an SD 3.x or FLUX.1 file "
+        "lacks (default: sdflax's bundled SD 1.5, SD 2.1 (768 px, v-prediction), SDXL base, SD 3 / 3.5 Medium or 3.5 "
+        "Large configs; none for FLUX.1)")
     add("--scheduler", type=scheduler_argument, metavar="NAME", help="sampler: sdflax's name (dpmpp_2m, "
         "euler_ancestral, ...) or A1111's (\"DPM++ 2M Karras\", \"Euler a\", \"UniPC\", ...) (default: the "
         "checkpoint's own)")
     add("--steps", type=positive_int, help="denoising steps (default: the pipeline's, as diffusers: 50; 28 for SD 3.x "
-        "generate)")
+        "generate and Flux.1 but Fill's; 4 for Flux.1 schnell)")
     add("--guidance", type=finite, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
-             "inpaint; 7.0 for SD 3.x)")
+             "inpaint; 7.0 for SD 3.x); Flux.1: the guidance dev was distilled to take (default: 3.5; 7.0 for img2img "
+             "and inpaint, 30 for Fill; schnell takes none)")
     if image:
         add("--height", type=positive_int, metavar="H", help="resize the picture to H pixels high, a multiple of the "
             "VAE scale factor (default: its height, rounded down to a multiple)")

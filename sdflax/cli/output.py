@@ -132,9 +132,10 @@ def png_info(settings):
     negative = f"\nNegative prompt: {s['negative_prompt']}" if s["negative_prompt"] else ""  # none: no line, as A1111
     sampler, schedule = a1111_parameters_sampler(s.get("sampler", s["scheduler"]))
     schedule = f", Schedule type: {schedule}" if schedule else ""
-    parameters = (f"{s['prompt']}{in_prompt}{negative}\nSteps: {s['steps']}, Sampler: {sampler}{schedule}, CFG "
-                  f"scale: {s['guidance_scale']}, Seed: {s['seed']}, Size: {s['width']}x{s['height']}, Model: "
-                  f"{s['model']}")
+    scales = next(filter(None, (text(s) for _, text in having("scale_parameters"))), None)
+    scales = scales or f"CFG scale: {s['guidance_scale']}"
+    parameters = (f"{s['prompt']}{in_prompt}{negative}\nSteps: {s['steps']}, Sampler: {sampler}{schedule}, {scales}, "
+                  f"Seed: {s['seed']}, Size: {s['width']}x{s['height']}, Model: {s['model']}")
     if "strength" in s:
         parameters += f", Denoising strength: {s['strength']}"
     parameters += "".join(text(s) for _, text in having("parameters"))

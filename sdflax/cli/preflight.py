@@ -32,6 +32,7 @@ class Checkpoint:
     single_file: bool = False  # --model is one .safetensors / .ckpt file; `folder` holds the configs used for it
     strength: float | None = None  # img2img and inpaint: --strength, or the pipeline's default
     scheduler: object = dataclasses.field(default=None, compare=False)  # the one the pipeline loads with
+    denoiser: object = dataclasses.field(default=None, compare=False)  # its config (read_denoiser's)
     # a feature's name -> what it resolved to (`features.*.resolve`: the guider, the nets' pictures and scales, ...)
     features: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -103,15 +104,24 @@ def check_checkpoint(request, pictures):
         for _, choose in having("pipeline_class", features):
             cls = choose(request, family, cls)
         vae, denoiser = read_configs(folder, family, transformer_changes)
-        scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
+        cls = side.pipeline_class(request, cls, denoiser, vae)  # Flux.1 Fill's inpainting
+        defaults = side.defaults(cls, denoiser)
+        try:
+            scheduler = for_family(load_scheduler(folder, request.scheduler), cls.text.ays_family)
+        except ValueError:  # another sampler may not read a flow's config (Flux.1's dynamic shift): say why
+            if family.flow and request.scheduler is not None:
+                raise UserError(flow_only(request, family)) from None
+            raise
         check_scheduler(request, family, scheduler)
-        request = dataclasses.replace(request, steps=request.steps or cls.defaults["num_inference_steps"])
-        scheduler.check_steps(request.steps)
+        request = dataclasses.replace(request, steps=request.steps or defaults["num_inference_steps"])
+        # the step count fits whatever the size: a schedule shifted by the image's tokens (Flux.1's) at any
+        sized = scheduler.for_image_seq_len(1) if hasattr(scheduler, "for_image_seq_len") else scheduler
+        sized.check_steps(request.steps)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
     strength = None
     if pictures:
-        strength = request.strength if request.strength is not None else cls.defaults["strength"]
+        strength = request.strength if request.strength is not None else defaults["strength"]
         try:
             start_step(request.steps, strength)
         except ValueError:
@@ -128,29 +138,33 @@ def check_checkpoint(request, pictures):
         check(request, configs)
     step, step_name = side.size_step(denoiser, vae)
     shown = [(name(feature), pictures_of(request)) for feature, pictures_of in having("pictures", features)]
-    height, width, pictures, resized = fit_pictures(request, denoiser.sample_size * vae.scale_factor, step, pictures,
+    height, width, pictures, resized = fit_pictures(request, side.default_size(denoiser, vae), step, pictures,
                                                     [given for _, given in shown], step_name)
     side.check_size(request, height, width, denoiser, vae)
-    guidance = request.guidance if request.guidance is not None else cls.defaults["guidance_scale"]
+    guidance = request.guidance if request.guidance is not None else defaults["guidance_scale"]
     configs = dataclasses.replace(configs, height=height, width=width, guidance=guidance)
     resized = {feature: pictures for (feature, _), pictures in zip(shown, resized)}
     values = {name(feature): resolve(request, configs, resized.get(name(feature), ()))
               for feature, resolve in having("resolve", features)}
     commit = "" if single_file else snapshot_commit(folder) or ""  # a hub --config's commit is not the model's
     checkpoint = Checkpoint(folder, local, commit, family, cls, guidance, height, width, request.steps, without_t5,
-                            single_file, strength, scheduler, values)
+                            single_file, strength, scheduler, denoiser, values)
     return checkpoint, pictures
 
 
 def check_family_flags(request, this, features):
-    """A family's own flags for its checkpoints only, and each feature for the denoisers it takes."""
+    """A family's own flags (some shared by several: T5's sequence length) for its checkpoints only, and each
+    feature for the denoisers it takes."""
     from ..families import registered
 
+    own, takers = {field for _, field in this.flags}, {}
     for other in registered().values():
-        for flag, field in () if other is this else other.flags:
-            if getattr(request, field) not in (None, False, ()):
-                raise UserError(f"{flag} is for {other.title} checkpoints, but {request.model} is an {this.title} "
-                                f"checkpoint: drop {flag}")
+        for pair in other.flags:
+            takers.setdefault(pair, []).append(other.title)
+    for (flag, field), titles in takers.items():
+        if field not in own and getattr(request, field) not in (None, False, ()):
+            raise UserError(f"{flag} is for {' and '.join(titles)} checkpoints, but {request.model} is "
+                            f"{with_article(this.title)} checkpoint: drop {flag}")
     denoiser = this.text.denoiser.component
     for feature in features:
         if denoiser not in getattr(feature, "DENOISERS", (denoiser,)):
@@ -158,16 +172,28 @@ def check_family_flags(request, this, features):
                             f"one): drop {feature.FLAG}")
 
 
+def with_article(title) -> str:
+    """"an SD 3.x", "a Flux.1": SD is spelt out."""
+    return f"{'an' if title[:1] in 'AEIOU' or title.startswith('SD') else 'a'} {title}"
+
+
 def check_scheduler(request, family, scheduler):
     """A flow-matching scheduler for a flow family's denoiser (SD 3.x's transformer) and for no UNet."""
     flow = getattr(scheduler.config, "prediction_type", None) == "flow"
-    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
     if family.flow and not flow:
-        raise UserError(f"{given}: {family.title}'s {family.text.denoiser.component} samples with flow-matching "
-                        "Euler (A1111's Euler, flow_match_euler): give --scheduler Euler")
+        raise UserError(flow_only(request, family))
     if not family.flow and flow:
-        raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for SD 3.x; {request.model}'s UNet "
-                        "predicts noise: choose another sampler")
+        from ..families import registered
+
+        flows = " and ".join(other.title for other in registered().values() if other.flow)
+        raise UserError(f"--scheduler {request.scheduler} is flow-matching Euler, for {flows}; {request.model}'s "
+                        "UNet predicts noise: choose another sampler")
+
+
+def flow_only(request, family) -> str:
+    given = f"--scheduler {request.scheduler}" if request.scheduler else f"{request.model}'s scheduler"
+    return (f"{given}: {family.title}'s {family.text.denoiser.component} samples with flow-matching Euler (A1111's "
+            "Euler, flow_match_euler): give --scheduler Euler")
 
 
 def single_file_configs(request) -> tuple[str, object, dict | None, bool]:

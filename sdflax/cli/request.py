@@ -50,9 +50,10 @@ class Request:
     prompt_3: str | None = None  # SD 3.x's T5 prompt
     negative_prompt_3: str | None = None
     no_t5: bool = False  # SD 3.x loaded without T5 (its states zeros, as diffusers' text_encoder_3=None)
-    max_sequence_length: int | None = None  # SD 3.x: T5's tokens
+    max_sequence_length: int | None = None  # SD 3.x and Flux.1: T5's tokens
     slg_layers: tuple[int, ...] = ()  # SD 3.x's skip-layer guidance: the transformer blocks skipped
     slg_scale: float | None = None
+    true_cfg: float | None = None  # Flux.1's classifier-free guidance scale (--guidance is its distilled guidance)
     model: str = DEFAULT_MODEL
     revision: str | None = None
     config: str | None = None  # with a single-file model: the folder or hub id of its configs

@@ -82,6 +82,26 @@ def check_denoiser(request, family, transformer, vae):
                         f"latents have {vae.latent_channels}: sdflax runs SD 3.x transformers of the VAE's latents")
 
 
+def pipeline_class(request, cls, denoiser, vae):
+    """The class of the request's cell, as the family and the features chose it."""
+    return cls
+
+
+def defaults(cls, denoiser) -> dict:
+    """The pipeline class's defaults (diffusers')."""
+    return cls.defaults
+
+
+def default_size(denoiser, vae) -> int:
+    """The output's side without --height / --width or a picture: The transformer's own."""
+    return denoiser.sample_size * vae.scale_factor
+
+
+def cfg_scale(request, configs) -> tuple[str, float | None, float]:
+    """(the flag of the classifier-free guidance scale a guider takes, its value given, the scale): --guidance's."""
+    return "--guidance", request.guidance, configs.guidance
+
+
 def size_step(transformer, vae) -> tuple[int, str]:
     """(what the output's sides are multiples of, its name in messages): a patch of latents."""
     return vae.scale_factor * transformer.patch_size, "the VAE scale factor times the patch size"

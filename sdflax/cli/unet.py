@@ -37,6 +37,26 @@ def check_denoiser(request, family, unet, vae):
         raise UserError(f"{request.model} is an inpainting checkpoint (its UNet takes a mask): use sdflax inpaint")
 
 
+def pipeline_class(request, cls, denoiser, vae):
+    """The class of the request's cell, as the family and the features chose it."""
+    return cls
+
+
+def defaults(cls, denoiser) -> dict:
+    """The pipeline class's defaults (diffusers')."""
+    return cls.defaults
+
+
+def default_size(denoiser, vae) -> int:
+    """The output's side without --height / --width or a picture: The UNet's own."""
+    return denoiser.sample_size * vae.scale_factor
+
+
+def cfg_scale(request, configs) -> tuple[str, float | None, float]:
+    """(the flag of the classifier-free guidance scale a guider takes, its value given, the scale): --guidance's."""
+    return "--guidance", request.guidance, configs.guidance
+
+
 def size_step(denoiser, vae) -> tuple[int, str]:
     """(what the output's sides are multiples of, its name in messages)."""
     return vae.scale_factor, "the VAE scale factor"

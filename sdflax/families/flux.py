@@ -22,6 +22,8 @@ FLUX_IMAGE = "num_inference_steps guidance_scale height width noise neg_prompt_i
 # the call's guidance_scale is the distilled guidance the transformer takes, its true_cfg_scale the scale of
 # classifier-free guidance (the Inputs field every family's guidance reads)
 RENAMED = {"guidance_scale": "embedded_guidance", "true_cfg_scale": "guidance_scale"}
+# (flag, Request field): the command line's flags for Flux.1 (and the other families that list them) alone
+FLAGS = (("--true-cfg", "true_cfg"), ("--max-sequence-length", "max_sequence_length"))
 
 
 
@@ -100,8 +102,8 @@ ROWS = {
         "sizes, e.g. 1024x1024, 832x1248, 1248x832).", RENAMED),
 }
 
-FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__,
-                single_file="sdflax.loading.flux_single_file:FluxFiles")
+FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__, flags=FLAGS,
+                single_file="sdflax.loading.flux_single_file:FluxFiles", cli="sdflax.families.flux_cli")
 
 Flux = FAMILY.classes["Flux"]
 FluxImg2Img = FAMILY.classes["FluxImg2Img"]

@@ -1,7 +1,7 @@
-"""The command line's features: each module is one addition a request may use (SD 3's own flags, a refiner, a VAE,
-LoRAs, embeddings, a sampler's eta, a guider, ControlNets, IP-Adapters, T2I-Adapters), holding its flags, its checks,
-its loading, its call arguments and its PNG text. The commands loop over `FEATURES`; a module defines the functions
-it needs:
+"""The command line's features: each module is one addition a request may use (SD 3's and Flux.1's own flags, T5's
+sequence length, a refiner, a VAE, LoRAs, embeddings, a sampler's eta, a guider, ControlNets, IP-Adapters,
+T2I-Adapters), holding its flags, its checks, its loading, its call arguments and its PNG text. The commands loop
+over `FEATURES`; a module defines the functions it needs:
 
     FLAG                                 the flag that turns it on, named in messages
     DENOISERS                            the denoiser components it takes ("unet"); absent: every one
@@ -9,6 +9,7 @@ it needs:
                                          inpaint or batch
     used(request) -> bool                whether the request uses it (the steps below run for those that do)
     check_flags(request, batch)          before anything loads: its flags agree, its files and pictures are there
+    check_lines(request, lines, prompts) `sdflax batch`: against the prompt file's lines (their own values)
     pipeline_class(request, family, cls) -> the pipeline class of the request's cell, where it picks one
     check_configs(request, configs)      against the checkpoint's configs (kilobytes), before the output size
     pictures(request) -> (flag, paths, pictures)   pictures resized to the output size; where no --image sets
@@ -23,16 +24,19 @@ it needs:
                                          loaded with the pipeline; `staged(call, stage, ...)` runs both,
                                          `steps_before(request, checkpoint, stage)`: the steps before it
     settings(request, checkpoint) -> dict    its PNG text chunks (none where unused)
-    parameters(settings) -> str          its part of A1111's `parameters` line; `prompt_parameters`: of its prompt
+    parameters(settings) -> str          its part of A1111's `parameters` line; `prompt_parameters`: of its prompt;
+                                         `scale_parameters` -> str | None: the guidance scales' entries, in place
+                                         of "CFG scale: <guidance_scale>" (Flux.1's true and distilled ones)
 
 The order of `FEATURES` is the order of the PNG's entries and of the call's positional pictures.
 """
 
 from __future__ import annotations
 
-from . import controlnet, embedding, eta, guider, ip_adapter, lora, refiner, sd3_flags, t2i_adapter, vae
+from . import (controlnet, embedding, eta, flux_flags, guider, ip_adapter, lora, refiner, sd3_flags, t2i_adapter, t5,
+               vae)
 
-FEATURES = (sd3_flags, refiner, vae, lora, embedding, eta, guider, controlnet, ip_adapter, t2i_adapter)
+FEATURES = (sd3_flags, flux_flags, t5, refiner, vae, lora, embedding, eta, guider, controlnet, ip_adapter, t2i_adapter)
 
 
 def name(feature) -> str:

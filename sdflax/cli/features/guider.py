@@ -1,5 +1,6 @@
 """--guider and --guider-arg: a guider (sdflax.guiders) in place of plain classifier-free guidance, its guidance
-scale --guidance's, its every argument written into the PNG."""
+scale --guidance's (Flux.1's --true-cfg's: the family's command-line side says, `cfg_scale`), its every argument
+written into the PNG."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ FLAG = "--guider"
 def add_flags(add, command):
     add("--guider", type=guider_name, metavar="NAME",
         help="a guider in place of plain classifier-free guidance: cfg, apg, apg_mix, cfg_zero_star, tcfg, mag, fdg, "
-             "pag, seg, slg, autoguidance (or diffusers' class names); its guidance scale is --guidance's")
+             "pag, seg, slg, autoguidance (or diffusers' class names); its guidance scale is --guidance's (Flux.1: "
+             "the classifier-free one's)")
     add("--guider-arg", action="append", default=[], type=guider_argument, metavar="KEY=VALUE",
         help="an argument of --guider by diffusers' name or its last words (momentum=-0.5 for "
              "adaptive_projected_guidance_momentum, start=0.2, eta=0; the layers pag, seg, slg and autoguidance "
@@ -64,8 +66,8 @@ def check_flags(request, batch):
 
 
 def resolve(request, configs, pictures):
-    """--guider with its --guider-arg values, its guidance scale --guidance's (or the pipeline's default), for the
-    checkpoint's scheduler and denoiser."""
+    """--guider with its --guider-arg values, its guidance scale the classifier-free guidance's (--guidance, Flux.1's
+    --true-cfg; or the pipeline's default), for the checkpoint's scheduler and denoiser."""
     from ...guiders import guider_from_name
     from ...guiders.names import guider_class
 
@@ -77,13 +79,14 @@ def resolve(request, configs, pictures):
         raise UserError(f"--guider {request.guider} perturbs the layers you name: add --guider-arg "
                         f"config=FQN:INDICES, the list of modules and the indices of those perturbed, e.g. "
                         f"config={configs.side.LAYER_EXAMPLE}")
+    flag, given, scale = configs.side.cfg_scale(request, configs)
     if "guidance_scale" in arguments:
-        raise UserError("--guider-arg guidance_scale=...: give the scale as --guidance")
+        raise UserError(f"--guider-arg guidance_scale=...: give the scale as {flag}")
     if any(f.name == "guidance_scale" for f in dataclasses.fields(cls)):
-        arguments["guidance_scale"] = configs.guidance
-    elif request.guidance is not None:  # FDG: a scale per frequency level
+        arguments["guidance_scale"] = scale
+    elif given is not None:  # FDG: a scale per frequency level
         raise UserError(f"--guider {request.guider} has a guidance scale per frequency level: give them as "
-                        "--guider-arg guidance_scales=10,5 instead of --guidance")
+                        f"--guider-arg guidance_scales=10,5 instead of {flag}")
     try:
         guider = guider_from_name(request.guider, **arguments)
     except ValueError as e:

@@ -1,12 +1,12 @@
-"""SD 3.x's own flags: --prompt-3 and --negative-prompt-3 (T5's prompts), --no-t5, --max-sequence-length, and
-skip-layer guidance (--slg-layers, --slg-scale, diffusers' skip_guidance_layers). Other families refuse them
-(`Family.flags`)."""
+"""SD 3.x's own flags: --prompt-3 and --negative-prompt-3 (T5's prompts), --no-t5, and skip-layer guidance
+(--slg-layers, --slg-scale, diffusers' skip_guidance_layers). Other families refuse them (`Family.flags`); T5's
+--max-sequence-length, which Flux.1 takes too, is `t5.py`."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..parse import finite, positive_int, prompt_text
+from ..parse import finite, prompt_text
 from ..manifest import quoted
 from ..request import UserError
 
@@ -19,8 +19,6 @@ def add_flags(add, command):
     add("--negative-prompt-3", help="SD 3.x: the negative prompt of T5 (default: the negative prompt)", **text)
     add("--no-t5", action="store_true", help="SD 3.x: load without T5, the third text encoder (its states zeros, "
         "as diffusers' text_encoder_3=None): less memory, less faithful text")
-    add("--max-sequence-length", type=sequence_length, metavar="N", help="SD 3.x: T5's tokens, at most 512 "
-        "(default: 256, as diffusers)")
     add("--slg-layers", type=layer_list, default=(), metavar="I,J,...", help="SD 3.x: skip-layer guidance, an "
         "extra pass without these transformer blocks steering away from it (SD 3.5 Medium: 7,8,9), as diffusers' "
         "skip_guidance_layers")
@@ -36,19 +34,9 @@ def layer_list(text):
     return tuple(int(part) for part in parts)
 
 
-def sequence_length(text):
-    from ...pipeline.sd3_text import MAX_SEQUENCE_LENGTH
-
-    value = positive_int(text)
-    if value > MAX_SEQUENCE_LENGTH:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_SEQUENCE_LENGTH} (T5's longest), got {value}")
-    return value
-
-
 def used(request) -> bool:
     return any(value not in (None, False, ()) for value in (
-        request.prompt_3, request.negative_prompt_3, request.no_t5, request.max_sequence_length, request.slg_layers,
-        request.slg_scale))
+        request.prompt_3, request.negative_prompt_3, request.no_t5, request.slg_layers, request.slg_scale))
 
 
 def check_flags(request, batch):
@@ -74,13 +62,10 @@ def check_configs(request, configs):
 
 
 def prompt_arguments(rows, negative) -> dict:
-    """T5's prompts (each row's prompt where it gives none) and its length."""
+    """T5's prompts (each row's prompt where it gives none)."""
     prefix = "negative_prompt" if negative else "prompt"
     given = [getattr(r, f"{prefix}_3") for r in rows]
-    arguments = {"prompts_3": [g or getattr(r, prefix) for g, r in zip(given, rows)]} if any(given) else {}
-    if rows[0].max_sequence_length is not None:
-        arguments["max_sequence_length"] = rows[0].max_sequence_length
-    return arguments
+    return {"prompts_3": [g or getattr(r, prefix) for g, r in zip(given, rows)]} if any(given) else {}
 
 
 def components(request, dtype) -> tuple[dict, dict]:
@@ -103,8 +88,7 @@ def slg_scale(request) -> float:
 def settings(request, checkpoint) -> dict:
     """The flags given, and a T5 left out (--no-t5, or a checkpoint without)."""
     values = {key: value for key, value in (("prompt_3", request.prompt_3),
-                                            ("negative_prompt_3", request.negative_prompt_3),
-                                            ("max_sequence_length", request.max_sequence_length)) if value is not None}
+                                            ("negative_prompt_3", request.negative_prompt_3)) if value is not None}
     if checkpoint.without_t5:
         values["t5"] = "off"
     if request.slg_layers:
