@@ -123,6 +123,20 @@ def test_a_single_file_with_config_makes_the_folders_image(files, generated):
     assert (text["model"], text["config"]) == (str(files / "flux1-dev.safetensors"), str(files / "flux"))
 
 
+def test_a_lora_is_merged_as_the_librarys(files, dev, tmp_path):
+    """--lora PATH:SCALE on Flux: the library's load_lora at that scale (a PEFT file of the transformer and CLIP)."""
+    from test_flux_lora import peft_file
+    from test_flux_pipeline import torch_flux_pipeline
+
+    pipe, params = dev
+    peft_file(tmp_path / "style.safetensors", torch_flux_pipeline(tmp_path), seed=3)
+    png = cli(files, "lora.png", "generate", PROMPT, "--lora", f"{tmp_path / 'style.safetensors'}:0.7")
+    expected = library(pipe, pipe.load_lora(params, tmp_path / "style.safetensors", 0.7), guidance_scale=3.5)
+    close_to(png, expected)
+    assert np.abs(expected - library(pipe, params, guidance_scale=3.5)).max() > 0.02
+    assert "<lora:style:0.7>" in Image.open(png).text["parameters"]
+
+
 def test_a_guider_perturbing_the_transformers_attention_equals_the_library(files, dev):
     """PAG on a double-stream block, its scale --true-cfg's (no negative prompt: the empty prompt's prediction is
     the unconditional one), --guidance still the distilled guidance."""
@@ -203,7 +217,6 @@ def test_defaults_are_the_flux_pipelines(files, model, command, expected, monkey
      "(flux is one): drop --controlnet"),
     (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with Flux.1"),
     (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with Flux.1"),
-    (["--lora", "lora.safetensors"], "--lora is not supported with Flux.1 checkpoints yet"),
     (["--embedding", "token.pt"], "--embedding is not supported with Flux.1 checkpoints yet"),
     (["--refiner", "flux"], "--refiner is not supported with Flux.1 checkpoints yet"),
     (["--vae", "flux/vae"], "--vae is not supported with Flux.1 checkpoints yet"),

@@ -39,9 +39,9 @@ class Checkpoint:
 
 @dataclasses.dataclass(frozen=True)
 class Configs:
-    """What a feature checks a request against: the checkpoint's family and its command-line side, the pipeline class of the request's cell
-    (its `defaults`), its denoiser's and VAE's configs, its scheduler and the steps; once the output size is known,
-    that size and the guidance scale."""
+    """What a feature checks a request against: the checkpoint's family and its command-line side, the pipeline class
+    of the request's cell (its `defaults`), its denoiser's and VAE's configs, its scheduler and the steps; once the
+    output size is known, that size and the guidance scale."""
 
     family: object
     side: object  # the family's command-line side (`Family.cli`)
@@ -167,7 +167,8 @@ def check_family_flags(request, this, features):
                             f"{with_article(this.title)} checkpoint: drop {flag}")
     denoiser = this.text.denoiser.component
     for feature in features:
-        if denoiser not in getattr(feature, "DENOISERS", (denoiser,)):
+        takes = denoiser in getattr(feature, "DENOISERS", (denoiser,)) or this.name in getattr(feature, "FAMILIES", ())
+        if not takes:
             raise UserError(f"{feature.FLAG} is not supported with {this.title} checkpoints yet ({request.model} is "
                             f"one): drop {feature.FLAG}")
 

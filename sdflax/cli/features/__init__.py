@@ -5,6 +5,7 @@ over `FEATURES`; a module defines the functions it needs:
 
     FLAG                                 the flag that turns it on, named in messages
     DENOISERS                            the denoiser components it takes ("unet"); absent: every one
+    FAMILIES                             families it takes beside those (by name: "flux"), where DENOISERS is given
     add_flags(add, command)              its flags: `add(flag, **argparse keywords)`; command: generate, img2img,
                                          inpaint or batch
     used(request) -> bool                whether the request uses it (the steps below run for those that do)
