@@ -202,8 +202,8 @@ def test_hooks_without_a_meaning_on_the_transformer_are_refused(text_to_image):
     edits = np.ones((1, 4, 4), np.float32)
     for hook, name in [(hooks.freeu(0.9, 0.2, 1.2, 1.4), "freeu"), (hooks.deep_cache(), "deep_cache"),
                        (PromptToPrompt(edits, edits[:, 0], edits[:, 0]), "prompt_to_prompt")]:
-        with pytest.raises(ValueError, match=rf"^{name} works on a UNet only: .*, which SD 3's transformer \(an "
-                                             r"MMDiT\) has not; drop the hook$"):
+        with pytest.raises(ValueError, match=rf"^{name} works on a UNet only: .*, which a transformer \(SD 3.x's, "
+                                             r"Flux.1's\) has not; drop the hook$"):
             pipe.with_hooks(hook)(ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS)
 
 
