@@ -158,6 +158,16 @@ def test_a_guider_perturbing_the_transformers_attention_equals_the_library(files
     assert ", CFG scale: 2.0, Distilled CFG Scale: 3.5, " in text["parameters"]
 
 
+def test_a_reference_runs_kontext_as_the_library(files):
+    """--reference IMG: FluxKontext with that picture, the output at its size; the PNG records it."""
+    from sdflax import FluxKontext
+
+    png = cli(files, "kontext.png", "generate", PROMPT, "--reference", str(files / "in.png"))
+    pipe, params = FluxKontext.from_pretrained(files / "flux")
+    close_to(png, library(pipe, params, [Image.open(files / "in.png")], guidance_scale=3.5))
+    assert Image.open(png).text["reference"] == str(files / "in.png")
+
+
 @pytest.mark.parametrize("command", ["img2img", "inpaint"])
 def test_img2img_and_inpaint_equal_the_library(files, command):
     from sdflax import FluxImg2Img, FluxInpaint

@@ -54,6 +54,7 @@ class Request:
     slg_layers: tuple[int, ...] = ()  # SD 3.x's skip-layer guidance: the transformer blocks skipped
     slg_scale: float | None = None
     true_cfg: float | None = None  # Flux.1's classifier-free guidance scale (--guidance is its distilled guidance)
+    reference: str | None = None  # Flux.1 Kontext's picture to edit
     model: str = DEFAULT_MODEL
     revision: str | None = None
     config: str | None = None  # with a single-file model: the folder or hub id of its configs
