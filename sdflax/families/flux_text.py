@@ -222,11 +222,13 @@ class FluxText:
 
     def encode(self, params, inputs, settings) -> Cond:
         """T5 states, pooled CLIP embeddings and the distilled guidance for [negative; prompt] (2B rows, as the
-        other families: `Cond.conditional` keeps the prompt's half when no true CFG runs)."""
-        if inputs.prompt_embeds is None and inputs.neg_prompt_embeds is None:
-            ids = inputs.prompt_ids
-            neg_ids = self.negative_ids(inputs.neg_prompt_ids, ids.shape)
-            states, pooled = self.encode_prompt(params, jnp.concatenate([neg_ids, ids]))
+        other families: `Cond.conditional` keeps the prompt's half when no true CFG runs, and the negative's
+        encoding, unused, is then left out of the program)."""
+        guided = settings.classifier_free_guidance
+        if guided and inputs.prompt_embeds is None and inputs.neg_prompt_embeds is None:
+            ids = inputs.prompt_ids  # one encoder call on 2B rows, as SDText
+            states, pooled = self.encode_prompt(params, jnp.concatenate([self.negative_ids(inputs.neg_prompt_ids,
+                                                                                           ids.shape), ids]))
         else:
             if inputs.prompt_embeds is None:
                 states, pooled = self.encode_prompt(params, inputs.prompt_ids)
@@ -234,7 +236,7 @@ class FluxText:
                 states, pooled = inputs.prompt_embeds, inputs.pooled_prompt_embeds
             if inputs.neg_prompt_embeds is not None:
                 neg_states, neg_pooled = inputs.neg_prompt_embeds, inputs.neg_pooled_prompt_embeds
-            elif self.text_encoder_2 is None and not settings.classifier_free_guidance:
+            elif not guided:
                 neg_states, neg_pooled = states, pooled  # unused: only the prompt's half runs
             else:
                 shape = (states.shape[0], self.clip_length + states.shape[1])
