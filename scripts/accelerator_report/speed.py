@@ -131,8 +131,8 @@ def flop_count(job, size):
     shapes (no weights, no device): the UNet (SD 3.5, Flux: the transformer, counted under the same keys) lowered
     once with XLA's attention (cuDNN's is a custom call XLA cannot count) on a guidance batch of two rows (Flux, its
     guidance an input: one), times its evaluations, plus the VAE decode. The text encoders' share is left out
-    (under 0.1%; SD 3.5's T5-XXL, about 0.4%; Flux's T5-XXL on 512 tokens, about 0.2% a prompt). The count is the model's,
-    whatever device or framework runs it."""
+    (under 0.1%; SD 3.5's T5-XXL, about 0.4%; Flux's T5-XXL on 512 tokens, about 0.2% a prompt). The count is the
+    model's, whatever device or framework runs it."""
     import jax
     import jax.numpy as jnp
 
