@@ -62,6 +62,42 @@ def test_correctness_compares_every_model_in_both_dtypes(report, family):
     assert c["unet_attention"]["auto_vs_xla_rel_l2"] == 0
 
 
+def test_flux_parity_compares_the_image_and_the_transformer(report):
+    """FLUX.1-dev's pipeline against diffusers' FluxPipeline, float32, on the same packed noise: the image of a few
+    steps (one that varies, so the comparison means something) and the transformer's one evaluation."""
+    c = report[0]["correctness"]["flux"]
+    assert (c["image_size"], c["steps"], c["max_sequence_length"], c["prompts"]) == (64, 2, 32, 2)
+    assert c["image_std"] > 0.05
+    assert set(c["float32"]) == {"image", "transformer"}
+    for name, check in c["float32"].items():
+        assert check["ok"] and check["finite"] and not check["constant"], (name, check)
+        assert 0 < check["rel_l2"] <= check["bound"] == script.FLOAT32_BOUND and check["max_abs"] > 0, (name, check)
+
+
+def test_flux_configs_are_flux1_devs():
+    """The speed rows' Flux is FLUX.1-dev's shapes: 12 billion transformer weights (19 double- and 38 single-stream
+    blocks of 24 heads x 128), T5-XXL and CLIP-L; the parity models keep its widths with fewer blocks."""
+    import jax
+
+    from sdflax.cache import param_shapes
+    from sdflax.loading.assemble import build_models
+
+    full = script.FULL["flux"]
+    assert full["size"] == 1024 and full["transformer"]["guidance_embeds"]
+    assert [full["transformer"][k] for k in ("num_layers", "num_single_layers", "num_attention_heads",
+                                              "attention_head_dim", "joint_attention_dim", "pooled_projection_dim",
+                                              "in_channels", "axes_dims_rope")] == [19, 38, 24, 128, 4096, 768, 64,
+                                                                                    [16, 56, 56]]
+    assert (full["text_encoder_2"]["d_model"], full["text_encoder_2"]["num_layers"]) == (4096, 24)
+    assert (full["text_encoder"]["hidden_size"], full["vae"]["latent_channels"]) == (768, 16)
+    counts = {}
+    for parity in (False, True):
+        configs = script.configs_for("flux", "full", parity)
+        modules = build_models({"transformer": script.model_classes("flux")["transformer"]}, configs, np.float32)
+        counts[parity] = sum(x.size for x in jax.tree.leaves(param_shapes(modules["transformer"])))
+    assert round(counts[False] / 1e9, 2) == 11.90 and round(counts[True] / 1e9, 2) == 0.69
+
+
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
 def test_attention_rows_name_the_kernel_and_its_error(report, family):
     rows = report[0]["correctness"][family]["attention"]
@@ -115,6 +151,9 @@ def test_speed_runs_have_numbers_and_ratios(report):
             assert profile["categories_s"]["convolution"] > 0  # the UNet's and the VAE's, named by XLA here
             top = [k["seconds"] for k in profile["top"]]
             assert top == sorted(top, reverse=True) and top[-1] > 0 and all(k["count"] > 0 for k in profile["top"])
+    # FLUX.1-dev's row: sdflax against diffusers' FluxPipeline, each in its process, on the same noise
+    assert [(run["framework"], run["batches"], run["height"], run["guidance"]) for run in runs
+            if run["family"] == "flux"] == [("sdflax", [1], 64, 3.5), ("diffusers", [1], 64, 3.5)]
     cache = {run["cache"]: run["cache_hits"] for run in runs if run["framework"] == "sdflax"}
     assert cache["cold"] == 0 and cache["warm"] > 0 and cache["none"] == 0
     # the cold and warm processes load the checkpoint the run wrote, as a user's would; the others draw weights
@@ -144,7 +183,7 @@ def test_training_rows_time_sdflax_against_diffusers(report):
 
 def test_flop_counts_add_up(report):
     counts = report[0]["speed"]["flops"]
-    assert {(c["family"], c["steps"]) for c in counts} == {("sd15", 2), ("sdxl", 2), ("sd35", 2)}
+    assert {(c["family"], c["steps"]) for c in counts} == {("sd15", 2), ("sdxl", 2), ("sd35", 2), ("flux", 2)}
     for c in counts:
         assert c["unet_evals"] >= c["steps"] and c["unet_eval_flops"] > 0 and c["vae_decode_flops"] > 0
         assert c["flops_per_image"] == c["unet_evals"] * c["unet_eval_flops"] + c["vae_decode_flops"]
@@ -217,7 +256,7 @@ def test_scanned_stacks_keep_the_params_tree_and_the_unets_output():
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35"])
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35", "flux"])
 def test_model_calls_are_the_pipelines_calls(family):
     """Each family's models as `compile_split` compiles them (and `flop_count` counts two of them): every model of
     the pipeline, on its inputs' shapes at a batch of three (six guidance rows), lowered from the param shapes."""
@@ -233,20 +272,22 @@ def test_model_calls_are_the_pipelines_calls(family):
     for name, (function, inputs, keywords) in calls.items():
         assert jax.jit(function).lower(param_shapes(modules[name]), *inputs, **keywords).as_text(), name
         rows = [x.shape[0] for x in (*inputs, *keywords.values()) if x.shape]
-        assert set(rows) == ({3} if name == "vae" else {6}), (name, rows)
+        # Flux's transformer: no guidance batch, the guidance an input
+        single = name == "vae" or (family, name) == ("flux", "transformer")
+        assert set(rows) == ({3} if single else {6}), (name, rows)
 
 
 def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
     full = script.jobs("all", "full")
     assert {script.code_path(j) for j in full} == {script.code_path(j) for j in script.jobs("all", "tiny")}
-    parts = [job for part in ("correctness", "sd15", "sdxl", "sd35", "compile", "train")
+    parts = [job for part in ("correctness", "sd15", "sdxl", "sd35", "flux", "compile", "train")
              for job in script.jobs(part, "full")]
     assert all(job in parts for job in full)
     # the issue's settings
     settings = {(j["family"], j.get("setting"), j["steps"], j["guidance"], tuple(j.get("batches", ()))) for j in full
                 if j["kind"] == "speed"}
     assert {("sd15", None, 50, 7.5, (1, 8)), ("sdxl", None, 30, 5.0, (1,)), ("sdxl", "mlperf", 20, 8.0, (8,)),
-            ("sd35", None, 28, 7.0, (1,))} <= settings
+            ("sd35", None, 28, 7.0, (1,)), ("flux", None, 28, 3.5, (1,)), ("flux", None, 28, 3.5, (4,))} <= settings
     # training: SD 1.5 LoRA 512² batch 8 and SDXL LoRA 1024² batch 2, bf16, sdflax against diffusers
     assert [(j["framework"], j["family"], script.FULL[j["family"]]["size"], j["batches"], j["mixed_precision"])
             for j in full if j["kind"] == "train"] == [
@@ -257,6 +298,15 @@ def test_the_tiny_run_covers_every_code_path_of_the_gpu_run():
                                                                                     ("diffusers", [1])]
     assert script.FULL["sd35"]["size"] == 1024 and [j["family"] for j in script.jobs("all", "full", "sd35")] == \
         ["sd35", "sd35"]
+    # FLUX.1-dev at 1024x1024: its parity, then sdflax against diffusers at batch 1, then at batch 4 (last, and
+    # alone with --batch 4); the whole part last in `all`
+    flux = script.jobs("flux", "full")
+    assert [(j["kind"], j.get("framework"), j.get("batches")) for j in flux] == [
+        ("correctness", None, None), ("speed", "sdflax", [1]), ("speed", "diffusers", [1]), ("speed", "sdflax", [4]),
+        ("speed", "diffusers", [4])]
+    assert script.FULL["flux"]["size"] == 1024 and full[-len(flux):] == flux == script.jobs("all", "full", "flux")
+    assert [(j["framework"], j["batches"]) for j in script.jobs("flux", "full", batch=4)] == [("sdflax", [4]),
+                                                                                             ("diffusers", [4])]
 
 
 def test_sd35_configs_are_sd35_mediums():
@@ -316,7 +366,7 @@ def test_jobs_run_in_order_on_one_lane_and_after_what_they_need_on_two(monkeypat
     assert script.needs(tasks[warm], tasks[:warm]) == [checkpoint, cold]
     assert {t["cache_dir"] for t in tasks if "cache_dir" in t} == {"cache"}
     assert sorted((t["family"], t["steps"]) for t in tasks if t["kind"] == "flops") == \
-        [("sd15", 2), ("sd35", 2), ("sdxl", 2)]  # one FLOP count a setting
+        [("flux", 2), ("sd15", 2), ("sd35", 2), ("sdxl", 2)]  # one FLOP count a setting
     events = []
 
     class Ends:

@@ -10,11 +10,14 @@ lack in `.whl/` (downloaded where pip works: `pip download --no-deps --only-bina
 
 It needs jax (CUDA), flax, tokenizers, huggingface_hub, torch (CUDA) and transformers there; sdflax comes from the
 working tree, installed with its dependencies left alone. The whole run (`--part all`) takes about 15 minutes of
-an H200's time before SD 3.5 Medium's two jobs, which come last (a deadline may drop them: `--part sd35` runs them
-alone); each part (`--part correctness|sd15|sdxl|sd35|compile|flags|train`) fits a 10-minute command, `--family
-sd15|sdxl|sd35` keeps one family's jobs of a part, `--batch N` its speed jobs at batch N, and `--deadline-s` stops
-launching jobs once that many seconds have passed (and stops a running one there), so a run never outlasts its
-time limit. The report is rewritten after every job: a run cut short keeps what it finished.
+an H200's time before the jobs that come last, SD 3.5 Medium's, the training's and FLUX.1-dev's (a deadline may
+drop them: `--part sd35`, `--part train` and `--part flux` run them alone); each part (`--part
+correctness|sd15|sdxl|sd35|flux|compile|flags|train`) fits a 10-minute command, but for Flux's batch-4 jobs, last
+in its part (`--part flux --batch 4` runs them alone), `--family sd15|sdxl|sd35|flux` keeps one family's jobs of a
+part, `--batch N` its speed jobs at batch N, and `--deadline-s` stops launching jobs once that many seconds have
+passed (and stops a running one there), so a run never outlasts its time limit. The report is rewritten after every
+job: a run cut short keeps what it finished. The Flux part has not run on a GPU yet; by its FLOPs (2.1 PFLOP an
+image) its parity and batch 1 should take about 5 minutes of an H200's, its batch 4 about 6 more.
 
 On a TPU VM (`pip install "jax[tpu]" flax tokenizers huggingface_hub ml_dtypes pillow tqdm diffusers==0.39.0
 transformers torch --extra-index-url https://download.pytorch.org/whl/cpu`, then the command above without
@@ -37,14 +40,21 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   against float32; the relative L2 error ‖ours − theirs‖ / ‖theirs‖ of each, against a stated bound (`ok`), and
   whether the output is finite and not constant. `attention`: each attention shape of the UNet at bfloat16, which
   kernel sdflax picks on this device (`Kernels.attention_kernel`) and XLA's, cuDNN's (NVIDIA) and Pallas's (TPU)
-  results against float64.
+  results against float64. `flux` (`--part flux`): FLUX.1-dev's pipeline against diffusers' `FluxPipeline` on small
+  random models (`configs.FLUX_PARITY`: FLUX.1-dev's widths, 24 heads x 128 and its rotary axes, with one double-
+  and two single-stream blocks and two T5-XXL layers), float32 as above: the image of a few steps from the same
+  packed noise and two prompts, and the transformer's one evaluation.
 - `speed`, each job in its own fresh process: sdflax (`auto`: cuDNN attention where it runs, or `xla`) and diffusers
   (SDPA, float16; `+compile`: its UNet through `torch.compile`) at the issue's settings (SD 1.5 512x512 50 PNDM
   steps, SDXL 1024x1024 30 Euler steps, the MLPerf setting: SDXL 1024x1024, 20 Euler steps, guidance 8, batch 8;
-  SD 3.5 Medium 1024x1024, 28 flow-matching Euler steps, guidance 7.0, T5-XXL's 256 tokens, batch 1).
+  SD 3.5 Medium 1024x1024, 28 flow-matching Euler steps, guidance 7.0, T5-XXL's 256 tokens, batch 1; FLUX.1-dev
+  1024x1024, 28 steps, its distilled guidance 3.5, T5-XXL's 512 tokens, batch 1 and 4, both in bfloat16 (T5 would
+  overflow in diffusers' float16), diffusers given sdflax's noise packed. Its 12 billion transformer weights (19
+  double- and 38 single-stream blocks) and T5-XXL's 4.8 billion are 33 GB in bfloat16, one copy in each job's
+  process; diffusers' are drawn in float32 a model at a time, 48 GB at most: an 80 GB H100 holds either.
   Per batch size: the first call (compiling included), the median of `--repeats` timed calls with their range,
   seconds per image, images per second, peak device memory, FLOPs per image from XLA's cost analysis (UNet
-  evaluations (SD 3.5: its transformer's, under the same keys) and the VAE decode; the same count is used for
+  evaluations (SD 3.5, Flux: its transformer's, under the same keys) and the VAE decode; the same count is used for
   diffusers) and the achieved TFLOP/s; the flops job also traces and lowers the setting's whole program from
   the param shapes (`program`: the host's seconds of a cold compile, the size of the StableHLO module).
   Per process: `ready_s`, from the process's start to the first program compiled and run once (a cold compile
@@ -64,7 +74,7 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
   text encoders with each stack cut to one layer (`one_layer`, a bound), the UNet with each stack one `lax.scan`
   over its layers' stacked params (`scanned`), and both UNets run on the same random weights (`unet_runs`): what
   scanning would cost of the speed, and the scanned output against the plain one.
-- `training` (`--part train`; last in `all`): a LoRA update (rank 4 on the UNet's attention projections, cached
+- `training` (`--part train`; in `all` before Flux's): a LoRA update (rank 4 on the UNet's attention projections, cached
   latents, the text encoders run in the step, bfloat16 compute with the LoRA and Adam in float32) of
   `sdflax.train` against diffusers' LoRA scripts' update with PEFT (`train_text_to_image_lora.py`, its SDXL twin),
   each in its own process: SD 1.5 at 512² batch 8 and SDXL at 1024² batch 2. The first step (compiling included),
@@ -75,7 +85,9 @@ What it measures. Random weights everywhere: the compute of the real checkpoints
 - `table`: the speed rows as Markdown, for the README's GPU table.
 
 JSON schema (version 1): {"schema": 1, "provenance": {...}, "correctness": {family: {"float32": {model: check},
-"bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}}, "speed":
+"bfloat16": {model: check}, "attention": [layer, ...], "unet_attention": {"auto": check, "xla": check}}, "flux":
+{"image_size", "steps", "max_sequence_length", "prompts", "image_std", "float32": {"image": check, "transformer":
+check}}}, "speed":
 {"runs": [run, ...], "flops": [count, ...], "compile_split": [split, ...], "checkpoint": {"family", "bytes",
 "wall_s"}}, "training": [run, ...], "table": str, "errors": [str, ...]} ("checkpoint" where a job loads one); a
 check is {"rel_l2", "max_abs", "bound", "ok", "finite", "constant"}; a run is the job's settings and {"wall_s",

@@ -8,14 +8,19 @@ import dataclasses
 import math
 import os
 
-from .configs import TEXT_ENCODERS, configs_for
-from .models import torch_models
+from .configs import PROMPT, TEXT_ENCODERS, configs_for
+from .models import diffusers_pipeline, model_classes, pipeline_of, torch_models
 from .timing import log
 
 # Bounds of the relative L2 error. float32: the modules' test tolerance. bfloat16: ours against float32 may be
 # off by at most twice diffusers' own bfloat16 error against float32, or 1e-2, whichever is larger.
 FLOAT32_BOUND = 1e-4
 BFLOAT16_FLOOR = 1e-2
+# Flux's parity: a few steps of the whole pipeline on small models (`configs.FLUX_PARITY`), its image against
+# diffusers' FluxPipeline on the same packed noise (the T5 tokens: diffusers' 512, the CPU's tiny run fewer)
+FLUX_PARITY_RUN = {"full": {"size": 256, "steps": 4, "max_sequence_length": 512},
+                   "tiny": {"size": 64, "steps": 2, "max_sequence_length": 32}}
+FLUX_PROMPTS = [PROMPT, "a red cat"]
 
 
 def compare(ours, theirs, bound):
@@ -32,7 +37,9 @@ def compare(ours, theirs, bound):
 
 
 def correctness(job, size):
-    """sdflax's models against diffusers' on this device, float32 and bfloat16."""
+    """sdflax's models against diffusers' on this device, float32 and bfloat16 (Flux: `flux_parity`)."""
+    if job["family"] == "flux":
+        return flux_parity(job, size)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the device
     import jax
     import jax.numpy as jnp
@@ -146,6 +153,69 @@ def correctness(job, size):
                                 "xla": compare(xla16["unet"], theirs32["unet"], bound),
                                 "auto_vs_xla_rel_l2": compare(ours16["unet"], xla16["unet"], math.inf)["rel_l2"]}
     return report
+
+
+def flux_parity(job, size):
+    """Flux.1-dev's pipeline against diffusers' FluxPipeline on small random models, float32 (matmuls at "highest",
+    PyTorch's TF32 off): the images from the same packed noise and two prompts, and the transformer's one
+    evaluation on the same inputs."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the device
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from sdflax.cache import param_shapes
+    from sdflax.families.flux_text import image_ids, pack
+    from sdflax.loading.assemble import build_models
+    from sdflax.loading.weights import convert_state_dict
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    run = FLUX_PARITY_RUN[size]
+    side, tokens = run["size"], run["max_sequence_length"]
+    configs = configs_for("flux", size, parity=True)
+    theirs = torch_models("flux", size, device, parity=True)
+    state = {name: {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+             for name, model in theirs.items()}
+    log("correctness flux: float32 images ...")
+    rng = np.random.default_rng(0)
+    noise = rng.standard_normal((len(FLUX_PROMPTS), 16, side // 8, side // 8), np.float32)
+    pipe = diffusers_pipeline("flux", theirs, configs["scheduler"])
+    with torch.no_grad():
+        expected = pipe(FLUX_PROMPTS, height=side, width=side, num_inference_steps=run["steps"], guidance_scale=3.5,
+                        max_sequence_length=tokens, latents=pipe._pack_latents(torch.from_numpy(noise).to(device),
+                                                                                *noise.shape),
+                        output_type="np").images
+    modules = build_models(model_classes("flux"), configs, jnp.float32)
+    params = {name: convert_state_dict(state[name], param_shapes(module), jnp.float32)
+              for name, module in modules.items()}
+    pipeline = pipeline_of("flux", modules, configs["scheduler"], jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        images = pipeline(pipeline.prepare_inputs(FLUX_PROMPTS, max_sequence_length=tokens), params,
+                          jax.random.key(0), num_inference_steps=run["steps"], height=side, width=side,
+                          guidance_scale=3.5, latents=noise).images
+    log("correctness flux: the transformer's one evaluation ...")
+    cfg = modules["transformer"].config
+    h = side // 8
+    x = pack(noise)
+    context = rng.standard_normal((len(noise), tokens, cfg.joint_attention_dim), np.float32)
+    pooled = rng.standard_normal((len(noise), cfg.pooled_projection_dim), np.float32)
+    timestep, guidance = np.asarray([0.9, 0.3], np.float32), np.asarray([3.5, 3.5], np.float32)
+    ids = image_ids(h, h), np.zeros((tokens, 3), np.float32)
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    with torch.no_grad():
+        reference = theirs["transformer"](hidden_states=t(x), encoder_hidden_states=t(context),
+                                          pooled_projections=t(pooled), timestep=t(timestep), img_ids=t(ids[0]),
+                                          txt_ids=t(ids[1]), guidance=t(guidance)).sample.cpu().numpy()
+    with jax.default_matmul_precision("highest"):
+        ours = jax.jit(modules["transformer"].apply)(params["transformer"], x, context, pooled, timestep, *ids,
+                                                     guidance)
+    return {"device": str(jax.devices()[0].device_kind), "image_size": side, "steps": run["steps"],
+            "max_sequence_length": tokens, "prompts": len(FLUX_PROMPTS), "image_std": float(np.std(expected)),
+            "float32": {"image": compare(np.asarray(images), expected, FLOAT32_BOUND),
+                        "transformer": compare(np.asarray(ours), reference, FLOAT32_BOUND)}}
 
 
 def attention_shapes(configs, side):

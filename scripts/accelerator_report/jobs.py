@@ -21,8 +21,9 @@ TRAIN_RANK = 4  # diffusers' LoRA scripts' default --rank
 
 def settings(family, size):
     """The issue's settings for `family`: steps, guidance and the scheduler, (fewer steps for the tiny models)."""
-    steps = {"sd15": 50, "sdxl": 30, "sd35": 28}[family] if size == "full" else 2
-    return {"family": family, "steps": steps, "guidance": {"sd15": 7.5, "sdxl": 5.0, "sd35": 7.0}[family],
+    steps = {"sd15": 50, "sdxl": 30, "sd35": 28, "flux": 28}[family] if size == "full" else 2
+    return {"family": family, "steps": steps,
+            "guidance": {"sd15": 7.5, "sdxl": 5.0, "sd35": 7.0, "flux": 3.5}[family],  # Flux: dev's distilled one
             "scheduler": None}
 
 
@@ -31,7 +32,7 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     size where `batch` is), most wanted first (a deadline drops the last)."""
     full = size == "full"
     big = [1, 8] if full else [1, 2]
-    sd15, sdxl, sd35 = settings("sd15", size), settings("sdxl", size), settings("sd35", size)
+    sd15, sdxl, sd35, flux = (settings(family, size) for family in ("sd15", "sdxl", "sd35", "flux"))
     mlperf = {**sdxl, "steps": 20 if full else 2, "guidance": 8.0, "scheduler": "euler", "setting": "mlperf"}
     speed = lambda framework, s, batches, **extra: {"kind": "speed", "framework": framework, **s,  # noqa: E731
                                                     "batches": batches, **extra}
@@ -68,6 +69,10 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
                  speed("diffusers", mlperf, [8] if full else [2])],
         "sd35": [speed("sdflax", sd35, [1], attention="auto", cache="none"),
                  speed("diffusers", sd35, [1])],
+        # FLUX.1-dev: its parity on small models, then batch 1 and batch 4 (last: `--batch 4` runs them alone)
+        "flux": [{"kind": "correctness", "family": "flux"},
+                 speed("sdflax", flux, [1], attention="auto", cache="none"), speed("diffusers", flux, [1]),
+                 speed("sdflax", flux, [4], attention="auto", cache="none"), speed("diffusers", flux, [4])],
         # a LoRA update of sdflax.train against diffusers' LoRA scripts' step, bf16: SD 1.5 512² batch 8, SDXL 1024²
         # batch 2
         "train": [train(framework, family) for family in ("sd15", "sdxl") for framework in ("sdflax", "diffusers")],
@@ -75,7 +80,8 @@ def jobs(part: str, size: str, family: str | None = None, batch: int | None = No
     if part == "all":  # the most wanted of each part first
         order = [("sd15", 0), ("sd15", 1), ("correctness", 0), ("sdxl", 0), ("sdxl", 1), ("sdxl", 2), ("sdxl", 3),
                  ("compile", 4), ("sd15", 2), ("sd15", 3), ("sd15", 4), ("correctness", 1), ("sd15", 5), ("sd15", 6),
-                 ("sd35", 0), ("sd35", 1), ("train", 0), ("train", 1), ("train", 2), ("train", 3)]
+                 ("sd35", 0), ("sd35", 1), ("train", 0), ("train", 1), ("train", 2), ("train", 3), ("flux", 0),
+                 ("flux", 1), ("flux", 2), ("flux", 3), ("flux", 4)]
         chosen = [table[p][i] for p, i in order]
     else:
         chosen = table[part]

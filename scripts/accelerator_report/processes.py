@@ -65,14 +65,14 @@ def preload():
 
     import sdflax.cli  # noqa: F401
     import sdflax.train  # noqa: F401
-    from sdflax import StableDiffusion  # noqa: F401
+    from sdflax import Flux, StableDiffusion  # noqa: F401
     from sdflax.loading.assemble import build_models  # noqa: F401
 
     with contextlib.suppress(ImportError):  # the training jobs' (diffusers' side says so where it is missing)
         import peft  # noqa: F401
-    for name in ("UNet2DConditionModel", "AutoencoderKL", "SD3Transformer2DModel", "StableDiffusionPipeline",
-                 "StableDiffusionXLPipeline", "StableDiffusion3Pipeline", "PNDMScheduler", "EulerDiscreteScheduler",
-                 "FlowMatchEulerDiscreteScheduler", "DDPMScheduler"):
+    for name in ("UNet2DConditionModel", "AutoencoderKL", "SD3Transformer2DModel", "FluxTransformer2DModel",
+                 "StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline", "FluxPipeline",
+                 "PNDMScheduler", "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler", "DDPMScheduler"):
         getattr(diffusers, name)
 
 
@@ -196,9 +196,9 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the JSON report to write (a Markdown table beside it, .md)")
-    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "sd35", "compile", "flags", "train"),
-                   default="all")
-    p.add_argument("--family", choices=("sd15", "sdxl", "sd35"), help="only the jobs of this family's models")
+    p.add_argument("--part", choices=("all", "correctness", "sd15", "sdxl", "sd35", "flux", "compile", "flags",
+                                       "train"), default="all")
+    p.add_argument("--family", choices=("sd15", "sdxl", "sd35", "flux"), help="only the jobs of this family's models")
     p.add_argument("--size", choices=("full", "tiny"), help="the models: full size (default on an accelerator) or "
                    "tiny (default on the CPU)")
     p.add_argument("--batch", type=int, help="only the speed jobs timing this batch size, at that size alone")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 
-from .configs import PROMPT, TOKENIZER, configs_for
-from .models import model_calls, model_classes, sdflax_pipeline, torch_models
+from .configs import PROMPT, configs_for
+from .models import diffusers_pipeline, model_calls, model_classes, sdflax_pipeline, torch_models
 from .profile import device_profile
 from .timing import job_seconds, log, timed
 
@@ -49,8 +47,10 @@ def speed_sdflax(job, size, repeats):
         ids = pipeline.prepare_inputs([PROMPT] * batch)
 
         def call(seed):
+            # Flux: the noise diffusers' job is given (packed), as `latents`
+            extra = {"latents": flux_noise(batch, side, seed)} if job["family"] == "flux" else {}
             images = pipeline(ids, params, jax.random.key(seed), num_inference_steps=job["steps"], height=side,
-                              width=side, guidance_scale=job["guidance"])
+                              width=side, guidance_scale=job["guidance"], **extra)
             return images.images
 
         log(f"sdflax {job['family']} batch {batch} ...")
@@ -75,39 +75,16 @@ def speed_sdflax(job, size, repeats):
 
 
 def speed_diffusers(job, size, repeats):
-    import diffusers
     import torch
-    import transformers
 
     import_s = job_seconds()
     cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.float32)
     family = job["family"]
+    # Flux in bfloat16, as diffusers' Flux pipelines run it (T5-XXL's float16 activations overflow)
+    device, dtype = ("cuda", torch.bfloat16 if family == "flux" else torch.float16) if cuda else ("cpu", torch.float32)
     configs = configs_for(family, size)
-    models = torch_models(family, size, device)
-    models = {name: m.to(dtype) for name, m in models.items()}
-    tokenizer = transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER))
-    scheduler_config = configs["scheduler"]
-    scheduler_class = diffusers.EulerDiscreteScheduler if job["scheduler"] == "euler" else \
-        getattr(diffusers, scheduler_config["_class_name"])
-    scheduler = scheduler_class.from_config(scheduler_config)
-    if family == "sd35":
-        from benchmark import write_t5_tokenizer
-
-        with tempfile.TemporaryDirectory() as folder:  # T5's tokenizer (max_sequence_length: diffusers' 256)
-            tokenizer_3 = transformers.T5TokenizerFast(
-                tokenizer_file=os.path.join(write_t5_tokenizer(folder), "tokenizer.json"))
-        pipe = diffusers.StableDiffusion3Pipeline(
-            tokenizer_2=transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER), pad_token="!"), tokenizer=tokenizer,
-            tokenizer_3=tokenizer_3, scheduler=scheduler, **models)
-    elif family == "sdxl":
-        pipe = diffusers.StableDiffusionXLPipeline(
-            tokenizer_2=transformers.CLIPTokenizer.from_pretrained(str(TOKENIZER), pad_token="!"), tokenizer=tokenizer,
-            scheduler=scheduler, add_watermarker=False, **models)
-    else:
-        pipe = diffusers.StableDiffusionPipeline(tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
-                                                 feature_extractor=None, requires_safety_checker=False, **models)
-    pipe.set_progress_bar_config(disable=True)
+    models = torch_models(family, size, device, dtype=dtype)
+    pipe = diffusers_pipeline(family, models, configs["scheduler"], job["scheduler"])
     compiled = job["framework"] == "diffusers+compile"
     if compiled:  # diffusers' speed guide: channels-last, the UNet compiled whole
         pipe.unet.to(memory_format=torch.channels_last)
@@ -120,9 +97,13 @@ def speed_diffusers(job, size, repeats):
            "height": side, "width": side, "results": []}
     for batch in job["batches"]:
         def call(seed):
+            extra = {}
+            if family == "flux":  # sdflax's noise, packed as diffusers takes it
+                noise = torch.from_numpy(flux_noise(batch, side, seed))
+                extra["latents"] = pipe._pack_latents(noise, *noise.shape).to(device)
             pipe([PROMPT] * batch, height=side, width=side, num_inference_steps=job["steps"],
                  guidance_scale=job["guidance"], generator=torch.Generator(device).manual_seed(seed),
-                 output_type="np")
+                 output_type="np", **extra)
             if cuda:
                 torch.cuda.synchronize()
 
@@ -138,12 +119,20 @@ def speed_diffusers(job, size, repeats):
     return out
 
 
+def flux_noise(batch, side, seed):
+    """A Flux call's initial latents (batch, 16, side/8, side/8), the same in sdflax's job and in diffusers'."""
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal((batch, 16, side // 8, side // 8), np.float32)
+
+
 def flop_count(job, size):
     """FLOPs per image of a speed setting from XLA's cost analysis, counted in a CPU-only process from the param
-    shapes (no weights, no device): the UNet (SD 3.5: the transformer, counted under the same keys) lowered once
-    with XLA's attention (cuDNN's is a custom call XLA cannot count) on a guidance batch of two rows, times its
-    evaluations, plus the VAE decode. The text encoders' share is left out (under 0.1%; SD 3.5's T5-XXL, about
-    0.4%). The count is the model's, whatever device or framework runs it."""
+    shapes (no weights, no device): the UNet (SD 3.5, Flux: the transformer, counted under the same keys) lowered
+    once with XLA's attention (cuDNN's is a custom call XLA cannot count) on a guidance batch of two rows (Flux, its
+    guidance an input: one), times its evaluations, plus the VAE decode. The text encoders' share is left out
+    (under 0.1%; SD 3.5's T5-XXL, about 0.4%; Flux's T5-XXL on 512 tokens, about 0.2% a prompt). The count is the
+    model's, whatever device or framework runs it."""
     import jax
     import jax.numpy as jnp
 
@@ -162,10 +151,13 @@ def flop_count(job, size):
         cost = jax.jit(function).lower(param_shapes(modules[name]), *inputs, **keywords).cost_analysis()
         return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
-    unet_flops = flops("transformer" if job["family"] == "sd35" else "unet")
+    unet_flops = flops("transformer" if "transformer" in calls else "unet")
     vae_flops = flops("vae")
     scheduler = scheduler_from_config(configs["scheduler"], job["scheduler"])
-    evals = int(scheduler.set_timesteps(job["steps"], shape=calls["vae"][1][0].shape).timesteps.shape[0])
+    shape = calls["vae"][1][0].shape
+    if hasattr(scheduler, "for_image_seq_len"):  # Flux's schedule shifts by the image's tokens
+        scheduler = scheduler.for_image_seq_len((shape[-2] // 2) * (shape[-1] // 2))
+    evals = int(scheduler.set_timesteps(job["steps"], shape=shape).timesteps.shape[0])
     return {"flops_per_image": evals * unet_flops + vae_flops, "unet_evals": evals,
             "unet_eval_flops": unet_flops, "vae_decode_flops": vae_flops, "program": program_size(job, size, kernels)}
 
