@@ -86,12 +86,11 @@ def random_inception_state(fidelity):
 
 @pytest.fixture(scope="module")
 def inception(tmp_path_factory):
-    """(path of pytorch-fid's file layout, in torch's legacy format as the published file, torch-fidelity's model
-    loaded from it)."""
-    fidelity = torch_fidelity_inception()
+    """(the path of pytorch-fid's weights file, random, torch-fidelity's model loaded from it)."""
     path = tmp_path_factory.mktemp("inception") / "pt_inception-2015-12-05-6726825d.pth"
-    torch.save(random_inception_state(fidelity), path, _use_new_zipfile_serialization=False)
-    theirs = fidelity.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=path)
+    save_random_inception(path)
+    theirs = torch_fidelity_inception().FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
+                                                                    feature_extractor_weights_path=path)
     return path, theirs
 
 
@@ -269,18 +268,27 @@ CLIP_VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, nu
 PROMPTS = ["a red fox", "a lighthouse at dusk, oil painting", "a very long prompt " * 20]  # the last cut at 77 ids
 
 
-@pytest.fixture(scope="module")
-def clip_folder(tmp_path_factory):
+def save_random_clip(folder):
     """A random CLIPModel (projection 24) saved with the CLIP tokenizer and an image processor of its 28 px."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
 
     torch.manual_seed(2)  # scores of both signs, a positive mean
     model = randomize_norms(CLIPModel(CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION,
                                                  projection_dim=24)), seed=1).eval()
-    folder = tmp_path_factory.mktemp("clip")
     model.save_pretrained(folder)
     CLIPTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+
+
+def save_random_inception(path):
+    """pytorch-fid's weights file, random, in torch's legacy format as the published file."""
+    torch.save(random_inception_state(torch_fidelity_inception()), path, _use_new_zipfile_serialization=False)
+
+
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clip")
+    save_random_clip(folder)
     return folder
 
 
