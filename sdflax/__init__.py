@@ -29,6 +29,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
     "clip_image_inputs": ".pipeline.clip_image",
     "make_image_grid": ".utils",
     "hooks": ".hooks",
+    "metrics": ".metrics",
     "train": ".train",
 }
 
@@ -54,4 +55,4 @@ __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLI
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
            "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
            "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "from_pretrained",
-           "generate", "hooks", "make_image_grid", "random_draws", "replicate", "shard", "unshard"]
+           "generate", "hooks", "make_image_grid", "metrics", "random_draws", "replicate", "shard", "unshard"]

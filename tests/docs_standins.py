@@ -226,6 +226,13 @@ def flux(folder, guidance_embeds=True, in_channels=64):
         index.write_text(index.read_text().replace('"FluxPipeline"', '"FluxFillPipeline"'))
 
 
+def clip_model(folder):
+    """A transformers CLIPModel (the CLIP score's), small and random (tests/test_metrics.py's)."""
+    from test_metrics import save_random_clip
+
+    save_random_clip(folder)
+
+
 # hub id -> how its stand-in is made.
 STANDINS = {
     "stable-diffusion-v1-5/stable-diffusion-v1-5": sd15,
@@ -250,6 +257,7 @@ STANDINS = {
     "black-forest-labs/FLUX.1-Kontext-dev": flux,
     "black-forest-labs/FLUX.1-schnell": functools.partial(flux, guidance_embeds=False),
     "black-forest-labs/FLUX.1-Fill-dev": functools.partial(flux, in_channels=384),
+    "openai/clip-vit-large-patch14": clip_model,
 }
 
 
@@ -309,8 +317,17 @@ def files(folder):
     shutil.copy(REPO / "scripts" / "example_scheduler.py", folder / "example_scheduler.py")
 
 
+def large_files(folder):
+    """The files too large to copy into every page's folder (linked there instead): FID's network, random, in
+    pytorch-fid's file (docs/research.md)."""
+    from test_metrics import save_random_inception
+
+    folder.mkdir(parents=True)
+    save_random_inception(folder / "pt_inception-2015-12-05-6726825d.pth")
+
+
 def build(root: Path):
-    """root/hub: the Hugging Face cache of STANDINS; root/files: FILES. Built in a temporary folder and renamed
+    """root/hub: the Hugging Face cache of STANDINS; root/files: FILES, root/large: `large_files`. Built in a temporary folder and renamed
     into place, so a reader never sees half of it."""
     staging = root.with_name(f"{root.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -326,6 +343,7 @@ def build(root: Path):
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text(COMMIT)
     files(staging / "files")
+    large_files(staging / "large")
     os.rename(staging, root)
     return root
 

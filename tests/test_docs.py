@@ -4,7 +4,7 @@ Conventions (what a page's author writes):
 - ```python blocks of a page run in order in one namespace, in this process, in the page's own temporary working
   folder (on sys.path, as a script's folder is), offline (HF_HUB_OFFLINE=1), with the hub ids of
   tests/docs_standins.py (STANDINS) resolved from a Hugging Face cache of stand-ins and its FILES (photo.png,
-  mask.png, loras/..., ...) in the working folder.
+  mask.png, loras/..., ..., and its large files linked) in the working folder.
 - ```bash / ```sh blocks of a page run after its Python blocks, all in one `bash -euo pipefail` process, in the same
   folder, in a fresh interpreter per command as a new user's shell has (one CPU device, `sdflax` and `python` of
   this environment on PATH, `weights/` of the repository beside them), compiling as the suite does
@@ -87,6 +87,8 @@ def workdir(standin_root, tmp_path, monkeypatch):
     work = tmp_path / "work"
     shutil.copytree(standin_root / "files", work)
     os.symlink(REPO / "weights", work / "weights")
+    for path in (standin_root / "large").iterdir():
+        os.symlink(path, work / path.name)
     hub = str(standin_root / "hub")
     monkeypatch.setenv("HF_HUB_CACHE", hub)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
