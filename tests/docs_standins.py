@@ -255,7 +255,6 @@ STANDINS = {
     "stabilityai/stable-diffusion-3.5-large-turbo": sd35,
     "black-forest-labs/FLUX.1-dev": flux,
     "black-forest-labs/FLUX.1-Kontext-dev": flux,
-    "black-forest-labs/FLUX.1-schnell": functools.partial(flux, guidance_embeds=False),
     "black-forest-labs/FLUX.1-Fill-dev": functools.partial(flux, in_channels=384),
     "openai/clip-vit-large-patch14": clip_model,
 }
