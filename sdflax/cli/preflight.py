@@ -218,6 +218,23 @@ def single_file_configs(request) -> tuple[str, object, dict | None, bool]:
     return folder, family, changes, without_t5
 
 
+def config_folder(request, family, what: str, give: str) -> tuple[str, dict]:
+    """(the folder, its model_index.json) of --config for a single-file --model of `family` (`what` the file is):
+    a diffusers folder or hub id of that family's, or one line saying what to `give`."""
+    from ..families import for_index
+    from ..loading.folders import check_pipeline_folder, read_index
+    from ..loading.hub import resolve_folder
+    from .request import CONFIG_FILES
+
+    folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
+    check_pipeline_folder(folder, f"--config {request.config}", (), ())  # model_index.json, the scheduler's
+    index = read_index(folder)
+    if for_index(index) is not family:
+        raise UserError(f"--config {request.config} is a {index.get('_class_name')} checkpoint, but --model "
+                        f"{request.model} is {what}: give {give}")
+    return folder, index
+
+
 def check_attention(request, backend, dtype):
     from ..models.layers import attention_for
 

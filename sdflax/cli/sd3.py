@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import os
 
-from .request import CONFIG_FILES, UserError
+from . import unet
+from .request import UserError
+
+# what SD 3.x does as a UNet family does: the row's class, diffusers' defaults, the denoiser's own size, --guidance
+pipeline_class, defaults, default_size, cfg_scale = unet.pipeline_class, unet.defaults, unet.default_size, unet.cfg_scale
+
 
 def lacks_t5(index: dict) -> bool:
     """Whether an SD 3.x folder's model_index.json has no T5 (saved with text_encoder_3=None)."""
@@ -19,23 +24,18 @@ def file_configs(request, tensors) -> tuple[str, dict, bool]:
     """(the folder of configs for an SD 3.x single file, changes to its transformer's config, whether it runs
     without T5): --config's, else sdflax's bundled ones for the MMDiT's size (as `load_sd3_single_file` reads them).
     """
-    from ..loading.hub import resolve_folder
     from ..loading.ldm_names import (SD3_BUNDLED, SD3_TRANSFORMER_CHANGES, sd3_components_in, sd3_model_type,
                                      sd3_with_prefixes)
-    from ..loading.folders import check_pipeline_folder, read_index
+    from ..loading.folders import check_pipeline_folder
     from ..loading.single_file import bundled_config_folder
-    from ..families import for_index
     from ..families.sd3 import FAMILY
+    from .preflight import config_folder
 
     tensors = sd3_with_prefixes(tensors)
     t5_in_file = "text_encoder_3" in sd3_components_in(tensors)
     if request.config is not None:
-        folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
-        check_pipeline_folder(folder, f"--config {request.config}", (), ())  # model_index.json, the scheduler's
-        index = read_index(folder)
-        if for_index(index) is not FAMILY:
-            raise UserError(f"--config {request.config} is a {index.get('_class_name')} checkpoint, but --model "
-                            f"{request.model} is an SD 3.x file: give the diffusers folder or hub id of the same model")
+        folder, index = config_folder(request, FAMILY, "an SD 3.x file",
+                                      "the diffusers folder or hub id of the same model")
         check_pipeline_folder(folder, f"--config {request.config}", ("transformer", "vae"), ())
         return folder, {}, request.no_t5 or not t5_in_file and lacks_t5(index)
     version = sd3_model_type(tensors)
@@ -80,26 +80,6 @@ def check_denoiser(request, family, transformer, vae):
     if transformer.in_channels != vae.latent_channels:
         raise UserError(f"{request.model}: its transformer takes {transformer.in_channels} input channels, its VAE's "
                         f"latents have {vae.latent_channels}: sdflax runs SD 3.x transformers of the VAE's latents")
-
-
-def pipeline_class(request, cls, denoiser, vae):
-    """The class of the request's cell, as the family and the features chose it."""
-    return cls
-
-
-def defaults(cls, denoiser) -> dict:
-    """The pipeline class's defaults (diffusers')."""
-    return cls.defaults
-
-
-def default_size(denoiser, vae) -> int:
-    """The output's side without --height / --width or a picture: The transformer's own."""
-    return denoiser.sample_size * vae.scale_factor
-
-
-def cfg_scale(request, configs) -> tuple[str, float | None, float]:
-    """(the flag of the classifier-free guidance scale a guider takes, its value given, the scale): --guidance's."""
-    return "--guidance", request.guidance, configs.guidance
 
 
 def size_step(transformer, vae) -> tuple[int, str]:

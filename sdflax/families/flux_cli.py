@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..cli.request import CONFIG_FILES, UserError
+from ..cli.request import UserError
 
 SCHNELL_STEPS = 4  # a transformer without a guidance input (schnell, timestep-distilled): Black Forest Labs' steps
 
@@ -108,21 +108,15 @@ def file_configs(request, tensors) -> tuple[str, dict, bool]:
     T5: False): --config's, a diffusers FLUX.1 folder or hub id, which also gives the models the file lacks (sdflax
     bundles none)."""
     from ..loading.flux_names import flux_config, without_prefix
-    from ..loading.folders import check_pipeline_folder, read_index
-    from ..loading.hub import resolve_folder
-    from . import for_index
+    from ..cli.preflight import config_folder
+    from ..loading.folders import check_pipeline_folder
     from .flux import FAMILY
 
     if request.config is None:
         raise UserError(f"--model {request.model} holds a FLUX.1 transformer alone (Black Forest Labs' layout): pass "
                         "--config <a diffusers FLUX.1 folder or hub id, e.g. black-forest-labs/FLUX.1-dev> for its "
                         "text encoders, VAE, tokenizers and scheduler")
-    folder = resolve_folder(request.config, None, allow_patterns=CONFIG_FILES)
-    check_pipeline_folder(folder, f"--config {request.config}", (), ())  # model_index.json, the scheduler's
-    index = read_index(folder)
-    if for_index(index) is not FAMILY:
-        raise UserError(f"--config {request.config} is a {index.get('_class_name')} checkpoint, but --model "
-                        f"{request.model} is a FLUX.1 transformer file: give a diffusers FLUX.1 folder or hub id")
+    folder, _ = config_folder(request, FAMILY, "a FLUX.1 transformer file", "a diffusers FLUX.1 folder or hub id")
     check_pipeline_folder(folder, f"--config {request.config}", *folder_parts(request))
     return folder, flux_config(without_prefix(tensors), os.path.basename(request.model)), False
 
