@@ -26,8 +26,8 @@ from .options import add_options
 from .parse import finite, positive_int, seed
 from .preflight import check_attention, check_checkpoint
 from .request import Request, UserError
-from .run import (check_flags, compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows,
-                  use_compile_cache)
+from .run import (StepBar, check_flags, compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows,
+                  say_between_bars, steps_run, use_compile_cache)
 from .workers import Producer, Signals, Writer, run_until_done_or_signal
 
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
@@ -182,7 +182,8 @@ def run_lines(args, held) -> int:
     """The command; `held` keeps the folder's lock, and from when the inputs are read the signal handlers, until
     the run ends. Until then a signal ends the process as it would any other (nothing is written yet), even one
     blocked reading a FIFO given as PROMPTS."""
-    status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress is not False else (lambda m: 0)
+    status = say_between_bars if args.progress is not False else (lambda m: 0)
+    show_bar = sys.stderr.isatty() if args.progress is None else args.progress
     lines = read_prompts(args.prompts, args, len(args.ip_adapter))  # every mistake before JAX starts
     folder = output_folder(args.out)
     base = Request.from_args(args, command="generate", prompt=lines[0].prompt)
@@ -242,10 +243,13 @@ def run_lines(args, held) -> int:
         if (program, zeros, guided(scale)) not in compiled:  # what fixes the compiled program
             compiled.add((program, zeros, guided(scale)))
             status(compiling_line(rows[0].steps, checkpoint, batch, where, cache_dir))
-        call = sample_rows(pipeline, params, mesh, checkpoint, [line.request(base, seeds[line.number])
-                                                                 for line in rows])
-        return out_of_memory_is_one_line(call, None, f"{batch} images of {checkpoint.width}x{checkpoint.height} on "
-                                         f"{where}", "use a smaller --batch-per-device or --dtype bfloat16")
+        requests = [line.request(base, seeds[line.number]) for line in rows]
+        call = sample_rows(pipeline, params, mesh, checkpoint, requests)
+        bar = StepBar(steps_run(requests[0], checkpoint), repr(("batch", args.model, key, batch, dtype, where)),
+                      cache_dir, leave=False) if show_bar else contextlib.nullcontext()
+        with bar:
+            return out_of_memory_is_one_line(call, f"{batch} images of {checkpoint.width}x{checkpoint.height} on "
+                                             f"{where}", "use a smaller --batch-per-device or --dtype bfloat16")
 
     writer = Writer(folder, manifest, process, total, status, lambda line: settings_of(line, seeds[line.number]),
                     first_seed, pipeline.numpy_to_pil, signals.stop)

@@ -117,8 +117,7 @@ def add_options(parser, command, image=False, exclude=()):
         help="a folder (default: outputs/), or NAME.png: the image, or the grid when there are several")
     add("--grid", action="store_true", help="also write all images as one grid PNG")
     add("--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="--progress adds a per-step bar to the status lines and download bars (its program is compiled on "
-        "every run: JAX keeps no program with a host callback in its disk cache); --no-progress prints only the "
-        "results (default: status lines and download bars)")
+        help="status lines, download bars and a per-step bar, which the clock moves at the pace of the program's "
+        "last run (default: the bar on a terminal only); --no-progress prints only the results")
     add("--cache-dir", metavar="DIR", help=f"compiled programs, reused by later runs (default: ${cache.CACHE_ENV} "
         f"or ~/.cache/sdflax/jax; {cache.CACHE_ENV}={cache.OFF} keeps none)")

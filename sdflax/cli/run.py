@@ -5,10 +5,13 @@ mode of `sdflax generate`, `img2img`, `inpaint` and `batch` (`sample_rows`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+import tempfile
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -60,15 +63,16 @@ def run(request) -> int:
 
     where = devices_text(mesh.size, backend)
     status(compiling_line(request.steps, checkpoint, len(seeds), where, cache_dir))
-    step_bar = StepBar(steps_run(request, checkpoint, stage)) if request.progress else None
+    show_bar = sys.stderr.isatty() if request.progress is None else request.progress
+    program = (request.command, request.model, request.scheduler, checkpoint.width, checkpoint.height, len(seeds),
+               dtype, where, sorted(name(feature) for feature in used(request)))  # what the bar's pace depends on
     with CompileClock() as clock:
         start = time.perf_counter()
-        images = out_of_memory_is_one_line(call, step_bar, f"{len(seeds)} image(s) of {checkpoint.width}x"
-                                           f"{checkpoint.height} on {where}", "use fewer --num-images, a smaller "
-                                           "size, or --dtype bfloat16")
+        with StepBar(steps_run(request, checkpoint), repr(program), cache_dir) if show_bar else nullcontext():
+            images = out_of_memory_is_one_line(call, f"{len(seeds)} image(s) of {checkpoint.width}x"
+                                               f"{checkpoint.height} on {where}", "use fewer --num-images, a "
+                                               "smaller size, or --dtype bfloat16")
         total_s = time.perf_counter() - start
-    if step_bar is not None:
-        step_bar.close()
     images = pipeline.numpy_to_pil(images)[:num_images]
     save(request, target, images, seeds[:num_images], image_settings(request, pipeline.scheduler, checkpoint, dtype))
 
@@ -102,12 +106,12 @@ def devices_text(count, backend) -> str:
     return f"{count} {backend.upper()} device" + ("s" if count > 1 else "")
 
 
-def out_of_memory_is_one_line(call, callback, what, fix):
-    """call(callback), with the device running out of memory told in one line, not XLA's dump."""
+def out_of_memory_is_one_line(call, what, fix):
+    """call(), with the device running out of memory told in one line, not XLA's dump."""
     import jax
 
     try:
-        return call(callback)
+        return call()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -152,7 +156,7 @@ def next_stage(request, checkpoint, dtype):
 
 
 def prepare(request, pipeline, params, checkpoint, pictures, seed, mesh, stage=None):
-    """(seeds, call(callback) -> images): the images fill every device of `mesh`, and image i has its own key,
+    """(seeds, call() -> images): the images fill every device of `mesh`, and image i has its own key,
     seed + i, so it does not depend on the batch it was made in."""
     from ..parallel import replicate_on
 
@@ -163,7 +167,7 @@ def prepare(request, pipeline, params, checkpoint, pictures, seed, mesh, stage=N
 
 
 def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, stage=None):
-    """call(callback) -> this process's images of `rows` (requests of one program and guidance scale that differ
+    """call() -> this process's images of `rows` (requests of one program and guidance scale that differ
     in prompts, seed and image prompts), made by `generate_sharded` over `mesh`, the same pictures for every row.
     With a `stage` (`next_stage`: a refiner) the call hands its latents on to it."""
     import jax
@@ -207,15 +211,15 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, stage=N
         extra.update(height=checkpoint.height, width=checkpoint.width)
     request = rows[0]
 
-    def call(callback=None, **more):
+    def call(**more):
         return pipeline.generate_sharded(ids, *arrays, params, keys, num_inference_steps=request.steps,
                                          guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids, mesh=mesh,
-                                         callback=callback, **extra, **more)
+                                         **extra, **more)
 
     if stage is None:
         return call
     feature, loaded = stage
-    return feature.staged(call, loaded, mesh, checkpoint, rows, keys, configure, StepBar)
+    return feature.staged(call, loaded, mesh, checkpoint, rows, keys, configure)
 
 
 def prompt_arguments(rows, features, negative=False) -> dict:
@@ -231,43 +235,109 @@ def prompt_arguments(rows, features, negative=False) -> dict:
 
 # ---- progress and timing ------------------------------------------------------------------------------------
 
-def steps_run(request, checkpoint, stage=None) -> int:
-    """The steps of the schedule the (base) model runs: img2img and inpaint skip the first 1 - strength of them; with
-    a next stage (a refiner) the base stops where the stage's part begins."""
+def steps_run(request, checkpoint) -> int:
+    """The steps of the schedule the model runs: img2img and inpaint skip the first 1 - strength of them (with a
+    refiner, base and refiner run them all between them)."""
     from ..pipeline.starts import start_step
 
     if checkpoint.strength is not None:
         return request.steps - start_step(request.steps, checkpoint.strength)
-    if stage is not None:
-        feature, loaded = stage
-        return feature.steps_before(request, checkpoint, loaded)
     return request.steps
 
 
 class StepBar:
-    """A tqdm bar of `steps` steps fed by the pipeline's per-evaluation host callback. A sampler may run more
-    evaluations than steps (PNDM one more, Heun and DPM2 two a step): evaluation i of n completes
-    (i + 1) * steps // n steps, so the bar ends at steps/steps. Each device reports every evaluation, so it counts
-    once, when the first device reaches it. One object per run: the callback is static."""
+    """A tqdm bar of a call's denoising steps that the clock moves, at the seconds per step the same program took the
+    last time (kept in the compile cache's folder, `step-seconds.json`): a host callback in the program would make
+    JAX keep it out of its disk cache and compile it on every run. The clock starts when the last compile (or load
+    from the cache) ends; the bar stops a step short of the end until the call returns. With no earlier run it
+    counts the seconds, then records this run's pace for the next one.
 
-    def __init__(self, steps, desc="denoising"):
-        self.steps, self.desc = steps, desc
-        self.bar, self.done, self.lock = None, 0, threading.Lock()
+        with StepBar(steps, key, folder): images = call()
+    """
 
-    def __call__(self, evaluation, num_evals, latents):
-        with self.lock:
-            if self.bar is None:
-                from tqdm import tqdm
+    FILE, KEPT = "step-seconds.json", 256  # programs remembered, the newest
 
-                self.bar = tqdm(total=self.steps, desc=self.desc, unit="step", file=sys.stderr, dynamic_ncols=True)
-            done = (evaluation + 1) * self.steps // num_evals
-            if done > self.done:
-                self.bar.update(done - self.done)
-                self.done = done
+    def __init__(self, steps, key, folder, desc="denoising", leave=True, tick_s=0.25):
+        self.steps, self.key, self.desc, self.leave, self.tick_s = steps, key, desc, leave, tick_s
+        self.path = os.path.join(folder, self.FILE) if folder else None
+        self.pace = self.read().get(key)  # seconds a step, or None
+        self.started, self.done = time.perf_counter(), threading.Event()
 
-    def close(self):
-        if self.bar is not None:
+    def read(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                paces = json.loads(f.read(1 << 20))  # a file of another kind: no estimate, never an error
+            return paces if isinstance(paces, dict) else {}
+        except (OSError, TypeError, ValueError):
+            return {}
+
+    def __enter__(self):
+        from jax import monitoring
+        from tqdm import tqdm
+
+        total = self.steps if self.pace else None
+        self.bar = tqdm(total=total, desc=self.desc, unit="step" if total else "s", file=sys.stderr,
+                        leave=self.leave, dynamic_ncols=True, bar_format=None if total else "{desc}: {elapsed} (first run: no estimate)")
+        monitoring.register_event_duration_secs_listener(self.on_compiled)
+        self.thread = threading.Thread(target=self.tick, name="sdflax-step-bar", daemon=True)
+        self.thread.start()
+        return self
+
+    def on_compiled(self, event, duration, **kwargs):
+        if event in COMPILE_EVENTS:
+            self.started = time.perf_counter()  # the program runs after its compile
+
+    def tick(self):
+        while not self.done.wait(self.tick_s):
+            elapsed = time.perf_counter() - self.started
+            if self.pace:
+                self.bar.update(min(int(elapsed / self.pace), self.steps - 1) - self.bar.n)
+            else:
+                self.bar.refresh()
+
+    def __exit__(self, kind, *exc):
+        from jax import monitoring
+
+        self.done.set()
+        self.thread.join()
+        monitoring.unregister_event_duration_listener(self.on_compiled)
+        if kind is None:
+            pace = (time.perf_counter() - self.started) / max(self.steps, 1)
+            if self.bar.total:
+                self.bar.update(self.steps - self.bar.n)
             self.bar.close()
+            self.write(pace)
+        else:
+            self.bar.close()
+
+    def write(self, pace):
+        """This run's pace, kept for the next run of the program (written whole, or not at all)."""
+        if self.path is None:
+            return
+        paces = self.read()
+        paces.pop(self.key, None)
+        paces[self.key] = pace
+        paces = dict(list(paces.items())[-self.KEPT:])
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(paces, f)
+                os.replace(temporary, self.path)
+            finally:
+                if os.path.exists(temporary):
+                    os.remove(temporary)
+        except OSError:
+            pass  # a read-only or full cache folder: the next run counts the seconds again
+
+
+def say_between_bars(message):
+    """A status line on stderr that a step bar, where one is drawn, is redrawn under."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
 
 
 class CompileClock:

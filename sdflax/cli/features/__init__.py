@@ -22,8 +22,7 @@ over `FEATURES`; a module defines the functions it needs:
     configure(pipeline, value) -> pipeline   the pipeline (and a refiner) the call runs
     call_arguments(pipeline, value, rows) -> (positional arrays, keywords) of `generate_sharded`
     next_stage(request, checkpoint, dtype)   what the call hands its latents to (a refiner: its pipeline, params),
-                                         loaded with the pipeline; `staged(call, stage, ...)` runs both,
-                                         `steps_before(request, checkpoint, stage)`: the steps before it
+                                         loaded with the pipeline; `staged(call, stage, ...)` runs both
     settings(request, checkpoint) -> dict    its PNG text chunks (none where unused)
     parameters(settings) -> str          its part of A1111's `parameters` line; `prompt_parameters`: of its prompt;
                                          `scale_parameters` -> str | None: the guidance scales' entries, in place

@@ -107,11 +107,11 @@ def next_stage(request, checkpoint, dtype):
         raise UserError(f"--refiner {request.refiner}: {e}") from e
 
 
-def staged(base, refiner, mesh, checkpoint, rows, keys, configure, step_bar):
+def staged(base, refiner, mesh, checkpoint, rows, keys, configure):
     """The base call stopped at --high-noise-frac, returning its latents, and the refiner continuing from them with
     the same steps, guidance and per-image keys: diffusers' base + refiner, `denoising_end` then `denoising_start`.
     The refiner has one text encoder (the second): as diffusers, it reads the prompt and negative prompt.
-    `configure`: the pipeline as the features set it up (a guider); `step_bar(steps, name)`: the refiner's bar."""
+    `configure`: the pipeline as the features set it up (a guider)."""
     from ...parallel import replicate_on
 
     pipe, params = refiner
@@ -123,34 +123,12 @@ def staged(base, refiner, mesh, checkpoint, rows, keys, configure, step_bar):
     neg_ids = pipe.prepare_inputs([r.negative_prompt for r in rows]) if negative else None
     params = replicate_on(params, mesh)
 
-    def call(callback=None):
-        latents = base(callback, denoising_end=high_noise_frac, output_type="latent")
-        if callback is not None:
-            callback.close()  # the base's bar ends before the refiner's starts
-        steps = rows[0].steps
-        bar = step_bar(steps - refiner_start(pipe, steps, high_noise_frac), "refining") \
-            if callback is not None else None
-        try:
-            return pipe.generate_sharded(ids, latents, params, keys, num_inference_steps=steps,
-                                         guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids,
-                                         denoising_start=high_noise_frac, mesh=mesh, callback=bar)
-        finally:
-            if bar is not None:
-                bar.close()
+    def call():
+        latents = base(denoising_end=high_noise_frac, output_type="latent")
+        return pipe.generate_sharded(ids, latents, params, keys, num_inference_steps=rows[0].steps,
+                                     guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids,
+                                     denoising_start=high_noise_frac, mesh=mesh)
     return call
-
-
-def steps_before(request, checkpoint, refiner) -> int:
-    """The steps the base runs."""
-    return refiner_start(refiner[0], request.steps, checkpoint.features["refiner"])
-
-
-def refiner_start(pipe, steps, high_noise_frac) -> int:
-    """The steps of the schedule the refiner skips: the base's."""
-    from ...pipeline.starts import schedule_window
-    from ...pipeline.types import Settings
-
-    return schedule_window(pipe.scheduler, Settings(steps, denoising_start=high_noise_frac))[0]
 
 
 def settings(request, checkpoint) -> dict:
