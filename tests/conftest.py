@@ -29,11 +29,20 @@ sdflax.enable_compile_cache()
 
 # The slowest modules first (measured with two workers): pytest-xdist hands out whole files (`--dist loadfile`) in
 # collection order, so the two workers finish together only if the long files start early.
-SLOWEST_FIRST = ["test_docs.py", "test_train.py", "test_train_cli.py", "test_sampler_hooks.py", "test_run_modes.py", "test_inpaint.py", "test_controlnet.py",
-                 "test_pipeline.py", "test_cli_controlnet.py", "test_controlnet_xl_images.py", "test_sdxl_img2img.py",
-                 "test_models.py", "test_batch.py", "test_accelerator_report.py", "test_guiders.py", "test_img2img.py",
+SLOWEST_FIRST = ["test_docs.py", "test_accelerator_report.py", "test_run_modes.py", "test_train.py",
+                 "test_batch_invariance.py", "test_train_cli.py", "test_sampler_hooks.py", "test_inpaint.py",
+                 "test_controlnet.py", "test_pipeline.py", "test_cli_controlnet.py", "test_controlnet_xl_images.py",
+                 "test_sdxl_img2img.py", "test_models.py", "test_batch.py", "test_guiders.py", "test_img2img.py",
                  "test_sdxl.py", "test_guiders_perturbed.py", "test_ip_adapter.py", "test_guiders_fdg.py",
-                 "test_t2i_adapter_pipelines.py", "test_cli_ip_adapter.py", "test_batch_invariance.py"]
+                 "test_t2i_adapter_pipelines.py", "test_cli_ip_adapter.py"]
+
+
+def pytest_configure(config):
+    # pytest-xdist 3.6+ hands out the files by their number of tests, most first (`--loadscope-reorder`, its
+    # default), which put the long files of few tests (test_batch_invariance.py, test_controlnet_xl_images.py) last:
+    # one worker then ran them alone. Collection order it is.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):

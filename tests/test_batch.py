@@ -155,24 +155,30 @@ def check_whole(folder):
             image.load()  # a cut PNG fails here
 
 
+def stopped_at(how, image, tmp, out):
+    """The batch command of `out`, stopped at a known point by tests/batch_stop_worker.py (`how`, `image`): the
+    same point on any machine, however slow or busy, where a signal sent on seeing a record could come after the
+    last batch."""
+    worker = [sys.executable, str(ROOT / "tests" / "batch_stop_worker.py"), how, str(image)]
+    return subprocess.Popen(worker + command(tmp, out)[3:], cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def test_killed_runs_go_on_where_they_stopped_without_redoing_an_image(tmp, full):
     out = tmp / "resumed"
-    # SIGKILL once three images are listed: whole PNGs, each listed but perhaps the one in hand (written, not yet
+    # SIGKILL as the fourth image's PNG is in place: whole PNGs, each listed but the one in hand (written, not yet
     # listed: the next run adopts it, its text chunks saying it is this command's image of its line).
-    killed = subprocess.Popen(command(tmp, out), cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    wait_for_records(killed, out, 3)
-    killed.send_signal(signal.SIGKILL)
-    killed.communicate(timeout=60)
+    killed = stopped_at("kill", 4, tmp, out)
+    killed.communicate(timeout=600)
+    assert killed.returncode == -signal.SIGKILL
     check_whole(out)
     listed = [r["file"] for r in manifest(out)]
-    assert 3 <= len(listed) < 12 and len(set(listed)) == len(listed)
-    assert set(listed) <= set(pngs(out)) and len(set(pngs(out)) - set(listed)) <= 1
+    assert len(listed) == 3 and len(set(listed)) == len(listed)
+    assert set(listed) <= set(pngs(out)) and len(set(pngs(out)) - set(listed)) == 1
     before = {name: os.stat(out / name).st_mtime_ns for name in pngs(out)}
 
     # SIGTERM mid-run: the image in hand is finished, exit 143, the manifest lists exactly the PNGs.
-    stopped = subprocess.Popen(command(tmp, out), cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    stopped = stopped_at("wait", 1, tmp, out)  # after its first batch, the writer waits for the signal
     wait_for_records(stopped, out, len(before) + 1)
     stopped.send_signal(signal.SIGTERM)
     _, stderr = stopped.communicate(timeout=120)
@@ -281,7 +287,7 @@ def test_two_processes_split_the_prompts_and_make_the_same_images(tmp, full, joi
 
     processes = [start(i) for i in range(2)]
     try:
-        results = [p.communicate(timeout=300) for p in processes]
+        results = [p.communicate(timeout=900) for p in processes]  # a hang guard, no deadline
     finally:
         for p in processes:  # one that failed leaves the other waiting for its part of a batch
             if p.poll() is None:

@@ -213,3 +213,9 @@ def test_the_commands_loop_over_the_command_line_features():
                  for field in sorted(fields)]
         found += [f"{name}.py: {word}" for group in words for word in group if word in source]
     assert found == []
+
+
+def test_the_workers_take_the_files_slowest_first(pytestconfig):
+    """pytest-xdist 3.6+ hands out the files by their number of tests unless told to keep the collection order
+    (tests/conftest.py): SLOWEST_FIRST was then ignored and long files of few tests ran last, one worker alone."""
+    assert getattr(pytestconfig.option, "loadscopereorder", False) is False
