@@ -5,6 +5,7 @@ each continue its checkpoint and end with its LoRA, each having read only its ow
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -80,3 +81,51 @@ def test_two_processes_continue_a_checkpoint_each_reading_its_rows_to_the_same_l
         rows = [batch_at(step, [(32, 32)] * 4, [1] * 4, 2, SEED)[process] for step in (2, 3)]
         reads = (tmp_path / f"reads{process}.txt").read_text().split()
         assert reads == [str(data / f"p{i}.png") for i in rows], process
+
+
+def can_mount_tmpfs(folder) -> bool:
+    """Whether this machine lets a user namespace mount a tmpfs (unshare -rm: no root needed where it is allowed)."""
+    import shutil as tools
+
+    return tools.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {folder}"], capture_output=True).returncode == 0
+
+
+def test_a_disk_that_fills_up_while_saving_keeps_the_last_checkpoint_and_the_run_continues(tmp_path):
+    """A tmpfs of 1 MiB, 520 KiB of it taken: checkpoint-1 (310 kB) fits, checkpoint-2 fills the disk mid-write. The
+    run ends in one line naming the checkpoint kept, leaving no partial one; room made, the same command continues
+    from checkpoint-1 and completes. The updates are recorded, not made (tests/train_cli_full_disk_worker.py); where
+    no tmpfs can be mounted, a file-size limit set after the first save fails the write alike (EFBIG)."""
+    data = make_data(tmp_path / "data")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    worker = str(ROOT / "tests" / "train_cli_full_disk_worker.py")
+    command = f"{sys.executable} {worker} {{}}train lora --data {data} --out {disk}/out --model {TINY} " \
+        "--resolution 32 --devices 1 --no-progress --seed 1 --max-train-steps 2 --train-batch-size 2 " \
+        "--checkpointing-steps 1"
+    if can_mount_tmpfs(disk):
+        script = (f"mount -t tmpfs -o size=1m tmpfs {disk} && head -c 532480 /dev/zero > {disk}/ballast && "
+                  f"{command.format('')} 2> {tmp_path}/first.err; echo $? > {tmp_path}/first.rc; "
+                  f"ls {disk}/out/checkpoints > {tmp_path}/kept; rm {disk}/ballast; "
+                  f"{command.format('')} --progress 2> {tmp_path}/second.err; echo $? > {tmp_path}/second.rc; "
+                  f"cp {disk}/out/log.jsonl {disk}/out/pytorch_lora_weights.safetensors {tmp_path}")
+        full = "No space left on device"
+        subprocess.run(["unshare", "-rm", "sh", "-c", script], check=True, env=subprocess_env(), timeout=900)
+    else:
+        script = (f"{command.format('--fsize-after-first-save 100000 ')} 2> {tmp_path}/first.err; "
+                  f"echo $? > {tmp_path}/first.rc; ls {disk}/out/checkpoints > {tmp_path}/kept; "
+                  f"{command.format('')} --progress 2> {tmp_path}/second.err; echo $? > {tmp_path}/second.rc; "
+                  f"cp {disk}/out/log.jsonl {disk}/out/pytorch_lora_weights.safetensors {tmp_path}")
+        full = "File too large"
+        subprocess.run(["sh", "-c", script], check=True, env=subprocess_env(), timeout=900)
+    first = (tmp_path / "first.err").read_text()
+    assert (tmp_path / "first.rc").read_text().strip() == "2", first
+    assert "Traceback" not in first, first
+    assert f"cannot save {disk}/out/checkpoints/checkpoint-2 ({full}); {disk}/out/checkpoints/checkpoint-1 is " \
+        "kept: make room" in first
+    assert (tmp_path / "kept").read_text().split() == ["checkpoint-1"]
+    second = (tmp_path / "second.err").read_text()
+    assert (tmp_path / "second.rc").read_text().strip() == "0", second
+    assert f"continuing from {disk}/out/checkpoints/checkpoint-1 (update 1)" in second
+    assert [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == [1, 2]
+    assert (tmp_path / "pytorch_lora_weights.safetensors").stat().st_size > 0

@@ -26,7 +26,7 @@ EMBEDDING_FILE = "learned_embeds.safetensors"  # diffusers' textual_inversion.py
 MODEL_FOLDER = "model"
 CORE_METHOD = {"lora": "lora", "dreambooth": "lora", "full": "full", "textual-inversion": "textual_inversion"}
 # Settings that change no weight: a rerun may give others
-NOT_COMPARED = ("progress", "cache_dir", "devices", "latent_cache", "report_to")
+NOT_COMPARED = ("out", "progress", "cache_dir", "devices", "latent_cache", "report_to")  # "out": a moved run continues
 
 
 def whole(low):
