@@ -3,6 +3,7 @@ tensorboard the same scalars and the validation images as TensorBoard events in 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -85,8 +86,15 @@ class TrainLog:
 
     def plot(self, path):
         from ..train.plots import loss_plot
-        from .train_run import write_png
 
         if self.file is not None:
             write_png(path, loss_plot([r["step"] for r in self.records], [r["loss"] for r in self.records],
                                       [r["smoothed"] for r in self.records]))
+
+
+def write_png(path, image):
+    from ..train.files import atomic_write
+
+    data = io.BytesIO()
+    image.save(data, format="PNG")
+    atomic_write(path, [data.getvalue()])

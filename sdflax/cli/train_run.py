@@ -17,7 +17,7 @@ import numpy as np
 from .manifest import folder_lock
 from .request import UserError
 from .train_cache import fill_latents, fill_states
-from .train_log import TENSORBOARD, TrainLog
+from .train_log import TENSORBOARD, TrainLog, write_png
 from .train_options import CORE_METHOD, SETTINGS, result_path, toml_text
 from .workers import Signals
 
@@ -407,14 +407,6 @@ def checkpoints(folder) -> list[tuple[int, str]]:
         if match and all(os.path.isfile(os.path.join(path, f)) for f in ("trainer.json", "state.safetensors")):
             found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def write_png(path, image):
-    from ..train.files import atomic_write
-
-    data = io.BytesIO()
-    image.save(data, format="PNG")
-    atomic_write(path, [data.getvalue()])
 
 
 def make_class_pictures(run, pipeline, params):
