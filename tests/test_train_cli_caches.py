@@ -21,9 +21,10 @@ SEED = 9
 FLAGS = ["--model", TINY, "--resolution", "32", "--devices", "1", "--no-progress", "--seed", str(SEED),
          "--max-train-steps", "2", "--train-batch-size", "2", "--checkpointing-steps", "2", "--learning-rate", "1e-3",
          "--caption-dropout", "0.5", "--adam-epsilon", "1e-4"]
-# Adam's epsilon above the smallest gradients: at 1e-8, an update of a weight whose gradient is near zero is
-# +-lr on the rounding of that gradient (a text state encoded in a batch of one differs in its last bit from the
-# same state in the update's batch of two), and a few of the 21504 LoRA weights differ by 1e-5 (1.8e-6 over all)
+# A text state encoded in a batch of one differs in its last bits from the same state in the update's batch of two.
+# Adam's epsilon above the smallest gradients: at 1e-8 an update of a weight whose gradient is near zero is +-lr on
+# that rounding, and a few of the 21504 LoRA weights differ by 1e-5 (1.8e-6 over all); at 1e-4, 4e-8 over all
+# (the cross-attention's B, fed by the states, 6e-6 a tensor)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,10 @@ def test_cached_text_states_train_to_the_same_lora_and_serve_the_next_run_withou
     assert main(["train", "lora", "--data", str(data), "--out", str(tmp_path / "a"), *cached]) == 0
     assert "5 encoded, 0 read" in capsys.readouterr().err and len(calls) == 5  # 4 captions and the empty one
     ours, theirs = (read_safetensors(out / "pytorch_lora_weights.safetensors") for out in (tmp_path / "a", reference))
-    assert max(relative(ours[name], theirs[name]) for name in ours) < 1e-6
+    assert sorted(ours) == sorted(theirs)
+    assert relative(*(np.concatenate([np.ravel(lora[name]) for name in sorted(ours)]) for lora in (ours, theirs))) \
+        < 1e-6
+    assert max(relative(ours[name], theirs[name]) for name in ours) < 1e-4
 
     calls.clear()
     assert main(["train", "lora", "--data", str(data), "--out", str(tmp_path / "b"), *cached]) == 0
