@@ -54,12 +54,17 @@ def add_command(commands):
     b.add_argument("--out", required=True, metavar="DIR", help="the folder for the PNGs and the manifest")
     b.add_argument("--batch-per-device", type=positive_int, default=1, metavar="N",
                    help="images each device makes at once (default: 1)")
-    b.add_argument("--coordinator", type=host_and_port, metavar="HOST:PORT", help="process 0's address, to join "
-                   "several processes (default: as jax.distributed detects a TPU slice, SLURM or Kubernetes job; "
-                   "else one process)")
-    b.add_argument("--num-processes", type=positive_int, metavar="N", help="with --coordinator; 1 alone: this "
-                   "process only, even inside a cluster job")
-    b.add_argument("--process-id", type=int, metavar="I", help="with --coordinator: this process, 0 .. N-1")
+    add_process_flags(b)
+
+
+def add_process_flags(parser):
+    """--coordinator, --num-processes, --process-id: how a command's processes join (`join_processes`)."""
+    parser.add_argument("--coordinator", type=host_and_port, metavar="HOST:PORT", help="process 0's address, to "
+                        "join several processes (default: as jax.distributed detects a TPU slice, SLURM or Kubernetes "
+                        "job; else one process)")
+    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="with --coordinator; 1 alone: this "
+                        "process only, even inside a cluster job")
+    parser.add_argument("--process-id", type=int, metavar="I", help="with --coordinator: this process, 0 .. N-1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,8 +338,8 @@ def join_processes(args) -> tuple[int, int]:
         except ValueError:  # no cluster detected: this process alone
             pass
         except RuntimeError as e:  # JAX already started in this process (main() called from Python)
-            raise UserError("JAX has started in this process, so it cannot join other processes: run sdflax batch "
-                            "in a process of its own, or pass --num-processes 1") from e
+            raise UserError(f"JAX has started in this process, so it cannot join other processes: run sdflax "
+                            f"{args.command} in a process of its own, or pass --num-processes 1") from e
     return jax.process_index(), jax.process_count()
 
 

@@ -23,6 +23,7 @@ class Plan:
     pictures: list
     class_pictures: list
     result: str  # the result's path in --out
+    processes: object  # --coordinator, --num-processes, --process-id (batch.join_processes reads them)
 
 
 def run(args) -> int:
@@ -40,6 +41,9 @@ def check(args) -> Plan:
     """Every check that needs no JAX, in the order of their cost; nothing is written."""
     settings = settings_of(args)
     check_method(settings)
+    from .train_log import check_report_to
+
+    check_report_to(settings["report_to"])
     out = settings["out"]
     resumed = earlier_run(out, settings)
     checkpoint, divisible = check_model(settings)
@@ -62,7 +66,7 @@ def check(args) -> Plan:
             raise UserError(f"{missing[0].path}: its caption {missing[0].caption[:60]!r} does not hold the new token "
                             f"{token}: write it in every caption (or give --instance-prompt 'a photo of {token}' to "
                             "pictures without one)")
-    return Plan(settings, resumed, checkpoint, divisible, pictures, class_pictures, result_path(settings))
+    return Plan(settings, resumed, checkpoint, divisible, pictures, class_pictures, result_path(settings), args)
 
 
 def check_method(settings):
@@ -82,9 +86,9 @@ def check_method(settings):
         raise UserError(f"--class-prompt and --class-data-dir are for dreambooth, not {method}")
     if bool(settings["class_prompt"]) != bool(settings["class_data_dir"]):
         raise UserError("give --class-prompt and --class-data-dir together (prior preservation), or neither")
-    if settings["class_prompt"] and settings["buckets"]:
-        raise UserError("--buckets with prior preservation (--class-prompt) is not supported yet: each update "
-                        "pairs instance and class pictures of one size; drop --buckets")
+    if settings["cache_text_encoder_outputs"] and (textual or settings["train_text_encoder"]):
+        raise UserError("--cache-text-encoder-outputs is for frozen text encoders: drop it, or "
+                        + ("--train-text-encoder" if settings["train_text_encoder"] else "train another method"))
     if settings["output_format"] == "kohya" and method == "full":
         raise UserError("--output-format kohya is for LoRAs and embeddings; full writes a diffusers folder")
     if settings["train_text_encoder"] and textual:
@@ -99,7 +103,8 @@ def earlier_run(out, settings) -> bool:
         raise UserError(f"--out {out} is a file: give a folder (new, or a run's to continue it)")
     saved_path = os.path.join(out, SETTINGS)
     if not os.path.lexists(saved_path):
-        if os.listdir(out):
+        # the other processes' locks: process 0 writes settings.toml once it holds its own
+        if [name for name in os.listdir(out) if not (name.startswith(".sdflax-train.") and name.endswith(".lock"))]:
             raise UserError(f"--out {out} holds files but no run of sdflax train ({SETTINGS}): sdflax never "
                             "overwrites a file; choose a new or empty folder")
         return False

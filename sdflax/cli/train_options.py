@@ -26,7 +26,7 @@ EMBEDDING_FILE = "learned_embeds.safetensors"  # diffusers' textual_inversion.py
 MODEL_FOLDER = "model"
 CORE_METHOD = {"lora": "lora", "dreambooth": "lora", "full": "full", "textual-inversion": "textual_inversion"}
 # Settings that change no weight: a rerun may give others
-NOT_COMPARED = ("progress", "cache_dir", "devices", "latent_cache")
+NOT_COMPARED = ("out", "progress", "cache_dir", "devices", "latent_cache", "report_to")  # "out": a moved run continues
 
 
 def whole(low):
@@ -136,8 +136,10 @@ RUN = {
                 "resolution's area, each update from one bucket"),
     "cache_latents": (None, False, "flag", None, "encode each picture once, on disk in OUT/cache (keyed by the "
                       "file and the settings)"),
-    "latent_cache": (str, None, "value", "DIR", "with --cache-latents: the cache's folder, which runs may share "
-                     "(default: OUT/cache)"),
+    "cache_text_encoder_outputs": (None, False, "flag", None, "encode each caption once, on disk beside the "
+                                   "latents (keyed by the caption, its token ids and the encoders' weights): for "
+                                   "frozen text encoders"),
+    "latent_cache": (str, None, "value", "DIR", "the caches' folder, which runs may share (default: OUT/cache)"),
     "caption_column": (prompt_text, "text", "value", "NAME", "metadata.jsonl / .csv: the caption's column"),
     "instance_prompt": (text_or_none, None, "value", "TEXT", "the caption of every picture without one "
                         "(DreamBooth: of every picture)"),
@@ -151,6 +153,8 @@ RUN = {
     "devices": (positive_int, None, "value", "N", "local devices the batch is split over (default: all)"),
     "fsdp": (None, False, "flag", None, "shard the weights and Adam's moments over the devices too"),
     "progress": (None, True, "flag", None, "a progress bar (--no-progress: results only)"),
+    "report_to": (choice(("none", "tensorboard")), "none", "value", "TOOL", "tensorboard: the scalars of log.jsonl "
+                  "and the validation images as TensorBoard events in OUT/logs (needs tensorboardX)"),
     "cache_dir": (str, None, "value", "DIR", "compiled programs, reused by later runs"),
 }
 OPTIONS = {**CORE, **RUN}
@@ -176,6 +180,9 @@ def add_command(commands):
             t.add_argument(flag, type=kind_type, action="append", default=None, metavar=metavar, help=text)
         else:
             t.add_argument(flag, type=kind_type, default=None, metavar=metavar, help=text + shown)
+    from .batch import add_process_flags
+
+    add_process_flags(t)  # not settings: the same run may continue on another number of hosts
 
 
 def show(value):

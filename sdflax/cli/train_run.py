@@ -6,7 +6,6 @@ SIGINT / SIGTERM; the result at the end."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import shutil
@@ -17,6 +16,8 @@ import numpy as np
 
 from .manifest import folder_lock
 from .request import UserError
+from .train_cache import fill_latents, fill_states
+from .train_log import TENSORBOARD, TrainLog, write_png
 from .train_options import CORE_METHOD, SETTINGS, result_path, toml_text
 from .workers import Signals
 
@@ -24,22 +25,26 @@ CHECKPOINTS = "checkpoints"
 SAMPLES = "samples"
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 PIPELINES = {}  # the last run's pipeline object (no params): (model, revision) -> pipeline
-SMOOTHING = 0.9  # loss.png's and log.jsonl's smoothed loss: an exponential moving average, debiased
 
 
 def train(plan) -> int:
     settings = plan.settings
+    process, processes = join(plan.processes)
     if settings["seed"] is None:
         settings["seed"] = int.from_bytes(os.urandom(4), "little") >> 1
+    if processes > 1:  # the first process's seed (and its settings.toml's) for all
+        from jax.experimental import multihost_utils
+
+        settings["seed"] = int(multihost_utils.broadcast_one_to_all(np.int32(settings["seed"])))
     config = train_config(settings, bool(plan.class_pictures) or bool(settings["class_prompt"]))
-    devices = local_devices(settings, config.with_prior_preservation)
+    devices = mesh_devices(settings, config.with_prior_preservation, processes)
     out = settings["out"]
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot make it ({e.strerror or e}): choose another --out") from None
-    with folder_lock(out, out, 0, command="train"):
-        if not plan.resumed:
+    with folder_lock(out, out, process, command="train"):
+        if not plan.resumed and process == 0:
             from ..train.files import atomic_write
 
             atomic_write(os.path.join(out, SETTINGS), [toml_text(settings).encode()])
@@ -64,19 +69,34 @@ def train_config(settings, prior):
         raise UserError(str(e).replace("TrainConfig: ", "")) from None
 
 
-def local_devices(settings, prior) -> list:
-    """The local devices the rows are split over (--devices: the first N), checked to divide a micro-batch."""
+def join(args) -> tuple[int, int]:
+    """(this process, the process count), as sdflax batch joins them; main() called from Python after JAX has
+    started, without --coordinator: this process alone."""
+    from jax._src import xla_bridge
+
+    from .batch import join_processes
+
+    if (args.coordinator, args.num_processes, args.process_id) == (None, None, None) and \
+            xla_bridge.backends_are_initialized():
+        return 0, 1
+    return join_processes(args)
+
+
+def mesh_devices(settings, prior, processes) -> list:
+    """The devices the rows are split over: each process's first --devices N (default: all), in process order,
+    checked to divide a micro-batch."""
     import jax
 
-    devices = jax.local_devices()
-    count = settings["devices"] or len(devices)
-    if count > len(devices):
-        raise UserError(f"--devices {count}: this process has {len(devices)} ({jax.default_backend()})")
-    rows = settings["train_batch_size"] * (2 if prior else 1)
-    if rows % count:
+    local = jax.local_devices()
+    count = settings["devices"] or len(local)
+    if count > len(local):
+        raise UserError(f"--devices {count}: this process has {len(local)} ({jax.default_backend()})")
+    rows, total = settings["train_batch_size"] * (2 if prior else 1), count * processes
+    if rows % total:
+        where = f"{total} devices" + (f" ({processes} processes of {count})" if processes > 1 else "")
         raise UserError(f"--train-batch-size {settings['train_batch_size']} ({rows} rows a micro-batch) does not "
-                        f"split over {count} devices: give a multiple of {count}, or --devices N")
-    return devices[:count]
+                        f"split over {where}: give a multiple of {total}, or --devices N")
+    return [d for p in range(processes) for d in [d for d in jax.devices() if d.process_index == p][:count]]
 
 
 class Run:
@@ -89,11 +109,14 @@ class Run:
         self.plan, self.settings, self.config = plan, plan.settings, config
         s = self.settings
         self.out, self.seed, self.size = s["out"], s["seed"], s["resolution"]
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self.main = self.process == 0  # the one that writes --out
         self.status = (lambda msg: print(msg, file=sys.stderr, flush=True)) if s["progress"] else (lambda m: 0)
         use_compile_cache(Request(command="generate", prompt="", cache_dir=s["cache_dir"]))
         count = len(devices)
         self.prior = config.with_prior_preservation
-        self.where = f"{count} {jax.default_backend().upper()} device" + ("s" if count > 1 else "")
+        self.where = f"{count} {jax.default_backend().upper()} device" + ("s" if count > 1 else "") + \
+            (f" of {self.processes} processes" if self.processes > 1 else "")
         self.status(f"Loading {s['model']} ...")
         cls = plan.checkpoint.pipeline
         try:
@@ -120,26 +143,36 @@ class Run:
         self.sdxl = self.trainer.sdxl
         buckets = bucket_sizes(self.size, plan.divisible) if s["buckets"] else None
         self.sizes = row_sizes(plan.pictures, self.size, buckets)
-        self.class_sizes = row_sizes(self.class_pictures, self.size)
-        self.cache = self.encoder = None
+        self.class_sizes = row_sizes(self.class_pictures, self.size)  # their batches' order; their size: batch()
+        self.cache = self.encoder = self.states = self.text_encoder = None
         if s["cache_latents"]:
-            self.fill_cache()
+            fill_latents(self)
+        if s["cache_text_encoder_outputs"]:
+            fill_states(self)
         self.start = self.restore()
-        self.log = TrainLog(os.path.join(self.out, "log.jsonl"), self.start)
+        self.log = TrainLog(os.path.join(self.out, "log.jsonl") if self.main else None, self.start,
+                            os.path.join(self.out, TENSORBOARD) if s["report_to"] == "tensorboard" else None)
+
+    def pictures(self, stream):
+        """(pictures, their training sizes) of a stream: 0 the data's, 1 DreamBooth's class pictures."""
+        return ((self.plan.pictures, self.sizes), (self.class_pictures, self.class_sizes))[stream]
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def restore(self) -> int:
         folder = os.path.join(self.out, CHECKPOINTS)
-        if not os.path.isdir(folder):
+        step, path = 0, None
+        if self.main and os.path.isdir(folder):
+            for name in os.listdir(folder):  # a save a kill cut short: never a checkpoint
+                if re.fullmatch(r"checkpoint-\d+\.(partial|old)-\d+", name):
+                    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            step, path = (checkpoints(folder) or [(0, None)])[-1]
+        if self.processes > 1:  # the first process's checkpoint, which restore_checkpoint sends to the others
+            from jax.experimental import multihost_utils
+
+            step = int(multihost_utils.broadcast_one_to_all(np.int32(step)))
+        if not step:
             return 0
-        for name in os.listdir(folder):  # a save a kill cut short: never a checkpoint
-            if re.fullmatch(r"checkpoint-\d+\.(partial|old)-\d+", name):
-                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-        saved = checkpoints(folder)
-        if not saved:
-            return 0
-        step, path = saved[-1]
-        self.status(f"train: continuing from {path} (update {step})")
+        self.status(f"train: continuing from {path or 'the first process checkpoint'} (update {step})")
         try:
             self.trainer.restore_checkpoint(path)
         except (OSError, ValueError) as e:
@@ -150,7 +183,8 @@ class Run:
     def save(self, step):
         folder = os.path.join(self.out, CHECKPOINTS)
         path = os.path.join(folder, f"checkpoint-{step}")
-        os.makedirs(folder, exist_ok=True)
+        if self.main:
+            os.makedirs(folder, exist_ok=True)
         self.log.sync()
         try:
             self.trainer.save_checkpoint(path, overwrite=True)
@@ -163,83 +197,71 @@ class Run:
                             f"{kept[-1] if kept else 'no checkpoint'} is kept: make room and run the same command "
                             "again to continue from it") from None
         limit = self.settings["checkpoints_total_limit"]
-        if limit:
+        if limit and self.main:
             for _, old in checkpoints(folder)[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
 
     # ---- the rows ---------------------------------------------------------------------------------------------
     def batch(self, step) -> dict:
-        """Update `step`'s rows (k micro-batches, each [instance rows; class rows] with prior preservation)."""
+        """This process's share of update `step`'s rows: of each micro-batch ([instance rows; class rows] with
+        prior preservation) the process's slice, as the trainer's mesh puts the global batch together."""
         from ..train.data import batch_at, row_draws
 
         s = self.settings
         k, b = s["gradient_accumulation_steps"], s["train_batch_size"]
-        rows = []
-        for stream, pictures, sizes in ((0, self.plan.pictures, self.sizes),
-                                        (1, self.class_pictures, self.class_sizes))[:2 if self.prior else 1]:
+        streams = []
+        for stream in range(2 if self.prior else 1):
+            pictures, sizes = self.pictures(stream)
             indices = batch_at(step, sizes, [p.repeats for p in pictures], k * b, self.seed, stream)
             dropped, flipped, crops = row_draws(self.seed, step, k * b, s["caption_dropout"] if stream == 0 else 0.0,
                                                 s["random_flip"], stream)
-            rows.append([(*self.row(stream, i, bool(flipped[n]), None if s["center_crop"] else crops[n]), sizes[i],
-                          "" if dropped[n] else pictures[i].caption) for n, i in enumerate(indices)])
-        if self.prior:  # each micro-batch: its instance rows, then as many class rows
-            rows = [[row for m in range(k) for row in rows[0][m * b:(m + 1) * b] + rows[1][m * b:(m + 1) * b]]]
-        arrays, originals, corners, sizes, captions = zip(*rows[0])
+            # the class rows at the instance rows' size (their bucket): a class picture is resized to cover it and
+            # cropped, as any picture in its nearest bucket (the model's class pictures are all square)
+            streams.append([(stream, i, bool(flipped[n]), None if s["center_crop"] else crops[n],
+                             streams[0][0][4] if stream else sizes[i], "" if dropped[n] else pictures[i].caption)
+                            for n, i in enumerate(indices)])
+        rows = [row for m in range(k) for rows in streams for row in rows[m * b:(m + 1) * b]]
+        share = len(rows) // k // self.processes  # a micro-batch's rows this process reads
+        mine = [n for n in range(len(rows)) if n % (len(rows) // k) // share == self.process]
+        arrays, originals, corners = zip(*(self.row(*rows[n][:5]) for n in mine))
+        sizes, captions = [rows[n][4] for n in mine], [rows[n][5] for n in mine]
         arrays = np.stack(arrays)
         if self.cache is None:
             batch = {"pixel_values": arrays}
         else:  # (mean, std) of each row: a posterior sample, as the VAE draws one
-            noise = np.random.default_rng([self.seed, step, 4]).standard_normal(arrays[:, 0].shape, np.float32)
+            noise = np.random.default_rng([self.seed, step, 4]).standard_normal((len(rows), *arrays.shape[2:]),
+                                                                                 np.float32)[mine]
             batch = {"latents": arrays[:, 0] + arrays[:, 1] * noise}
-        batch["input_ids"] = np.asarray(self.trainer.pipeline.prepare_inputs(list(captions)))
+        if self.states is None:
+            batch["input_ids"] = np.asarray(self.trainer.pipeline.prepare_inputs(list(captions)))
+        else:
+            states = [self.states.read(self.state_keys[caption]) for caption in captions]
+            batch.update({name: np.stack([state[name] for state in states]) for name in states[0]})
         if self.sdxl:
             batch.update(original_size=np.asarray(originals, np.float32),
                          crops_coords_top_left=np.asarray(corners, np.float32),
                          target_size=np.asarray([(h, w) for w, h in sizes], np.float32))
         return batch
 
-    def row(self, stream, index, flip, crop):
-        """(pixels, or the cached (mean, std) stacked, original (h, w), crop corner) of a picture of the stream."""
+    def row(self, stream, index, flip, crop, size):
+        """(pixels, or the cached (mean, std) stacked, original (h, w), crop corner) of a picture of the stream at
+        `size`."""
         from ..train.data import load_row
 
-        picture, size = ((self.plan.pictures, self.sizes), (self.class_pictures, self.class_sizes))[stream]
         if self.cache is None:
-            return load_row(picture[index].path, size[index], flip, crop)
-        mean, std, original, corner = self.cache.read(self.cached[stream, index, flip])
+            return load_row(self.pictures(stream)[0][index].path, size, flip, crop)
+        mean, std, original, corner = self.cache.read(self.cached[stream, index, flip, size])
         return np.stack([mean, std]), original, corner
 
-    # ---- the latent cache -------------------------------------------------------------------------------------
-    def fill_cache(self):
-        """Each picture's (and flipped, with --random-flip) posterior, from the cache or encoded into it (at the
-        centre crop: the cache holds one crop a picture)."""
-        import hashlib
-
+    # ---- the caches (train_cache.py) ---------------------------------------------------------------------
+    def local_frozen(self, *names):
+        """The frozen weights of models, in the compute dtype, on this process's device (its own programs)."""
         import jax
+        import jax.numpy as jnp
 
-        from ..train.data import LatentCache, file_digest, load_row
-
-        s = self.settings
-        vae = hashlib.sha256(np.dtype(self.trainer.compute_dtype).name.encode())
-        for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(self.trainer.base_params["vae"])[0],
-                                 key=lambda item: jax.tree_util.keystr(item[0])):
-            vae.update(jax.tree_util.keystr(path).encode() + np.asarray(leaf).tobytes())
-        folder = os.path.expanduser(s["latent_cache"]) if s["latent_cache"] else os.path.join(self.out, "cache")
-        self.cache, self.cached = LatentCache(folder, vae.hexdigest()), {}
-        encoded = read = 0
-        for stream, pictures, sizes in ((0, self.plan.pictures, self.sizes),
-                                        (1, self.class_pictures, self.class_sizes)):
-            for index, picture in enumerate(pictures):
-                digest = file_digest(picture.path)
-                for flip in (False, True)[:2 if s["random_flip"] else 1]:
-                    key = self.cached[stream, index, flip] = self.cache.key(digest, sizes[index], flip)
-                    if self.cache.read(key) is not None:
-                        read += 1
-                        continue
-                    pixels, original, corner = load_row(picture.path, sizes[index], flip)
-                    mean, std = self.encode(pixels[None])
-                    self.cache.write(key, mean[0], std[0], original, corner)
-                    encoded += 1
-        self.status(f"train: latents of {encoded + read} pictures: {encoded} encoded, {read} read from {folder}")
+        dtype = self.trainer.compute_dtype
+        return {name: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                   self.trainer.base_params[name]) for name in names}
 
     def encode(self, pixels):
         """The VAE posterior's (mean, std) of pixels (B, 3, H, W), scaled as the UNet sees latents."""
@@ -252,8 +274,21 @@ class Run:
                 mean = vae.encode(params, pixels, 0.0)
                 return mean, vae.encode(params, pixels, 1.0) - mean
 
-            self.encoder = jax.jit(encode)
-        return jax.device_get(self.encoder(self.trainer.frozen, pixels))
+            self.encoder = jax.jit(encode), self.local_frozen("vae")
+        program, params = self.encoder
+        return jax.device_get(program(params, pixels))
+
+    def encode_text(self, ids) -> dict:
+        """The frozen text encoders' states of one caption's ids, as the training step's own call makes them."""
+        import jax
+
+        if self.text_encoder is None:
+            self.text_encoder = jax.jit(self.trainer.text.encode_prompt), self.local_frozen(*self.trainer.encoders)
+        program, params = self.text_encoder
+        encoded = jax.device_get(program(params, ids))
+        if self.sdxl:
+            return {"prompt_embeds": encoded[0][0], "pooled_prompt_embeds": encoded[1][0]}
+        return {"prompt_embeds": encoded[0]}
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def go(self, signals) -> int:
@@ -299,6 +334,7 @@ class Run:
         if bar is not None:
             bar.close()
         self.log.plot(os.path.join(self.out, "loss.png"))
+        self.log.close()
         self.write_result()
         return 0
 
@@ -311,6 +347,8 @@ class Run:
             trainer.save_embedding(path, format="a1111" if s["output_format"] == "kohya" else "diffusers")
         else:
             trainer.save_lora(path, format=s["output_format"])
+        if not self.main:  # every process gathers the result, the first writes it
+            return
         print(path)
         self.status(f"train: {s['max_train_steps']} updates done; the result is {path}")
 
@@ -320,11 +358,15 @@ class Run:
         loss.png."""
         prompts = self.settings["validation_prompt"]
         if prompts:
-            images = self.sample(prompts, self.settings["num_validation_images"], self.seed)
+            params = self.trainer.params  # every process takes part in gathering them; the first draws
+            if not self.main:
+                return
             from ..train.plots import image_row
 
+            row = image_row(self.sample(prompts, self.settings["num_validation_images"], self.seed, params))
             os.makedirs(os.path.join(self.out, SAMPLES), exist_ok=True)
-            write_png(os.path.join(self.out, SAMPLES, f"step-{step:06d}.png"), image_row(images))
+            write_png(os.path.join(self.out, SAMPLES, f"step-{step:06d}.png"), row)
+            self.log.add_image(step, row)
             self.progress(step)
         if step:
             self.log.plot(os.path.join(self.out, "loss.png"))
@@ -367,14 +409,6 @@ def checkpoints(folder) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def write_png(path, image):
-    from ..train.files import atomic_write
-
-    data = io.BytesIO()
-    image.save(data, format="PNG")
-    atomic_write(path, [data.getvalue()])
-
-
 def make_class_pictures(run, pipeline, params):
     """DreamBooth's class pictures: those in --class-data-dir, and as many more as --num-class-images asks for,
     drawn by the model from --class-prompt (class-NNNNN.png, never over a file) before the first step."""
@@ -383,7 +417,7 @@ def make_class_pictures(run, pipeline, params):
     s = run.settings
     folder, prompt, wanted = os.path.expanduser(s["class_data_dir"]), s["class_prompt"], s["num_class_images"]
     have = len(run.plan.class_pictures)
-    if have < wanted:
+    if have < wanted and run.main:  # the others read them once it has: --class-data-dir is a folder all see
         os.makedirs(folder, exist_ok=True)
         run.status(f"train: drawing {wanted - have} class pictures of {prompt!r} into {folder} ...")
         index, batch = have, 4
@@ -398,48 +432,11 @@ def make_class_pictures(run, pipeline, params):
                 with open(name, "xb") as f:
                     f.write(data.getvalue())
                 index += 1
+    if run.processes > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sdflax train: class pictures")
     try:
         return read_folder(folder, s["caption_column"], prompt, label="--class-data-dir")[:wanted]
     except DataError as e:
         raise UserError(str(e)) from None
-
-
-class TrainLog:
-    """log.jsonl: one record an update ({"step", "loss", "smoothed", "learning_rate", "time"}); on a resumed run the
-    records past its checkpoint (lost updates, made again) are dropped first."""
-
-    def __init__(self, path, start):
-        from ..train.files import atomic_write
-
-        self.path, self.records = path, []
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().split("\n")
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line a kill cut short
-                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start:
-                    self.records.append(record)
-            atomic_write(path, [b"".join(json.dumps(r).encode() + b"\n" for r in self.records)])
-        self.file = open(path, "a", encoding="utf-8")
-
-    def add(self, step, loss, learning_rate):
-        n = len(self.records) + 1
-        last = self.records[-1]["smoothed"] * (1 - SMOOTHING ** (n - 1)) if self.records else 0.0
-        average = SMOOTHING * last + (1 - SMOOTHING) * loss
-        record = {"step": step, "loss": loss, "smoothed": average / (1 - SMOOTHING ** n),
-                  "learning_rate": learning_rate, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        self.records.append(record)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def sync(self):
-        os.fsync(self.file.fileno())
-
-    def plot(self, path):
-        from ..train.plots import loss_plot
-
-        write_png(path, loss_plot([r["step"] for r in self.records], [r["loss"] for r in self.records],
-                                  [r["smoothed"] for r in self.records]))

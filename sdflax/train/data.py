@@ -302,41 +302,73 @@ def file_digest(path) -> str:
     return digest.hexdigest()
 
 
-class LatentCache:
-    """A folder of the VAE's posteriors of pictures, one `<key>.safetensors` each: the mean and std scaled as the UNet
-    sees latents (a row's latents are mean + std * noise, as the VAE's own sample), the original size and the crop
-    corner. The key is a digest of the picture file's bytes, its training size, flip and crop (the centre) and
-    `vae` (the VAE's weights' digest and dtype): a changed picture or setting is encoded again."""
+class FileCache:
+    """A folder of safetensors files, one `<key>.safetensors` an entry, which runs (and processes) may share: an entry
+    is written whole under a temporary name and renamed, and one that does not read is made again."""
 
-    def __init__(self, folder, vae: str):
-        self.folder, self.vae = os.fspath(folder), vae
+    def __init__(self, folder, identity: str):
+        self.folder, self.identity = os.fspath(folder), identity  # identity: the weights' digest and dtype
 
-    def key(self, digest, size, flip) -> str:
+    def digest(self, *parts) -> str:
         import hashlib
 
-        return hashlib.sha256(json.dumps([digest, list(size), bool(flip), "centre", self.vae]).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([*parts, self.identity]).encode()).hexdigest()
 
     def path(self, key) -> str:
         return os.path.join(self.folder, f"{key}.safetensors")
 
-    def read(self, key):
-        """(mean, std, original (h, w), corner (top, left)), or None where the entry is missing or unreadable."""
+    def read_entry(self, key):
+        """({name: array}, metadata), or None where the entry is missing or unreadable."""
         from ..loading.files import read_safetensors, safetensors_metadata
 
         path = self.path(key)
         if not os.path.isfile(path):
             return None
         try:
-            tensors, info = read_safetensors(path), safetensors_metadata(path)
-            return (np.array(tensors["mean"]), np.array(tensors["std"]), tuple(json.loads(info["original"])),
-                    tuple(json.loads(info["corner"])))
+            return {name: np.array(a) for name, a in read_safetensors(path).items()}, safetensors_metadata(path)
         except (OSError, ValueError, KeyError, TypeError):
             return None  # cut short or not ours: encoded again
 
-    def write(self, key, mean, std, original, corner):
+    def write_entry(self, key, tensors, metadata=None):
         from .files import write_safetensors
 
         os.makedirs(self.folder, exist_ok=True)
-        write_safetensors(self.path(key), {"mean": np.asarray(mean, np.float32), "std": np.asarray(std, np.float32)},
-                          {"original": json.dumps(list(original)), "corner": json.dumps(list(corner))},
-                          overwrite=True)
+        write_safetensors(self.path(key), {name: np.asarray(a, np.float32) for name, a in tensors.items()},
+                          metadata or {}, overwrite=True)
+
+
+class LatentCache(FileCache):
+    """The VAE's posteriors of pictures: the mean and std scaled as the UNet sees latents (a row's latents are
+    mean + std * noise, as the VAE's own sample), the original size and the crop corner. The key is a digest of the
+    picture file's bytes, its training size, flip and crop (the centre) and the identity (the VAE's weights' digest
+    and dtype): a changed picture or setting is encoded again."""
+
+    def key(self, digest, size, flip) -> str:
+        return self.digest(digest, list(size), bool(flip), "centre")
+
+    def read(self, key):
+        """(mean, std, original (h, w), corner (top, left)), or None."""
+        entry = self.read_entry(key)
+        try:
+            tensors, info = entry
+            return (tensors["mean"], tensors["std"], tuple(json.loads(info["original"])),
+                    tuple(json.loads(info["corner"])))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def write(self, key, mean, std, original, corner):
+        self.write_entry(key, {"mean": mean, "std": std},
+                         {"original": json.dumps(list(original)), "corner": json.dumps(list(corner))})
+
+
+class StateCache(FileCache):
+    """The frozen text encoders' states of captions ({"prompt_embeds"}, SDXL's with "pooled_prompt_embeds"), keyed by
+    the caption, its token ids (what the tokenizer made of it) and the identity (the encoders' weights' digest and
+    the compute dtype): another caption, tokenizer or encoder is encoded again."""
+
+    def key(self, caption, ids) -> str:
+        return self.digest(caption, np.asarray(ids).tolist())
+
+    def read(self, key):
+        entry = self.read_entry(key)
+        return None if entry is None or "prompt_embeds" not in entry[0] else entry[0]

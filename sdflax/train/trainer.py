@@ -210,14 +210,17 @@ class Trainer:
         noise = draws["noise"] + self.config.noise_offset * draws["offset_noise"]
         timesteps = draws["timesteps"]
         noisy = self.schedule.add_noise(latents, noise, timesteps)
-        ids = batch["input_ids"]
+        if "prompt_embeds" in batch:  # the frozen encoders' states, computed once (sdflax train's cache)
+            encoded = (batch["prompt_embeds"], batch["pooled_prompt_embeds"]) if self.sdxl else batch["prompt_embeds"]
+        else:
+            encoded = self.text.encode_prompt(params, batch["input_ids"])
         if self.sdxl:
-            context, pooled = self.text.encode_prompt(params, ids)
-            time_ids = jnp.concatenate([jnp.asarray(batch[name], jnp.float32).reshape(ids.shape[0], -1)
+            context, pooled = encoded
+            time_ids = jnp.concatenate([jnp.asarray(batch[name], jnp.float32).reshape(latents.shape[0], -1)
                                         for name in SIZE_IDS], axis=-1)
             extra = {"text_embeds": pooled, "time_ids": time_ids}
         else:
-            context, extra = self.text.encode_prompt(params, ids), {}
+            context, extra = encoded, {}
         prediction = self.unet.apply(params["unet"], noisy.astype(self.compute_dtype), timesteps,
                                      context.astype(self.compute_dtype), **extra)
         prior = self.config.prior_loss_weight if self.config.with_prior_preservation else None
@@ -289,10 +292,14 @@ class Trainer:
         if ("latents" in batch) == ("pixel_values" in batch):
             raise ValueError("a training batch has latents (already scaled by the VAE's factor) or pixel_values "
                              "(B, 3, H, W) in [-1, 1], one of the two")
-        if "input_ids" not in batch:
-            raise ValueError("a training batch needs input_ids: pipeline.prepare_inputs(captions)")
+        embeds = ("prompt_embeds", "pooled_prompt_embeds")[:2 if self.sdxl else 1]
+        if "input_ids" not in batch and not all(name in batch for name in embeds):
+            raise ValueError("a training batch needs input_ids (pipeline.prepare_inputs(captions)) or the text "
+                             f"encoders' states: {' and '.join(embeds)}")
+        if "prompt_embeds" in batch and (self.config.train_text_encoder or self.config.method == "textual_inversion"):
+            raise ValueError("prompt_embeds are for frozen text encoders: this training changes them, give input_ids")
         if self.sdxl:
-            rows = len(batch["input_ids"])
+            rows = len(batch.get("input_ids", batch.get("prompt_embeds")))
             for name in SIZE_IDS:
                 if name not in batch:
                     raise ValueError(f"an SDXL training batch needs {name} per row (B, 2): "
@@ -303,7 +310,7 @@ class Trainer:
             raise ValueError(f"the batch's rows {rows} must agree and divide into gradient_accumulation_steps={k} "
                              "micro-batches")
         n = next(iter(rows.values()))
-        if self.config.with_prior_preservation and (n // k) % 2:
+        if self.config.with_prior_preservation and (n * jax.process_count() // k) % 2:  # of the global batch
             raise ValueError(f"with_prior_preservation: each micro-batch is [instance rows; class rows], an even "
                              f"number of rows; got {n // k}")
         split = lambda x: None if x is None else np.asarray(x).reshape(k, n // k, *np.shape(x)[1:])  # noqa: E731
@@ -344,7 +351,9 @@ class Trainer:
         (A1111, ComfyUI). sdflax reads both (`pipeline.load_lora`)."""
         if self.config.method != "lora":
             raise ValueError(f"save_lora: this trainer trains method={self.config.method!r}, not a LoRA")
-        trained = jax.device_get(self.state.ema if self.config.use_ema else self.state.trainable)
+        trained = _gathered(self.state.ema if self.config.use_ema else self.state.trainable)
+        if jax.process_index() != 0:  # every process gathers, the first writes
+            return
         lora_lib.save_lora(path, trained, self.alphas, format, self.sdxl, self.lora_targets, overwrite)
 
     def save_embedding(self, path, format="diffusers", overwrite=False):
@@ -352,8 +361,10 @@ class Trainer:
         ({"emb_params": (n, D)}; SDXL: {"clip_l", "clip_g"}) with format="a1111"."""
         if self.config.method != "textual_inversion":
             raise ValueError(f"save_embedding: this trainer trains method={self.config.method!r}, not an embedding")
-        rows = {name: np.asarray(jax.device_get(v), np.float32) for name, v in
-                (self.state.ema if self.config.use_ema else self.state.trainable).items()}
+        rows = {name: np.asarray(v, np.float32) for name, v in
+                _gathered(self.state.ema if self.config.use_ema else self.state.trainable).items()}
+        if jax.process_index() != 0:
+            return
         if self.sdxl:
             tensors = {"clip_l": rows["text_encoder"], "clip_g": rows["text_encoder_2"]}
         elif format == "a1111":
@@ -371,7 +382,9 @@ class Trainer:
         if self.config.method == "textual_inversion":
             raise ValueError("save_pretrained: a textual inversion's result is its embedding: save_embedding(path) "
                              "(pipeline.load_textual_inversion loads it)")
-        save_pretrained(folder, base, jax.device_get(self.params), revision)
+        params = jax.device_get(self.params)
+        if jax.process_index() == 0:
+            save_pretrained(folder, base, params, revision)
 
     def save_checkpoint(self, folder, overwrite=False):
         """The whole training state (trained weights, optimizer state, EMA, step, key) in `folder`, written beside
@@ -403,7 +416,21 @@ class Trainer:
     def restore_checkpoint(self, folder):
         """The training state `save_checkpoint` wrote, bit for bit; the trainer must be made as the saving one
         was (the same pipeline, config and method)."""
-        folder = os.fspath(folder)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(self.state)
+        if jax.process_index() == 0:
+            arrays = self._read_checkpoint(os.fspath(folder), leaves)
+        else:  # the first process's files, wherever its --out is
+            arrays = [np.zeros(leaf.shape, leaf.dtype) for _, leaf in leaves]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            arrays = [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(arrays)]
+        state = jax.tree_util.tree_unflatten(treedef, arrays)
+        self.state = jax.tree.map(jnp.array, state) if self.mesh is None else jax.device_put(
+            state, self._shardings(state))
+
+    def _read_checkpoint(self, folder, leaves) -> list:
+        """The state's arrays from a checkpoint folder, checked against this trainer's (`leaves`)."""
         info_path, state_path = os.path.join(folder, "trainer.json"), os.path.join(folder, "state.safetensors")
         if not (os.path.isfile(info_path) and os.path.isfile(state_path)):
             raise FileNotFoundError(f"{folder} is not a training checkpoint (it needs trainer.json and "
@@ -416,7 +443,6 @@ class Trainer:
             raise ValueError(f"{folder} was saved by a trainer with other settings ({', '.join(changed[:5])}): "
                              "restore it into a trainer made with the same TrainConfig")
         stored = read_safetensors(state_path)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(self.state)
         names = [jax.tree_util.keystr(path) for path, _ in leaves]
         if sorted(stored) != sorted(names):
             raise ValueError(f"{folder} holds another training state (its arrays differ from this trainer's): "
@@ -428,9 +454,7 @@ class Trainer:
                 raise ValueError(f"{folder}: {name} is {value.dtype}{list(value.shape)}, this trainer's "
                                  f"{leaf.dtype}{list(leaf.shape)}")
             arrays.append(np.array(value))
-        state = jax.tree_util.tree_unflatten(treedef, arrays)
-        self.state = jax.tree.map(jnp.array, state) if self.mesh is None else jax.device_put(
-            state, self._shardings(state))
+        return arrays
 
 
 def _gathered(tree):
