@@ -7,13 +7,19 @@ StableDiffusion3ControlNetInpaint."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from test_mmdit import torch_transformer
+from test_sd3_pipeline import check_images, latents_for, moves, pictures_and_masks, torch_sd3_pipeline
 
-from sdflax import SD3ControlNetModel, SD3Transformer2DModel
+from sdflax import (SD3ControlNetModel, SD3Transformer2DModel, StableDiffusion3ControlNet,
+                    StableDiffusion3ControlNetInpaint)
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 model parity
 
@@ -107,3 +113,131 @@ def test_transformer_adds_block_samples_by_the_interval_rule(tmp_path):
     ours = jax.jit(model.apply, static_argnames="skip_layers")(params, *x, skip_layers=(1,),
                                                                 block_controlnet_hidden_states=samples)
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=RTOL, atol=ATOL)
+
+
+# ---- pipelines ----------------------------------------------------------------------------------------------------
+PROMPTS, NEGATIVE = ["a photo of an astronaut riding a horse on mars", "a red cat"], ["blurry", "a dog"]
+STEPS, SIZE, T5_LENGTH = 4, 64, 16
+CALL = dict(num_inference_steps=STEPS, guidance_scale=7.0, height=SIZE, width=SIZE)
+
+
+@contextlib.contextmanager
+def posterior_means():
+    """diffusers' VAE posterior sample as its mean: it draws the control image's from torch's global generator,
+    which no seed reproduces; ours is the mean (pipeline.sd3_controlnet)."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    with mock.patch.object(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mean):
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(folder, diffusers' SD 3 pipeline on the 4-block transformer, the nets: diffusers' and ours with params)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    tmp = tmp_path_factory.mktemp("sd3_controlnet")
+    base = torch_sd3_pipeline(tmp)
+    theirs = StableDiffusion3Pipeline(**{**base.components, "transformer": torch_transformer(TRANSFORMER, seed=2)})
+    theirs.save_pretrained(tmp / "sd3", safe_serialization=True)
+    nets = {}
+    for name, config, seed in (("instantx", NETS["instantx"], 5), ("large_a", NETS["sd35_large"], 6),
+                               ("large_b", dict(NETS["sd35_large"], num_layers=1), 7),
+                               ("inpaint", dict(NETS["instantx"], extra_conditioning_channels=1), 8)):
+        net = torch_controlnet(config, seed=seed)
+        net.save_pretrained(tmp / name)
+        nets[name] = (net, *SD3ControlNetModel.from_pretrained(tmp / name))
+    return tmp / "sd3", theirs, nets
+
+
+def pipeline(checkpoint, cls, *names):
+    """(diffusers' pipeline, ours, params) with the named nets (a list for several)."""
+    from diffusers import StableDiffusion3ControlNetInpaintingPipeline, StableDiffusion3ControlNetPipeline
+
+    folder, theirs, nets = checkpoint
+    torch_nets, models, net_params = zip(*(nets[name] for name in names))
+    several = len(names) > 1
+    their_class = StableDiffusion3ControlNetInpaintingPipeline if cls is StableDiffusion3ControlNetInpaint else \
+        StableDiffusion3ControlNetPipeline
+    theirs = their_class(**{**theirs.components, "controlnet": list(torch_nets) if several else torch_nets[0]})
+    pipe, params = cls.from_pretrained(folder, controlnet=list(models) if several else models[0])
+    params["controlnet"] = list(net_params) if several else net_params[0]
+    return theirs, pipe, params
+
+
+def control_pictures(seed, count=2):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def run_theirs(theirs, **kwargs):
+    with torch.no_grad(), posterior_means():
+        return theirs(PROMPTS, negative_prompt=NEGATIVE, max_sequence_length=T5_LENGTH, output_type="np",
+                      latents=torch.from_numpy(latents_for()), **CALL, **kwargs).images
+
+
+def test_one_net_matches_diffusers_and_a_new_scale_or_window_reuses_the_program(checkpoint):
+    """InstantX's kind (zeros for its pooled input, unshifted control latents), guidance 7 with negative prompts;
+    then a scale and a guidance window (each moves diffusers' image), in the same program."""
+    theirs, pipe, params = pipeline(checkpoint, StableDiffusion3ControlNet, "instantx")
+    pictures = control_pictures(0)
+    ids, neg = (pipe.prepare_inputs(p, max_sequence_length=T5_LENGTH) for p in (PROMPTS, NEGATIVE))
+    control = pipe.prepare_image_inputs(pictures)
+
+    def ours(**kwargs):
+        return pipe(ids, control, params, jax.random.PRNGKey(0), neg_prompt_ids=neg, latents=latents_for(), **CALL,
+                    **kwargs).images
+
+    expected = run_theirs(theirs, control_image=pictures)
+    assert moves(expected, run_theirs(theirs, control_image=pictures, controlnet_conditioning_scale=0.0))
+    check_images(ours(), expected)
+    compiled = pipe._jitted._cache_size()
+    for settings in (dict(controlnet_conditioning_scale=0.4), dict(control_guidance_start=0.25,
+                                                                   control_guidance_end=0.75)):
+        other = run_theirs(theirs, control_image=pictures, **settings)
+        assert moves(other, expected)
+        check_images(ours(**settings), other)
+    assert pipe._jitted._cache_size() == compiled  # scales and windows are traced
+
+
+def test_two_nets_match_diffusers(checkpoint):
+    """Two of Stability's SD 3.5 Large kind (the transformer's patch embedding, the prompt's pooled embedding,
+    shifted control latents), of 2 and 1 blocks (zip: the second adds to the first sample only), one scale and
+    window each."""
+    theirs, pipe, params = pipeline(checkpoint, StableDiffusion3ControlNet, "large_a", "large_b")
+    pictures = [control_pictures(1), control_pictures(2)]
+    ids, neg = (pipe.prepare_inputs(p, max_sequence_length=T5_LENGTH) for p in (PROMPTS, NEGATIVE))
+    settings = dict(controlnet_conditioning_scale=[0.9, 0.6], control_guidance_start=[0.0, 0.25],
+                    control_guidance_end=[1.0, 0.75])
+    expected = run_theirs(theirs, control_image=pictures, **settings)
+    one = run_theirs(theirs, control_image=pictures, **{**settings, "controlnet_conditioning_scale": [0.9, 0.0]})
+    assert moves(expected, one)  # the second net reaches diffusers' image
+    images = pipe(ids, [pipe.prepare_image_inputs(p) for p in pictures], params, jax.random.PRNGKey(0),
+                  neg_prompt_ids=neg, latents=latents_for(), **CALL, **settings).images
+    check_images(images, expected)
+
+
+def test_inpainting_matches_diffusers(checkpoint):
+    """Alimama's kind: 17 control channels, the masked picture's latents and 1 - the mask; from noise."""
+    theirs, pipe, params = pipeline(checkpoint, StableDiffusion3ControlNetInpaint, "inpaint")
+    pictures, masks = pictures_and_masks(3)
+    ids, image, mask = pipe.prepare_inputs(PROMPTS, pictures, masks, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(NEGATIVE, max_sequence_length=T5_LENGTH)
+    expected = run_theirs(theirs, control_image=pictures, control_mask=masks)
+    full = [Image.fromarray(np.full((SIZE, SIZE), 255, np.uint8))] * 2
+    assert moves(expected, run_theirs(theirs, control_image=pictures, control_mask=full))  # the mask matters
+    images = pipe(ids, image, mask, params, jax.random.PRNGKey(0), neg_prompt_ids=neg, latents=latents_for(),
+                  **CALL).images
+    check_images(images, expected)
+
+
+def test_nets_that_do_not_fit_are_refused_in_one_line(checkpoint):
+    folder, _, nets = checkpoint
+    cases = [(StableDiffusion3ControlNet, ["instantx", "large_a"], "ControlNets of both kinds"),
+             (StableDiffusion3ControlNet, ["inpaint"], "reads 17 control latent channels, this pipeline gives 16"),
+             (StableDiffusion3ControlNetInpaint, ["instantx"], "reads 16 control latent channels, this pipeline "
+                                                                "gives 17")]
+    for cls, names, message in cases:
+        pipe, params = cls.from_pretrained(folder, controlnet=[nets[name][1] for name in names])
+        with pytest.raises(ValueError, match=message):
+            pipe.spec
