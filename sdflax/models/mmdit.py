@@ -160,6 +160,7 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
     def embed_time_and_text(self, timestep, pooled_projections, batch):
         return embed_time_and_text(timestep, pooled_projections, batch, self.config.inner_dim, self.dtype)
 
+    @nn.nowrap
     def patch_embed(self, name=None) -> PatchEmbed:
         """Its patch embedding (`pos_embed`), which SD 3.5 Large's ControlNets share (`use_pos_embed=False`)."""
         cfg = self.config
