@@ -19,7 +19,7 @@ from test_mmdit import torch_transformer
 from test_sd3_pipeline import check_images, latents_for, moves, pictures_and_masks, torch_sd3_pipeline
 
 from sdflax import (SD3ControlNetModel, SD3Transformer2DModel, StableDiffusion3ControlNet,
-                    StableDiffusion3ControlNetInpaint)
+                    StableDiffusion3ControlNetInpaint, replicate, shard)
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 model parity
 
@@ -176,10 +176,16 @@ def run_theirs(theirs, **kwargs):
                       latents=torch.from_numpy(latents_for()), **CALL, **kwargs).images
 
 
-def test_one_net_matches_diffusers_and_a_new_scale_or_window_reuses_the_program(checkpoint):
+@pytest.fixture(scope="module")
+def one_net(checkpoint):
+    """The one-net pipelines, shared: ours keeps its compiled programs for the tests that follow."""
+    return pipeline(checkpoint, StableDiffusion3ControlNet, "instantx")
+
+
+def test_one_net_matches_diffusers_and_a_new_scale_or_window_reuses_the_program(one_net):
     """InstantX's kind (zeros for its pooled input, unshifted control latents), guidance 7 with negative prompts;
     then a scale and a guidance window (each moves diffusers' image), in the same program."""
-    theirs, pipe, params = pipeline(checkpoint, StableDiffusion3ControlNet, "instantx")
+    theirs, pipe, params = one_net
     pictures = control_pictures(0)
     ids, neg = (pipe.prepare_inputs(p, max_sequence_length=T5_LENGTH) for p in (PROMPTS, NEGATIVE))
     control = pipe.prepare_image_inputs(pictures)
@@ -241,3 +247,24 @@ def test_nets_that_do_not_fit_are_refused_in_one_line(checkpoint):
         pipe, params = cls.from_pretrained(folder, controlnet=[nets[name][1] for name in names])
         with pytest.raises(ValueError, match=message):
             pipe.spec
+
+
+def test_jit_and_pmap_equal_one_device(one_net):
+    """Two prompts a device over the local devices (jit=True: pmap), and a one-device call on one device's rows
+    (the parity test's program): the same images, with a control image per prompt and a scale."""
+    _, pipe, params = one_net
+    devices = jax.local_device_count()
+    prompts = [f"a painting of a {i}" for i in range(2 * devices)]
+    ids = pipe.prepare_inputs(prompts, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(["blurry"] * len(prompts), max_sequence_length=T5_LENGTH)
+    control = pipe.prepare_image_inputs(control_pictures(4, len(prompts)))
+    latents = latents_for(len(prompts), seed=5)
+    keys = jax.random.split(jax.random.PRNGKey(0), devices)
+    settings = dict(CALL, controlnet_conditioning_scale=0.8)
+    images = pipe(shard(ids), shard(control), replicate(params), keys, jit=True, neg_prompt_ids=shard(neg),
+                  latents=shard(latents), **settings).images
+    rows = slice(2 * devices - 2, 2 * devices)
+    single = pipe(ids[rows], control[rows], params, keys[-1], neg_prompt_ids=neg[rows], latents=latents[rows],
+                  **settings).images
+    np.testing.assert_allclose(images[-1], single, rtol=0, atol=1e-5)
+    assert np.abs(images[0] - images[-1]).max() > 1e-2
