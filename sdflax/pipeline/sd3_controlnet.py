@@ -59,24 +59,12 @@ class SD3ControlNet(ControlNet):
         return self.nets[0].config.force_zeros_for_pooled_projection
 
     def check_nets(self):
-        """Each net fits the transformer: its token width, patches, pooled and text widths, the VAE's channels."""
-        config = self.transformer.config
-        channels = self.vae.latent_channels + self.extra_channels
+        """Each net fits the transformer and the VAE (`mismatch`); the nets are of one kind."""
         for k, net in enumerate(self.nets):
             cfg, name = net.config, f"ControlNet {k}" if len(self.nets) > 1 else "the ControlNet"
-            mine = (cfg.inner_dim, cfg.patch_size, cfg.pooled_projection_dim, cfg.joint_attention_dim or
-                    config.joint_attention_dim)
-            theirs = (config.inner_dim, config.patch_size, config.pooled_projection_dim, config.joint_attention_dim)
-            if mine != theirs:
-                raise ValueError(f"{name} (token width, patch, pooled width, text width {mine}) was made for another "
-                                 f"transformer than the pipeline's {theirs}: use a ControlNet trained for this base "
-                                 "model")
-            if cfg.control_channels != channels:
-                fix = ("StableDiffusion3ControlNetInpaint is for inpainting ControlNets (extra_conditioning_channels"
-                       "=1), StableDiffusion3ControlNet for the others" if cfg.extra_conditioning_channels !=
-                       self.extra_channels else "use a ControlNet made for this VAE")
-                raise ValueError(f"{name} reads {cfg.control_channels} control latent channels, this pipeline gives "
-                                 f"{channels}: {fix}")
+            problem = mismatch(cfg, self.transformer.config, self.vae.latent_channels, self.extra_channels)
+            if problem:
+                raise ValueError(f"{name} {problem}")
             if cfg.force_zeros_for_pooled_projection != self.nets[0].config.force_zeros_for_pooled_projection:
                 raise ValueError("ControlNets of both kinds, InstantX's (force_zeros_for_pooled_projection) and "
                                  "Stability's: diffusers encodes every control image by the first net's rule; give "
@@ -175,3 +163,22 @@ class FromNoiseBesideImageMask(FromNoise):
     sharded as every pipeline's pictures)."""
 
     images = (("image", 3), ("mask", 1))
+
+
+def mismatch(net, transformer, latent_channels: int, extra_channels: int = 0) -> str | None:
+    """Why a net's config (SD3ControlNetConfig) does not fit a transformer's config and control latents of the VAE's
+    channels and `extra_channels` (the inpainting net's mask), or None."""
+    channels = latent_channels + extra_channels
+    mine = (net.inner_dim, net.patch_size, net.pooled_projection_dim, net.joint_attention_dim or
+            transformer.joint_attention_dim)
+    theirs = (transformer.inner_dim, transformer.patch_size, transformer.pooled_projection_dim,
+              transformer.joint_attention_dim)
+    if mine != theirs:
+        return (f"(token width, patch, pooled width, text width {mine}) was made for another transformer than the "
+                f"checkpoint's {theirs}: use a ControlNet trained for this base model")
+    if net.control_channels != channels:
+        inpainting = net.extra_conditioning_channels != extra_channels
+        fix = ("StableDiffusion3ControlNetInpaint is for inpainting ControlNets (extra_conditioning_channels=1), "
+               "StableDiffusion3ControlNet for the others" if inpainting else "use a ControlNet made for this VAE")
+        return f"reads {net.control_channels} control latent channels, this pipeline gives {channels}: {fix}"
+    return None

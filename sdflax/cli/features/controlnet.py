@@ -1,6 +1,6 @@
 """--controlnet, --controlnet-config, --control-image and --control-scale: ControlNets steering by condition
 pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's config
-checked against the checkpoint's UNet before anything loads."""
+checked against the checkpoint's UNet (SD 3.x: its transformer, text-to-image only) before anything loads."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..request import UserError, flag_error
 
 FLAG = "--controlnet"
 DENOISERS = ("unet",)
+FAMILIES = ("sd3",)  # SD 3.x's ControlNets (SD3ControlNetModel), for text-to-image as diffusers has them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,11 @@ def pictures(request) -> tuple:
 
 
 def pipeline_class(request, family, cls):
+    if family.name == "sd3" and request.start != "noise":
+        raise UserError(f"--controlnet with SD 3.x checkpoints is for sdflax generate: diffusers 0.39 has no SD 3 "
+                        f"ControlNet {'image-to-image' if request.start == 'image' else 'inpainting'} pipeline "
+                        "that takes a control image (its inpainting one is alimama's net's own: "
+                        "sdflax.StableDiffusion3ControlNetInpaint in Python)")
     return family.pipeline_class(request.start, True)
 
 
@@ -90,11 +96,17 @@ def check_configs(request, configs):
     from ...loading.hub import ModelNotFoundError, resolve_folder
     from ...models.config import read_config_file
     from ...models.controlnet import ControlNetConfig
+    from ...models.sd3_controlnet import SD3ControlNetConfig
     from ...pipeline.controlnet import condition_scale_mismatch
+    from ...pipeline.sd3_controlnet import mismatch
 
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
+    sd3 = configs.family.name == "sd3"
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
+            if sd3:
+                raise UserError(f"--controlnet {name}: original-layout ControlNet files are read for SD 1.x / 2.x; "
+                                "for SD 3.x give a diffusers ControlNet folder or hub id")
             if config_source is None:
                 continue
             flag, source = f"--controlnet-config {config_source}", config_source
@@ -102,9 +114,18 @@ def check_configs(request, configs):
             flag, source = f"--controlnet {name}", name
         try:
             folder = resolve_folder(source, None, allow_patterns=["config.json"])
-            config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
+            raw = read_config_file(os.path.join(folder, "config.json"))
+            config = (SD3ControlNetConfig if sd3 else ControlNetConfig).from_dict(raw)
         except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
             raise UserError(f"{flag}: {e}") from e
+        if (raw.get("_class_name") == "SD3ControlNetModel") != sd3:
+            raise UserError(f"{flag} is {'an SD 3.x' if not sd3 else 'a UNet'} ControlNet and {request.model} "
+                            f"{'is not' if not sd3 else 'is'} an SD 3.x checkpoint: use a ControlNet trained for this "
+                            "base model")
+        if sd3:
+            if problem := mismatch(config, unet, configs.vae.latent_channels):
+                raise UserError(f"{flag} {problem}")
+            continue
         if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
                                                                         unet.addition_embed_type):
             raise UserError(f"{flag} was made for another model family than {request.model} (text "
@@ -122,15 +143,25 @@ def resolve(request, configs, pictures) -> Controls:
 
 def components(request, dtype) -> tuple[dict, dict]:
     """The nets, from folders, hub ids or original-layout files."""
-    from ... import ControlNetModel
+    from ... import ControlNetModel, SD3ControlNetModel
 
     nets = []
     for name, config in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
             nets.append(load_file(name, config, dtype, request.attention))
         else:
-            nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=request.attention))
+            cls = SD3ControlNetModel if class_name(name) == "SD3ControlNetModel" else ControlNetModel
+            nets.append(cls.from_pretrained(name, dtype=dtype, attention=request.attention))
     return {"controlnet": [net for net, _ in nets]}, {"controlnet": [params for _, params in nets]}
+
+
+def class_name(name) -> str | None:
+    """The `_class_name` of a ControlNet folder's or hub id's config.json (checked by check_configs)."""
+    from ...loading.hub import resolve_folder
+    from ...models.config import read_config_file
+
+    folder = resolve_folder(name, None, allow_patterns=["config.json"])
+    return read_config_file(os.path.join(folder, "config.json")).get("_class_name")
 
 
 def load_file(name, config, dtype, attention):
