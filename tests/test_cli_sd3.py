@@ -248,7 +248,6 @@ def test_generate_with_a_controlnet_equals_the_library(files, capsys):
     from test_sd3_controlnet import torch_controlnet
 
     from sdflax import SD3ControlNetModel, StableDiffusion3ControlNet
-    from sdflax.pipeline.images import preprocess_control_images
 
     net_config = dict(TRANSFORMER, num_layers=2, qk_norm=None, dual_attention_layers=())
     torch_controlnet(net_config, seed=3).save_pretrained(files / "sd3-net")
@@ -280,8 +279,8 @@ def test_controlnets_are_for_generate(command, what, files, tmp_path, capsys, mo
     pictures = ["--image", "in.png", *(["--mask", "mask.png"] if command == "inpaint" else [])]
     assert main([command, "a fox", *pictures, "--model", "sd3", "--controlnet", "net", "--control-image", "in.png",
                  "--out", str(tmp_path / "out")]) == 2
-    assert (f"--controlnet with SD 3.x checkpoints is for sdflax generate: diffusers 0.39 has no SD 3 ControlNet "
-            f"{what} pipeline") in one_error_line(capsys)
+    assert (f"--controlnet with SD 3.x checkpoints is for sdflax generate: sdflax has no SD 3.x ControlNet {what} "
+            "pipeline that takes a control image, as diffusers 0.39 has none") in one_error_line(capsys)
 
 
 def test_a_single_file_makes_the_folders_image(files, generated):

@@ -44,13 +44,13 @@ class ControlNet:
     # what this wrapper adds to a pipeline: its params, its picture input, and the arguments of its calls
     params_name = "controlnet"
     picture = "control_image"
-    component = "controlnets"  # the Pipeline attribute it is built from
     net_class = ControlNetModel  # what the pipeline's controlnet= takes
     net_needs = "a ControlNetModel (or a list of them) from ControlNetModel.from_pretrained"
 
     @classmethod
-    def build(cls, pipeline, vae) -> "ControlNet":
-        return cls(pipeline.controlnets)
+    def build(cls, parts, vae, denoiser) -> "ControlNet":
+        """The piece for a pipeline's components (`parts`), its VAE piece and its denoiser."""
+        return cls(tuple(parts.controlnet or ()))
 
     def check_images(self, spec, given, leading_dims, batch):
         """The call's control images against the nets and the denoiser."""

@@ -87,9 +87,7 @@ class Pipeline(PipelineLoaders):
     @classmethod
     def component_names(cls) -> tuple:
         """What the constructor takes: this family's components, its options, and a UNet's conditioning nets."""
-        nets = ("controlnet", "adapter") if cls.text.denoiser.component == "unet" else \
-            ("controlnet",) if control_piece(cls) else ()
-        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets)
+        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets(cls))
 
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
@@ -155,8 +153,7 @@ class Pipeline(PipelineLoaders):
             # an adapter given to any pipeline (a ControlNet one too) joins the row's own wrappers
             extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
-                        *(wrapper.build(self, vae) if hasattr(wrapper, "build") else
-                          wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)),
+                        *(wrapper.build(self.parts(), vae, self.denoiser) for wrapper in (*extra, *self.wrappers)),
                         *self.conditionings)
             self._spec = Spec(self.text.build(self.parts(), self.empty_prompt_ids), self.start.build(vae, self.denoiser),
                               self.denoiser, vae, self._scheduler, wrappers)
@@ -254,6 +251,13 @@ CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "
 # the conditioning nets a pipeline's wrappers are built from: their argument, their class, how to give them
 NEEDED_NETS = {T2IAdapters: ("adapter", T2IAdapter, "a T2IAdapter (or a list of them) from "
                              "sdflax.T2IAdapter.from_pretrained")}
+
+
+def nets(cls) -> tuple:
+    """The conditioning nets a pipeline class takes: a UNet's ControlNets and T2I-Adapters, else its row's nets."""
+    if cls.text.denoiser.component == "unet":
+        return ("controlnet", "adapter")
+    return ("controlnet",) if control_piece(cls) else ()
 
 
 def control_piece(cls):

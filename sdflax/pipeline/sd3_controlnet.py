@@ -42,10 +42,15 @@ class SD3ControlNet(ControlNet):
     extra_channels = 0  # the control latents' channels beyond the VAE's
 
     @classmethod
-    def build(cls, pipeline, vae) -> "SD3ControlNet":
-        piece = cls(pipeline.controlnets, vae, pipeline.denoiser.model)
+    def build(cls, parts, vae, denoiser) -> "SD3ControlNet":
+        piece = cls(tuple(parts.controlnet or ()), vae, denoiser.model)
         piece.check_nets()
         return piece
+
+    @classmethod
+    def config_problem(cls, net, transformer, vae) -> str | None:
+        """What does not fit in the configs of a net, the transformer and the VAE (the command line's check)."""
+        return mismatch(net, transformer, vae.latent_channels, cls.extra_channels)
 
     @property
     def takes_given_pooled(self) -> bool:

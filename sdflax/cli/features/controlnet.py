@@ -14,6 +14,7 @@ from ..request import UserError, flag_error
 FLAG = "--controlnet"
 DENOISERS = ("unet",)
 FAMILIES = ("sd3",)  # SD 3.x's ControlNets (SD3ControlNetModel), for text-to-image as diffusers has them
+NET_CLASSES = ("ControlNetModel", "SD3ControlNetModel")  # config.json's _class_name of the nets sdflax reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +68,13 @@ def pictures(request) -> tuple:
 
 
 def pipeline_class(request, family, cls):
-    if family.name == "sd3" and request.start != "noise":
-        raise UserError(f"--controlnet with SD 3.x checkpoints is for sdflax generate: diffusers 0.39 has no SD 3 "
-                        f"ControlNet {'image-to-image' if request.start == 'image' else 'inpainting'} pipeline "
-                        "that takes a control image (its inpainting one is alimama's net's own: "
-                        "sdflax.StableDiffusion3ControlNetInpaint in Python)")
-    return family.pipeline_class(request.start, True)
+    try:
+        return family.pipeline_class(request.start, True)
+    except ValueError:  # SD 3.x's ControlNets: text-to-image, as diffusers' (its inpainting net has its own class)
+        what = "image-to-image" if request.start == "image" else "inpainting"
+        raise UserError(f"--controlnet with {family.title} checkpoints is for sdflax generate: sdflax has no "
+                        f"{family.title} ControlNet {what} pipeline that takes a control image, as diffusers 0.39 has "
+                        "none") from None
 
 
 def controlnet_configs(request) -> tuple:
@@ -95,18 +97,16 @@ def check_configs(request, configs):
     original-layout file without one is checked when it loads."""
     from ...loading.hub import ModelNotFoundError, resolve_folder
     from ...models.config import read_config_file
-    from ...models.controlnet import ControlNetConfig
-    from ...models.sd3_controlnet import SD3ControlNetConfig
-    from ...pipeline.controlnet import condition_scale_mismatch
-    from ...pipeline.sd3_controlnet import mismatch
+    from ...pipeline.controlnet import ControlNet, condition_scale_mismatch
+    from ...pipeline.core import control_piece
 
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
-    sd3 = configs.family.name == "sd3"
+    piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
-            if sd3:
-                raise UserError(f"--controlnet {name}: original-layout ControlNet files are read for SD 1.x / 2.x; "
-                                "for SD 3.x give a diffusers ControlNet folder or hub id")
+            if piece is not ControlNet:
+                raise UserError(f"--controlnet {name}: original-layout ControlNet files are read for UNets (SD "
+                                f"1.x / 2.x); for {configs.family.title} give a diffusers ControlNet folder or hub id")
             if config_source is None:
                 continue
             flag, source = f"--controlnet-config {config_source}", config_source
@@ -115,15 +115,15 @@ def check_configs(request, configs):
         try:
             folder = resolve_folder(source, None, allow_patterns=["config.json"])
             raw = read_config_file(os.path.join(folder, "config.json"))
-            config = (SD3ControlNetConfig if sd3 else ControlNetConfig).from_dict(raw)
+            config = piece.net_class.config_class.from_dict(raw)
         except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
             raise UserError(f"{flag}: {e}") from e
-        if (raw.get("_class_name") == "SD3ControlNetModel") != sd3:
-            raise UserError(f"{flag} is {'an SD 3.x' if not sd3 else 'a UNet'} ControlNet and {request.model} "
-                            f"{'is not' if not sd3 else 'is'} an SD 3.x checkpoint: use a ControlNet trained for this "
-                            "base model")
-        if sd3:
-            if problem := mismatch(config, unet, configs.vae.latent_channels):
+        kind = raw.get("_class_name", piece.net_class.__name__)
+        if kind in NET_CLASSES and kind != piece.net_class.__name__:
+            raise UserError(f"{flag} is a {kind}, but {request.model}'s ControlNets are {piece.net_class.__name__}s: "
+                            "use a ControlNet trained for this base model")
+        if piece is not ControlNet:  # another denoiser's nets (SD 3.x's): its piece says what fits
+            if problem := piece.config_problem(config, unet, configs.vae):
                 raise UserError(f"{flag} {problem}")
             continue
         if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
@@ -150,7 +150,7 @@ def components(request, dtype) -> tuple[dict, dict]:
         if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
             nets.append(load_file(name, config, dtype, request.attention))
         else:
-            cls = SD3ControlNetModel if class_name(name) == "SD3ControlNetModel" else ControlNetModel
+            cls = SD3ControlNetModel if class_name(name) == SD3ControlNetModel.__name__ else ControlNetModel
             nets.append(cls.from_pretrained(name, dtype=dtype, attention=request.attention))
     return {"controlnet": [net for net, _ in nets]}, {"controlnet": [params for _, params in nets]}
 
