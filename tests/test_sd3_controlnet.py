@@ -95,7 +95,8 @@ def test_model_matches_diffusers(net):
 
 def test_transformer_adds_block_samples_by_the_interval_rule(tmp_path):
     """Two samples for four blocks: blocks 0 and 1 take the first, block 2 the second, the last none (diffusers'
-    `int(i / (num_layers / len(samples)))` on blocks that keep a context stream), block 1 skipped (its sample is added still)."""
+    `int(i / (num_layers / len(samples)))` on blocks that keep a context stream), block 1 skipped (its sample is
+    added still)."""
     theirs = torch_transformer(TRANSFORMER, seed=1)
     theirs.save_pretrained(tmp_path / "transformer")
     model, params = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer")
