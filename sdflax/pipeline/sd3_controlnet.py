@@ -145,18 +145,14 @@ class SD3ControlNetInpaint(SD3ControlNet):
     pixels set to -1, then 1 - the mask at latent size (17 channels); the latents start from noise, nothing is
     pasted back, and the pooled input is zeros unless `controlnet_pooled_projections` is given, as diffusers'."""
 
-    picture = None  # it reads the pipeline's image and mask
+    picture = None  # it reads the pipeline's image and mask (the start's pictures, checked as every pipeline's)
     extra_channels = 1
-
     zeros_for_pooled = True  # (without controlnet_pooled_projections), whatever the nets' configs say
     takes_given_pooled = True
 
-    def check_images(self, spec, given, leading_dims, batch):
-        pass  # the start's image and mask are checked as every pipeline's
-
     def control_latents(self, params, inputs, given) -> tuple:
         repainted = (jnp.asarray(inputs.mask, jnp.float32) >= 0.5).astype(jnp.float32)  # binarised, as diffusers
-        latents = self.encode(params, jnp.where(repainted >= 0.5, -1.0, jnp.asarray(inputs.image, jnp.float32)))
+        latents = self.encode(params, jnp.where(repainted == 1, -1.0, jnp.asarray(inputs.image, jnp.float32)))
         f = self.vae.scale_factor
         control = jnp.concatenate([latents, 1 - repainted[:, :, ::f, ::f]], axis=1)  # nearest, as torch's
         return (control,) * len(self.nets)
