@@ -216,9 +216,26 @@ def test_two_nets_match_diffusers(checkpoint):
     expected = run_theirs(theirs, control_image=pictures, **settings)
     one = run_theirs(theirs, control_image=pictures, **{**settings, "controlnet_conditioning_scale": [0.9, 0.0]})
     assert moves(expected, one)  # the second net reaches diffusers' image
-    images = pipe(ids, [pipe.prepare_image_inputs(p) for p in pictures], params, jax.random.PRNGKey(0),
-                  neg_prompt_ids=neg, latents=latents_for(), **CALL, **settings).images
+    control = [pipe.prepare_image_inputs(p) for p in pictures]
+    images = pipe(ids, control, params, jax.random.PRNGKey(0), neg_prompt_ids=neg, latents=latents_for(), **CALL,
+                  **settings).images
     check_images(images, expected)
+
+    # controlnet_pooled_projections (B, P), for both halves of the guidance batch: diffusers takes the whole batch
+    # and, mended, reads it (its `controlnet_pooled_projections or pooled_prompt_embeds` asks a tensor's truth)
+    pooled = np.random.default_rng(9).standard_normal((2, 72), dtype=np.float32)
+    given = torch.from_numpy(np.concatenate([pooled, pooled])).as_subclass(Truthy)
+    expected = run_theirs(theirs, control_image=pictures, controlnet_pooled_projections=given, **settings)
+    assert moves(expected, images)
+    check_images(pipe(ids, control, params, jax.random.PRNGKey(0), neg_prompt_ids=neg, latents=latents_for(),
+                      controlnet_pooled_projections=pooled, **CALL, **settings).images, expected)
+
+
+class Truthy(torch.Tensor):
+    """A tensor whose truth is True, as `x or y` needs."""
+
+    def __bool__(self):
+        return True
 
 
 def test_inpainting_matches_diffusers(checkpoint):

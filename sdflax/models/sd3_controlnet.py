@@ -133,6 +133,9 @@ class SD3ControlNetModel(Pretrained, nn.Module):
         temb = embed_time_and_text(timestep, pooled_projections, x.shape[0], cfg.inner_dim, dtype)
         context = None
         if cfg.joint_attention_dim is not None:
+            if encoder_hidden_states is None:
+                raise ValueError("this ControlNet has joint blocks (joint_attention_dim set): give "
+                                 "encoder_hidden_states, the prompt's text states")
             context = Dense(cfg.caption_projection_dim, dtype=dtype, name="context_embedder")(
                 encoder_hidden_states.astype(dtype))
         x = x + patches("pos_embed_input", None)(nhwc(controlnet_cond))
