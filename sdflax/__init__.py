@@ -18,6 +18,8 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
                      "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint", "StableDiffusionImg2Img",
                      "StableDiffusionInpaint"), ".families.sd"),
     **dict.fromkeys(("StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint"), ".families.sd3"),
+    **dict.fromkeys(("StableDiffusion3ControlNet", "StableDiffusion3ControlNetInpaint"), ".families.sd3"),
+    "SD3ControlNetModel": ".models.sd3_controlnet",
     **dict.fromkeys(("Flux", "FluxFill", "FluxImg2Img", "FluxInpaint", "FluxKontext"), ".families.flux"),
     "FluxTransformer2DModel": ".models.flux",
     **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
@@ -48,8 +50,9 @@ def __dir__():
 
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-           "ControlNetModel", "Inputs", "Pipeline", "SD3Transformer2DModel", "Settings", "StableDiffusion",
-           "StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter",
+           "ControlNetModel", "Inputs", "Pipeline", "SD3ControlNetModel", "SD3Transformer2DModel", "Settings", "StableDiffusion",
+           "StableDiffusion3", "StableDiffusion3ControlNet", "StableDiffusion3ControlNetInpaint",
+           "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter",
            "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",

@@ -189,6 +189,19 @@ def sd35(folder):
             tokenizer_3=tokenizer_3).save_pretrained(folder)
 
 
+def sd35_controlnet(folder):
+    """A ControlNet of Stability's SD 3.5 Large kind for `sd35`: single-stream blocks on the transformer's patch
+    embedding, the prompt's pooled embedding."""
+    import torch
+    from diffusers import SD3ControlNetModel
+
+    torch.manual_seed(11)
+    SD3ControlNetModel(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8,
+                       num_attention_heads=4, joint_attention_dim=None, caption_projection_dim=32,
+                       pooled_projection_dim=72, pos_embed_max_size=None, pos_embed_type=None, use_pos_embed=False,
+                       force_zeros_for_pooled_projection=False).save_pretrained(folder)
+
+
 def flux(folder, guidance_embeds=True, in_channels=64):
     """Flux.1's family: CLIP-L (its pooled output), T5 (the builders' small vocabulary), a transformer of two double-
     and two single-stream blocks (dev: a guidance embedder; schnell none; Fill 384 input features), a 16-channel
@@ -253,6 +266,7 @@ STANDINS = {
     "stabilityai/stable-diffusion-3.5-medium": sd35,
     "stabilityai/stable-diffusion-3.5-large": sd35,
     "stabilityai/stable-diffusion-3.5-large-turbo": sd35,
+    "stabilityai/stable-diffusion-3.5-large-controlnet-depth": sd35_controlnet,
     "black-forest-labs/FLUX.1-dev": flux,
     "black-forest-labs/FLUX.1-Kontext-dev": flux,
     "black-forest-labs/FLUX.1-Fill-dev": functools.partial(flux, in_channels=384),

@@ -214,7 +214,6 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--controlnet", "net", "--control-image", "in.png"], "--controlnet is not supported with SD 3.x checkpoints yet"),
     (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with SD 3.x"),
     (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with SD 3.x"),
     (["--lora", "lora.safetensors"], "--lora is not supported with SD 3.x checkpoints yet (sd3 is one): drop --lora"),
@@ -241,6 +240,47 @@ def test_bad_sd3_input_is_one_line_and_status_2(args, expected, files, tmp_path,
     width = [] if args[0] == "--steps" else ["--width", "16"]
     assert main([*command, "--model", "sd3", *width, *args, "--out", str(tmp_path / "out")]) == 2
     assert expected in one_error_line(capsys)
+
+
+def test_generate_with_a_controlnet_equals_the_library(files, capsys):
+    """An SD 3 ControlNet (InstantX's kind) from a diffusers folder at scale 0.7: the PNG is the library's image for
+    the same inputs and keys, and records the net; a net made for another transformer is refused in one line."""
+    from test_sd3_controlnet import torch_controlnet
+
+    from sdflax import SD3ControlNetModel, StableDiffusion3ControlNet
+
+    net_config = dict(TRANSFORMER, num_layers=2, qk_norm=None, dual_attention_layers=())
+    torch_controlnet(net_config, seed=3).save_pretrained(files / "sd3-net")
+    torch_controlnet(dict(net_config, pooled_projection_dim=16), seed=3).save_pretrained(files / "sd3-other-net")
+    png = cli(files, "controlnet.png", "generate", PROMPT, "--negative-prompt", NEGATIVE, "--controlnet",
+              str(files / "sd3-net"), "--control-image", str(files / "in.png"), "--control-scale", "0.7")
+    net, net_params = SD3ControlNetModel.from_pretrained(files / "sd3-net")
+    pipe, params = StableDiffusion3ControlNet.from_pretrained(files / "sd3", controlnet=[net])
+    params["controlnet"] = [net_params]
+    keys = as_the_cli(SEED)
+    ids, neg, control = rows([pipe.prepare_inputs([PROMPT], max_sequence_length=T5_LENGTH),
+                              pipe.prepare_inputs([NEGATIVE], max_sequence_length=T5_LENGTH),
+                              pipe.prepare_image_inputs(Image.open(files / "in.png"))], keys)
+    expected = pipe.generate_sharded(ids, [control], params, keys, num_inference_steps=STEPS, height=SIZE,
+                                     width=SIZE, neg_prompt_ids=neg, controlnet_conditioning_scale=[0.7])[0]
+    close_to(png, expected)
+    text = Image.open(png).text
+    assert (text["controlnet"], text["control_scale"]) == (f'["{files / "sd3-net"}"]', "[0.7]")
+    assert main(["generate", "a fox", "--model", str(files / "sd3"), "--controlnet", str(files / "sd3-other-net"),
+                 "--control-image", str(files / "in.png"), *COMMON, "--out", str(files / "refused")]) == 2
+    assert "sd3-other-net (token width, patch, pooled width, text width (32, 2, 16, 96)) was made for another " \
+        "transformer than the checkpoint's (32, 2, 72, 96)" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("command, what", [("img2img", "image-to-image"), ("inpaint", "inpainting")])
+def test_controlnets_are_for_generate(command, what, files, tmp_path, capsys, monkeypatch):
+    """diffusers 0.39 has SD 3 ControlNets for text-to-image (and alimama's inpainting net, its own pipeline)."""
+    monkeypatch.chdir(files)
+    pictures = ["--image", "in.png", *(["--mask", "mask.png"] if command == "inpaint" else [])]
+    assert main([command, "a fox", *pictures, "--model", "sd3", "--controlnet", "net", "--control-image", "in.png",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert (f"--controlnet with SD 3.x checkpoints is for sdflax generate: sdflax has no SD 3.x ControlNet {what} "
+            "pipeline that takes a control image, as diffusers 0.39 has none") in one_error_line(capsys)
 
 
 def test_a_single_file_makes_the_folders_image(files, generated):

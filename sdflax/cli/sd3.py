@@ -97,7 +97,7 @@ def check_size(request, height, width, transformer, vae):
 
 def load_single_file(request, kind, dtype, extra):
     """(pipeline, params) of `kind` from an SD 3.x single file, the models it lacks from --config (as its configs;
-    else sdflax's bundled ones), T5 left out with --no-t5 (`extra`: none, SD 3.x takes no ControlNet here)."""
+    else sdflax's bundled ones), T5 left out with --no-t5, and the ControlNet pipeline's `controlnet=` (`extra`)."""
     from ..loading.single_file import load_sd3_single_file
 
     try:
@@ -108,4 +108,4 @@ def load_single_file(request, kind, dtype, extra):
         advice = str(e).replace("pass config=<", "pass --config <").replace("text_encoder_3=None", "--no-t5")
         advice = advice.replace(f"config={request.config}", f"--config {request.config}")
         raise UserError(f"--model {request.model}: {advice}") from e
-    return kind(**parts), params
+    return kind(**parts, **extra), params

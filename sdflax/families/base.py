@@ -44,7 +44,8 @@ class Family:
         if own is not None and own.start not in START_NAMES:
             return own
         for cls in self.classes.values():
-            if START_NAMES.get(cls.start) == start and (ControlNet in cls.wrappers) == controlnet \
+            controlled = any(issubclass(wrapper, ControlNet) for wrapper in cls.wrappers)  # SD 3.x's piece too
+            if START_NAMES.get(cls.start) == start and controlled == controlnet \
                     and T2IAdapters not in cls.wrappers:
                 return cls
         raise ValueError(f"no {self.title} pipeline for start={start!r}, controlnet={controlnet}")

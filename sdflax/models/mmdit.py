@@ -82,7 +82,7 @@ class PatchEmbed(ReadsParams, nn.Module):
 
     patch_size: int
     embed_dim: int
-    max_size: int
+    max_size: int | None  # None: no position table (the conv alone, diffusers' pos_embed_type=None)
     base_size: int
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(kw_only=True)
@@ -92,6 +92,8 @@ class PatchEmbed(ReadsParams, nn.Module):
         p, m = self.patch_size, self.max_size
         x = Conv2d(self.embed_dim, p, p, 0, dtype=self.dtype, kernels=self.kernels, name="proj")(x)
         b, h, w, d = x.shape
+        if m is None:
+            return x.reshape(b, h * w, d)
         table = self.param("pos_embed", lambda key, shape: jnp.asarray(sincos_position_table(d, m, self.base_size))[
             None], (1, m * m, d))
         top, left = (m - h) // 2, (m - w) // 2
@@ -104,6 +106,8 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
     embedding (B, pooled_projection_dim) and timesteps (B,) or () -> (B, out_channels, H, W).
 
     `skip_layers` (static, block indices) skips whole blocks, as diffusers' `skip_layers` (skip-layer guidance).
+    `block_controlnet_hidden_states`: SD 3 ControlNets' block samples (each (B, N, D)), added to the image tokens
+    after every block but the last, block i taking sample int(i / (num_layers / count)) (diffusers' interval rule).
     Attention layers are `mmdit_blocks.JointAttention`, whose `attend` the hooks intercept by checkpoint name
     (`transformer_blocks.0.attn`, `transformer_blocks.0.attn2`).
     """
@@ -119,7 +123,8 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
                 jnp.zeros((1, 1, cfg.joint_attention_dim)), jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)))
 
     @nn.compact
-    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=()):
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=(),
+                 block_controlnet_hidden_states=None):
         cfg, dtype, p = self.config, self.dtype, self.config.patch_size
         b, _, height, width = hidden_states.shape
         if height % p or width % p:
@@ -131,18 +136,19 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
         dense = lambda features, name: Dense(features, dtype=dtype, name=name)  # noqa: E731
 
         x = jnp.transpose(hidden_states, (0, 2, 3, 1)).astype(dtype)  # NCHW -> NHWC
-        x = PatchEmbed(p, cfg.inner_dim, cfg.pos_embed_max_size, cfg.sample_size // p, dtype, kernels=self.kernels,
-                       name="pos_embed")(x)
+        x = self.patch_embed(name="pos_embed")(x)
         temb = self.embed_time_and_text(timestep, pooled_projections, b)
         context = dense(cfg.caption_projection_dim, "context_embedder")(encoder_hidden_states.astype(dtype))
 
         for i in range(cfg.num_layers):
-            if i in skip_layers:
-                continue
-            context, x = JointTransformerBlock(
-                cfg.num_attention_heads, cfg.attention_head_dim, context_pre_only=i == cfg.num_layers - 1,
-                qk_norm=cfg.qk_norm, dual_attention=i in cfg.dual_attention_layers, dtype=dtype, kernels=self.kernels,
-                name=f"transformer_blocks_{i}")(x, context, temb)
+            if i not in skip_layers:
+                context, x = JointTransformerBlock(
+                    cfg.num_attention_heads, cfg.attention_head_dim, context_pre_only=i == cfg.num_layers - 1,
+                    qk_norm=cfg.qk_norm, dual_attention=i in cfg.dual_attention_layers, dtype=dtype,
+                    kernels=self.kernels, name=f"transformer_blocks_{i}")(x, context, temb)
+            if block_controlnet_hidden_states is not None and i < cfg.num_layers - 1:  # a skipped block's too
+                samples = block_controlnet_hidden_states
+                x = x + samples[int(i / (cfg.num_layers / len(samples)))].astype(x.dtype)
 
         # norm_out: AdaLayerNormContinuous, scale then shift
         scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
@@ -152,11 +158,21 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
         return jnp.einsum("nhwpqc->nchpwq", x).reshape(b, cfg.out_channels, height, width)
 
     def embed_time_and_text(self, timestep, pooled_projections, batch):
-        """diffusers' CombinedTimestepTextProjEmbeddings: MLP(sinusoidal(t)) + MLP(pooled text) -> (B, D)."""
-        dim, dtype = self.config.inner_dim, self.dtype
-        dense = lambda name: Dense(dim, dtype=dtype, name=f"time_text_embed_{name}")  # noqa: E731
-        timestep = jnp.broadcast_to(jnp.asarray(timestep), (batch,))
-        t = timestep_embedding(timestep, TIMESTEP_CHANNELS, flip_sin_to_cos=True, freq_shift=0).astype(dtype)
-        t = dense("timestep_embedder_linear_2")(nn.silu(dense("timestep_embedder_linear_1")(t)))
-        text = dense("text_embedder_linear_1")(pooled_projections.astype(dtype))
-        return t + dense("text_embedder_linear_2")(nn.silu(text))
+        return embed_time_and_text(timestep, pooled_projections, batch, self.config.inner_dim, self.dtype)
+
+    @nn.nowrap
+    def patch_embed(self, name=None) -> PatchEmbed:
+        """Its patch embedding (`pos_embed`), which SD 3.5 Large's ControlNets share (`use_pos_embed=False`)."""
+        cfg = self.config
+        return PatchEmbed(cfg.patch_size, cfg.inner_dim, cfg.pos_embed_max_size, cfg.sample_size // cfg.patch_size,
+                          self.dtype, kernels=self.kernels, name=name)
+
+
+def embed_time_and_text(timestep, pooled_projections, batch, dim, dtype):
+    """diffusers' CombinedTimestepTextProjEmbeddings: MLP(sinusoidal(t)) + MLP(pooled text) -> (B, dim)."""
+    dense = lambda name: Dense(dim, dtype=dtype, name=f"time_text_embed_{name}")  # noqa: E731
+    timestep = jnp.broadcast_to(jnp.asarray(timestep), (batch,))
+    t = timestep_embedding(timestep, TIMESTEP_CHANNELS, flip_sin_to_cos=True, freq_shift=0).astype(dtype)
+    t = dense("timestep_embedder_linear_2")(nn.silu(dense("timestep_embedder_linear_1")(t)))
+    text = dense("text_embedder_linear_1")(pooled_projections.astype(dtype))
+    return t + dense("text_embedder_linear_2")(nn.silu(text))

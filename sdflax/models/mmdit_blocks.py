@@ -135,18 +135,20 @@ class JointTransformerBlock(nn.Module):
         if self.dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = dual
             x = x + gate_msa2[:, None] * attention("attn2")(modulate(normed, shift_msa2, scale_msa2))
-        x = x + gate_mlp[:, None] * self.feed_forward("ff", modulate(layer_norm(x, self.dtype), shift_mlp, scale_mlp))
+        x = x + gate_mlp[:, None] * feed_forward("ff", modulate(layer_norm(x, self.dtype), shift_mlp, scale_mlp),
+                                                 self.dtype)
         if self.context_pre_only:
             return None, x
 
         context = context + c_gate_msa[:, None] * context_out
         context_in = modulate(layer_norm(context, self.dtype), c_shift_mlp, c_scale_mlp)
-        return context + c_gate_mlp[:, None] * self.feed_forward("ff_context", context_in), x
+        return context + c_gate_mlp[:, None] * feed_forward("ff_context", context_in, self.dtype), x
 
-    def feed_forward(self, name, x):
-        """diffusers' FeedForward with "gelu-approximate": Dense(4D), tanh GELU, Dense(D)."""
-        h = Dense(4 * x.shape[-1], dtype=self.dtype, name=f"{name}_net_0_proj")(x)
-        return Dense(x.shape[-1], dtype=self.dtype, name=f"{name}_net_2")(nn.gelu(h, approximate=True))
+
+def feed_forward(name, x, dtype):
+    """diffusers' FeedForward with "gelu-approximate": Dense(4D), tanh GELU, Dense(D)."""
+    h = Dense(4 * x.shape[-1], dtype=dtype, name=f"{name}_net_0_proj")(x)
+    return Dense(x.shape[-1], dtype=dtype, name=f"{name}_net_2")(nn.gelu(h, approximate=True))
 
 
 def layer_norm(x, dtype):

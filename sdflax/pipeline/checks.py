@@ -24,7 +24,7 @@ from ..guiders import Guider
 from ..schedulers import common
 from . import ip_adapter
 from .arguments import check_kinds, described, picture_arrays
-from .controlnet import ControlNet, as_nets, check_control_images
+from .controlnet import ControlNet, as_nets
 from .skip_layers import check_skip_layer_window, check_skip_layers, skip_layer_guider
 from .starts import schedule_window
 from .t2i_adapter import T2IAdapters
@@ -354,11 +354,11 @@ def image_size(spec, inputs, args, leading_dims, height, width):
     """(height, width): the pictures' for pipelines that take pictures (a given height/width must agree), else as
     given."""
     sizes = [(name, pixels(spec, getattr(inputs, name))) for name, _ in spec.start.images]
-    if nets_of(spec, ControlNet):  # the control images
+    control = next((piece for piece in spec.wrappers if isinstance(piece, ControlNet) and piece.picture), None)
+    if control:  # the control images
         first = given_pictures(args, "control_image")[0]
         if leading_dims is not None:
-            check_control_images(nets_of(spec, ControlNet), spec.denoiser.model, spec.vae.scale_factor,
-                                 args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
+            control.check_images(spec, args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the control image", first.shape[-2:]))
     if nets_of(spec, T2IAdapters):  # the T2I-Adapters' pictures
         first = given_pictures(args, "adapter_image")[0]

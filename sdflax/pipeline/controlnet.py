@@ -15,6 +15,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from ..models import ControlNetModel
 from .types import batched, float32_array
 
 
@@ -43,7 +44,18 @@ class ControlNet:
     # what this wrapper adds to a pipeline: its params, its picture input, and the arguments of its calls
     params_name = "controlnet"
     picture = "control_image"
-    component = "controlnets"  # the Pipeline attribute it is built from
+    net_class = ControlNetModel  # what the pipeline's controlnet= takes
+    net_needs = "a ControlNetModel (or a list of them) from ControlNetModel.from_pretrained"
+
+    @classmethod
+    def build(cls, parts, vae, denoiser) -> "ControlNet":
+        """The piece for a pipeline's components (`parts`), its VAE piece and its denoiser."""
+        return cls(tuple(parts.controlnet or ()))
+
+    def check_images(self, spec, given, leading_dims, batch):
+        """The call's control images against the nets and the denoiser."""
+        check_control_images(tuple(net.config.conditioning_channels for net in self.nets), given, leading_dims, batch)
+        check_controlnets(self.nets, spec.denoiser.model, spec.vae.scale_factor)
 
     def call_inputs(self, args: dict, settings, batch, leading_dims) -> ControlInputs:
         number = lambda name: jnp.asarray(args[name], jnp.float32)  # noqa: E731
@@ -55,9 +67,7 @@ class ControlNet:
         net_params = as_nets(params["controlnet"])
         given = inputs.condition(self.params_name)
         images = as_nets(given.image)
-        n = len(self.nets)
-        scales, starts, ends = (jnp.broadcast_to(x, (n,)) for x in (given.scale, given.start, given.end))
-        num_evals = start.state.timesteps.shape[0]
+        scale_at = window_scales(given, len(self.nets), start.state.timesteps.shape[0])
 
         def wrapper(unet_fn):
             def controlled(x, t, context, step, **residuals):
@@ -66,12 +76,11 @@ class ControlNet:
                 x_c, context_c = (jnp.split(x, 2)[1], jnp.split(context, 2)[1]) if half else (x, context)
                 extra = {name: jnp.split(v, 2)[1] if half else v for name, v in cond.unet_kwargs.items()}
                 down, mid = None, None
+                scales = scale_at(step)
                 for k, (net, p, image) in enumerate(zip(self.nets, net_params, images)):
-                    # diffusers' guidance window: the net acts at evaluation i unless i/n < start or (i+1)/n > end
-                    outside = (step / num_evals < starts[k]) | ((step + 1) / num_evals > ends[k])
-                    scale = scales[k] * (1.0 - outside.astype(jnp.float32))
                     image = jnp.tile(image, (x_c.shape[0] // image.shape[0], 1, 1, 1))  # [uncond; cond] rows
-                    d, m = net.apply(p, x_c, t, context_c, image.astype(net.dtype), scale, guess_mode=half, **extra)
+                    d, m = net.apply(p, x_c, t, context_c, image.astype(net.dtype), scales[k], guess_mode=half,
+                                     **extra)
                     down = d if down is None else tuple(a + b for a, b in zip(down, d))
                     mid = m if mid is None else mid + m
                 if half:
@@ -85,18 +94,29 @@ class ControlNet:
         return wrapper
 
 
+def window_scales(given: ControlInputs, count: int, num_evals: int):
+    """step -> each net's scale (count,) at evaluation `step`: its conditioning scale inside its guidance window, 0
+    outside (diffusers' rule: net k acts at evaluation i unless i/n < start_k or (i+1)/n > end_k)."""
+    scales, starts, ends = (jnp.broadcast_to(x, (count,)) for x in (given.scale, given.start, given.end))
+
+    def at(step):
+        outside = (step / num_evals < starts) | ((step + 1) / num_evals > ends)
+        return scales * (1.0 - outside.astype(jnp.float32))
+
+    return at
+
+
 # ---- checks -----------------------------------------------------------------------------------------------------
 
-def check_control_images(nets, unet, vae_scale_factor, given, leading_dims, batch):
-    """The control images against the nets: one (batch) per net, of the net's channels and one size."""
+def check_control_images(channels: tuple, given, leading_dims, batch):
+    """The control images against the nets: one (batch) per net, of its picture `channels` and one size."""
     images = as_nets(given)
-    if len(images) != len(nets):
-        raise ValueError(f"{len(images)} control images for {len(nets)} ControlNets: give one image (batch) per "
+    if len(images) != len(channels):
+        raise ValueError(f"{len(images)} control images for {len(channels)} ControlNets: give one image (batch) per "
                          "net, in the order of the nets")
     size = None
-    for k, (net, image) in enumerate(zip(nets, images)):
-        name = f"control image {k}" if len(nets) > 1 else "the control image"
-        channels = net.config.conditioning_channels
+    for k, (channels, image) in enumerate(zip(channels, images)):
+        name = f"control image {k}" if len(images) > 1 else "the control image"
         if image.ndim != leading_dims + 3 or image.shape[-3] != channels:
             expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + f"{channels}, H, W)"
             sharded = " and shard()" if leading_dims == 2 else ""
@@ -109,7 +129,6 @@ def check_control_images(nets, unet, vae_scale_factor, given, leading_dims, batc
             raise ValueError(f"{name} is {image.shape[-1]}x{image.shape[-2]}, the first {size[1]}x{size[0]}: "
                              "give control images of one size")
         size = image.shape[-2:]
-    check_controlnets(nets, unet, vae_scale_factor)
 
 
 def check_controlnets(nets, unet, vae_scale_factor):

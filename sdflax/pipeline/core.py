@@ -18,7 +18,7 @@ import numpy as np
 
 from ..guiders import Guider
 from ..loading.pipelines import PipelineLoaders
-from ..models import ControlNetModel, T2IAdapter
+from ..models import T2IAdapter
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
@@ -87,8 +87,7 @@ class Pipeline(PipelineLoaders):
     @classmethod
     def component_names(cls) -> tuple:
         """What the constructor takes: this family's components, its options, and a UNet's conditioning nets."""
-        nets = ("controlnet", "adapter") if cls.text.denoiser.component == "unet" else ()
-        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets)
+        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets(cls))
 
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
@@ -154,7 +153,7 @@ class Pipeline(PipelineLoaders):
             # an adapter given to any pipeline (a ControlNet one too) joins the row's own wrappers
             extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
-                        *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)),
+                        *(wrapper.build(self.parts(), vae, self.denoiser) for wrapper in (*extra, *self.wrappers)),
                         *self.conditionings)
             self._spec = Spec(self.text.build(self.parts(), self.empty_prompt_ids), self.start.build(vae, self.denoiser),
                               self.denoiser, vae, self._scheduler, wrappers)
@@ -250,10 +249,27 @@ class Pipeline(PipelineLoaders):
 
 CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "wrap")
 # the conditioning nets a pipeline's wrappers are built from: their argument, their class, how to give them
-NEEDED_NETS = {ControlNet: ("controlnet", ControlNetModel, "a ControlNetModel (or a list of them) from "
-                            "ControlNetModel.from_pretrained"),
-               T2IAdapters: ("adapter", T2IAdapter, "a T2IAdapter (or a list of them) from "
+NEEDED_NETS = {T2IAdapters: ("adapter", T2IAdapter, "a T2IAdapter (or a list of them) from "
                              "sdflax.T2IAdapter.from_pretrained")}
+
+
+def nets(cls) -> tuple:
+    """The conditioning nets a pipeline class takes: a UNet's ControlNets and T2I-Adapters, else its row's nets."""
+    if cls.text.denoiser.component == "unet":
+        return ("controlnet", "adapter")
+    return ("controlnet",) if control_piece(cls) else ()
+
+
+def control_piece(cls):
+    """The ControlNet piece of a pipeline class's row (`ControlNet`, or its SD 3 sibling), or None."""
+    return next((wrapper for wrapper in cls.wrappers if issubclass(wrapper, ControlNet)), None)
+
+
+def needed_nets(cls) -> dict:
+    """The conditioning nets a pipeline class's wrappers are built from: their argument, their class, how to give
+    them (the ControlNets of the class's own piece, a UNet's otherwise)."""
+    control = control_piece(cls) or ControlNet
+    return {control: ("controlnet", control.net_class, control.net_needs), **NEEDED_NETS}
 
 
 def given_components(cls, components: dict) -> dict:
@@ -273,7 +289,7 @@ def given_components(cls, components: dict) -> dict:
     for name in ("controlnet", "adapter"):
         net = given.get(name)
         given[name] = () if net is None else tuple(net) if isinstance(net, (list, tuple)) else (net,)
-    for wrapper, (name, net_class, what) in NEEDED_NETS.items():
+    for wrapper, (name, net_class, what) in needed_nets(cls).items():
         if wrapper in cls.wrappers and not given[name]:
             raise ValueError(f"{cls.__name__} needs {name}=: {what}")
         if wrong := [net for net in given.get(name, ()) if not isinstance(net, net_class)]:

@@ -38,7 +38,11 @@ class T2IAdapters:
 
     params_name = "adapter"
     picture = "adapter_image"
-    component = "adapters"  # the Pipeline attribute it is built from
+
+    @classmethod
+    def build(cls, parts, vae, denoiser) -> "T2IAdapters":
+        """The piece for a pipeline's components (`parts`), as ControlNet's."""
+        return cls(tuple(parts.adapter or ()))
 
     def call_inputs(self, args: dict, settings, batch, leading_dims) -> AdapterInputs:
         factor = args.get("adapter_conditioning_factor")

@@ -66,7 +66,7 @@ def make_class(name: str, row: Row, family) -> type:
     call_signature = signature(row, text)
     pictures = [f"{n}s" for n, _ in row.start.images]
     if row.start.images:  # a text-to-image ControlNet pipeline takes its control images apart (the old Flax API)
-        pictures += [f"{wrapper.picture}s" for wrapper in row.wrappers]
+        pictures += [f"{wrapper.picture}s" for wrapper in row.wrappers if wrapper.picture]
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     prepare_signature = inspect.Signature([inspect.Parameter("prompts", kind)] + [
         inspect.Parameter(n, kind, default=None) for n in pictures] + [

@@ -1,6 +1,6 @@
 """--controlnet, --controlnet-config, --control-image and --control-scale: ControlNets steering by condition
 pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's config
-checked against the checkpoint's UNet before anything loads."""
+checked against the checkpoint's UNet (SD 3.x: its transformer, text-to-image only) before anything loads."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from ..request import UserError, flag_error
 
 FLAG = "--controlnet"
 DENOISERS = ("unet",)
+FAMILIES = ("sd3",)  # SD 3.x's ControlNets (SD3ControlNetModel), for text-to-image as diffusers has them
+NET_CLASSES = ("ControlNetModel", "SD3ControlNetModel")  # config.json's _class_name of the nets sdflax reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,13 @@ def pictures(request) -> tuple:
 
 
 def pipeline_class(request, family, cls):
-    return family.pipeline_class(request.start, True)
+    try:
+        return family.pipeline_class(request.start, True)
+    except ValueError:  # SD 3.x's ControlNets: text-to-image, as diffusers' (its inpainting net has its own class)
+        what = "image-to-image" if request.start == "image" else "inpainting"
+        raise UserError(f"--controlnet with {family.title} checkpoints is for sdflax generate: sdflax has no "
+                        f"{family.title} ControlNet {what} pipeline that takes a control image, as diffusers 0.39 has "
+                        "none") from None
 
 
 def controlnet_configs(request) -> tuple:
@@ -89,12 +97,16 @@ def check_configs(request, configs):
     original-layout file without one is checked when it loads."""
     from ...loading.hub import ModelNotFoundError, resolve_folder
     from ...models.config import read_config_file
-    from ...models.controlnet import ControlNetConfig
-    from ...pipeline.controlnet import condition_scale_mismatch
+    from ...pipeline.controlnet import ControlNet, condition_scale_mismatch
+    from ...pipeline.core import control_piece
 
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
+    piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
+            if piece is not ControlNet:
+                raise UserError(f"--controlnet {name}: original-layout ControlNet files are read for UNets (SD "
+                                f"1.x / 2.x); for {configs.family.title} give a diffusers ControlNet folder or hub id")
             if config_source is None:
                 continue
             flag, source = f"--controlnet-config {config_source}", config_source
@@ -102,9 +114,18 @@ def check_configs(request, configs):
             flag, source = f"--controlnet {name}", name
         try:
             folder = resolve_folder(source, None, allow_patterns=["config.json"])
-            config = ControlNetConfig.from_dict(read_config_file(os.path.join(folder, "config.json")))
+            raw = read_config_file(os.path.join(folder, "config.json"))
+            config = piece.net_class.config_class.from_dict(raw)
         except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
             raise UserError(f"{flag}: {e}") from e
+        kind = raw.get("_class_name", piece.net_class.__name__)
+        if kind in NET_CLASSES and kind != piece.net_class.__name__:
+            raise UserError(f"{flag} is a {kind}, but {request.model}'s ControlNets are {piece.net_class.__name__}s: "
+                            "use a ControlNet trained for this base model")
+        if piece is not ControlNet:  # another denoiser's nets (SD 3.x's): its piece says what fits
+            if problem := piece.config_problem(config, unet, configs.vae):
+                raise UserError(f"{flag} {problem}")
+            continue
         if (config.cross_attention_dim, config.addition_embed_type) != (unet.cross_attention_dim,
                                                                         unet.addition_embed_type):
             raise UserError(f"{flag} was made for another model family than {request.model} (text "
@@ -122,15 +143,25 @@ def resolve(request, configs, pictures) -> Controls:
 
 def components(request, dtype) -> tuple[dict, dict]:
     """The nets, from folders, hub ids or original-layout files."""
-    from ... import ControlNetModel
+    from ... import ControlNetModel, SD3ControlNetModel
 
     nets = []
     for name, config in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
             nets.append(load_file(name, config, dtype, request.attention))
         else:
-            nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=request.attention))
+            cls = SD3ControlNetModel if class_name(name) == SD3ControlNetModel.__name__ else ControlNetModel
+            nets.append(cls.from_pretrained(name, dtype=dtype, attention=request.attention))
     return {"controlnet": [net for net, _ in nets]}, {"controlnet": [params for _, params in nets]}
+
+
+def class_name(name) -> str | None:
+    """The `_class_name` of a ControlNet folder's or hub id's config.json (checked by check_configs)."""
+    from ...loading.hub import resolve_folder
+    from ...models.config import read_config_file
+
+    folder = resolve_folder(name, None, allow_patterns=["config.json"])
+    return read_config_file(os.path.join(folder, "config.json")).get("_class_name")
 
 
 def load_file(name, config, dtype, attention):
