@@ -15,7 +15,7 @@ from .types import float32_array
 
 # Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
 # one number.
-ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
+ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_weights", "neg_prompt_weights", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
           "neg_pooled_prompt_embeds", "latents", "noise")
 NUMBERS = ("guidance_scale", "guidance_rescale", "strength", "aesthetic_score", "negative_aesthetic_score",
            "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop")
