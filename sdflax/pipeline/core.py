@@ -201,9 +201,10 @@ class Pipeline(PipelineLoaders):
 
     numpy_to_pil = staticmethod(numpy_to_pil)
 
-    def encode_prompt(self, params, prompt_ids):
-        """The text encoders' output for ids (SD: states (B, 77, D); SDXL: (states, pooled))."""
-        return self.spec.text.encode_prompt(params, prompt_ids)
+    def encode_prompt(self, params, prompt_ids, *options):
+        """The text encoders' output for ids (SD: states (B, 77, D); SDXL: (states, pooled)); SD and SDXL take
+        A1111's weights and diffusers' clip_skip after the ids."""
+        return self.spec.text.encode_prompt(params, prompt_ids, *options)
 
     def decode_latents(self, params, latents):
         """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
