@@ -5,6 +5,7 @@ pipelines' images with the weights against diffusers' given those states; `clip_
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -193,7 +194,8 @@ def test_sdxl_states_and_pooled_are_a1111s(xl):
 
 def test_images_are_diffusers_given_a1111s_states(sd):
     """The pipeline with ids and weights = diffusers given A1111's states as prompt_embeds (the negative prompt
-    padded with empty chunks to the prompt's four); new weights reuse the program (a uniform factor is undone by the mean)."""
+    padded with empty chunks to the prompt's four); new weights reuse the program (a uniform factor would be undone
+    by the mean)."""
     theirs, pipe, params = sd
     ids, weights = pipe.prepare_inputs(PROMPTS[3:], weighting="a1111")
     neg_ids, neg_weights = pipe.prepare_inputs(["(ugly:1.4), blurry"], weighting="a1111")
@@ -216,10 +218,13 @@ def test_images_are_diffusers_given_a1111s_states(sd):
 def test_clip_skip_is_diffusers(sd, xl, clip_skip):
     """clip_skip as diffusers' (A1111's Clip skip N is N - 1): SD's states through the final layer norm, SDXL's
     both encoders' clip_skip layers before the penultimate; it moves them."""
+    encoder = sd[0].text_encoder  # diffusers 0.39 reads transformers 4's text_model, which transformers 5 flattened
+    encoder.text_model = SimpleNamespace(final_layer_norm=encoder.final_layer_norm)
     for theirs, pipe, params in (xl, sd):
         ids = pipe.prepare_inputs(["a photo of a cat"])
         with torch.no_grad():
-            expected = theirs.encode_prompt("a photo of a cat", "cpu", 1, False, clip_skip=clip_skip)[0].numpy()
+            expected = theirs.encode_prompt(prompt="a photo of a cat", device="cpu", num_images_per_prompt=1,
+                                            do_classifier_free_guidance=False, clip_skip=clip_skip)[0].numpy()
         ours = pipe.encode_prompt(params, ids, None, clip_skip)
         ours, plain = (out[0] if isinstance(out, tuple) else out for out in (ours, pipe.encode_prompt(params, ids)))
         np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,154 @@
+"""A1111's options on the command line, each the library calls it stands for: the prompt syntax (by default;
+--plain-prompt off), --clip-skip N (diffusers' clip_skip=N-1), --vae FILE (an A1111 VAE file in LDM names),
+--vae-tiling (diffusers' tiled decode) and --hires (latents upscaled, then img2img); the PNG text as A1111 writes it.
+The VAE's tiled decode against diffusers' `enable_tiling()`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from builders import torch_vae
+from test_cli import TINY, one_error_line
+from test_cli_controlnet import as_the_cli, assert_close_to, run_cli_here
+
+import jax
+
+from sdflax.cli import main
+
+PROMPT = "a (red:1.4) house, [blue] sky BREAK a hill"
+NEGATIVE = "(ugly:1.3)"
+
+
+def tiny_vae_config():
+    return {k: v for k, v in json.loads((Path(TINY) / "vae" / "config.json").read_text()).items()
+            if not k.startswith("_")}
+
+
+def ldm_vae_file(vae, path):
+    """A diffusers VAE's weights saved as an A1111 VAE file: LDM names, the attention's linear layers as 1x1 convs."""
+    from safetensors.torch import save_file
+
+    from sdflax.loading.ldm_names import vae_table
+    from sdflax.models import VAEConfig
+
+    inverse = {}
+    for ldm, entry in vae_table(VAEConfig.from_dict(dict(vae.config))).items():
+        target, leaves = entry if isinstance(entry, tuple) else (entry, {})
+        inverse[target] = (ldm, {v: k for k, v in leaves.items()})
+    tensors = {}
+    for key, value in vae.state_dict().items():
+        prefix = max((p for p in inverse if key.startswith(p + ".")), key=len)
+        ldm, leaves = inverse[prefix]
+        rest = key[len(prefix) + 1:]
+        leaf = next((leaf for leaf in leaves if rest.startswith(leaf + ".")), None)
+        attention = leaf in ("to_q", "to_k", "to_v", "to_out.0") and rest.endswith("weight")
+        name = f"{ldm}.{leaves[leaf]}{rest[len(leaf):]}" if leaf else f"{ldm}.{rest}"
+        tensors[name] = (value[..., None, None] if attention else value).contiguous()
+    save_file(tensors, str(path))
+
+
+def test_tiled_decode_is_diffusers(tmp_path):
+    """`with_vae_tiling()`'s decode = diffusers' `enable_tiling()` decode at 1e-3, on latents of 2x2 tiles; it
+    differs from the whole decode (the tiles show)."""
+    from sdflax import AutoencoderKL
+    from sdflax.pipeline.vae import VAE
+
+    theirs = torch_vae(tiny_vae_config(), seed=3)
+    theirs.save_pretrained(tmp_path)
+    vae, params = AutoencoderKL.from_pretrained(tmp_path)
+    latents = np.random.default_rng(0).standard_normal((1, 4, 20, 20), np.float32)  # 2x2 tiles of 16, stride 12
+    tiled = jax.jit(VAE(vae, tiling=True).decode)({"vae": params}, latents)
+    whole = jax.jit(VAE(vae).decode)({"vae": params}, latents)
+    theirs.enable_tiling()
+    with torch.no_grad():
+        expected = theirs.decode(torch.from_numpy(latents) / vae.config.scaling_factor).sample
+    expected = np.clip(expected.numpy().transpose(0, 2, 3, 1) / 2 + 0.5, 0, 1)
+    np.testing.assert_allclose(tiled, expected, atol=1e-3)
+    assert np.abs(np.asarray(tiled) - np.asarray(whole)).max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def vae_file(tmp_path_factory):
+    """A VAE of the checkpoint's architecture as a folder and as an A1111 file."""
+    folder = tmp_path_factory.mktemp("vae")
+    theirs = torch_vae(tiny_vae_config(), seed=5)
+    theirs.save_pretrained(folder / "folder")
+    ldm_vae_file(theirs, folder / "vae-ft-tiny.safetensors")
+    return folder
+
+
+def test_vae_file_is_its_folder(vae_file):
+    """--vae FILE's params are those of the same VAE as a diffusers folder, and not the checkpoint's."""
+    from sdflax import AutoencoderKL, StableDiffusion
+    from sdflax.loading.vae_file import vae_file_params
+
+    pipe, params = StableDiffusion.from_pretrained(TINY)
+    _, folder_params = AutoencoderKL.from_pretrained(vae_file / "folder")
+    file_params = vae_file_params(pipe.vae, vae_file / "vae-ft-tiny.safetensors", np.float32)
+    jax.tree.map(np.testing.assert_array_equal, file_params, folder_params)
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), file_params,
+                                            params["vae"]))) > 1e-2
+
+
+def test_a1111_options_are_the_library_calls(vae_file, tmp_path, capsys, monkeypatch):
+    """One run with every option: the prompt syntax, --clip-skip 2, --vae FILE, --vae-tiling and --hires 2 =
+    prepare_inputs(weighting="a1111"), clip_skip=1, the folder's VAE tiled, output_type="latent", the latents
+    upscaled bilinearly and StableDiffusionImg2Img at --hires-strength; the PNG text A1111's."""
+    from sdflax import AutoencoderKL, StableDiffusion, StableDiffusionImg2Img
+
+    vae = str(vae_file / "vae-ft-tiny.safetensors")
+    result = run_cli_here(["generate", PROMPT, "--negative-prompt", NEGATIVE, "--model", TINY, "--steps", "2",
+                           "--seed", "7", "--height", "24", "--width", "32", "--clip-skip", "2", "--vae", vae,
+                           "--vae-tiling", "--hires", "2", "--hires-strength", "0.5", "--hires-steps", "3",
+                           "--no-progress", "--out", str(tmp_path / "out")], tmp_path, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    path = result.stdout.split()[0]
+    keys = as_the_cli(7)
+    n = len(keys)
+    pipe, params = StableDiffusion.from_pretrained(TINY)
+    _, params["vae"] = AutoencoderKL.from_pretrained(vae_file / "folder")
+    pipe = pipe.with_vae_tiling()
+    ids, weights = pipe.prepare_inputs([PROMPT] * n, weighting="a1111")
+    neg, neg_weights = pipe.prepare_inputs([NEGATIVE] * n, weighting="a1111")
+    text = dict(neg_prompt_ids=neg, prompt_weights=weights, neg_prompt_weights=neg_weights, clip_skip=1)
+    latents = pipe.generate_sharded(ids, params, keys, 2, height=24, width=32, output_type="latent", **text)
+    upscaled = np.asarray(jax.image.resize(latents, (n, 4, 24, 32), "bilinear"))  # 48x64 pictures
+    img2img = StableDiffusionImg2Img(**pipe.components()).with_vae_tiling()
+    made = img2img.generate_sharded(ids, upscaled, params, keys, 0.5, 3, **text)
+    assert made.shape == (n, 48, 64, 3)
+    assert_close_to(path, made[0])
+    png = Image.open(path).text
+    assert png["prompt"] == PROMPT and png["parameters"] == (
+        f"{PROMPT}\nNegative prompt: {NEGATIVE}\nSteps: 2, Sampler: PLMS, CFG scale: 7.5, Seed: 7, Size: 32x24, "
+        f"Model: {TINY}, VAE: {vae}, Clip skip: 2, Denoising strength: 0.5, Hires upscale: 2.0, Hires steps: 3, "
+        "Hires upscaler: Latent")
+    # the prompt options reach the picture: the second pass without them (each moves the text states:
+    # test_prompt_weighting.py; the VAE file's and the tiles' share: the tests above)
+    plain = img2img.generate_sharded(pipe.prepare_inputs([PROMPT] * n), upscaled, params, keys, 0.5, 3,
+                                     neg_prompt_ids=pipe.prepare_inputs([NEGATIVE] * n))
+    assert np.abs(plain - made).max() > 1e-2
+
+
+def test_bad_flags_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = ["--out", str(tmp_path / "out")]
+    assert main(["generate", "a", "--model", TINY, "--hires-strength", "0.5", *out]) == 2
+    assert "--hires-strength applies with --hires: add --hires SCALE, or drop --hires-strength" in \
+        one_error_line(capsys)
+    assert main(["generate", "a", "--model", TINY, "--hires", "0.5", *out]) == 2
+    assert "--hires: must be in [1, 8], got 0.5" in one_error_line(capsys)
+    assert main(["generate", "a", "--model", TINY, "--clip-skip", "0", *out]) == 2
+    assert "--clip-skip: must be at least 1, got 0" in one_error_line(capsys)
+    bad = tmp_path / "not-a-vae.safetensors"
+    from safetensors.numpy import save_file
+
+    save_file({"encoder.conv_in.weight": np.zeros((2, 2), np.float32), "something.else": np.zeros(1, np.float32)},
+              str(bad))
+    assert main(["generate", "a", "--model", TINY, "--vae", str(bad), "--steps", "1", "--no-progress", *out]) == 2
+    assert f"--vae {bad}: {bad}: 1 tensors that are not a VAE's in LDM names (something.else)" in \
+        one_error_line(capsys)
