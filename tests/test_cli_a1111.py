@@ -53,16 +53,16 @@ def ldm_vae_file(vae, path):
 
 
 def test_tiled_decode_is_diffusers(tmp_path):
-    """`with_vae_tiling()`'s decode = diffusers' `enable_tiling()` decode at 1e-3, on latents of 2x2 tiles; it
+    """A VAE with `tiling=True` decodes = diffusers' `enable_tiling()` decode at 1e-3, on latents of 2x2 tiles; it
     differs from the whole decode (the tiles show)."""
     from sdflax import AutoencoderKL
     from sdflax.pipeline.vae import VAE
 
-    theirs = torch_vae(tiny_vae_config(), seed=3)
+    theirs = torch_vae({**tiny_vae_config(), "sample_size": 32}, seed=3)  # tiles of 32 pixels, 8 latents
     theirs.save_pretrained(tmp_path)
     vae, params = AutoencoderKL.from_pretrained(tmp_path)
-    latents = np.random.default_rng(0).standard_normal((1, 4, 20, 20), np.float32)  # 2x2 tiles of 16, stride 12
-    tiled = jax.jit(VAE(vae, tiling=True).decode)({"vae": params}, latents)
+    latents = np.random.default_rng(0).standard_normal((1, 4, 12, 12), np.float32)  # 2x2 tiles, stride 6
+    tiled = jax.jit(VAE(vae.clone(tiling=True)).decode)({"vae": params}, latents)
     whole = jax.jit(VAE(vae).decode)({"vae": params}, latents)
     theirs.enable_tiling()
     with torch.no_grad():
@@ -112,13 +112,13 @@ def test_a1111_options_are_the_library_calls(vae_file, tmp_path, capsys, monkeyp
     n = len(keys)
     pipe, params = StableDiffusion.from_pretrained(TINY)
     _, params["vae"] = AutoencoderKL.from_pretrained(vae_file / "folder")
-    pipe = pipe.with_vae_tiling()
+    pipe = pipe.replace(vae=pipe.vae.clone(tiling=True))  # pictures smaller than its tiles: decoded whole
     ids, weights = pipe.prepare_inputs([PROMPT] * n, weighting="a1111")
     neg, neg_weights = pipe.prepare_inputs([NEGATIVE] * n, weighting="a1111")
     text = dict(neg_prompt_ids=neg, prompt_weights=weights, neg_prompt_weights=neg_weights, clip_skip=1)
     latents = pipe.generate_sharded(ids, params, keys, 2, height=24, width=32, output_type="latent", **text)
     upscaled = np.asarray(jax.image.resize(latents, (n, 4, 24, 32), "bilinear"))  # 48x64 pictures
-    img2img = StableDiffusionImg2Img(**pipe.components()).with_vae_tiling()
+    img2img = StableDiffusionImg2Img(**pipe.components())
     made = img2img.generate_sharded(ids, upscaled, params, keys, 0.5, 3, **text)
     assert made.shape == (n, 48, 64, 3)
     assert_close_to(path, made[0])

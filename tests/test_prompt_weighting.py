@@ -229,5 +229,5 @@ def test_clip_skip_is_diffusers(sd, xl, clip_skip):
         ours, plain = (out[0] if isinstance(out, tuple) else out for out in (ours, pipe.encode_prompt(params, ids)))
         np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
         assert np.abs(np.asarray(ours) - np.asarray(plain)).max() > 1e-2
-    with pytest.raises(ValueError, match=r"clip_skip=3: a whole number from 0 to 2"):
-        sd[1].encode_prompt(sd[2], ids, None, 3)
+    with pytest.raises(ValueError, match=r"clip_skip=4: a whole number from 0 to 3"):
+        sd[1].encode_prompt(sd[2], ids, None, 4)

@@ -60,7 +60,6 @@ class Pipeline(PipelineLoaders):
     ip_adapter = None  # ip_adapter.IPAdapter (`load_ip_adapter`)
     ip_adapter_piece = staticmethod(load_ip_adapter)  # what `load_ip_adapter` makes the piece with
     conditionings = ()  # a user's conditionings (`with_conditioning`), the last outermost
-    vae_tiling = False  # the VAE decodes in overlapping tiles (`with_vae_tiling`)
     # what a scheduler name is built from (`scheduler`): the checkpoint's scheduler_config.json with the loader's
     # overrides, as from_pretrained builds a name; None (a pipeline made here): the current scheduler's config
     scheduler_base_config = None
@@ -115,7 +114,7 @@ class Pipeline(PipelineLoaders):
         """A pipeline of this class with some components replaced (and this one's hooks and conditionings)."""
         pipeline = type(self)(**{**self.components(), **components})
         pipeline.hooks, pipeline.scheduler_base_config = self.hooks, self.scheduler_base_config
-        pipeline.ip_adapter, pipeline.vae_tiling = self.ip_adapter, self.vae_tiling
+        pipeline.ip_adapter = self.ip_adapter
         for piece in self.conditionings:
             pipeline = pipeline.with_conditioning(piece)
         return pipeline
@@ -126,13 +125,6 @@ class Pipeline(PipelineLoaders):
         view = copy.copy(self)
         view.conditionings, view._spec = (*self.conditionings, piece), None
         view.signature = signature_with(self.signature, piece, type(self).__name__)
-        return view
-
-    def with_vae_tiling(self, tiling: bool = True):
-        """This pipeline decoding pictures larger than its VAE's sample size in overlapping tiles, blended, as
-        diffusers' `pipeline.vae.enable_tiling()`: less memory for large pictures."""
-        view = copy.copy(self)
-        view.vae_tiling, view._spec = bool(tiling), None
         return view
 
     def with_hooks(self, *hooks):
@@ -158,7 +150,7 @@ class Pipeline(PipelineLoaders):
     def spec(self) -> Spec:
         """The pieces this pipeline runs (`types.Spec`), made from the components and the table row."""
         if self._spec is None:
-            vae = VAE(self.vae, self.text.upcast_vae(self.vae), self.vae_tiling)
+            vae = VAE(self.vae, self.text.upcast_vae(self.vae))
             # an adapter given to any pipeline (a ControlNet one too) joins the row's own wrappers
             extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
@@ -210,8 +202,7 @@ class Pipeline(PipelineLoaders):
     numpy_to_pil = staticmethod(numpy_to_pil)
 
     def encode_prompt(self, params, prompt_ids, *options):
-        """The text encoders' output for ids (SD: states (B, 77, D); SDXL: (states, pooled)); SD and SDXL take
-        A1111's weights and diffusers' clip_skip after the ids."""
+        """The text encoders' output for ids (SD: states; SDXL: (states, pooled)); SD's options: weights, clip_skip."""
         return self.spec.text.encode_prompt(params, prompt_ids, *options)
 
     def decode_latents(self, params, latents):

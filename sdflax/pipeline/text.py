@@ -381,12 +381,13 @@ def both_weights(neg_weights, weights, shape):
 
 
 def check_clip_skip(clip_skip, encoder, extra=0):
-    """diffusers' clip_skip: None, or a number of layers the encoder has (`extra`: before SDXL's penultimate)."""
-    layers = encoder.config.num_hidden_layers - extra
+    """diffusers' clip_skip: None, or a number of layers the encoder has (`extra`: before SDXL's penultimate; the
+    most skips all, leaving the token embeddings)."""
+    most = encoder.config.num_hidden_layers - extra
     if clip_skip is not None and (isinstance(clip_skip, bool) or not isinstance(clip_skip, int) or
-                                  not 0 <= clip_skip < layers):
-        raise ValueError(f"clip_skip={clip_skip!r}: a whole number from 0 to {layers - 1}, the layers skipped at the "
-                         f"end of this {encoder.config.num_hidden_layers}-layer text encoder (A1111's Clip skip 2 is 1)")
+                                  not 0 <= clip_skip <= most):
+        raise ValueError(f"clip_skip={clip_skip!r}: a whole number from 0 to {most}, the layers skipped at the end "
+                         f"of this {encoder.config.num_hidden_layers}-layer text encoder (A1111's Clip skip 2 is 1)")
 
 
 def final_layer_norm(encoder, params, states):

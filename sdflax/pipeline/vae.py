@@ -23,7 +23,6 @@ class VAE:
 
     vae: Any
     in_float32: bool = False
-    tiling: bool = False  # decode in overlapping tiles (diffusers' `enable_tiling`), for pictures past its sample size
 
     @property
     def scale_factor(self) -> int:
@@ -65,7 +64,7 @@ class VAE:
         decode = lambda z: vae.apply(vae_params, z, method="decode")  # noqa: E731
         latents = latents / vae.config.scaling_factor + self.shift
         tile = vae.config.sample_size // vae.config.scale_factor
-        images = tiled_decode(decode, latents, tile, vae.config.sample_size) if self.tiling and max(
+        images = tiled_decode(decode, latents, tile, vae.config.sample_size) if self.vae.tiling and max(
             latents.shape[-2:]) > tile else decode(latents)
         images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
         return jnp.transpose(images, (0, 2, 3, 1))

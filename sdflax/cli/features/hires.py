@@ -81,8 +81,7 @@ def staged(call, pipeline, mesh, checkpoint, rows, keys, configure, step_bar):
     """The picture's latents (`call(output_type="latent")`), upscaled, redrawn by the family's img2img pipeline
     with the same prompts, guidance and per-image keys."""
     height, width, strength, steps = checkpoint.features["hires"]
-    img2img = checkpoint.family.pipeline_class("image")(**pipeline.components())
-    img2img = configure(img2img.with_vae_tiling(pipeline.vae_tiling))
+    img2img = configure(checkpoint.family.pipeline_class("image")(**pipeline.components()))
     f = pipeline.vae_scale_factor
 
     def run(callback=None):

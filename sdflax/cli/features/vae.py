@@ -72,7 +72,7 @@ def load(request, pipeline, params, dtype):
             params = {**params, "vae": vae_file_params(pipeline.vae, os.path.expanduser(request.vae), dtype)}
         except ValueError as e:
             raise UserError(f"--vae {request.vae}: {e}") from e
-    return pipeline.with_vae_tiling(request.vae_tiling), params
+    return pipeline.replace(vae=pipeline.vae.clone(tiling=True)) if request.vae_tiling else pipeline, params
 
 
 def settings(request, checkpoint) -> dict:
