@@ -117,7 +117,7 @@ def test_a1111_options_are_the_library_calls(vae_file, tmp_path, capsys, monkeyp
     neg, neg_weights = pipe.prepare_inputs([NEGATIVE] * n, weighting="a1111")
     text = dict(neg_prompt_ids=neg, prompt_weights=weights, neg_prompt_weights=neg_weights, clip_skip=1)
     latents = pipe.generate_sharded(ids, params, keys, 2, height=24, width=32, output_type="latent", **text)
-    upscaled = np.asarray(jax.image.resize(latents, (n, 4, 24, 32), "bilinear"))  # 48x64 pictures
+    upscaled = np.asarray(jax.image.resize(latents, (n, 4, 12, 16), "bilinear"))  # 48x64 pictures
     img2img = StableDiffusionImg2Img(**pipe.components())
     made = img2img.generate_sharded(ids, upscaled, params, keys, 0.5, 3, **text)
     assert made.shape == (n, 48, 64, 3)
@@ -125,7 +125,7 @@ def test_a1111_options_are_the_library_calls(vae_file, tmp_path, capsys, monkeyp
     png = Image.open(path).text
     assert png["prompt"] == PROMPT and png["parameters"] == (
         f"{PROMPT}\nNegative prompt: {NEGATIVE}\nSteps: 2, Sampler: PLMS, CFG scale: 7.5, Seed: 7, Size: 32x24, "
-        f"Model: {TINY}, VAE: {vae}, Clip skip: 2, Denoising strength: 0.5, Hires upscale: 2.0, Hires steps: 3, "
+        f"Model: {TINY}, VAE: {vae}, Clip skip: 2, Denoising strength: 0.5, Hires upscale: 2, Hires steps: 3, "
         "Hires upscaler: Latent")
     # the prompt options reach the picture: the second pass without them (each moves the text states:
     # test_prompt_weighting.py; the VAE file's and the tiles' share: the tests above)
@@ -152,3 +152,21 @@ def test_bad_flags_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["generate", "a", "--model", TINY, "--vae", str(bad), "--steps", "1", "--no-progress", *out]) == 2
     assert f"--vae {bad}: {bad}: 1 tensors that are not a VAE's in LDM names (something.else)" in \
         one_error_line(capsys)
+
+
+def test_prompts_without_syntax_keep_the_plain_program():
+    """A prompt A1111 reads as diffusers does passes plain ids (the library's plain program); brackets, BREAK or
+    more than 75 tokens pass A1111's ids and weights; --plain-prompt never does, and the PNG says Emphasis: None."""
+    from sdflax import StableDiffusion
+    from sdflax.cli.features import prompt_syntax
+    from sdflax.cli.request import Request
+
+    pipe, _ = StableDiffusion.from_pretrained(TINY)
+    syntax, plain = Request("generate", "x"), Request("generate", "x", plain_prompt=True)
+    ids, weights = prompt_syntax.prepared(pipe, syntax, ["a house, on a hill"], {})
+    assert weights is None and ids.shape == (1, 77)
+    for prompt in ("a (house)", "a BREAK house", "house " * 80):
+        ids, weights = prompt_syntax.prepared(pipe, syntax, [prompt], {})
+        assert weights is not None and ids.shape == weights.shape
+        assert prompt_syntax.prepared(pipe, plain, [prompt], {})[1] is None
+    assert prompt_syntax.parameters({"plain_prompt": True, "prompt": "a (house)"}) == ", Emphasis: None"

@@ -120,5 +120,5 @@ def parameters(s) -> str:
     """As A1111 writes its hires fix (Size stays the first pass's)."""
     if "hires_scale" not in s:
         return ""
-    return (f", Denoising strength: {s['hires_strength']}, Hires upscale: {s['hires_scale']}, Hires steps: "
+    return (f", Denoising strength: {s['hires_strength']}, Hires upscale: {s['hires_scale']:g}, Hires steps: "
             f"{s['hires_steps']}, Hires upscaler: Latent")

@@ -23,11 +23,15 @@ def used(request) -> bool:
 
 def prepared(pipeline, request, prompts, arguments) -> tuple:
     """(ids, A1111's weights or None) of `prompts`: A1111's syntax where the pipeline takes it and the request
-    does not turn it off."""
-    weighted = "weighting" in inspect.signature(pipeline.prepare_inputs).parameters and not request.plain_prompt
-    if not weighted:
-        return pipeline.prepare_inputs(prompts, **arguments), None
-    return pipeline.prepare_inputs(prompts, **arguments, weighting="a1111")
+    does not turn it off. Prompts A1111 reads as diffusers does (no brackets, no BREAK, one chunk) keep the plain
+    ids and no weights: the same numbers, and the program of the library's plain call."""
+    plain = pipeline.prepare_inputs(prompts, **arguments)
+    if "weighting" not in inspect.signature(pipeline.prepare_inputs).parameters or request.plain_prompt:
+        return plain, None
+    ids, weights = pipeline.prepare_inputs(prompts, **arguments, weighting="a1111")
+    if ids.shape == plain.shape and (ids == plain).all() and (weights == 1).all():
+        return plain, None
+    return ids, weights
 
 
 def settings(request, checkpoint) -> dict:
