@@ -13,6 +13,7 @@ Each is a frozen value holding the encoders it runs; the class attributes descri
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -384,7 +385,7 @@ def check_clip_skip(clip_skip, encoder, extra=0):
     """diffusers' clip_skip: None, or a number of layers the encoder has (`extra`: before SDXL's penultimate; the
     most skips all, leaving the token embeddings)."""
     most = encoder.config.num_hidden_layers - extra
-    if clip_skip is not None and (isinstance(clip_skip, bool) or not isinstance(clip_skip, int) or
+    if clip_skip is not None and (isinstance(clip_skip, bool) or not isinstance(clip_skip, numbers.Integral) or
                                   not 0 <= clip_skip <= most):
         raise ValueError(f"clip_skip={clip_skip!r}: a whole number from 0 to {most}, the layers skipped at the end "
                          f"of this {encoder.config.num_hidden_layers}-layer text encoder (A1111's Clip skip 2 is 1)")
