@@ -74,7 +74,13 @@ class Request:
     adapter_image: tuple[str, ...] = ()  # one per `t2i_adapter`, in their order
     adapter_scale: tuple[float, ...] = ()  # none, one for all, or one per adapter
     adapter_factor: float | None = None  # SDXL's: the fraction of the steps the adapters steer
-    vae: str | None = None  # a VAE folder or hub id in place of the checkpoint's
+    vae: str | None = None  # a VAE folder, hub id or single file in place of the checkpoint's
+    vae_tiling: bool = False  # decode in overlapping tiles (diffusers' enable_tiling)
+    plain_prompt: bool = False  # the prompts as diffusers reads them, not A1111's syntax
+    clip_skip: int | None = None  # A1111's Clip skip (diffusers' clip_skip + 1)
+    hires: float | None = None  # A1111's hires fix: the upscale of the latents, then img2img
+    hires_strength: float | None = None
+    hires_steps: int | None = None
     lora: tuple[tuple[str, float], ...] = ()  # (path, scale), merged in order
     embedding: tuple[str, ...] = ()
     scheduler: str | None = None

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import cache
 from .features import having, name, used
+from .features.prompt_syntax import prepared
 from .output import image_settings, output_target, save
 from .pictures import read_pictures
 from .preflight import check_attention, check_checkpoint, command_line_side
@@ -182,12 +183,12 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, stage=N
 
     pipeline = configure(pipeline)
     n = len(rows)
-    ids = pipeline.prepare_inputs([r.prompt for r in rows], **prompt_arguments(rows, features))
+    ids, weights = prepared(pipeline, rows[0], [r.prompt for r in rows], prompt_arguments(rows, features))
     # Pass negative ids even for an empty prompt (it is SD's and SD 3's unconditional one): one program with or
     # without them. SDXL's default is zeros for no negative prompt (force_zeros_for_empty_prompt): None there.
     negative = any(r.negative_prompt or r.negative_prompt_2 for r in rows)
-    neg_ids = None if checkpoint.family.zeros_for_empty_negative and not negative else pipeline.prepare_inputs(
-        [r.negative_prompt for r in rows], **prompt_arguments(rows, features, negative=True))
+    neg_ids, neg_weights = (None, None) if checkpoint.family.zeros_for_empty_negative and not negative else prepared(
+        pipeline, rows[0], [r.negative_prompt for r in rows], prompt_arguments(rows, features, negative=True))
     # one key per image (sdflax.random_draws), as numpy: every process of a mesh spanning several passes them all
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in rows])
     arrays, extra = [], {}
@@ -209,17 +210,19 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, stage=N
         arrays, extra = arrays + positional, {**extra, **keywords}
     if not pictures:
         extra.update(height=checkpoint.height, width=checkpoint.width)
+    if weights is not None:  # A1111's prompt syntax
+        extra.update(prompt_weights=weights, neg_prompt_weights=neg_weights)
     request = rows[0]
 
-    def call(**more):
-        return pipeline.generate_sharded(ids, *arrays, params, keys, num_inference_steps=request.steps,
-                                         guidance_scale=checkpoint.guidance, neg_prompt_ids=neg_ids, mesh=mesh,
-                                         **extra, **more)
+    def call(pipe=None, images=(), **more):  # pipe, images: a next stage's pipeline and pictures
+        arguments = {"num_inference_steps": request.steps, "guidance_scale": checkpoint.guidance,
+                     "neg_prompt_ids": neg_ids, "mesh": mesh, **extra, **more}
+        return (pipe or pipeline).generate_sharded(ids, *images, *arrays, params, keys, **arguments)
 
     if stage is None:
         return call
-    feature, loaded = stage
-    return feature.staged(call, loaded, mesh, checkpoint, rows, keys, configure)
+    feature, loaded = stage  # loaded None: the stage runs this pipeline's models (hires fix)
+    return feature.staged(call, pipeline if loaded is None else loaded, mesh, checkpoint, rows, keys, configure)
 
 
 def prompt_arguments(rows, features, negative=False) -> dict:
@@ -237,12 +240,12 @@ def prompt_arguments(rows, features, negative=False) -> dict:
 
 def steps_run(request, checkpoint) -> int:
     """The steps of the schedule the model runs: img2img and inpaint skip the first 1 - strength of them (with a
-    refiner, base and refiner run them all between them)."""
+    refiner, base and refiner run them all between them), and a feature's second pass adds its own (hires fix)."""
     from ..pipeline.starts import start_step
 
-    if checkpoint.strength is not None:
-        return request.steps - start_step(request.steps, checkpoint.strength)
-    return request.steps
+    steps = request.steps if checkpoint.strength is None else request.steps - start_step(request.steps,
+                                                                                        checkpoint.strength)
+    return steps + sum(after(request, checkpoint) for _, after in having("steps_after", used(request)))
 
 
 class StepBar:

@@ -16,8 +16,8 @@ SD_TAIL = "jit callback guidance_rescale guidance return_trajectory prompt_embed
 
 ROWS = {
     "StableDiffusion": Row(
-        FromNoise, (), f"prompt_ids params prng_seed {SD} latents neg_prompt_ids {SD_TAIL}", {},
-        "Text-to-image with SD 1.x / 2.x checkpoints."),
+        FromNoise, (), f"prompt_ids params prng_seed {SD} latents neg_prompt_ids {SD_TAIL} output_type", {},
+        "Text-to-image with SD 1.x / 2.x checkpoints; `output_type=\"latent\"` returns the latents (hires fix)."),
     "StableDiffusionImg2Img": Row(
         FromImage, (), f"prompt_ids image params prng_seed strength {SD} noise neg_prompt_ids {SD_TAIL}",
         {"strength": 0.8}, "Image-to-image (SDEdit) with SD 1.x / 2.x checkpoints."),

@@ -151,6 +151,9 @@ class AutoencoderKL(Pretrained, nn.Module):
     config: VAEConfig
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
+    # the pipelines decode pictures past `config.sample_size` in blended tiles (`vae.clone(tiling=True)`, diffusers'
+    # `enable_tiling()`; sdflax.pipeline.vae.tiled_decode)
+    tiling: bool = False
     config_class = VAEConfig
 
     def dummy_inputs(self):

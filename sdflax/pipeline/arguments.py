@@ -15,12 +15,14 @@ from .types import float32_array
 
 # Arguments that take arrays (not pictures, which also come as PIL images or lists of them), and those that take
 # one number.
-ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
+ARRAYS = ("prompt_ids", "neg_prompt_ids", "prompt_weights", "neg_prompt_weights", "prompt_embeds", "neg_prompt_embeds", "pooled_prompt_embeds",
           "neg_pooled_prompt_embeds", "latents", "noise")
 NUMBERS = ("guidance_scale", "guidance_rescale", "strength", "aesthetic_score", "negative_aesthetic_score",
            "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop")
 FUNCTIONS = ("callback", "guidance")  # None, or a function
 FLAGS = ("return_trajectory",)
+WHOLE_NUMBERS = ("clip_skip",)  # None, or a whole number
+WORDS = {"output_type": "'np' or 'latent'"}  # a string among these
 
 
 def described(value) -> str:
@@ -60,6 +62,13 @@ def check_kinds(args):
     for name in FLAGS:
         if name in args and not isinstance(args[name], (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {described(args[name])}")
+    for name in WHOLE_NUMBERS:
+        value = args.get(name)
+        if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be a whole number or None, got {described(value)}")
+    for name, words in WORDS.items():
+        if name in args and not isinstance(args[name], str):
+            raise TypeError(f"{name} must be {words}, got {described(args[name])}")
 
 
 def picture_arrays(name, value):

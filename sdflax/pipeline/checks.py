@@ -65,6 +65,8 @@ def split(spec, args: dict, leading_dims, renamed: Mapping, hooks=(), defaults: 
         if name in values:
             values[name] = jnp.asarray(values[name], jnp.float32)
     inputs = Inputs(**values, hooks=tuple(hooks) or None)
+    if hasattr(spec.text, "match_chunks"):  # A1111's prompts: the negative's chunk count the prompt's
+        inputs = spec.text.match_chunks(inputs)
     if leading_dims is not None:
         spec.text.check_inputs(inputs)
         check_shapes(spec, inputs, leading_dims)

@@ -200,9 +200,9 @@ class Pipeline(PipelineLoaders):
 
     numpy_to_pil = staticmethod(numpy_to_pil)
 
-    def encode_prompt(self, params, prompt_ids):
-        """The text encoders' output for ids (SD: states (B, 77, D); SDXL: (states, pooled))."""
-        return self.spec.text.encode_prompt(params, prompt_ids)
+    def encode_prompt(self, params, prompt_ids, *options):
+        """The text encoders' output for ids (SD: states; SDXL: (states, pooled)); SD's options: weights, clip_skip."""
+        return self.spec.text.encode_prompt(params, prompt_ids, *options)
 
     def decode_latents(self, params, latents):
         """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
@@ -341,12 +341,13 @@ def ip_adapter_pixels(piece, images):
 def prepared_inputs(text, parts, vae_scale_factor, prompts, texts: dict, pictures: dict):
     """`prepare_inputs` (its signature is the table's): token ids, (B, 77) int32 for SD, (B, 2, 77) for SDXL,
     (B, 77 + 77 + max_sequence_length) for SD 3, padded and truncated as diffusers does; with pictures,
-    `(ids, *arrays)` in the order `__call__` takes them."""
+    `(ids, *arrays)` in the order `__call__` takes them. SD and SDXL with `weighting="a1111"`: A1111's prompt
+    syntax, `(ids, weights, *arrays)`, ids and weights (B, 77 k) (SDXL (B, 2, 77 k)) for `prompt_weights=`."""
     prompts, texts = prompt_lists(prompts, texts)
     ids = text.prepare_ids(parts, prompts, **texts)
     if all(picture is None for picture in pictures.values()):
         return ids
-    return ids, *preprocess_pictures(pictures, vae_scale_factor)
+    return *(ids if isinstance(ids, tuple) else (ids,)), *preprocess_pictures(pictures, vae_scale_factor)
 
 
 def prompt_lists(prompts, texts: dict) -> tuple:

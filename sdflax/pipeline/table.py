@@ -55,9 +55,10 @@ def signature(row: Row, text) -> inspect.Signature:
     unet = text.denoiser.component == "unet"  # IP-Adapters and T2I-Adapters act on UNets
     tail = SCHEDULE.split() + (IP_ADAPTER.split() if unet else []) + (
         T2I_ADAPTER.split() if unet and T2IAdapters not in row.wrappers else [])
+    defaults.update(getattr(text, "call_arguments", {}))  # a text piece's own (SD's A1111 weights, clip_skip)
     return inspect.Signature([inspect.Parameter(name, kind) if name in REQUIRED else
                               inspect.Parameter(name, kind, default=defaults[name])
-                              for name in row.arguments.split() + tail])
+                              for name in row.arguments.split() + tail + list(getattr(text, "call_arguments", {}))])
 
 
 def make_class(name: str, row: Row, family) -> type:

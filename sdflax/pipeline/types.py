@@ -29,6 +29,9 @@ class Inputs:
 
     prompt_ids: Any = batched()  # (B, 77) for SD, (B, 2, 77) for SDXL (one row per tokenizer)
     neg_prompt_ids: Any = batched()  # as prompt_ids; None: the empty prompt (SDXL: zeros, if its config says)
+    # A1111's token weights, float32 as the ids (of k chunks of 77: (B, 77 k), SDXL (B, 2, 77 k)); None: plain
+    prompt_weights: Any = batched()
+    neg_prompt_weights: Any = batched()
     # (B,) bool: the rows given no negative prompt, for SDXL's default there (zeros if its config says); SDXL
     # pipelines fill it in beside placeholder neg_prompt_ids, so that calls with and without one share a program
     no_negative_prompt: Any = batched()
@@ -133,6 +136,7 @@ class Settings:
     image_seq_len: int | None = None
     # SD 3.5's skip-layer guidance: the transformer blocks its extra pass skips (None: none)
     skip_guidance_layers: tuple | None = None
+    clip_skip: int | None = None  # SD and SDXL: diffusers' clip_skip, the text encoders' last layers skipped
 
     def scheduler(self, scheduler):
         """`scheduler` running these settings' schedule (at these settings' image size, where it shifts by it)."""

@@ -61,6 +61,41 @@ class VAE:
         """Latents as the UNet sees them -> images (B, H, W, 3) in [0, 1]."""
         vae, vae_params = self._module(params, UPCAST_TO_DECODE)
         latents = latents.astype(jnp.float32)  # as the scan leaves them; a bfloat16 VAE casts its input
-        images = vae.apply(vae_params, latents / vae.config.scaling_factor + self.shift, method="decode")
+        decode = lambda z: vae.apply(vae_params, z, method="decode")  # noqa: E731
+        latents = latents / vae.config.scaling_factor + self.shift
+        tile = vae.config.sample_size // vae.config.scale_factor
+        images = tiled_decode(decode, latents, tile, vae.config.sample_size) if self.vae.tiling and max(
+            latents.shape[-2:]) > tile else decode(latents)
         images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
         return jnp.transpose(images, (0, 2, 3, 1))
+
+
+def tiled_decode(decode, z, tile: int, sample_tile: int, overlap: float = 0.25):
+    """diffusers' `AutoencoderKL.tiled_decode`: latents z (B, C, h, w) decoded in tiles of `tile` latents that
+    overlap by `overlap` of theirs, each tile blended linearly into the (already blended) tiles above and to its
+    left over `overlap` of a decoded tile (`sample_tile` pixels), and cropped. Pixels (B, 3, H, W)."""
+    stride, blend = int(tile * (1 - overlap)), int(sample_tile * overlap)
+    kept = sample_tile - blend
+    rows = []
+    for i in range(0, z.shape[2], stride):
+        row = []
+        for j in range(0, z.shape[3], stride):
+            decoded = decode(z[:, :, i:i + tile, j:j + tile])
+            if rows:
+                decoded = blended(rows[-1][len(row)], decoded, blend, axis=2)
+            if row:
+                decoded = blended(row[-1], decoded, blend, axis=3)
+            row.append(decoded)
+        rows.append(row)
+    return jnp.concatenate([jnp.concatenate([t[:, :, :kept, :kept] for t in row], axis=3) for row in rows], axis=2)
+
+
+def blended(a, b, extent: int, axis: int):
+    """b with its first `extent` lines along `axis` faded in from a's last ones: a (1 - y / extent) + b y / extent."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
+    shape = [1] * b.ndim
+    shape[axis] = extent
+    ramp = (jnp.arange(extent, dtype=jnp.float32) / extent).reshape(shape)
+    head = jax.lax.slice_in_dim(a, a.shape[axis] - extent, a.shape[axis], axis=axis) * (1 - ramp) + \
+        jax.lax.slice_in_dim(b, 0, extent, axis=axis) * ramp
+    return jnp.concatenate([head.astype(b.dtype), jax.lax.slice_in_dim(b, extent, b.shape[axis], axis=axis)], axis)

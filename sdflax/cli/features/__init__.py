@@ -1,6 +1,6 @@
 """The command line's features: each module is one addition a request may use (SD 3's and Flux.1's own flags, T5's
 sequence length, Kontext's reference picture, a refiner, a VAE, LoRAs, embeddings, a sampler's eta, a guider, ControlNets, IP-Adapters,
-T2I-Adapters), holding its flags, its checks, its loading, its call arguments and its PNG text. The commands loop
+T2I-Adapters, A1111's prompt syntax, clip skip and hires fix), holding its flags, its checks, its loading, its call arguments and its PNG text. The commands loop
 over `FEATURES`; a module defines the functions it needs:
 
     FLAG                                 the flag that turns it on, named in messages
@@ -22,7 +22,8 @@ over `FEATURES`; a module defines the functions it needs:
     configure(pipeline, value) -> pipeline   the pipeline (and a refiner) the call runs
     call_arguments(pipeline, value, rows) -> (positional arrays, keywords) of `generate_sharded`
     next_stage(request, checkpoint, dtype)   what the call hands its latents to (a refiner: its pipeline, params),
-                                         loaded with the pipeline; `staged(call, stage, ...)` runs both
+                                         loaded with the pipeline; `staged(call, stage, ...)` runs both;
+                                         `steps_after(request, checkpoint)`: the steps it adds
     settings(request, checkpoint) -> dict    its PNG text chunks (none where unused)
     parameters(settings) -> str          its part of A1111's `parameters` line; `prompt_parameters`: of its prompt;
                                          `scale_parameters` -> str | None: the guidance scales' entries, in place
@@ -33,11 +34,11 @@ The order of `FEATURES` is the order of the PNG's entries and of the call's posi
 
 from __future__ import annotations
 
-from . import (controlnet, embedding, eta, flux_flags, guider, ip_adapter, lora, reference, refiner, sd3_flags,
-               t2i_adapter, t5, vae)
+from . import (clip_skip, controlnet, embedding, eta, flux_flags, guider, hires, ip_adapter, lora, prompt_syntax,
+               reference, refiner, sd3_flags, t2i_adapter, t5, vae)
 
 FEATURES = (sd3_flags, flux_flags, t5, reference, refiner, vae, lora, embedding, eta, guider, controlnet, ip_adapter,
-            t2i_adapter)
+            t2i_adapter, prompt_syntax, clip_skip, hires)
 
 
 def name(feature) -> str:
