@@ -17,7 +17,7 @@ from .features import having, name, used
 from .output import image_settings, output_target, save
 from .pictures import read_pictures
 from .preflight import check_attention, check_checkpoint, command_line_side
-from .request import UserError
+from .request import Made, UserError
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -63,14 +63,18 @@ def run(request) -> int:
     step_bar = StepBar(steps_run(request, checkpoint, stage)) if request.progress else None
     with CompileClock() as clock:
         start = time.perf_counter()
-        images = out_of_memory_is_one_line(call, step_bar, f"{len(seeds)} image(s) of {checkpoint.width}x"
-                                           f"{checkpoint.height} on {where}", "use fewer --num-images, a smaller "
-                                           "size, or --dtype bfloat16")
+        out = out_of_memory_is_one_line(call, step_bar, f"{len(seeds)} image(s) of {checkpoint.width}x"
+                                        f"{checkpoint.height} on {where}", "use fewer --num-images, a smaller "
+                                        "size, or --dtype bfloat16")
         total_s = time.perf_counter() - start
     if step_bar is not None:
         step_bar.close()
-    images = pipeline.numpy_to_pil(images)[:num_images]
-    save(request, target, images, seeds[:num_images], image_settings(request, pipeline.scheduler, checkpoint, dtype))
+    images, trajectory = out if isinstance(out, tuple) else (out, None)  # a trajectory where a feature asks
+    paths = save(request, target, pipeline.numpy_to_pil(images)[:num_images], seeds[:num_images],
+                 image_settings(request, pipeline.scheduler, checkpoint, dtype))
+    made = Made(pipeline, params, checkpoint, images, trajectory, seeds, paths)
+    for _, write in having("write", used(request)):
+        write(request, made)
 
     cached = " (from the disk cache)" if clock.cache_hits else ""
     print(f"seed {seeds[0]}: load {load_s:.1f} s, compile {clock.seconds:.1f} s{cached}, "
