@@ -17,7 +17,7 @@ DENOISERS = ("unet",)  # cross-attention layers: SD 1.x, 2.x and SDXL
 def add_flags(add, command):
     if command == "batch":
         return
-    add("--attention-maps", type=words, metavar="WORDS", help="comma-separated words of the prompt: for each, "
+    add("--attention-maps", type=words, default=(), metavar="WORDS", help="comma-separated words of the prompt: for each, "
         "write its cross-attention map over the first image as a red heat map laid over it, "
         "IMAGE-attention-WORD.png")
 

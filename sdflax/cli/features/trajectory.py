@@ -68,7 +68,7 @@ def write(request, made):
 
         sigmas = evaluation_sigmas(made.pipeline.scheduler, made.checkpoint.steps, len(frames))
         with open_new(request.trajectory_sheet) as file:
-            labelled_strip(pictures, [f"σ={s:.3g}" for s in sigmas]).save(file, format="PNG")
+            labelled_strip(pictures, [f"sigma {s:.3g}" for s in sigmas]).save(file, format="PNG")
         print(request.trajectory_sheet)
 
 
