@@ -94,7 +94,6 @@ def test_the_grid_is_the_cells_with_their_labels_and_clip_scores(grid):
     assert np.ptp(scores) > 1e-2  # the cells' scores differ: the numbers say which
     # The cells sit in the bottom-right corner, each with its CLIP caption under it.
     captioned = labelled_strip([Image.new("RGB", (32, cell_h))], ["CLIP 0.00"]).height
-    band = captioned - cell_h
     left, top = sheet.shape[1] - 2 * 32, sheet.shape[0] - 2 * captioned
     for j in range(2):
         for i in range(2):
