@@ -125,3 +125,20 @@ def test_bad_axis_specs_are_one_line(args, expected, tmp_path, capsys, monkeypat
     assert main(["grid", PROMPT, "--model", TINY, *args]) == 2
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_help_and_bad_axes_start_without_jax(tmp_path):
+    """`sdflax grid --help` and a bad axis answer where importing JAX fails (a `jax` that raises stands first)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text('raise ImportError("jax is not to be imported here")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for args, code, expected in ((["grid", "--help"], 0, "--x NAME=V1,V2,..."),
+                                 (["grid", "a fox", "--model", TINY, "--x", "nope=1"], 2, "nope is no option")):
+        result = subprocess.run([sys.executable, "-m", "sdflax", *args], capture_output=True, text=True, env=env,
+                                cwd=tmp_path)
+        assert result.returncode == code and expected in result.stdout + result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -32,7 +32,8 @@ def main(argv=None) -> int:
             return train.run(args)
         return run.run(Request.from_args(args))
     except Exception as e:
-        if not isinstance(e, (UserError, *input_errors())) and not raised_by_a_check(e):
+        # a UserError first: the library's error types import JAX, which a mistake found before it never needs
+        if not isinstance(e, UserError) and not isinstance(e, input_errors()) and not raised_by_a_check(e):
             raise  # a bug of sdflax's: the traceback is what a report needs
         print(f"sdflax: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
