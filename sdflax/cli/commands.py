@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from . import batch, evaluate, run, train_options
+from . import batch, evaluate, grid, run, train_options
 from .options import build_parser
 from .request import Request, UserError, input_errors
 
 
 def main(argv=None) -> int:
-    parser = build_parser(batch.add_command, train_options.add_command, evaluate.add_command)
+    parser = build_parser(batch.add_command, train_options.add_command, evaluate.add_command, grid.add_command)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed its line (or --help / --version)
@@ -24,13 +24,16 @@ def main(argv=None) -> int:
             return batch.run(args)
         if args.command == "eval":
             return evaluate.run(args)
+        if args.command == "grid":
+            return grid.run(args)
         if args.command == "train":
             from . import train
 
             return train.run(args)
         return run.run(Request.from_args(args))
     except Exception as e:
-        if not isinstance(e, (UserError, *input_errors())) and not raised_by_a_check(e):
+        # a UserError first: the library's error types import JAX, which a mistake found before it never needs
+        if not isinstance(e, UserError) and not isinstance(e, input_errors()) and not raised_by_a_check(e):
             raise  # a bug of sdflax's: the traceback is what a report needs
         print(f"sdflax: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

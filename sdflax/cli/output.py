@@ -143,8 +143,9 @@ def png_info(settings):
     return info
 
 
-def save(request, target, images, seeds, settings):
-    """Each image as a PNG with the settings that make it again (and the grid), never over an existing file."""
+def save(request, target, images, seeds, settings) -> list[str]:
+    """Each image as a PNG with the settings that make it again (and the grid), never over an existing file: the
+    images' paths."""
     paths, grid_path = target.paths(request.prompt, seeds, request.grid)
     try:
         for path, image, s in zip(paths, images, seeds):
@@ -160,6 +161,7 @@ def save(request, target, images, seeds, settings):
                         "another --out, or a folder") from e
     except OSError as e:
         raise UserError(f"cannot write {e.filename or request.out}: {e.strerror or e}") from e
+    return paths
 
 
 def write_png(path, image, info):

@@ -99,6 +99,9 @@ class Request:
     grid: bool = False
     progress: bool | None = None  # None: status lines; True: and a step bar; False: results only
     cache_dir: str | None = None
+    trajectory: str | None = None  # OUT.webp: the first image's decoded x̂₀ at every evaluation
+    trajectory_sheet: str | None = None  # OUT.png: the same side by side, with their σ
+    attention_maps: tuple[str, ...] = ()  # words of the prompt: their cross-attention heat maps
 
     @classmethod
     def from_args(cls, args, **changes) -> Request:
@@ -111,3 +114,16 @@ class Request:
     def start(self) -> str:
         """The pipeline's start: "noise", "image" or "image_mask"."""
         return STARTS[self.command]
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """What a run made, for the features that write more pictures from it (a trajectory, attention maps)."""
+
+    pipeline: object
+    params: object
+    checkpoint: object
+    images: object  # (B, H, W, 3) in [0, 1], this process's rows
+    trajectory: object  # the call's trajectory (None unless a feature asked for one)
+    seeds: list
+    paths: list  # the PNGs written, one per kept image

@@ -21,7 +21,7 @@ from .features.prompt_syntax import prepared
 from .output import image_settings, output_target, save
 from .pictures import read_pictures
 from .preflight import check_attention, check_checkpoint, command_line_side
-from .request import UserError
+from .request import Made, UserError
 
 # The events JAX records for tracing, lowering and compiling (or loading from the disk cache) one program.
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -70,12 +70,16 @@ def run(request) -> int:
     with CompileClock() as clock:
         start = time.perf_counter()
         with StepBar(steps_run(request, checkpoint), repr(program), cache_dir) if show_bar else nullcontext():
-            images = out_of_memory_is_one_line(call, f"{len(seeds)} image(s) of {checkpoint.width}x"
-                                               f"{checkpoint.height} on {where}", "use fewer --num-images, a "
-                                               "smaller size, or --dtype bfloat16")
+            out = out_of_memory_is_one_line(call, f"{len(seeds)} image(s) of {checkpoint.width}x"
+                                            f"{checkpoint.height} on {where}", "use fewer --num-images, a smaller "
+                                            "size, or --dtype bfloat16")
         total_s = time.perf_counter() - start
-    images = pipeline.numpy_to_pil(images)[:num_images]
-    save(request, target, images, seeds[:num_images], image_settings(request, pipeline.scheduler, checkpoint, dtype))
+    images, trajectory = out if isinstance(out, tuple) else (out, None)  # a trajectory where a feature asks
+    paths = save(request, target, pipeline.numpy_to_pil(images)[:num_images], seeds[:num_images],
+                 image_settings(request, pipeline.scheduler, checkpoint, dtype))
+    made = Made(pipeline, params, checkpoint, images, trajectory, seeds, paths)
+    for _, write in having("write", used(request)):
+        write(request, made)
 
     cached = " (from the disk cache)" if clock.cache_hits else ""
     print(f"seed {seeds[0]}: load {load_s:.1f} s, compile {clock.seconds:.1f} s{cached}, "

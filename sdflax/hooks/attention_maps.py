@@ -69,8 +69,9 @@ def word_map(maps, ids, word_ids):
     return np.einsum("bhws,bs->bhw", maps, mask)
 
 
-def save_overlay(image, heat, path, alpha=0.5):
-    """One image (H, W, 3) in [0, 1] with a heat map (h, w) laid over it in red, normalised to its maximum; a PNG."""
+def overlay(image, heat, alpha=0.5):
+    """One image (H, W, 3) in [0, 1] with a heat map (h, w) laid over it in red, normalised to its maximum and
+    resized to the image (bilinear): a PIL image."""
     from PIL import Image
 
     image = np.asarray(image, np.float32)
@@ -80,5 +81,10 @@ def save_overlay(image, heat, path, alpha=0.5):
     red = np.zeros_like(image)
     red[..., 0] = 1
     out = (1 - alpha * heat) * image + alpha * heat * red
-    Image.fromarray((np.clip(out, 0, 1) * 255).round().astype(np.uint8)).save(path)
+    return Image.fromarray((np.clip(out, 0, 1) * 255).round().astype(np.uint8))
+
+
+def save_overlay(image, heat, path, alpha=0.5):
+    """`overlay` as a PNG."""
+    overlay(image, heat, alpha).save(path)
     return path

@@ -1,7 +1,8 @@
 """The command line's features: each module is one addition a request may use (SD 3's and Flux.1's own flags, T5's
 sequence length, Kontext's reference picture, a refiner, a VAE, LoRAs, embeddings, a sampler's eta, a guider, ControlNets, IP-Adapters,
-T2I-Adapters, A1111's prompt syntax, clip skip and hires fix), holding its flags, its checks, its loading, its call arguments and its PNG text. The commands loop
-over `FEATURES`; a module defines the functions it needs:
+T2I-Adapters, A1111's prompt syntax, clip skip and hires fix, pictures of the sampler: its trajectory, attention
+maps), holding its flags, its checks, its loading, its call arguments and its PNG text. The commands loop over
+`FEATURES`; a module defines the functions it needs:
 
     FLAG                                 the flag that turns it on, named in messages
     DENOISERS                            the denoiser components it takes ("unet"); absent: every one
@@ -25,6 +26,8 @@ over `FEATURES`; a module defines the functions it needs:
                                          loaded with the pipeline; `staged(call, stage, ...)` runs both;
                                          `steps_after(request, checkpoint)`: the steps it adds
     settings(request, checkpoint) -> dict    its PNG text chunks (none where unused)
+    write(request, made)                 after the images are written: more pictures from `request.Made` (the
+                                         call's trajectory: --trajectory, --attention-maps)
     parameters(settings) -> str          its part of A1111's `parameters` line; `prompt_parameters`: of its prompt;
                                          `scale_parameters` -> str | None: the guidance scales' entries, in place
                                          of "CFG scale: <guidance_scale>" (Flux.1's true and distilled ones)
@@ -34,11 +37,11 @@ The order of `FEATURES` is the order of the PNG's entries and of the call's posi
 
 from __future__ import annotations
 
-from . import (clip_skip, controlnet, embedding, eta, flux_flags, guider, hires, ip_adapter, lora, prompt_syntax,
-               reference, refiner, sd3_flags, t2i_adapter, t5, vae)
+from . import (attention_maps, clip_skip, controlnet, embedding, eta, flux_flags, guider, hires, ip_adapter, lora,
+               prompt_syntax, reference, refiner, sd3_flags, t2i_adapter, t5, trajectory, vae)
 
 FEATURES = (sd3_flags, flux_flags, t5, reference, refiner, vae, lora, embedding, eta, guider, controlnet, ip_adapter,
-            t2i_adapter, prompt_syntax, clip_skip, hires)
+            t2i_adapter, prompt_syntax, clip_skip, hires, trajectory, attention_maps)
 
 
 def name(feature) -> str:
