@@ -162,7 +162,7 @@ def run(args) -> int:
             rows = [checked[i][0] for i in batch]
             rows += [rows[-1]] * (-len(rows) % mesh.size)  # every device a row
             status(f"Sampling {len(batch)} cell(s): {request.steps} steps at {checkpoint.width}x{checkpoint.height}")
-            made = sample_rows(pipeline, replicated, mesh, checkpoint, rows, resized)(None)
+            made = sample_rows(pipeline, replicated, mesh, checkpoint, rows, resized)()
             for i, image in zip(batch, pipeline.numpy_to_pil(made)):
                 images[i] = image
                 settings[i] = {**image_settings(checked[i][0], pipeline.scheduler, checkpoint, dtype),
