@@ -20,6 +20,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
     **dict.fromkeys(("StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint"), ".families.sd3"),
     **dict.fromkeys(("Flux", "FluxFill", "FluxImg2Img", "FluxInpaint", "FluxKontext"), ".families.flux"),
     "FluxTransformer2DModel": ".models.flux",
+    "FluxControlNetModel": ".models.flux_controlnet",
     **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
                      "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint",
                      "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint"), ".families.sdxl"),
