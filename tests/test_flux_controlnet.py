@@ -12,9 +12,12 @@ import pytest
 import torch
 from test_flux_model import inputs as transformer_inputs
 from test_flux_model import theirs_output
-from test_flux_pipeline import TRANSFORMER, randomized, torch_flux_transformer
+from test_flux_pipeline import (PROMPTS, SIZE, STEPS, T5_LENGTH, TRANSFORMER, check_images, latents_for, moves,
+                                randomized, theirs_images, torch_flux_pipeline, torch_flux_transformer)
+from test_sd3_pipeline import patch_draws, pictures_and_masks
 
 import sdflax
+from sdflax.families.flux_control import control_draws
 from sdflax.models.flux import FluxTransformer2DModel
 
 RTOL = 1e-4  # float32 models, of the output's largest magnitude
@@ -113,3 +116,59 @@ def test_a_union_net_needs_its_mode(models):
     x, cond, _, context, pooled, t, img_ids, txt_ids, guidance = net_inputs({**TRANSFORMER, **CONTROLNETS["union"]})
     with pytest.raises(ValueError, match=r"controlnet_mode=None: this is a Union ControlNet \(num_mode=3\)"):
         net.apply(params, x, cond, None, 1.0, context, pooled, t, img_ids, txt_ids, guidance)
+
+
+# ---- pipelines ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pipes(models, tmp_path_factory):
+    """(diffusers' dev FluxPipeline, our FluxControlNet of the plain net, params), the dev folder saved once."""
+    folder = tmp_path_factory.mktemp("flux_dev")
+    theirs = torch_flux_pipeline(folder)
+    theirs.transformer = models["transformer"][0]
+    theirs.save_pretrained(folder / "dev", safe_serialization=True)
+    _, net, net_params = models["plain"]
+    pipe, params = sdflax.FluxControlNet.from_pretrained(folder / "dev", controlnet=net)
+    params["controlnet"] = net_params
+    return folder / "dev", theirs, pipe, params
+
+
+def theirs_controlnet_images(theirs, nets, pictures, monkeypatch, key, **kwargs):
+    """diffusers' FluxControlNetPipeline with `nets` (a list: its Multi model), its posterior draws ours."""
+    import diffusers.pipelines.flux.pipeline_flux_controlnet as module
+    from diffusers import FluxControlNetPipeline, FluxMultiControlNetModel
+
+    count = len(pictures) if isinstance(pictures[0], list) else 1
+    posterior = control_draws(key, (2, 16, SIZE // 8, SIZE // 8), count)
+    controlnet = FluxMultiControlNetModel(nets) if isinstance(nets, list) else nets
+    patch_draws(monkeypatch, module, list(posterior), latents_for())
+    pipeline = FluxControlNetPipeline(**{**theirs.components, "controlnet": controlnet})
+    return theirs_images(pipeline, control_image=pictures, **kwargs)
+
+
+def control_pictures(seed=0):
+    return pictures_and_masks(seed=seed)[0]
+
+
+def ours_controlnet_images(pipe, params, ids, control, key, **kwargs):
+    return pipe(ids, control, params, key, num_inference_steps=STEPS, height=SIZE, width=SIZE, latents=latents_for(),
+                **kwargs).images
+
+
+def test_one_net_matches_diffusers_scale_and_window_traced(pipes, models, monkeypatch):
+    """One plain net (two double blocks, one single block over the transformer's two): a scale and a guidance
+    window that each move diffusers' image, ours equal to it, neither recompiling."""
+    _, theirs, pipe, params = pipes
+    net = models["plain"][0]
+    pictures, key = control_pictures(), jax.random.PRNGKey(1)
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    control = pipe.prepare_image_inputs(pictures)
+    previous, compiles = theirs_images(theirs, guidance_scale=3.5), None
+    for settings in (dict(controlnet_conditioning_scale=0.7), dict(controlnet_conditioning_scale=1.3),
+                     dict(controlnet_conditioning_scale=1.3, control_guidance_end=0.5)):
+        expected = theirs_controlnet_images(theirs, net, pictures, monkeypatch, key, guidance_scale=3.5, **settings)
+        assert moves(expected, previous)  # the net, then the scale, then the window
+        check_images(ours_controlnet_images(pipe, params, ids, control, key, guidance_scale=3.5, **settings),
+                     expected)
+        compiles = compiles or pipe._jitted._cache_size()
+        assert pipe._jitted._cache_size() == compiles
+        previous = expected

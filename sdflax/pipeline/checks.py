@@ -360,6 +360,10 @@ def image_size(spec, inputs, args, leading_dims, height, width):
             check_control_images(nets_of(spec, ControlNet), spec.denoiser.model, spec.vae.scale_factor,
                                  args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
         sizes.append(("the control image", first.shape[-2:]))
+    for piece in spec.wrappers:  # a conditioning that checks its own pictures (Flux.1's ControlNets)
+        if hasattr(piece, "picture_size"):
+            batch = inputs.prompts().shape[:leading_dims or 1]
+            sizes.append((f"the {piece.picture.replace('_', ' ')}", piece.picture_size(args, leading_dims, batch)))
     if nets_of(spec, T2IAdapters):  # the T2I-Adapters' pictures
         first = given_pictures(args, "adapter_image")[0]
         if leading_dims is not None:

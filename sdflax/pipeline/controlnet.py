@@ -33,6 +33,13 @@ def as_nets(value) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
+def window_scale(scale, start, end, step, num_evals):
+    """`scale` inside a net's guidance window, 0 outside: diffusers' `controlnet_keep`, the net acting at evaluation
+    i unless i/n < start or (i+1)/n > end."""
+    outside = (step / num_evals < start) | ((step + 1) / num_evals > end)
+    return scale * (1.0 - outside.astype(jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class ControlNet:
     """The residuals of one or several ControlNets, added to the UNet's (diffusers' MultiControlNetModel sums);
@@ -67,9 +74,7 @@ class ControlNet:
                 extra = {name: jnp.split(v, 2)[1] if half else v for name, v in cond.unet_kwargs.items()}
                 down, mid = None, None
                 for k, (net, p, image) in enumerate(zip(self.nets, net_params, images)):
-                    # diffusers' guidance window: the net acts at evaluation i unless i/n < start or (i+1)/n > end
-                    outside = (step / num_evals < starts[k]) | ((step + 1) / num_evals > ends[k])
-                    scale = scales[k] * (1.0 - outside.astype(jnp.float32))
+                    scale = window_scale(scales[k], starts[k], ends[k], step, num_evals)
                     image = jnp.tile(image, (x_c.shape[0] // image.shape[0], 1, 1, 1))  # [uncond; cond] rows
                     d, m = net.apply(p, x_c, t, context_c, image.astype(net.dtype), scale, guess_mode=half, **extra)
                     down = d if down is None else tuple(a + b for a, b in zip(down, d))

@@ -23,7 +23,6 @@ from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
 from .clip_image import clip_image_inputs
-from .controlnet import ControlNet
 from .generate import generate, generate_fn
 from .images import numpy_to_pil, preprocess_ip_adapter_masks, preprocess_pictures
 from .ip_adapter import load_ip_adapter
@@ -87,8 +86,8 @@ class Pipeline(PipelineLoaders):
     @classmethod
     def component_names(cls) -> tuple:
         """What the constructor takes: this family's components, its options, and a UNet's conditioning nets."""
-        nets = ("controlnet", "adapter") if cls.text.denoiser.component == "unet" else ()
-        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options, *nets)
+        return (*cls.text.models, *cls.text.tokenizers, "scheduler", "dtype", *cls.text.index_options,
+                *family_nets(cls.text))
 
     def components(self) -> dict:
         """The constructor's arguments that made this pipeline."""
@@ -154,7 +153,8 @@ class Pipeline(PipelineLoaders):
             # an adapter given to any pipeline (a ControlNet one too) joins the row's own wrappers
             extra = (T2IAdapters,) if self.adapters and T2IAdapters not in self.wrappers else ()
             wrappers = (*((self.ip_adapter,) if self.ip_adapter else ()),  # innermost: the UNet's layers only
-                        *(wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)),
+                        *(wrapper.build(vae, getattr(self, wrapper.component)) if hasattr(wrapper, "build")
+                          else wrapper(getattr(self, wrapper.component)) for wrapper in (*extra, *self.wrappers)),
                         *self.conditionings)
             self._spec = Spec(self.text.build(self.parts(), self.empty_prompt_ids), self.start.build(vae, self.denoiser),
                               self.denoiser, vae, self._scheduler, wrappers)
@@ -249,11 +249,16 @@ class Pipeline(PipelineLoaders):
 
 
 CONDITIONING_PROTOCOL = ("params_name", "picture", "arguments", "call_inputs", "wrap")
-# the conditioning nets a pipeline's wrappers are built from: their argument, their class, how to give them
-NEEDED_NETS = {ControlNet: ("controlnet", ControlNetModel, "a ControlNetModel (or a list of them) from "
+# the conditioning nets a UNet pipeline's wrappers are built from: their argument (the wrapper's params_name), their
+# class, how to give them
+UNET_NETS = {"controlnet": (ControlNetModel, "a ControlNetModel (or a list of them) from "
                             "ControlNetModel.from_pretrained"),
-               T2IAdapters: ("adapter", T2IAdapter, "a T2IAdapter (or a list of them) from "
-                             "sdflax.T2IAdapter.from_pretrained")}
+             "adapter": (T2IAdapter, "a T2IAdapter (or a list of them) from sdflax.T2IAdapter.from_pretrained")}
+
+
+def family_nets(text) -> dict:
+    """The conditioning nets a family's pipelines take, as UNET_NETS: its text piece's `nets`, else a UNet's."""
+    return getattr(text, "nets", UNET_NETS if text.denoiser.component == "unet" else {})
 
 
 def given_components(cls, components: dict) -> dict:
@@ -273,9 +278,11 @@ def given_components(cls, components: dict) -> dict:
     for name in ("controlnet", "adapter"):
         net = given.get(name)
         given[name] = () if net is None else tuple(net) if isinstance(net, (list, tuple)) else (net,)
-    for wrapper, (name, net_class, what) in NEEDED_NETS.items():
-        if wrapper in cls.wrappers and not given[name]:
-            raise ValueError(f"{cls.__name__} needs {name}=: {what}")
+    nets = family_nets(cls.text)
+    for name in [wrapper.params_name for wrapper in cls.wrappers if wrapper.params_name in nets]:
+        if not given[name]:
+            raise ValueError(f"{cls.__name__} needs {name}=: {nets[name][1]}")
+    for name, (net_class, what) in nets.items():
         if wrong := [net for net in given.get(name, ()) if not isinstance(net, net_class)]:
             raise TypeError(f"{cls.__name__}: {name}= takes {what}, not {type(wrong[0]).__name__} {wrong[0]!r:.60}")
     return given
