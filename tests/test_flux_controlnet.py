@@ -12,11 +12,12 @@ import pytest
 import torch
 from test_flux_model import inputs as transformer_inputs
 from test_flux_model import theirs_output
-from test_flux_pipeline import (PROMPTS, SIZE, STEPS, T5_LENGTH, TRANSFORMER, check_images, latents_for, moves,
+from test_flux_pipeline import (NEGATIVE, PROMPTS, SIZE, STEPS, T5_LENGTH, TRANSFORMER, check_images, latents_for, moves,
                                 randomized, theirs_images, torch_flux_pipeline, torch_flux_transformer)
 from test_sd3_pipeline import patch_draws, pictures_and_masks
 
 import sdflax
+from sdflax import replicate, shard, unshard
 from sdflax.families.flux_control import control_draws
 from sdflax.models.flux import FluxTransformer2DModel
 
@@ -172,3 +173,112 @@ def test_one_net_matches_diffusers_scale_and_window_traced(pipes, models, monkey
         compiles = compiles or pipe._jitted._cache_size()
         assert pipe._jitted._cache_size() == compiles
         previous = expected
+
+
+def with_nets(pipes, models, names):
+    """Our FluxControlNet of the dev checkpoint with the nets `names` (a list: several) and its params."""
+    _, _, pipe, params = pipes
+    nets = [models[name][1] for name in names]
+    return pipe.replace(controlnet=nets), {**params, "controlnet": [models[name][2] for name in names]}
+
+
+def test_two_nets_and_a_union_net_match_diffusers(pipes, models, monkeypatch):
+    """Two nets (diffusers' FluxMultiControlNetModel: a plain net and a Union net, each its picture and scale), and a
+    Union net alone at two modes, which give different images; the mode is traced."""
+    _, theirs, pipe, params = pipes
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    pictures, others, key = control_pictures(), control_pictures(seed=1), jax.random.PRNGKey(2)
+    both, both_params = with_nets(pipes, models, ["plain", "union"])
+    settings = dict(guidance_scale=3.5, controlnet_conditioning_scale=[0.6, 0.9])
+    expected = theirs_controlnet_images(theirs, [models["plain"][0], models["union"][0]], [pictures, others],
+                                        monkeypatch, key, control_mode=[None, 1], **settings)
+    control = [both.prepare_image_inputs(p) for p in (pictures, others)]
+    check_images(ours_controlnet_images(both, both_params, ids, control, key, control_mode=[None, 1], **settings),
+                 expected)
+
+    union, union_params = with_nets(pipes, models, ["union"])
+    by_mode = {mode: theirs_controlnet_images(theirs, models["union"][0], others, monkeypatch, key, control_mode=mode,
+                                              guidance_scale=3.5) for mode in (0, 2)}
+    assert moves(by_mode[0], by_mode[2])
+    for mode, expected in by_mode.items():
+        check_images(ours_controlnet_images(union, union_params, ids, control[1], key, control_mode=mode,
+                                            guidance_scale=3.5), expected)
+    assert union._jitted._cache_size() == 1
+
+
+def test_xlabs_net_matches_diffusers(pipes, models, monkeypatch):
+    """XLabs' net reads the picture through its input_hint_block (no VAE draw) and its one double block's residual
+    is repeated over the transformer's blocks; true CFG with a negative prompt gives the negative's rows the
+    prompt's residuals, as diffusers."""
+    _, theirs, pipe, params = pipes
+    xlabs, xlabs_params = with_nets(pipes, models, ["xlabs"])
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs(NEGATIVE, max_sequence_length=T5_LENGTH)
+    pictures = control_pictures(seed=2)
+    expected = theirs_controlnet_images(theirs, models["xlabs"][0], pictures, monkeypatch, jax.random.PRNGKey(0),
+                                        guidance_scale=3.5, true_cfg_scale=3.0, negative_prompt=NEGATIVE)
+    assert moves(expected, theirs_images(theirs, guidance_scale=3.5, true_cfg_scale=3.0, negative_prompt=NEGATIVE))
+    check_images(ours_controlnet_images(xlabs, xlabs_params, ids, xlabs.prepare_image_inputs(pictures),
+                                        jax.random.PRNGKey(0), guidance_scale=3.5, true_cfg_scale=3.0,
+                                        neg_prompt_ids=neg), expected)
+
+
+def test_flux_control_matches_diffusers(pipes, monkeypatch):
+    """FLUX.1 Canny / Depth dev's shape (128 input features): `sdflax.from_pretrained` of its folder gives
+    FluxControl; the control picture's latents beside the latents, and another picture moves the image."""
+    import diffusers.pipelines.flux.pipeline_flux_control as module
+    from diffusers import FluxControlPipeline
+
+    folder, theirs, _, _ = pipes
+    common = {name: part for name, part in theirs.components.items() if name not in ("image_encoder",
+                                                                                     "feature_extractor")}
+    control = FluxControlPipeline(**{**common, "transformer": torch_flux_transformer(
+        5, in_channels=128, out_channels=64, guidance_embeds=True)})
+    control.save_pretrained(folder.parent / "control", safe_serialization=True)
+    pipe, params = sdflax.from_pretrained(folder.parent / "control")
+    assert type(pipe) is sdflax.FluxControl
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    key = jax.random.PRNGKey(3)
+    expected = {}
+    for seed in (0, 1):
+        pictures = control_pictures(seed=seed)
+        patch_draws(monkeypatch, module, list(control_draws(key, (2, 16, SIZE // 8, SIZE // 8), 1)), latents_for())
+        expected[seed] = theirs_images(control, control_image=pictures, guidance_scale=3.5)
+        _, image = pipe.prepare_inputs(PROMPTS, pictures, max_sequence_length=T5_LENGTH)
+        check_images(pipe(ids, image, params, key, num_inference_steps=STEPS, latents=latents_for(),
+                          guidance_scale=3.5).images, expected[seed])
+    assert moves(expected[0], expected[1])
+
+
+def test_pmap_and_sharded_equal_single_device(pipes):
+    """A net's pictures split over eight devices, one prompt, picture and key each."""
+    _, _, pipe, params = pipes
+    devices = jax.local_device_count()
+    ids = pipe.prepare_inputs([f"a painting of a {i}" for i in range(devices)], max_sequence_length=T5_LENGTH)
+    control = pipe.prepare_image_inputs(pictures_and_masks(seed=3, batch=devices)[0])
+    latents = latents_for(devices, seed=5)
+    keys = jax.random.split(jax.random.PRNGKey(0), devices)
+    settings = dict(num_inference_steps=STEPS, guidance_scale=3.5, controlnet_conditioning_scale=0.8)
+    images = pipe(shard(ids), shard(control), replicate(params), keys, jit=True, latents=shard(latents),
+                  **settings).images
+    for i in (0, 5):
+        single = pipe(ids[i:i + 1], control[i:i + 1], params, keys[i], latents=latents[i:i + 1], **settings).images
+        np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
+    sharded = pipe.generate_sharded(ids, control, params, keys, latents=latents, **settings)
+    np.testing.assert_allclose(sharded, unshard(images), rtol=0, atol=1e-5)
+
+
+def test_bad_control_modes_are_refused(pipes, models):
+    union, union_params = with_nets(pipes, models, ["union"])
+    _, _, pipe, params = pipes
+    ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
+    control = pipe.prepare_image_inputs(control_pictures())
+    key = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match=r"control_mode=None: the ControlNet is a Union net of 3 modes; give the kind "
+                                         r"of its picture, a whole number in 0 \.\. 2"):
+        ours_controlnet_images(union, union_params, ids, control, key)
+    with pytest.raises(ValueError, match=r"control_mode=1, but the ControlNet is not a Union net"):
+        ours_controlnet_images(pipe, params, ids, control, key, control_mode=1)
+    both, both_params = with_nets(pipes, models, ["plain", "union"])
+    with pytest.raises(ValueError, match="1 control images for 2 ControlNets: give one image"):
+        ours_controlnet_images(both, both_params, ids, control, key, control_mode=[None, 1])
