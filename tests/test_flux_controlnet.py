@@ -50,7 +50,7 @@ def models(tmp_path_factory):
     loaded = {"transformer": (torch_flux_transformer(2, guidance_embeds=True), FluxTransformer2DModel)}  # the dev pipeline's
     loaded.update({name: (torch_controlnet(seed, **config), sdflax.FluxControlNetModel)
                    for seed, (name, config) in enumerate(CONTROLNETS.items(), 10)})
-    out = {}
+    out = {"folder": tmp}
     for name, (theirs, cls) in loaded.items():
         theirs.save_pretrained(tmp / name)
         out[name] = (theirs, *cls.from_pretrained(tmp / name))
@@ -223,10 +223,9 @@ def test_xlabs_net_matches_diffusers(pipes, models, monkeypatch):
                                         neg_prompt_ids=neg), expected)
 
 
-def test_flux_control_matches_diffusers(pipes, monkeypatch):
-    """FLUX.1 Canny / Depth dev's shape (128 input features): `sdflax.from_pretrained` of its folder gives
-    FluxControl; the control picture's latents beside the latents, and another picture moves the image."""
-    import diffusers.pipelines.flux.pipeline_flux_control as module
+@pytest.fixture(scope="module")
+def control_checkpoint(pipes):
+    """(folder, diffusers' FluxControlPipeline): FLUX.1 Canny / Depth dev's shape, 128 input features."""
     from diffusers import FluxControlPipeline
 
     folder, theirs, _, _ = pipes
@@ -235,7 +234,16 @@ def test_flux_control_matches_diffusers(pipes, monkeypatch):
     control = FluxControlPipeline(**{**common, "transformer": torch_flux_transformer(
         5, in_channels=128, out_channels=64, guidance_embeds=True)})
     control.save_pretrained(folder.parent / "control", safe_serialization=True)
-    pipe, params = sdflax.from_pretrained(folder.parent / "control")
+    return folder.parent / "control", control
+
+
+def test_flux_control_matches_diffusers(control_checkpoint, monkeypatch):
+    """`sdflax.from_pretrained` of a Control folder gives FluxControl; the control picture's latents beside the
+    latents, and another picture moves the image."""
+    import diffusers.pipelines.flux.pipeline_flux_control as module
+
+    folder, control = control_checkpoint
+    pipe, params = sdflax.from_pretrained(folder)
     assert type(pipe) is sdflax.FluxControl
     ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
     key = jax.random.PRNGKey(3)
@@ -282,3 +290,73 @@ def test_bad_control_modes_are_refused(pipes, models):
     both, both_params = with_nets(pipes, models, ["plain", "union"])
     with pytest.raises(ValueError, match="1 control images for 2 ControlNets: give one image"):
         ours_controlnet_images(both, both_params, ids, control, key, control_mode=[None, 1])
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+CLI = ["--height", "32", "--width", "32", "--steps", "2", "--seed", "7", "--max-sequence-length", str(T5_LENGTH),
+       "--no-progress", "--num-images", "1"]
+
+
+def cli_library(pipe, params, *pictures, **kwargs):
+    """The library's image of the CLI's call (its rows, keys and negative prompt ids), as test_cli_flux's."""
+    from test_cli import rows
+    from test_cli_controlnet import as_the_cli
+
+    keys = as_the_cli(7)
+    ids = pipe.prepare_inputs([PROMPTS[1]], max_sequence_length=T5_LENGTH)
+    neg = pipe.prepare_inputs([""], max_sequence_length=T5_LENGTH)
+    ids, neg, *pictures = rows([ids, neg, *pictures], keys)
+    return pipe.generate_sharded(ids, *pictures, params, keys, num_inference_steps=2, neg_prompt_ids=neg,
+                                 **kwargs)[0]
+
+
+def test_the_cli_runs_a_union_net_and_a_control_checkpoint(pipes, models, control_checkpoint, tmp_path):
+    """`--controlnet` with `--control-mode` on a Flux folder is FluxControlNet's call, and `--control-image` alone
+    on a Control checkpoint FluxControl's; the PNG records the mode."""
+    from PIL import Image
+    from test_cli import close_to
+
+    from sdflax.cli import main
+
+    picture = control_pictures(seed=4)[0].resize((32, 32))
+    picture.save(tmp_path / "edges.png")
+    union = str(models["folder"] / "union")
+    assert main(["generate", PROMPTS[1], "--model", str(pipes[0]), "--controlnet", union, "--control-image",
+                 str(tmp_path / "edges.png"), "--control-mode", "2", *CLI, "--out", str(tmp_path / "net.png")]) == 0
+    pipe, params = with_nets(pipes, models, ["union"])
+    close_to(tmp_path / "net.png", cli_library(pipe, params, pipe.prepare_image_inputs([picture]), height=32,
+                                               width=32, controlnet_conditioning_scale=[1.0], control_mode=[2]))
+    assert Image.open(tmp_path / "net.png").text["control_mode"] == "[2]"
+
+    assert main(["generate", PROMPTS[1], "--model", str(control_checkpoint[0]), "--control-image",
+                 str(tmp_path / "edges.png"), *CLI, "--out", str(tmp_path / "control.png")]) == 0
+    pipe, params = sdflax.FluxControl.from_pretrained(control_checkpoint[0])
+    _, image = pipe.prepare_inputs([PROMPTS[1]], [picture], max_sequence_length=T5_LENGTH)
+    close_to(tmp_path / "control.png", cli_library(pipe, params, image, guidance_scale=3.5))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--controlnet", "union", "--control-image", "edges.png"], "--controlnet union is a Union ControlNet of 3 modes: "
+     "give --control-mode N"),
+    (["--controlnet", "plain", "--control-image", "edges.png", "--control-mode", "1"], "--control-mode 1 for "
+     "--controlnet plain: -1 (not a Union net)"),
+    (["--control-image", "edges.png"], "--control-image without --controlnet, but dev is not a Flux.1 Control "
+     "checkpoint"),
+    (["--model", "control", "--control-image", "edges.png", "--controlnet", "plain"], "control is a Flux.1 Control "
+     "checkpoint (Canny / Depth dev"),
+])
+def test_bad_cli_input_is_one_line_and_status_2(args, expected, pipes, models, control_checkpoint, tmp_path,
+                                                  capsys, monkeypatch):
+    from test_cli import one_error_line
+
+    from sdflax.cli import main
+
+    for name in ("plain", "union"):
+        (tmp_path / name).symlink_to(models["folder"] / name)
+    (tmp_path / "dev").symlink_to(pipes[0])
+    (tmp_path / "control").symlink_to(control_checkpoint[0])
+    control_pictures()[0].save(tmp_path / "edges.png")
+    monkeypatch.chdir(tmp_path)
+    model = [] if "--model" in args else ["--model", "dev"]
+    assert main(["generate", "a fox", *model, *args, "--out", str(tmp_path / "out")]) == 2
+    assert expected in one_error_line(capsys)

@@ -37,14 +37,14 @@ class Family:
     def pipeline_class(self, start: str = "noise", controlnet: bool = False, class_name: str | None = None) -> type:
         """The class of a cell: start "noise", "image" or "image_mask", with or without ControlNets; a checkpoint
         made for one pipeline of its own (`class_name`, its model_index.json's: Flux Fill) gets that one."""
-        from ..pipeline.controlnet import ControlNet
         from ..pipeline.t2i_adapter import T2IAdapters
 
         own = self.classes.get((class_name or "").removesuffix("Pipeline"))
         if own is not None and own.start not in START_NAMES:
             return own
         for cls in self.classes.values():
-            if START_NAMES.get(cls.start) == start and (ControlNet in cls.wrappers) == controlnet \
+            nets = any(wrapper.params_name == "controlnet" for wrapper in cls.wrappers)
+            if START_NAMES.get(cls.start) == start and nets == controlnet \
                     and T2IAdapters not in cls.wrappers:
                 return cls
         raise ValueError(f"no {self.title} pipeline for start={start!r}, controlnet={controlnet}")

@@ -1,6 +1,8 @@
-"""--controlnet, --controlnet-config, --control-image and --control-scale: ControlNets steering by condition
-pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's config
-checked against the checkpoint's UNet before anything loads."""
+"""--controlnet, --controlnet-config, --control-image, --control-scale and --control-mode: ControlNets steering by
+condition pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's
+config checked against the checkpoint's denoiser before anything loads. Flux.1's nets (diffusers folders) are checked
+and loaded by the family's command-line side (`families/flux_cli.py`), which also runs a Flux Control checkpoint
+(Canny / Depth dev) on --control-image alone."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from ..request import UserError, flag_error
 
 FLAG = "--controlnet"
 DENOISERS = ("unet",)
+FAMILIES = ("flux",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +24,7 @@ class Controls:
 
     pictures: tuple
     scales: tuple
+    modes: tuple = ()  # a Flux Union net's mode per picture (-1: none), where --control-mode gives them
 
 
 def add_flags(add, command):
@@ -36,13 +40,16 @@ def add_flags(add, command):
     add("--control-image", action="append", default=[], metavar="IMG",
         help="the condition image (edges, pose, depth, ...) of each --controlnet, in their order; resized to the "
              "output size")
+    add("--control-mode", action="append", default=[], type=int, metavar="N",
+        help="a Flux Union ControlNet's mode of each --control-image, the kind of picture (its model card lists "
+             "them, e.g. 0 canny); one per --control-image")
     add("--control-scale", action="append", default=[], type=float, metavar="S",
         help="how strongly the nets steer: one value for all or one per net (default: the pipeline's, as diffusers: "
              "1.0 for generate, 0.8 for img2img, 0.5 for inpaint)")
 
 
 def used(request) -> bool:
-    return bool(request.controlnet)
+    return bool(request.controlnet or request.control_image)
 
 
 def check_flags(request, batch):
@@ -51,7 +58,13 @@ def check_flags(request, batch):
     if scales and not nets:
         raise UserError("--control-scale without --controlnet: it says how strongly the nets steer; add "
                         "--controlnet and --control-image, or leave it out")
+    if request.control_mode and not nets:
+        raise UserError("--control-mode without --controlnet: it is a Union ControlNet's mode; add --controlnet, "
+                        "or leave it out")
     if not nets and not images:
+        return
+    if not nets and len(images) == 1:  # a Flux Control checkpoint's picture (check_configs says if it is not)
+        pictures(request)
         return
     check_counts(nets, "--controlnet", images, "--control-image", scales, "--control-scale", "nets")
     for scale in scales:
@@ -66,7 +79,7 @@ def pictures(request) -> tuple:
 
 
 def pipeline_class(request, family, cls):
-    return family.pipeline_class(request.start, True)
+    return family.pipeline_class(request.start, True) if request.controlnet else cls
 
 
 def controlnet_configs(request) -> tuple:
@@ -92,6 +105,12 @@ def check_configs(request, configs):
     from ...models.controlnet import ControlNetConfig
     from ...pipeline.controlnet import condition_scale_mismatch
 
+    own = getattr(configs.side, "check_controlnets", None)
+    if own is not None or not request.controlnet:
+        if own is None:  # a UNet's control picture needs its net
+            check_counts(request.controlnet, "--controlnet", request.control_image, "--control-image", (),
+                         "--control-scale", "nets")
+        return own(request, configs)
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
@@ -116,20 +135,28 @@ def check_configs(request, configs):
 
 def resolve(request, configs, pictures) -> Controls:
     """The pictures at the output size, with one scale per net (the pipeline's default where none is given)."""
+    if not request.controlnet:  # Flux Control: the picture alone
+        return Controls(pictures, ())
     scales = request.control_scale or (configs.pipeline.defaults["controlnet_conditioning_scale"],)
-    return Controls(pictures, tuple(scales) * (len(request.controlnet) if len(scales) == 1 else 1))
+    modes = tuple(None if mode < 0 else mode for mode in request.control_mode)
+    return Controls(pictures, tuple(scales) * (len(request.controlnet) if len(scales) == 1 else 1), modes)
 
 
 def components(request, dtype) -> tuple[dict, dict]:
     """The nets, from folders, hub ids or original-layout files."""
-    from ... import ControlNetModel
+    from ... import ControlNetModel, FluxControlNetModel
+    from ...loading.hub import resolve_folder
+    from ...models.config import read_config_file
 
     nets = []
     for name, config in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
             nets.append(load_file(name, config, dtype, request.attention))
-        else:
-            nets.append(ControlNetModel.from_pretrained(name, dtype=dtype, attention=request.attention))
+            continue
+        folder = resolve_folder(name, None, allow_patterns=["config.json"])
+        flux = read_config_file(os.path.join(folder, "config.json")).get("_class_name") == "FluxControlNetModel"
+        net_class = FluxControlNetModel if flux else ControlNetModel
+        nets.append(net_class.from_pretrained(name, dtype=dtype, attention=request.attention))
     return {"controlnet": [net for net, _ in nets]}, {"controlnet": [params for _, params in nets]}
 
 
@@ -149,19 +176,24 @@ def call_arguments(pipeline, controls, rows) -> tuple[list, dict]:
     """The condition pictures (one per net, the same for every row) and the scales."""
     import numpy as np
 
-    from ...pipeline.images import preprocess_control_images
+    from ...pipeline.images import preprocess_control_images, preprocess_images
 
+    if not pipeline.controlnets:  # Flux Control: the picture is the start's, in [-1, 1]
+        return [np.repeat(preprocess_images(controls.pictures, pipeline.vae_scale_factor), len(rows), axis=0)], {}
     images = [np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(rows), axis=0)
               for picture in controls.pictures]
-    return [images], {"controlnet_conditioning_scale": list(controls.scales)}
+    modes = {"control_mode": list(controls.modes)} if controls.modes else {}
+    return [images], {"controlnet_conditioning_scale": list(controls.scales), **modes}
 
 
 def settings(request, checkpoint) -> dict:
     """Lists, one entry per net in their order (JSON in the PNG)."""
     if not request.controlnet:
-        return {}
+        return {"control_image": list(request.control_image)} if request.control_image else {}
     values = {"controlnet": list(request.controlnet), "control_image": list(request.control_image),
               "control_scale": list(checkpoint.features["controlnet"].scales)}
+    if request.control_mode:
+        values["control_mode"] = list(request.control_mode)
     if request.controlnet_config:  # one per original-layout file of `controlnet`
         values["controlnet_config"] = list(request.controlnet_config)
     return values
