@@ -24,7 +24,7 @@ import numpy as np
 
 from ..pipeline.checks import check_picture_values, given_pictures
 from ..pipeline.controlnet import ControlInputs, ControlNet, as_nets, window_scale
-from ..pipeline.starts import FromNoise, _with_channels
+from ..pipeline.starts import FromNoise, with_channels
 from ..pipeline.types import Start, random_draws
 from .flux_text import image_ids, pack, text_ids
 
@@ -205,4 +205,4 @@ class FromNoiseWithControl(FromNoise):
             shape = (image.shape[0], self.vae.latent_channels, *(side // self.vae.scale_factor
                                                                  for side in image.shape[2:]))
             control = self.vae.encode(params, image, control_draws(inputs.prng_seed, shape, 1)[0])
-        return start._replace(wrap_unet=functools.partial(_with_channels, control))
+        return start._replace(wrap_unet=functools.partial(with_channels, control))
