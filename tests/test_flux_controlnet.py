@@ -17,7 +17,7 @@ from test_flux_pipeline import (NEGATIVE, PROMPTS, SIZE, STEPS, T5_LENGTH, TRANS
 from test_sd3_pipeline import patch_draws, pictures_and_masks
 
 import sdflax
-from sdflax import replicate, shard, unshard
+from sdflax import random_draws, replicate, shard, unshard
 from sdflax.families.flux_control import control_draws
 from sdflax.models.flux import FluxTransformer2DModel
 
@@ -224,15 +224,19 @@ def test_xlabs_net_matches_diffusers(pipes, models, monkeypatch):
     assert moves(expected, without)
 
 
+def common(theirs) -> dict:
+    """FluxPipeline's components that the other Flux pipelines take (all but the IP-Adapter's)."""
+    return {name: part for name, part in theirs.components.items() if name not in ("image_encoder",
+                                                                                   "feature_extractor")}
+
+
 @pytest.fixture(scope="module")
 def control_checkpoint(pipes):
     """(folder, diffusers' FluxControlPipeline): FLUX.1 Canny / Depth dev's shape, 128 input features."""
     from diffusers import FluxControlPipeline
 
     folder, theirs, _, _ = pipes
-    common = {name: part for name, part in theirs.components.items() if name not in ("image_encoder",
-                                                                                     "feature_extractor")}
-    control = FluxControlPipeline(**{**common, "transformer": torch_flux_transformer(
+    control = FluxControlPipeline(**{**common(theirs), "transformer": torch_flux_transformer(
         5, in_channels=128, out_channels=64, guidance_embeds=True)})
     control.save_pretrained(folder.parent / "control", safe_serialization=True)
     return folder.parent / "control", control
@@ -361,3 +365,34 @@ def test_bad_cli_input_is_one_line_and_status_2(args, expected, pipes, models, c
     model = [] if "--model" in args else ["--model", "dev"]
     assert main(["generate", "a fox", *model, *args, "--out", str(tmp_path / "out")]) == 2
     assert expected in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("kind", ["img2img", "inpaint"])
+def test_image_and_inpaint_nets_match_diffusers(pipes, models, monkeypatch, kind):
+    """FluxControlNetImg2Img and FluxControlNetInpaint: the control picture drawn first, then the image (and the
+    masked image), as diffusers' FluxControlNetImg2ImgPipeline and FluxControlNetInpaintPipeline encode them."""
+    import diffusers.pipelines.flux.pipeline_flux_controlnet_image_to_image as img2img
+    import diffusers.pipelines.flux.pipeline_flux_controlnet_inpainting as inpaint
+    from diffusers import FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline
+
+    folder, theirs, _, _ = pipes
+    module, their_class, cls = {"img2img": (img2img, FluxControlNetImg2ImgPipeline, sdflax.FluxControlNetImg2Img),
+                                "inpaint": (inpaint, FluxControlNetInpaintPipeline, sdflax.FluxControlNetInpaint)}[kind]
+    pipe, params = cls.from_pretrained(folder, controlnet=models["plain"][1])
+    params["controlnet"] = models["plain"][2]
+    pictures, masks = pictures_and_masks(seed=5)
+    masks = masks if kind == "inpaint" else []
+    key, shape = jax.random.PRNGKey(6), (2, 16, SIZE // 8, SIZE // 8)
+    draws = random_draws(key, shape, 3 if masks else 2)[0]
+    noise = latents_for(seed=8)
+    patch_draws(monkeypatch, module, [*control_draws(key, shape, 1), *draws[:-1]], noise)
+    mask = {"mask_image": masks} if masks else {}
+    with torch.no_grad():
+        expected = their_class(**{**common(theirs), "controlnet": models["plain"][0]})(
+            PROMPTS, image=pictures, control_image=control_pictures(), strength=0.8, num_inference_steps=STEPS,
+            guidance_scale=3.5, controlnet_conditioning_scale=0.9, height=SIZE, width=SIZE,
+            max_sequence_length=T5_LENGTH, output_type="np", **mask).images
+    ids, *images = pipe.prepare_inputs(PROMPTS, pictures, **({"masks": masks} if masks else {}),
+                                       control_images=control_pictures(), max_sequence_length=T5_LENGTH)
+    check_images(pipe(ids, *images, params, key, strength=0.8, num_inference_steps=STEPS, guidance_scale=3.5,
+                      controlnet_conditioning_scale=0.9, noise=noise).images, expected)
