@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_flux_model import inputs as transformer_inputs
 from test_flux_model import theirs_output
-from test_flux_pipeline import (NEGATIVE, PROMPTS, SIZE, STEPS, T5_LENGTH, TRANSFORMER, check_images, latents_for, moves,
-                                randomized, theirs_images, torch_flux_pipeline, torch_flux_transformer)
+from test_flux_pipeline import (NEGATIVE, PROMPTS, SIZE, STEPS, T5_LENGTH, TRANSFORMER, check_images, latents_for,
+                                moves, randomized, theirs_images, torch_flux_pipeline, torch_flux_transformer)
 from test_sd3_pipeline import patch_draws, pictures_and_masks
 
 import sdflax
@@ -47,7 +47,8 @@ def assert_close(ours, expected):
 def models(tmp_path_factory):
     """{name: (diffusers' net, ours, our params)} of each net saved and loaded, and the transformer's."""
     tmp = tmp_path_factory.mktemp("flux_controlnets")
-    loaded = {"transformer": (torch_flux_transformer(2, guidance_embeds=True), FluxTransformer2DModel)}  # the dev pipeline's
+    # the dev pipeline's transformer, and the nets
+    loaded = {"transformer": (torch_flux_transformer(2, guidance_embeds=True), FluxTransformer2DModel)}
     loaded.update({name: (torch_controlnet(seed, **config), sdflax.FluxControlNetModel)
                    for seed, (name, config) in enumerate(CONTROLNETS.items(), 10)})
     out = {"folder": tmp}
@@ -92,8 +93,8 @@ def test_controlnet_and_transformer_match_diffusers(models, name):
         expected = theirs_samples(theirs, args, 0.7)
         firsts.append(expected[0][0].numpy())
         x, cond, _, context, pooled, t, img_ids, txt_ids, guidance = args
-        ours = jax.jit(net.apply)(params, x, cond, None if mode is None else mode[:, 0], 0.7, context, pooled, t, img_ids,
-                         txt_ids, guidance)
+        ours = jax.jit(net.apply)(params, x, cond, None if mode is None else mode[:, 0], 0.7, context, pooled, t,
+                                  img_ids, txt_ids, guidance)
         for ours_kind, theirs_kind in zip(ours, expected):
             assert (ours_kind is None) == (theirs_kind is None)
             for a, b in zip(ours_kind or (), theirs_kind or ()):

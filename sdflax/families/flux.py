@@ -105,8 +105,8 @@ ROWS = {
         "Flux.1 Kontext: an image edited as the prompt says (`image`: the reference, at one of Kontext's trained "
         "sizes, e.g. 1024x1024, 832x1248, 1248x832).", RENAMED),
     "FluxControlNet": Row(
-        FromNoise, (FluxControlNets,), f"prompt_ids control_image params prng_seed {FLUX_IMAGE.replace('noise', 'latents')} "
-        f"{FLUX_CONTROL} {FLUX_TAIL}", CONTROL_DEFAULTS,
+        FromNoise, (FluxControlNets,), f"prompt_ids control_image params prng_seed "
+        f"{FLUX_IMAGE.replace('noise', 'latents')} {FLUX_CONTROL} {FLUX_TAIL}", CONTROL_DEFAULTS,
         "Flux.1 text-to-image steered by Flux ControlNets (InstantX's, XLabs', Union nets with `control_mode`).",
         RENAMED),
     "FluxControlNetImg2Img": Row(
