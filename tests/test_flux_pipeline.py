@@ -34,8 +34,13 @@ def torch_flux_transformer(seed, **config):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**{**TRANSFORMER, **config}).eval()
-    with torch.no_grad():  # every weight random; the qk norms' scales near 1, so that attention is not uniform
+    return randomized(FluxTransformer2DModel(**{**TRANSFORMER, **config}).eval())
+
+
+def randomized(model):
+    """`model` with every weight random (a ControlNet's zero layers too); the qk norms' scales near 1, so that
+    attention is not uniform."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim > 1:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)

@@ -67,6 +67,7 @@ class Request:
     controlnet_config: tuple[str, ...] = ()  # one per original-layout file of `controlnet`, in their order
     control_image: tuple[str, ...] = ()
     control_scale: tuple[float, ...] = ()
+    control_mode: tuple[int, ...] = ()  # a Flux Union ControlNet's mode of each --control-image
     ip_adapter: tuple[tuple[str, float], ...] = ()  # (file or hub file, scale), from one folder
     ip_image: tuple[str, ...] = ()  # one per `ip_adapter`, in their order
     ip_image_encoder: str | None = None  # a folder, hub id or hub folder; None: image_encoder/ beside the files

@@ -14,6 +14,7 @@ from ..pipeline.types import Start
 from ..pipeline.starts import FromImage, FromImageMask, FromNoise
 from ..pipeline.table import Row
 from .base import Family
+from .flux_control import FluxControlNets, FromNoiseWithControl
 from .flux_text import FluxText
 
 FLUX_TAIL = ("true_cfg_scale jit callback guidance return_trajectory prompt_embeds neg_prompt_embeds "
@@ -22,6 +23,9 @@ FLUX_IMAGE = "num_inference_steps guidance_scale height width noise neg_prompt_i
 # the call's guidance_scale is the distilled guidance the transformer takes, its true_cfg_scale the scale of
 # classifier-free guidance (the Inputs field every family's guidance reads)
 RENAMED = {"guidance_scale": "embedded_guidance", "true_cfg_scale": "guidance_scale"}
+# the ControlNets' arguments, after the image's (diffusers' defaults)
+FLUX_CONTROL = "controlnet_conditioning_scale control_mode control_guidance_start control_guidance_end"
+CONTROL_DEFAULTS = {"num_inference_steps": 28, "guidance_scale": 7.0, "control_mode": None}
 # (flag, Request field): the command line's flags for Flux.1 (and the other families that list them) alone
 FLAGS = (("--true-cfg", "true_cfg"), ("--max-sequence-length", "max_sequence_length"))
 
@@ -100,6 +104,24 @@ ROWS = {
         f"{FLUX_TAIL}", {"num_inference_steps": 28, "guidance_scale": 3.5},
         "Flux.1 Kontext: an image edited as the prompt says (`image`: the reference, at one of Kontext's trained "
         "sizes, e.g. 1024x1024, 832x1248, 1248x832).", RENAMED),
+    "FluxControlNet": Row(
+        FromNoise, (FluxControlNets,), f"prompt_ids control_image params prng_seed "
+        f"{FLUX_IMAGE.replace('noise', 'latents')} {FLUX_CONTROL} {FLUX_TAIL}", CONTROL_DEFAULTS,
+        "Flux.1 text-to-image steered by Flux ControlNets (InstantX's, XLabs', Union nets with `control_mode`).",
+        RENAMED),
+    "FluxControlNetImg2Img": Row(
+        FromImage, (FluxControlNets,), f"prompt_ids image control_image params prng_seed strength {FLUX_IMAGE} "
+        f"{FLUX_CONTROL} {FLUX_TAIL}", {**CONTROL_DEFAULTS, "strength": 0.6},
+        "Flux.1 image-to-image steered by Flux ControlNets.", RENAMED),
+    "FluxControlNetInpaint": Row(
+        FromImageMask, (FluxControlNets,), f"prompt_ids image mask control_image params prng_seed strength "
+        f"{FLUX_IMAGE} {FLUX_CONTROL} {FLUX_TAIL}", {**CONTROL_DEFAULTS, "strength": 0.6},
+        "Flux.1 inpainting steered by Flux ControlNets (the known region pasted back every step).", RENAMED),
+    "FluxControl": Row(
+        FromNoiseWithControl, (), f"prompt_ids control_image params prng_seed "
+        f"{FLUX_IMAGE.replace('noise', 'latents')} {FLUX_TAIL}", {"num_inference_steps": 28, "guidance_scale": 3.5},
+        "Flux.1 Control (FLUX.1 Canny / Depth dev): the control picture's latents beside the latents (128 input "
+        "features); the image is made at the picture's size.", {**RENAMED, "control_image": "image"}),
 }
 
 FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__, flags=FLAGS,
@@ -110,3 +132,7 @@ FluxImg2Img = FAMILY.classes["FluxImg2Img"]
 FluxInpaint = FAMILY.classes["FluxInpaint"]
 FluxFill = FAMILY.classes["FluxFill"]
 FluxKontext = FAMILY.classes["FluxKontext"]
+FluxControlNet = FAMILY.classes["FluxControlNet"]
+FluxControlNetImg2Img = FAMILY.classes["FluxControlNetImg2Img"]
+FluxControlNetInpaint = FAMILY.classes["FluxControlNetInpaint"]
+FluxControl = FAMILY.classes["FluxControl"]

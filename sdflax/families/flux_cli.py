@@ -48,10 +48,18 @@ def check_denoiser(request, family, transformer, vae):
     if features == fill and request.command != "inpaint":
         raise UserError(f"{request.model} is a Flux.1 Fill checkpoint (its transformer takes the masked image and the "
                         "mask beside the latents): use sdflax inpaint")
-    if features not in (ordinary, fill):
-        control = " (Flux.1 Canny or Depth, which sdflax does not run yet)" if features == 2 * ordinary else ""
-        raise UserError(f"{request.model}: its transformer takes {features} features per token{control}; sdflax runs "
-                        f"Flux.1 transformers of {ordinary} (the VAE's latents, packed) and Fill's {fill}")
+    if features == 2 * ordinary and (request.command != "generate" or request.controlnet
+                                     or len(request.control_image) != 1):
+        raise UserError(f"{request.model} is a Flux.1 Control checkpoint (Canny / Depth dev: its transformer takes "
+                        "the control picture's latents beside the latents): use sdflax generate with one "
+                        "--control-image and no --controlnet")
+    if features not in (ordinary, fill, 2 * ordinary):
+        raise UserError(f"{request.model}: its transformer takes {features} features per token; sdflax runs Flux.1 "
+                        f"transformers of {ordinary} (the VAE's latents, packed), Fill's {fill} and Control's "
+                        f"{2 * ordinary}")
+    if request.control_image and not request.controlnet and features != 2 * ordinary:
+        raise UserError(f"--control-image without --controlnet, but {request.model} is not a Flux.1 Control "
+                        "checkpoint (Canny / Depth dev): add --controlnet, the Flux ControlNet it steers")
     if not transformer.guidance_embeds and request.guidance not in (None, 0):
         raise UserError(f"--guidance is the guidance Flux.1 dev was distilled to take, and {request.model}'s "
                         "transformer has no guidance input (as FLUX.1-schnell's): drop --guidance (classifier-free "
@@ -59,12 +67,54 @@ def check_denoiser(request, family, transformer, vae):
 
 
 def pipeline_class(request, cls, transformer, vae):
-    """FluxFill for `inpaint` with a Fill transformer; else the family's class of the cell."""
-    from .flux import FluxFill
+    """FluxFill for `inpaint` with a Fill transformer, FluxControl for a Control one; else the family's class of the
+    cell."""
+    from .flux import FluxControl, FluxFill
 
     if request.command == "inpaint" and transformer.in_channels == fill_features(vae):
         return FluxFill
+    if transformer.in_channels == 8 * vae.latent_channels:
+        return FluxControl
     return cls
+
+
+def check_controlnets(request, configs):
+    """Each --controlnet a Flux ControlNet (a diffusers folder or hub id) of the transformer's width and text, a
+    Union net with its --control-mode; or, with --control-image alone, a Control checkpoint (check_denoiser)."""
+    from ..loading.hub import ModelNotFoundError, resolve_folder
+    from ..models.config import read_config_file
+    from ..models.flux_controlnet import FluxControlNetConfig
+
+    if request.control_mode and len(request.control_mode) != len(request.control_image):
+        raise UserError(f"{len(request.control_mode)} --control-mode for {len(request.control_image)} "
+                        "--control-image: give one per picture (-1 for a net that is not a Union net)")
+    transformer = configs.denoiser
+    for k, name in enumerate(request.controlnet):
+        flag = f"--controlnet {name}"
+        if os.path.isfile(os.path.expanduser(name)):
+            raise UserError(f"{flag}: Flux.1 ControlNets load from diffusers folders or hub ids (config.json and "
+                            "the weights), not single files")
+        try:
+            folder = resolve_folder(name, None, allow_patterns=["config.json"])
+            config = read_config_file(os.path.join(folder, "config.json"))
+            net = FluxControlNetConfig.from_dict(config)
+        except (ModelNotFoundError, ValueError, TypeError, OSError) as e:
+            raise UserError(f"{flag}: {e}") from e
+        if config.get("_class_name") != "FluxControlNetModel" or (
+                net.joint_attention_dim, net.pooled_projection_dim, net.in_channels) != (
+                transformer.joint_attention_dim, transformer.pooled_projection_dim, transformer.in_channels):
+            raise UserError(f"{flag} is not a ControlNet for {request.model}'s Flux.1 transformer (a "
+                            f"{config.get('_class_name')} of text width {net.joint_attention_dim}): use a Flux "
+                            "ControlNet trained for this base model")
+        pictures = len(request.control_image) if len(request.controlnet) == 1 else 1
+        modes = request.control_mode[k:k + pictures] if request.control_mode else ()
+        if net.num_mode is not None and not modes:
+            raise UserError(f"{flag} is a Union ControlNet of {net.num_mode} modes: give --control-mode N, the kind "
+                            f"of its --control-image (0 .. {net.num_mode - 1}; its model card lists them)")
+        if any(not -1 <= mode < (net.num_mode or 0) for mode in modes) or net.num_mode is None and any(
+                mode != -1 for mode in modes):
+            raise UserError(f"--control-mode {' '.join(map(str, modes))} for {flag}: "
+                            + (f"a mode in 0 .. {net.num_mode - 1}" if net.num_mode else "-1 (not a Union net)"))
 
 
 def defaults(cls, transformer) -> dict:
@@ -122,8 +172,8 @@ def file_configs(request, tensors) -> tuple[str, dict, bool]:
 
 
 def load_single_file(request, kind, dtype, extra):
-    """(pipeline, params) of `kind` from a FLUX.1 transformer file and --config's other models (`extra`: none,
-    Flux.1 takes no ControlNet here)."""
+    """(pipeline, params) of `kind` from a FLUX.1 transformer file and --config's other models (`extra`: the
+    ControlNets)."""
     try:
         return kind.from_single_file(os.path.expanduser(request.model), config=request.config, dtype=dtype,
                                      scheduler=request.scheduler, attention=request.attention, **extra)

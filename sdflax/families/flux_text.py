@@ -56,10 +56,16 @@ def image_ids(h: int, w: int, index: int = 0) -> np.ndarray:
     return np.stack([np.full_like(rows, index), rows, columns], -1).reshape(-1, 3).astype(np.float32)
 
 
+def text_ids(tokens: int) -> np.ndarray:
+    """(T, 3) position ids of the text tokens: zeros, as diffusers'."""
+    return np.zeros((tokens, 3), np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class FluxDenoiser(Denoiser):
     """Flux's transformer behind the (B, C, h, w) calling convention: `extra` carries `pooled_projections`, the
-    distilled `guidance` (B,) and, for Kontext, the reference image's latents (`reference`, (B, C, h', w'))."""
+    distilled `guidance` (B,), for Kontext the reference image's latents (`reference`, (B, C, h', w')) and
+    ControlNet residuals (`flux_control.FluxControlNets`: the transformer's controlnet_* inputs)."""
 
     model: Any  # models.flux.FluxTransformer2DModel
 
@@ -67,7 +73,7 @@ class FluxDenoiser(Denoiser):
     flow = True
     probe_rank = 2  # its first kernel is a Dense's (x_embedder)
 
-    def __call__(self, params, x, t, context, pooled_projections, guidance=None, reference=None):
+    def __call__(self, params, x, t, context, pooled_projections, guidance=None, reference=None, **controlnet):
         b, _, h, w = x.shape
         tokens, ids = pack(x), image_ids(h, w)
         if reference is not None:  # Kontext: the reference's tokens after the image's, told apart by their ids
@@ -76,7 +82,7 @@ class FluxDenoiser(Denoiser):
         timestep = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (b,)) / 1000  # the model takes σ, diffusers' t / 1000
         guidance = guidance if self.model.config.guidance_embeds else None  # schnell has no guidance input
         out = self.model.apply(params[self.component], tokens, context, pooled_projections, timestep, ids,
-                               np.zeros((context.shape[1], 3), np.float32), guidance)
+                               text_ids(context.shape[1]), guidance, **controlnet)
         return unpack(out[:, :(h // 2) * (w // 2)], h, w)
 
     @property

@@ -7,6 +7,7 @@ guidance-distilled models (FLUX.1-dev), the guidance scale; the image tokens are
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -42,15 +43,17 @@ class FluxTransformerConfig:
     @classmethod
     def from_dict(cls, config):
         cfg = config_from_dict(cls, config)
-        name = config_source(config) + cls.__name__
-        if cfg.patch_size != 1:
-            raise ConfigError(f"{name}: patch_size={cfg.patch_size}; sdflax builds FLUX.1's patch_size=1 (its "
-                              "pipeline packs 2x2 latent patches into each token's channels)")
-        axes = cfg.axes_dims_rope
-        if len(axes) != 3 or any(d % 2 for d in axes) or sum(axes) != cfg.attention_head_dim:
-            raise ConfigError(f"{name}: axes_dims_rope={list(axes)} must be three even numbers summing to "
-                              f"attention_head_dim={cfg.attention_head_dim}")
+        cfg.check(config_source(config) + cls.__name__)
         return cfg
+
+    def check(self, name, patch_sizes=(1,)):
+        if self.patch_size not in patch_sizes:
+            raise ConfigError(f"{name}: patch_size={self.patch_size}; sdflax builds FLUX.1's patch_size=1 (its "
+                              "pipeline packs 2x2 latent patches into each token's channels)")
+        axes = self.axes_dims_rope
+        if len(axes) != 3 or any(d % 2 for d in axes) or sum(axes) != self.attention_head_dim:
+            raise ConfigError(f"{name}: axes_dims_rope={list(axes)} must be three even numbers summing to "
+                              f"attention_head_dim={self.attention_head_dim}")
 
     @property
     def inner_dim(self):
@@ -62,7 +65,9 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
     pooled CLIP embedding (B, pooled_projection_dim), timesteps (B,) or () as t / 1000 in [0, 1], position ids of
     the image's tokens (L, 3) and the text's (T, 3) (with a batch axis, its first entry: diffusers' deprecated
     form), and the guidance scale (B,) or () of a guidance-distilled model (None otherwise) -> (B, L, out_channels),
-    as diffusers' `FluxTransformer2DModel.forward`.
+    as diffusers' `FluxTransformer2DModel.forward`, with its ControlNet residuals: `controlnet_block_samples` and
+    `controlnet_single_block_samples`, sequences of (B, L, D) added to the image tokens after the double- and
+    single-stream blocks (`FluxControlNetModel`'s output), and `controlnet_blocks_repeat` (static) for XLabs' nets.
 
     Attention layers are `mmdit_blocks.JointAttention`s, whose `attend` the hooks intercept by checkpoint name
     (`transformer_blocks.0.attn`, `single_transformer_blocks.0.attn`) over the joint sequence [image; text].
@@ -81,31 +86,61 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
 
     @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                 guidance=None):
+                 guidance=None, controlnet_block_samples=None, controlnet_single_block_samples=None,
+                 controlnet_blocks_repeat=False):
+        cfg = self.config
+        x, context, temb, rope = self.embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids,
+                                            txt_ids, guidance)
+        residuals = {"double": controlnet_block_samples, "single": controlnet_single_block_samples}
+        blocks = {"double": cfg.num_layers, "single": cfg.num_single_layers}
+
+        def add_residual(kind, i, x):
+            """diffusers' ControlNet residuals: n samples spread over the blocks, ceil(blocks / n) each in turn (or,
+            `controlnet_blocks_repeat`, XLabs' nets, the samples in turn over and over)."""
+            samples = residuals[kind]
+            if samples is None:
+                return x
+            n = len(samples)
+            return x + samples[i % n if controlnet_blocks_repeat else i // math.ceil(blocks[kind] / n)]
+
+        x = self.blocks(x, context, temb, rope, add_residual)
+        # norm_out: AdaLayerNormContinuous, scale then shift
+        dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
+        scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
+        x = layer_norm(x, self.dtype) * (1 + scale[:, None]) + shift[:, None]
+        return dense(cfg.patch_size ** 2 * cfg.out_channels, "proj_out")(x)
+
+    def embed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance,
+              text_prefix=None):
+        """(image tokens (B, L, D), text tokens (B, T, D), temb (B, D), rotary tables of [image; text]): what the
+        blocks take; `text_prefix` (B, 1, D), a Union ControlNet's mode, goes before the text with ids of zeros."""
         cfg, dtype = self.config, self.dtype
         img_ids, txt_ids = (ids[0] if ids.ndim == 3 else ids for ids in (jnp.asarray(img_ids), jnp.asarray(txt_ids)))
         self.check_inputs(hidden_states, encoder_hidden_states, img_ids, txt_ids, guidance)
-        dense = lambda features, name: Dense(features, dtype=dtype, name=name)  # noqa: E731
-
-        x = dense(cfg.inner_dim, "x_embedder")(hidden_states.astype(dtype))
+        x = Dense(cfg.inner_dim, dtype=dtype, name="x_embedder")(hidden_states.astype(dtype))
         temb = self.embed_time_and_text(timestep, guidance, pooled_projections, x.shape[0])
-        context = dense(cfg.inner_dim, "context_embedder")(encoder_hidden_states.astype(dtype))
+        context = Dense(cfg.inner_dim, dtype=dtype, name="context_embedder")(encoder_hidden_states.astype(dtype))
+        if text_prefix is not None:
+            context = jnp.concatenate([text_prefix.astype(dtype), context], axis=1)
+            txt_ids = jnp.concatenate([txt_ids[:1], txt_ids])
         # [image; text], not diffusers' [text; image]: the order the hooks read (flux_blocks.py says why it is the same)
-        rope = rotary_tables(jnp.concatenate([img_ids, txt_ids]), cfg.axes_dims_rope)
+        return x, context, temb, rotary_tables(jnp.concatenate([img_ids, txt_ids]), cfg.axes_dims_rope)
 
-        heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+    def blocks(self, x, context, temb, rope, after_block):
+        """The double-stream blocks, then the single-stream ones -> the image tokens; `after_block(kind, i, x)`
+        ("double" or "single", the block's index) gives the image tokens the next block takes."""
+        cfg, heads, head_dim = self.config, self.config.num_attention_heads, self.config.attention_head_dim
         for i in range(cfg.num_layers):
-            context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=dtype, kernels=self.kernels,
-                                               name=f"transformer_blocks_{i}")(x, context, temb, rope)
+            context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=self.dtype,
+                                               kernels=self.kernels, name=f"transformer_blocks_{i}")(
+                x, context, temb, rope)
             context = clip_float16(context)
+            x = after_block("double", i, x)
         for i in range(cfg.num_single_layers):
-            context, x = FluxSingleTransformerBlock(heads, head_dim, dtype, kernels=self.kernels,
+            context, x = FluxSingleTransformerBlock(heads, head_dim, self.dtype, kernels=self.kernels,
                                                     name=f"single_transformer_blocks_{i}")(x, context, temb, rope)
-
-        # norm_out: AdaLayerNormContinuous, scale then shift
-        scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
-        x = layer_norm(x, dtype) * (1 + scale[:, None]) + shift[:, None]
-        return dense(cfg.patch_size ** 2 * cfg.out_channels, "proj_out")(x)
+            x = after_block("single", i, x)
+        return x
 
     def check_inputs(self, hidden_states, encoder_hidden_states, img_ids, txt_ids, guidance):
         cfg = self.config

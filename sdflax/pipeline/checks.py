@@ -361,7 +361,7 @@ def image_size(spec, inputs, args, leading_dims, height, width):
         first = given_pictures(args, "control_image")[0]
         if leading_dims is not None:
             control.check_images(spec, args.get("control_image"), leading_dims, inputs.prompts().shape[:leading_dims])
-        sizes.append(("the control image", first.shape[-2:]))
+        sizes.append(("the control image", control.pixel_size(first)))
     if nets_of(spec, T2IAdapters):  # the T2I-Adapters' pictures
         first = given_pictures(args, "adapter_image")[0]
         if leading_dims is not None:

@@ -52,6 +52,10 @@ class ControlNet:
         """The piece for a pipeline's components (`parts`), its VAE piece and its denoiser."""
         return cls(tuple(parts.controlnet or ()))
 
+    def pixel_size(self, picture) -> tuple:
+        """(H, W) in pixels of a control picture as the call gives it."""
+        return tuple(picture.shape[-2:])
+
     def check_images(self, spec, given, leading_dims, batch):
         """The call's control images against the nets and the denoiser."""
         check_control_images(tuple(net.config.conditioning_channels for net in self.nets), given, leading_dims, batch)

@@ -65,9 +65,9 @@ class Pipeline(PipelineLoaders):
     scheduler_base_config = None
 
     def __init__(self, **components):
-        """The family's components by name, as `from_pretrained` loads them (`component_names()`); on a UNet,
-        `controlnet=` and `adapter=` are a ControlNetModel or T2IAdapter, or a list of them (their params go in
-        params["controlnet"] and params["adapter"], a list for a list)."""
+        """The family's components by name, as `from_pretrained` loads them (`component_names()`), and its
+        conditioning nets (`nets`: a UNet's `controlnet=` and `adapter=`, a ControlNet row's `controlnet=`), one or a
+        list (their params in params["controlnet"] and params["adapter"], a list for a list)."""
         given = given_components(type(self), components)
         for name in (*self.text.models, *self.text.tokenizers):
             setattr(self, name, given[name])

@@ -203,7 +203,7 @@ class FromImageMask:
             latents = scheduler.add_noise(state, image_latents, noise, 0)
         if self.nine:
             condition = self.condition(mask, latent_mask, masked_latents)
-            return Start(latents, state, sampler_key, wrap_unet=functools.partial(_with_channels, condition),
+            return Start(latents, state, sampler_key, wrap_unet=functools.partial(with_channels, condition),
                          num_evals=num_evals)
         num_evals_run = state.timesteps.shape[0] if num_evals is None else num_evals
         paste = functools.partial(_paste_known, scheduler, image_latents, noise, latent_mask, num_evals_run)
@@ -216,15 +216,16 @@ class FromImageMask:
         return jnp.concatenate([latent_mask, masked_latents], axis=1)
 
 
-def _with_channels(condition, unet_fn):
-    """An inpainting UNet's input: [latents (scaled by the scheduler), mask, masked image latents] on channels;
-    the condition (B, ...) repeated for the [unconditional; conditional] batch (2B, ...) under guidance."""
+def with_channels(condition, unet_fn):
+    """A denoiser's input with a condition beside the latents on channels (an inpainting UNet's [latents (scaled by
+    the scheduler), mask, masked image latents]; Flux Fill's and Flux Control's); the condition (B, ...) repeated
+    for the [unconditional; conditional] batch (2B, ...) under guidance."""
 
-    def with_channels(x, t, context, step, **residuals):
+    def with_condition(x, t, context, step, **residuals):
         repeated = jnp.tile(condition, (x.shape[0] // condition.shape[0], 1, 1, 1)).astype(x.dtype)
         return unet_fn(jnp.concatenate([x, repeated], axis=1), t, context, step, **residuals)
 
-    return with_channels
+    return with_condition
 
 
 def _paste_known(scheduler, image_latents, noise, latent_mask, num_evals, x, i, state):

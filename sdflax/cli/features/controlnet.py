@@ -1,6 +1,8 @@
-"""--controlnet, --controlnet-config, --control-image and --control-scale: ControlNets steering by condition
-pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's config
-checked against the checkpoint's UNet (SD 3.x: its transformer, text-to-image only) before anything loads."""
+"""--controlnet, --controlnet-config, --control-image, --control-scale and --control-mode: ControlNets steering by
+condition pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's
+config checked against the checkpoint's denoiser before anything loads (SD 3.x: text-to-image and its inpainting
+net). Flux.1's nets (diffusers folders) are checked by the family's command-line side (`families/flux_cli.py`),
+which also runs a Flux Control checkpoint (Canny / Depth dev) on --control-image alone."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from ..request import UserError, flag_error
 
 FLAG = "--controlnet"
 DENOISERS = ("unet",)
-FAMILIES = ("sd3",)  # SD 3.x's ControlNets (SD3ControlNetModel), for text-to-image as diffusers has them
-NET_CLASSES = ("ControlNetModel", "SD3ControlNetModel")  # config.json's _class_name of the nets sdflax reads
+FAMILIES = ("sd3", "flux")  # SD 3.x's ControlNets (SD3ControlNetModel) and Flux.1's, as diffusers has them
+# config.json's _class_name of the nets sdflax reads
+NET_CLASSES = ("ControlNetModel", "SD3ControlNetModel", "FluxControlNetModel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +26,7 @@ class Controls:
 
     pictures: tuple
     scales: tuple
+    modes: tuple = ()  # a Flux Union net's mode per picture (-1: none), where --control-mode gives them
 
 
 def add_flags(add, command):
@@ -38,13 +42,16 @@ def add_flags(add, command):
     add("--control-image", action="append", default=[], metavar="IMG",
         help="the condition image (edges, pose, depth, ...) of each --controlnet, in their order; resized to the "
              "output size")
+    add("--control-mode", action="append", default=[], type=int, metavar="N",
+        help="a Flux Union ControlNet's mode of each --control-image, the kind of picture (its model card lists "
+             "them, e.g. 0 canny); one per --control-image")
     add("--control-scale", action="append", default=[], type=float, metavar="S",
         help="how strongly the nets steer: one value for all or one per net (default: the pipeline's, as diffusers: "
              "1.0 for generate, 0.8 for img2img, 0.5 for inpaint)")
 
 
 def used(request) -> bool:
-    return bool(request.controlnet)
+    return bool(request.controlnet or request.control_image)
 
 
 def check_flags(request, batch):
@@ -53,7 +60,13 @@ def check_flags(request, batch):
     if scales and not nets:
         raise UserError("--control-scale without --controlnet: it says how strongly the nets steer; add "
                         "--controlnet and --control-image, or leave it out")
+    if request.control_mode and not nets:
+        raise UserError("--control-mode without --controlnet: it is a Union ControlNet's mode; add --controlnet, "
+                        "or leave it out")
     if not nets and not images:
+        return
+    if not nets and len(images) == 1:  # a Flux Control checkpoint's picture (check_configs says if it is not)
+        pictures(request)
         return
     check_counts(nets, "--controlnet", images, "--control-image", scales, "--control-scale", "nets")
     for scale in scales:
@@ -68,6 +81,8 @@ def pictures(request) -> tuple:
 
 
 def pipeline_class(request, family, cls):
+    if not request.controlnet:  # Flux Control: the checkpoint's own class reads the picture
+        return cls
     try:
         return family.pipeline_class(request.start, True)
     except ValueError:  # SD 3.x's ControlNets: text-to-image, as diffusers' (its inpainting net has its own class)
@@ -100,6 +115,12 @@ def check_configs(request, configs):
     from ...pipeline.controlnet import ControlNet, condition_scale_mismatch
     from ...pipeline.core import control_piece
 
+    own = getattr(configs.side, "check_controlnets", None)
+    if own is not None or not request.controlnet:
+        if own is None:  # a UNet's control picture needs its net
+            check_counts(request.controlnet, "--controlnet", request.control_image, "--control-image", (),
+                         "--control-scale", "nets")
+        return own(request, configs)
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
     piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
@@ -137,20 +158,24 @@ def check_configs(request, configs):
 
 def resolve(request, configs, pictures) -> Controls:
     """The pictures at the output size, with one scale per net (the pipeline's default where none is given)."""
+    if not request.controlnet:  # Flux Control: the picture alone
+        return Controls(pictures, ())
     scales = request.control_scale or (configs.pipeline.defaults["controlnet_conditioning_scale"],)
-    return Controls(pictures, tuple(scales) * (len(request.controlnet) if len(scales) == 1 else 1))
+    modes = tuple(None if mode < 0 else mode for mode in request.control_mode)
+    return Controls(pictures, tuple(scales) * (len(request.controlnet) if len(scales) == 1 else 1), modes)
 
 
 def components(request, dtype) -> tuple[dict, dict]:
     """The nets, from folders, hub ids or original-layout files."""
-    from ... import ControlNetModel, SD3ControlNetModel
+    from ... import ControlNetModel, FluxControlNetModel, SD3ControlNetModel
 
     nets = []
     for name, config in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):  # an original-layout file
             nets.append(load_file(name, config, dtype, request.attention))
         else:
-            cls = SD3ControlNetModel if class_name(name) == SD3ControlNetModel.__name__ else ControlNetModel
+            cls = {c.__name__: c for c in (SD3ControlNetModel, FluxControlNetModel)}.get(class_name(name),
+                                                                                          ControlNetModel)
             nets.append(cls.from_pretrained(name, dtype=dtype, attention=request.attention))
     return {"controlnet": [net for net, _ in nets]}, {"controlnet": [params for _, params in nets]}
 
@@ -180,19 +205,24 @@ def call_arguments(pipeline, controls, rows) -> tuple[list, dict]:
     """The condition pictures (one per net, the same for every row) and the scales."""
     import numpy as np
 
-    from ...pipeline.images import preprocess_control_images
+    from ...pipeline.images import preprocess_control_images, preprocess_images
 
+    if not pipeline.controlnets:  # Flux Control: the picture is the start's, in [-1, 1]
+        return [np.repeat(preprocess_images(controls.pictures, pipeline.vae_scale_factor), len(rows), axis=0)], {}
     images = [np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(rows), axis=0)
               for picture in controls.pictures]
-    return [images], {"controlnet_conditioning_scale": list(controls.scales)}
+    modes = {"control_mode": list(controls.modes)} if controls.modes else {}
+    return [images], {"controlnet_conditioning_scale": list(controls.scales), **modes}
 
 
 def settings(request, checkpoint) -> dict:
     """Lists, one entry per net in their order (JSON in the PNG)."""
     if not request.controlnet:
-        return {}
+        return {"control_image": list(request.control_image)} if request.control_image else {}
     values = {"controlnet": list(request.controlnet), "control_image": list(request.control_image),
               "control_scale": list(checkpoint.features["controlnet"].scales)}
+    if request.control_mode:
+        values["control_mode"] = list(request.control_mode)
     if request.controlnet_config:  # one per original-layout file of `controlnet`
         values["controlnet_config"] = list(request.controlnet_config)
     return values
