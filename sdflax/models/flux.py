@@ -79,9 +79,18 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
                 jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)), jnp.zeros((1, 3)), jnp.zeros((1, 3)),
                 jnp.zeros((1,)) if cfg.guidance_embeds else None)
 
-    @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                  guidance=None):
+        return self.run_blocks(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                               guidance)[0]
+
+    @nn.compact
+    def run_blocks(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                   guidance=None, blocks=None, start=None):
+        """`__call__` -> (prediction, (the image's tokens entering the blocks run, the image's and the text's
+        tokens they give)); `blocks` (first, stop or None: to the last), static, counting the double-stream blocks
+        then the single-stream ones, runs only those, from `start` (image, text tokens) in place of the embedded
+        inputs: the first-block cache's halves (`sdflax.hooks.first_block_cache`)."""
         cfg, dtype = self.config, self.dtype
         img_ids, txt_ids = (ids[0] if ids.ndim == 3 else ids for ids in (jnp.asarray(img_ids), jnp.asarray(txt_ids)))
         self.check_inputs(hidden_states, encoder_hidden_states, img_ids, txt_ids, guidance)
@@ -94,18 +103,25 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
         rope = rotary_tables(jnp.concatenate([img_ids, txt_ids]), cfg.axes_dims_rope)
 
         heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
-        for i in range(cfg.num_layers):
-            context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=dtype, kernels=self.kernels,
-                                               name=f"transformer_blocks_{i}")(x, context, temb, rope)
-            context = clip_float16(context)
-        for i in range(cfg.num_single_layers):
-            context, x = FluxSingleTransformerBlock(heads, head_dim, dtype, kernels=self.kernels,
-                                                    name=f"single_transformer_blocks_{i}")(x, context, temb, rope)
+        if start is not None:
+            x, context = start
+        entering = x
+        first, stop = blocks or (0, None)
+        for i in range(first, cfg.num_layers + cfg.num_single_layers if stop is None else stop):
+            if i < cfg.num_layers:
+                context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=dtype,
+                                                   kernels=self.kernels, name=f"transformer_blocks_{i}")(
+                    x, context, temb, rope)
+                context = clip_float16(context)
+            else:
+                context, x = FluxSingleTransformerBlock(heads, head_dim, dtype, kernels=self.kernels,
+                                                        name=f"single_transformer_blocks_{i - cfg.num_layers}")(
+                    x, context, temb, rope)
 
         # norm_out: AdaLayerNormContinuous, scale then shift
         scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
-        x = layer_norm(x, dtype) * (1 + scale[:, None]) + shift[:, None]
-        return dense(cfg.patch_size ** 2 * cfg.out_channels, "proj_out")(x)
+        out = layer_norm(x, dtype) * (1 + scale[:, None]) + shift[:, None]
+        return dense(cfg.patch_size ** 2 * cfg.out_channels, "proj_out")(out), (entering, (x, context))
 
     def check_inputs(self, hidden_states, encoder_hidden_states, img_ids, txt_ids, guidance):
         cfg = self.config
