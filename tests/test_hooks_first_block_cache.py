@@ -108,24 +108,32 @@ def test_sd3_images_and_skipped_steps_match_diffusers(sd3):
 
 
 def test_pmap_and_sharded_decide_as_one_device(sd3):
-    """One prompt per device over eight devices: the decision is over the whole batch, so each device's images are
-    the one-device call's on all eight (which skips some steps), and generate_sharded's too."""
+    """One prompt per device over eight devices, the last four's latents three times larger: the decision is over
+    the whole batch, so each device's images are the one-device call's on all eight (which skips a step), and
+    generate_sharded's too, though a device's row alone decides otherwise."""
     _, pipe, params = sd3
     devices = jax.local_device_count()
     prompts = [f"a painting of a {i}" for i in range(devices)]
     ids = pipe.prepare_inputs(prompts, max_sequence_length=sd3_test.T5_LENGTH)
     neg = pipe.prepare_inputs(["blurry"] * devices, max_sequence_length=sd3_test.T5_LENGTH)
     latents = np.random.default_rng(5).standard_normal((devices, 16, 4, 4), dtype=np.float32)
+    latents[devices // 2:] *= 3
     keys = jax.random.split(jax.random.key(0), devices)
-    cached = pipe.with_hooks(first_block_cache(SD3_THRESHOLD))
+    cached = pipe.with_hooks(first_block_cache(0.3))
     settings = dict(num_inference_steps=sd3_test.STEPS, guidance_scale=7.0, height=32, width=32)
     one = cached(ids, params, keys, neg_prompt_ids=neg, latents=latents, **settings)
-    assert not ran(one).all()
+    assert ran(one)[:, 0].tolist() == [True, True, True, False, True]
+    alone = cached(ids[6:7], params, keys[6:7], neg_prompt_ids=neg[6:7], latents=latents[6:7], **settings)
+    assert ran(alone)[:, 0].tolist() == [True, False, True, False, True]
+    flags = one.trajectory.hooks["first_block_cache"]  # (evals, B, 1)
     pmapped = cached(shard(ids), replicate(params), keys, jit=True, neg_prompt_ids=shard(neg),
-                     latents=shard(latents), **settings).images
-    np.testing.assert_allclose(unshard(pmapped), one.images, rtol=0, atol=1e-5)
-    sharded = cached.generate_sharded(ids, params, keys, neg_prompt_ids=neg, latents=latents, **settings)
+                     latents=shard(latents), **settings)
+    np.testing.assert_allclose(unshard(pmapped.images), one.images, rtol=0, atol=1e-5)
+    per_device = pmapped.trajectory.hooks["first_block_cache"][:, :, 0]  # (devices, evals, 1): one row each
+    np.testing.assert_array_equal(per_device, flags.transpose(1, 0, 2))
+    sharded, trajectory = cached.generate_sharded(ids, params, keys, neg_prompt_ids=neg, latents=latents, **settings)
     np.testing.assert_allclose(sharded, one.images, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(trajectory.hooks["first_block_cache"], flags)
 
 
 # ---- Flux.1 -------------------------------------------------------------------------------------------------------
@@ -146,6 +154,9 @@ def test_flux_images_and_skipped_steps_match_diffusers(dev, true_cfg):
     theirs, pipe, params = dev
     negative = dict(negative_prompt=flux_test.NEGATIVE[:1]) if true_cfg > 1 else {}
     cached = copy.deepcopy(theirs)
+    # the plain pipeline's calls left a hook registry on its transformer whose cached list of the blocks'
+    # registries (none then) the copy would keep: the cache's contexts would never reach its blocks
+    vars(cached.transformer).pop("_diffusers_hook", None)
     cached.transformer.enable_cache(FirstBlockCacheConfig(threshold=FLUX_THRESHOLD))
     call = dict(latents=flux_test.latents_for(1), guidance_scale=3.5, true_cfg_scale=true_cfg)
     with recorded() as decisions:
