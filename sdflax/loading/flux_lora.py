@@ -88,9 +88,7 @@ def read_flux_lora(path, params) -> dict:
         if "bias" in parts:
             problems.unsupported.setdefault("LoRA biases (lora_B.bias, as Flux Control LoRAs have)", []).append(
                 parts.pop("bias")[0])
-    merged = resolve(groups, indexes, peft_alphas(name), lambda component, module: table.get(
-        module, ((module,), False)) if component == "transformer" else ((module,), False), problems)
-    for component, targets in merged.items():
+    for component, targets in resolve(groups, indexes, peft_alphas(name), problems, table).items():
         lora.setdefault(component, {}).update(targets)
 
     line = problems.line(name)

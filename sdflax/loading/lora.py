@@ -284,11 +284,11 @@ def grouped(tensors, parse) -> tuple[dict, Problems]:
     return groups, problems
 
 
-def resolve(groups, indexes, peft, targets_of, problems) -> dict:
+def resolve(groups, indexes, peft, problems, table=None) -> dict:
     """`grouped`'s groups -> {component: {"a/b/kernel": {"down", "up", "alpha"}}}, what does not fit added to
-    `problems`. `indexes`: `kernel_index` per component; `peft`: `peft_alphas`; `targets_of(component, module)` ->
-    (the "_"-joined modules it adapts, whether its up's halves swap): a fused layer's up is cut by rows into its
-    targets' (`rows`), one down shared."""
+    `problems`. `indexes`: `kernel_index` per component; `peft`: `peft_alphas`; `table`: a transformer's original
+    module names -> (the "_"-joined modules each adapts, whether its up's halves swap), a fused layer's up cut by
+    rows into its targets' (`rows`), one down shared; any other name adapts the module it names."""
     lora = {}
     for (component, module), parts in sorted(groups.items()):
         torch_name = parts.pop("name")
@@ -299,7 +299,8 @@ def resolve(groups, indexes, peft, targets_of, problems) -> dict:
             problems.incomplete.extend(keys)
             continue
         index, weights = indexes.get(component, ({}, {}))
-        targets, swapped = targets_of(component, module)
+        targets, swapped = (table or {}).get(module, ((module,), False)) if component == "transformer" else \
+            ((module,), False)
         paths = [index.get(t) for t in targets]
         if None in paths:
             problems.unknown.extend(k for k in keys if not k.endswith(".alpha"))
@@ -359,7 +360,7 @@ def read_lora(path, params, unet_config=None) -> dict:
     ldm = None if unet_config is None else ldm_names(unet_config)
     groups, problems = grouped(tensors, lambda key: split_key(key, ldm))
     indexes = {c: kernel_index(params[c]) for c in COMPONENTS if c in params}
-    lora = resolve(groups, indexes, peft_alphas(name), lambda component, module: ((module,), False), problems)
+    lora = resolve(groups, indexes, peft_alphas(name), problems)
 
     hint = " (original UNet names: pass unet_config=pipeline.unet.config)" if ldm is None and any(
         re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", k) for k in problems.unknown) else ""

@@ -54,8 +54,7 @@ def read_sd3_lora(path, params) -> dict:
     table = lora_table(params["transformer"])
     groups, problems = grouped(tensors, lambda key: transformer_key(key, COMFY_TEXT))
     indexes = {c: kernel_index(params[c]) for c in COMPONENTS if c in params}
-    lora = resolve(groups, indexes, peft_alphas(name), lambda component, module: table.get(
-        module, ((module,), False)) if component == "transformer" else ((module,), False), problems)
+    lora = resolve(groups, indexes, peft_alphas(name), problems, table)
     line = problems.line(name)
     if line:
         raise LoraMismatchError(other_family(name, tensors) or line)
