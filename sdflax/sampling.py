@@ -124,8 +124,9 @@ _local = threading.local()
 class Scope:
     """What the hooks of one model evaluation share: its index, memory in, memory out, emitted values."""
 
-    def __init__(self, step, memory, latent_size, num_evals, sealed=None, num_steps=None):
+    def __init__(self, step, memory, latent_size, num_evals, sealed=None, num_steps=None, batch=None):
         self.step, self.latent_size = step, tuple(latent_size)  # latent_size: the (h, w) of the latents
+        self.batch = batch  # the sampler's rows (the model's batch holds a chunk of them per guidance pass)
         self.num_evals = num_evals  # evaluations in the scan
         self.num_steps = num_steps  # the call's steps as diffusers counts a guidance interval's (sdflax.guiders)
         self.memory = dict(memory) if memory is not None else None  # None: memory's shapes are being found
@@ -135,7 +136,8 @@ class Scope:
     def sealed_copy(self, reason) -> "Scope":
         """A scope of the same evaluation out of which nothing may be emitted or carried (e.g. inside a lax.cond,
         whose branches' values cannot leave it)."""
-        return Scope(self.step, None, self.latent_size, self.num_evals, sealed=reason, num_steps=self.num_steps)
+        return Scope(self.step, None, self.latent_size, self.num_evals, sealed=reason, num_steps=self.num_steps,
+                     batch=self.batch)
 
     def _check(self):
         if self.sealed:
@@ -171,10 +173,10 @@ class Scope:
 
 
 @contextlib.contextmanager
-def scope(step, memory=None, latent_size=(), num_evals=None, within=None, num_steps=None):
+def scope(step, memory=None, latent_size=(), num_evals=None, within=None, num_steps=None, batch=None):
     """Open the scope of a model evaluation (or, `within` a Scope, its copy `within.sealed_copy(reason)`)."""
     stack = _local.__dict__.setdefault("scopes", [])
-    stack.append(within or Scope(step, memory, latent_size, num_evals, num_steps=num_steps))
+    stack.append(within or Scope(step, memory, latent_size, num_evals, num_steps=num_steps, batch=batch))
     try:
         yield stack[-1]
     finally:
@@ -186,6 +188,25 @@ def current_scope() -> Scope:
     if not stack:
         raise RuntimeError("a hook that emits or carries values runs only inside sampling.denoise (a pipeline call)")
     return stack[-1]
+
+
+@contextlib.contextmanager
+def batch_split(axis):
+    """While a program is traced whose batch is split over the devices of mesh axis `axis` (the runner's pmap and
+    sharded programs): `batch_sum` adds over them."""
+    previous = getattr(_local, "batch_axis", None)
+    _local.batch_axis = axis
+    try:
+        yield
+    finally:
+        _local.batch_axis = previous
+
+
+def batch_sum(x):
+    """`x`, a sum over this device's rows, summed over the devices the batch is split over: the whole batch's, as
+    one device computes it (a hook's statistic of the batch decides alike on every device)."""
+    axis = getattr(_local, "batch_axis", None)
+    return x if axis is None else jax.lax.psum(x, axis)
 
 
 def _zeros_like(tree):
@@ -234,7 +255,7 @@ def denoise(model, scheduler, latents, num_inference_steps, key, use_scan=True, 
 
     def evaluate(x, state, i, memory):
         model_input = scheduler.scale_model_input(state, x, i)
-        with scope(i, memory, x.shape[-2:], num_evals,
+        with scope(i, memory, x.shape[-2:], num_evals, batch=x.shape[0],
                    num_steps=num_inference_steps if num_steps is None else num_steps) as opened:
             prediction = model(model_input, state.timesteps[i], *((i,) if model_takes_step else ()))
         return prediction, opened

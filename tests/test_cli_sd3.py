@@ -82,10 +82,12 @@ def cli(files, name, *args, model="sd3"):
     return files / name
 
 
-def library_text_to_image(files, guider=None, **load):
+def library_text_to_image(files, guider=None, lora=None, **load):
+    """`lora`: (path, scale) merged by the library."""
     from sdflax import StableDiffusion3
 
     pipe, params = StableDiffusion3.from_pretrained(files / "sd3", **load)
+    params = params if lora is None else pipe.load_lora(params, *lora)
     pipe = pipe if guider is None else pipe.with_guider(guider)
     keys = as_the_cli(SEED)
     ids, neg = rows([pipe.prepare_inputs([PROMPT], prompts_3=[PROMPT_3], max_sequence_length=T5_LENGTH),
@@ -145,6 +147,21 @@ def test_a_guider_perturbing_the_transformers_attention_equals_the_library(files
     close_to(png, library_text_to_image(files, guider)())
     assert np.abs(pixels(png).astype(int) - pixels(generated["plain"])).max() > 5  # the perturbation mattered
     assert Image.open(png).text["guider"] == "PerturbedAttentionGuidance"
+
+
+def test_a_lora_is_merged_as_the_librarys(files, generated):
+    """--lora PATH:SCALE on SD 3: the library's load_lora at that scale (kohya's names: the MMDiT in Stability's)."""
+    from diffusers import SD3Transformer2DModel
+    from test_sd3_lora import kohya_file, stability_layers
+
+    path = files / "style.safetensors"
+    kohya_file(path, {"transformer": stability_layers(SD3Transformer2DModel.from_pretrained(
+        files / "sd3", subfolder="transformer"), seed=3)})
+    png = cli(files, "lora.png", "generate", PROMPT, "--prompt-3", PROMPT_3, "--negative-prompt", NEGATIVE, "--lora",
+              f"{path}:0.7")
+    close_to(png, library_text_to_image(files, lora=(path, 0.7))())
+    assert np.abs(pixels(png).astype(int) - pixels(generated["plain"])).max() > 5  # the LoRA mattered
+    assert "<lora:style:0.7>" in Image.open(png).text["parameters"]
 
 
 def test_batch_makes_the_image_generate_makes(files, generated):
@@ -216,7 +233,7 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
 @pytest.mark.parametrize("args, expected", [
     (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with SD 3.x"),
     (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with SD 3.x"),
-    (["--lora", "lora.safetensors"], "--lora is not supported with SD 3.x checkpoints yet (sd3 is one): drop --lora"),
+    (["--lora", "missing.safetensors"], "--lora missing.safetensors: no such file"),  # SD 3 takes LoRAs
     (["--embedding", "token.pt"], "--embedding is not supported with SD 3.x checkpoints yet"),
     (["--refiner", "sd3"], "--refiner is not supported with SD 3.x checkpoints yet"),
     (["--slg-layers", "3"], "--slg-layers 3: sd3's transformer has blocks 0 .. 2: give blocks among them"),

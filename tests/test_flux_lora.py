@@ -126,10 +126,10 @@ def kohya_file(path, theirs, seed=0, comfy=False, keep=in_blocks):
     save_file(tensors, path)
 
 
-def peft_file(path, theirs, seed=0):
+def peft_file(path, theirs, seed=0, components=("transformer", "text_encoder")):
     """diffusers' save_lora_weights: lora_A / lora_B in diffusers' names, the alphas in lora_adapter_metadata."""
     tensors, metadata = {}, {}
-    for component, model in (("transformer", theirs.transformer), ("text_encoder", theirs.text_encoder)):
+    for component, model in ((c, getattr(theirs, c)) for c in components):
         layers = torch_layers(model, seed + len(component), rank=None)
         longest_first = sorted(layers, key=len, reverse=True)  # PEFT takes the first pattern matching a name's end
         config = {"r": 2, "lora_alpha": 1.0, "target_modules": sorted(layers),

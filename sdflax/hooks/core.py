@@ -170,6 +170,24 @@ def intercept(hooks, step, chunks, sites=None):
     return nn.intercept_methods(interceptor)
 
 
+def redirect(models, method: str, kept=None, **keywords):
+    """A context in which a call of a model of the classes `models` (the denoiser's, not a ControlNet's) runs its
+    `method` instead, given `keywords` too: a hook reaches the model's parts through whatever wraps its call. With
+    `kept` (a list), the method gives (output, more): the call returns the output, (the module, more) is appended to
+    `kept`."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        # the class itself: a ControlNet built on the denoiser's class (Flux.1's) keeps its own call
+        if context.method_name == "__call__" and type(context.module) in models:
+            out = getattr(context.module, method)(*args, **kwargs, **keywords)
+            if kept is None:
+                return out
+            kept.append((context.module, out[1]))
+            return out[0]
+        return next_fun(*args, **kwargs)
+
+    return nn.intercept_methods(interceptor)
+
 def layer_list(names, limit=None) -> str:
     """The layer names (the first `limit` of them), to say what a hook could have named."""
     names = sorted(names)

@@ -12,26 +12,13 @@ shallowest SD setting (cache_layer_id=0, cache_block_id=0). DeepCache's evaluati
 from __future__ import annotations
 
 import flax
-import flax.linen as nn
 import jax
 
 from .. import sampling
 from ..models.unet import UNet2DConditionModel
-from .core import Hook, current_scope, refuse_on_mmdit
+from .core import Hook, current_scope, redirect, refuse_on_mmdit
 
 KEY = "deep_cache"
-
-
-def redirect(method: str, **keywords):
-    """A context in which a call of the UNet (not of a ControlNet) runs its `method` instead, given `keywords` too:
-    the hook reaches the UNet's halves through whatever wraps the UNet call."""
-
-    def interceptor(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and isinstance(context.module, UNet2DConditionModel):
-            return getattr(context.module, method)(*args, **kwargs, **keywords)
-        return next_fun(*args, **kwargs)
-
-    return nn.intercept_methods(interceptor)
 
 
 @flax.struct.dataclass
@@ -50,7 +37,7 @@ class DeepCache(Hook):
             features = scope.read(KEY)  # from the last full evaluation
 
             def full():
-                with redirect("deep", branch=self.branch):
+                with redirect(UNet2DConditionModel, "deep", branch=self.branch):
                     return unet_fn(x, t, context, step, **residuals)
 
             if features is None or self.interval == 1:
@@ -64,8 +51,8 @@ class DeepCache(Hook):
                         return full()
 
                 def shallow():
-                    with sampling.scope(None, within=sealed), redirect("shallow", branch=self.branch,
-                                                                       features=features):
+                    with sampling.scope(None, within=sealed), redirect(UNet2DConditionModel, "shallow",
+                                                                       branch=self.branch, features=features):
                         return unet_fn(x, t, context, step, **residuals), features
 
                 out, features = jax.lax.cond(step % self.interval == 0, sealed_full, shallow)

@@ -30,15 +30,11 @@ import numpy as np
 
 from .files import read_checkpoint
 from .flux_names import SWAPPED, flux_table
-from .lora import (FAMILIES, LoraMismatchError, Problems, checked_scale, kernel_index, lora_entry, merge_lora,
-                   peft_alpha, peft_alphas, split_key)
+from .lora import (SD3_NAMES, LoraMismatchError, checked_scale, grouped, kernel_index, merge_lora, peft_alphas,
+                   resolve, transformer_key, unet_family)
 
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2")
-# What a transformer key may start with; the rest names a module of BFL's or diffusers', joined by "." or "_"
-TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_", "lora_unet_", "model.diffusion_model.",
-                        "diffusion_model.", "base_model.model.")
-# The text encoders' prefixes `lora.split_key` reads; ComfyUI's are renamed to them
-TEXT_PREFIXES = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_te1_", "lora_te2_")
+# ComfyUI's text-encoder prefixes -> those `lora.split_key` reads
 COMFY_TEXT = {"text_encoders.clip_l.transformer.": "text_encoder.", "text_encoders.t5xxl.transformer.": "text_encoder_2."}
 # Key suffix -> role, the first that matches (".lora_down.weight" before XLabs' ".down.weight")
 ROLES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_down.weight": "down", ".lora_up.weight": "up",
@@ -48,10 +44,6 @@ ROLES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_down.weight": 
 XLABS = {"double_blocks": {"qkv_lora1": ("img_attn.qkv", 3), "proj_lora1": ("img_attn.proj", 1),
                            "qkv_lora2": ("txt_attn.qkv", 3), "proj_lora2": ("txt_attn.proj", 1)},
          "single_blocks": {"qkv_lora": ("linear1", 3), "proj_lora": ("linear2", 1)}}
-# Names of the other families' LoRAs: a UNet's (SD 1.x / 2.x, SDXL; kohya's diffusers and LDM names, diffusers'),
-# SD 3's MMDiT in Stability's names
-UNET_NAMES = re.compile(r"lora_unet_(down_blocks|mid_block|up_blocks|input_blocks|middle_block|output_blocks)_|unet\.")
-SD3_NAMES = re.compile(r"(^|[._])joint_blocks[._]\d")
 
 
 def flat(name: str) -> str:
@@ -72,23 +64,6 @@ def lora_table(transformer) -> dict:
     return {flat(k): (tuple(flat(t) for t in targets), k == SWAPPED) for k, targets in names.items()}
 
 
-def parse(key: str):
-    """key -> (component, module "_"-joined, role, PyTorch module name for PEFT's alpha patterns); None for a key
-    that is not a LoRA tensor."""
-    for comfy, ours in COMFY_TEXT.items():
-        if key.startswith(comfy):
-            key = ours + key[len(comfy):]
-    if key.startswith(TEXT_PREFIXES):
-        parsed = split_key(key)
-        return None if parsed is None else (parsed[0], parsed[2], parsed[3], parsed[1])
-    suffix = next((s for s in ROLES if key.endswith(s)), None)
-    if suffix is None:
-        return None
-    stem = key[: -len(suffix)]
-    stem = stem[len(next((p for p in TRANSFORMER_PREFIXES if stem.startswith(p)), "")):]
-    return "transformer", flat(stem), ROLES[suffix], stem
-
-
 def load_flux_lora(params, path, scale=1.0):
     """Read a Flux.1 LoRA file and merge it into `params` (a Flux pipeline's params dict) at `scale`."""
     checked_scale(scale)
@@ -101,45 +76,20 @@ def read_flux_lora(path, params) -> dict:
     weights are one error naming them, or the family the file was made for."""
     name = os.fspath(path)
     tensors = read_checkpoint(name)
-    peft = peft_alphas(name)
     table = lora_table(params["transformer"])
-    groups, problems = {}, Problems()
-    for key, array in tensors.items():
-        parsed = parse(key)
-        if parsed is None:
-            problems.not_lora.append(key)
-            continue
-        component, module, role, torch_name = parsed
-        groups.setdefault((component, module), {"name": torch_name})[role] = (key, np.asarray(array))
-
+    groups, problems = grouped(tensors, lambda key: transformer_key(key, COMFY_TEXT, ROLES))
     indexes = {c: kernel_index(params[c]) for c in COMPONENTS if c in params}
     scales = {"_".join(path[:-1]): path for path in indexes["transformer"][1] if path[-1] == "scale"}
     lora = {}
-    for (component, module), parts in sorted(groups.items()):
-        torch_name = parts.pop("name")
-        index, weights = indexes.get(component, ({}, {}))
-        targets, swapped = table.get(module, ((module,), False)) if component == "transformer" else ((module,), False)
+    for (component, module), parts in groups.items():
         if "value" in parts:
-            replace_norm(parts.pop("value"), scales.get(targets[0]), weights, lora, problems)
+            replace_norm(parts.pop("value"), scales.get(table.get(module, ((module,),))[0][0]),
+                         indexes["transformer"][1], lora, problems)
         if "bias" in parts:
             problems.unsupported.setdefault("LoRA biases (lora_B.bias, as Flux Control LoRAs have)", []).append(
                 parts.pop("bias")[0])
-        if not parts:
-            continue
-        keys = [k for k, _ in parts.values()]
-        if "down" not in parts or "up" not in parts:
-            problems.incomplete.extend(keys)
-            continue
-        paths = [index.get(t) for t in targets]
-        if None in paths:
-            problems.unknown.extend(k for k in keys if not k.endswith(".alpha"))
-            continue
-        ups = rows(parts["up"], [weights[p].shape[-1] for p in paths], swapped, problems)
-        default = (lambda rank: peft_alpha(torch_name, *peft[component], rank)) if component in peft else float
-        for path, up in zip(paths, ups):
-            entry = lora_entry(parts, up, tuple(weights[path].shape), default, problems)  # no alpha: scale 1
-            if entry is not None:
-                lora.setdefault(component, {})["/".join(path)] = entry
+    for component, targets in resolve(groups, indexes, peft_alphas(name), problems, table).items():
+        lora.setdefault(component, {}).update(targets)
 
     line = problems.line(name)
     if line:
@@ -147,21 +97,6 @@ def read_flux_lora(path, params) -> dict:
     if not lora:
         raise LoraMismatchError(f"LoRA file {name} holds no LoRA tensors")
     return lora
-
-
-def rows(up, widths, swapped, problems) -> list:
-    """A LoRA's up (key, array) cut by rows into its targets' (`widths`: their output features), the halves of the
-    final modulation's swapped; [] with the mismatch added to `problems`."""
-    key, array = up
-    if np.ndim(array) == 0 or array.shape[0] != sum(widths):
-        if len(widths) == 1:
-            return [array]  # `lora_entry` says what is wrong
-        problems.mismatched.append(f"{key}: up {array.shape} does not split into {len(widths)} layers of "
-                                   f"{' + '.join(map(str, widths))} rows")
-        return []
-    if swapped:
-        array = np.concatenate(np.split(array, 2)[::-1])
-    return np.split(array, np.cumsum(widths)[:-1])
 
 
 def replace_norm(value, path, weights, lora, problems):
@@ -182,16 +117,12 @@ def other_family(name, tensors, groups, indexes) -> str | None:
     UNet's names; the cross-attention's width tells which), SD 3 (Stability's joint_blocks), or a Flux Control
     LoRA (an image embedder taking control latents too); else None."""
     keys = list(tensors)
-    if any(UNET_NAMES.match(k) for k in keys):
-        width = next((np.shape(tensors[k])[-1] for k in keys if re.search(r"attn2[._]to_k.*(lora_down|lora_A|down)"
-                                                                           r"\.weight$", k)), None)
-        theirs = FAMILIES.get(width, "SD 1.x/2.x or SDXL")
-        fix = "StableDiffusionXL" if theirs == "SDXL" else "StableDiffusion" if width in FAMILIES else \
-            "StableDiffusion or StableDiffusionXL"
-        return f"{name} is a LoRA for {theirs}, this pipeline is Flux.1 (its names are a UNet's): load it with {fix}"
+    unet = unet_family(name, tensors, "Flux.1")
+    if unet:
+        return unet
     if any(SD3_NAMES.search(k) for k in keys):
-        return (f"{name} is a LoRA for SD 3.x, this pipeline is Flux.1 (names of SD 3's joint blocks): SD 3 LoRAs "
-                "are not supported yet")
+        return (f"{name} is a LoRA for SD 3.x, this pipeline is Flux.1 (names of SD 3's joint blocks): load it with "
+                "StableDiffusion3")
     image_in = groups.get(("transformer", "img_in"), groups.get(("transformer", "x_embedder"), {})).get("down")
     index, weights = indexes["transformer"]
     features = weights[index["x_embedder"]].shape[0]

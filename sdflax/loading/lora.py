@@ -12,8 +12,10 @@ Two naming schemes are in circulation and both are read:
 
 Both name a module by its PyTorch path, which is our module path with "." -> "_" (see weights.py), so a target
 is found by name alone. Original UNet names (input_blocks / middle_block / output_blocks) go through the LDM
-table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's config. Flux.1's layouts (its
-transformer named by diffusers, kohya, XLabs or Black Forest Labs) are read by `flux_lora.py` into the same pytree.
+table of single-file checkpoints (`ldm_names.unet_table`), built from the UNet's config. The transformers' layouts
+are read into the same pytree by `flux_lora.py` (Flux.1: diffusers, kohya, XLabs, Black Forest Labs) and
+`sd3_lora.py` (SD 3.x: diffusers, kohya / ComfyUI in Stability's MMDiT names), through the helpers below
+(`grouped`, `resolve`, `transformer_key`).
 
 `read_lora` turns a file into a small pytree (torch-layout `down`/`up` and `alpha` per target kernel);
 `merge_lora` is a pure function of (params, lora, scale), so LoRAs stack by calling it twice and
@@ -40,7 +42,7 @@ from .weights import short_list
 
 __all__ = ["LoraMismatchError", "load_lora", "merge_lora", "read_lora"]
 
-COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
+COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 # Name prefix -> (component, separator between module names in the rest of the key).
 PREFIXES = {
@@ -48,9 +50,11 @@ PREFIXES = {
     "lora_te_": ("text_encoder", "_"),
     "lora_te1_": ("text_encoder", "_"),
     "lora_te2_": ("text_encoder_2", "_"),
+    "lora_te3_": ("text_encoder_3", "_"),  # SD 3's T5
     "unet.": ("unet", "."),
     "text_encoder.": ("text_encoder", "."),
     "text_encoder_2.": ("text_encoder_2", "."),
+    "text_encoder_3.": ("text_encoder_3", "."),
 }
 
 # Key suffix -> role of the tensor. Longest first, so ".lora.down.weight" is not taken for "_lora.down.weight".
@@ -77,6 +81,11 @@ PROCESSOR_RENAMES["text_encoder_2"] = PROCESSOR_RENAMES["text_encoder"]
 
 # Wrappers some writers put in front of the module path.
 STRIP = ("base_model.model.", "text_model.", "text_model_")
+# The text encoders' prefixes in the transformer families' files (`transformer_key`), and what a transformer's keys
+# may start with (diffusers', kohya's, OneTrainer's, ComfyUI's, PEFT's), the rest a module name joined by "." or "_"
+TEXT_PREFIXES = tuple(p for p in PREFIXES if p.startswith(("lora_te", "text_encoder")))
+TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_", "lora_unet_", "model.diffusion_model.",
+                        "diffusion_model.", "base_model.model.")
 
 
 # The width of the text states a UNet's cross-attention reads (its attn2.to_k input) -> the family that has it
@@ -87,7 +96,12 @@ SDXL_NAMES = ("lora_te1_", "lora_te2_", "text_encoder_2.")
 SD_NAMES = ("lora_te_",)
 # Names only Flux.1's LoRAs have, in any of its layouts: BFL's and kohya's blocks, diffusers' single-stream blocks,
 # kohya's diffusers-named flavour
-FLUX_NAMES = re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks)[._]\d|^lora_transformer_")
+FLUX_BLOCKS = r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks)[._]\d"
+FLUX_NAMES = re.compile(FLUX_BLOCKS + "|^lora_transformer_")
+# Names of a UNet's LoRAs (SD 1.x / 2.x, SDXL; kohya's diffusers and LDM names, diffusers')
+UNET_NAMES = re.compile(r"lora_unet_(down_blocks|mid_block|up_blocks|input_blocks|middle_block|output_blocks)_|unet\.")
+# Names of SD 3's MMDiT in Stability's layout (kohya's, ComfyUI's)
+SD3_NAMES = re.compile(r"(^|[._])joint_blocks[._]\d")
 
 
 MODULE_NAME = re.compile(r"[A-Za-z0-9_.]{1,256}")
@@ -255,6 +269,84 @@ def lora_entry(parts, up, kernel_shape, default_alpha, problems: Problems) -> di
     return {"down": down, "up": up, "alpha": np.float32(stored.reshape(()))}
 
 
+def grouped(tensors, parse) -> tuple[dict, Problems]:
+    """A file's tensors by the module they adapt: {(component, module "_"-joined): {"name": its PyTorch name,
+    role: (key, array)}}, and the Problems the keys that are not LoRA tensors start. `parse(key)` -> (component,
+    PyTorch module name, module "_"-joined, role) or None."""
+    groups, problems = {}, Problems()
+    for key, array in tensors.items():
+        parsed = parse(key)
+        if parsed is None:
+            problems.not_lora.append(key)
+            continue
+        component, torch_name, module, role = parsed
+        groups.setdefault((component, module), {"name": torch_name})[role] = (key, np.asarray(array))
+    return groups, problems
+
+
+def resolve(groups, indexes, peft, problems, table=None) -> dict:
+    """`grouped`'s groups -> {component: {"a/b/kernel": {"down", "up", "alpha"}}}, what does not fit added to
+    `problems`. `indexes`: `kernel_index` per component; `peft`: `peft_alphas`; `table`: a transformer's original
+    module names -> (the "_"-joined modules each adapts, whether its up's halves swap), a fused layer's up cut by
+    rows into its targets' (`rows`), one down shared; any other name adapts the module it names."""
+    lora = {}
+    for (component, module), parts in sorted(groups.items()):
+        torch_name = parts.pop("name")
+        if not parts:
+            continue
+        keys = [k for k, _ in parts.values()]
+        if "down" not in parts or "up" not in parts:
+            problems.incomplete.extend(keys)
+            continue
+        index, weights = indexes.get(component, ({}, {}))
+        targets, swapped = (table or {}).get(module, ((module,), False)) if component == "transformer" else \
+            ((module,), False)
+        paths = [index.get(t) for t in targets]
+        if None in paths:
+            problems.unknown.extend(k for k in keys if not k.endswith(".alpha"))
+            continue
+        ups = rows(parts["up"], [weights[p].shape[-1] for p in paths], swapped, problems)
+        default = (lambda rank: peft_alpha(torch_name, *peft[component], rank)) if component in peft else float
+        for path, up in zip(paths, ups):
+            entry = lora_entry(parts, up, tuple(weights[path].shape), default, problems)  # no alpha: scale 1
+            if entry is not None:
+                lora.setdefault(component, {})["/".join(path)] = entry
+    return lora
+
+
+def rows(up, widths, swapped, problems) -> list:
+    """A LoRA's up (key, array) cut by rows into its targets' (`widths`: their output features), its halves swapped
+    where Stability's and BFL's (shift, scale) is diffusers' (scale, shift); [] with the mismatch added to
+    `problems`."""
+    key, array = up
+    if np.ndim(array) == 0 or array.shape[0] != sum(widths):
+        if len(widths) == 1 and not swapped:
+            return [array]  # `lora_entry` says what is wrong
+        problems.mismatched.append(f"{key}: up {array.shape} does not split into {len(widths)} layers of "
+                                   f"{' + '.join(map(str, widths))} rows")
+        return []
+    if swapped:
+        array = np.concatenate(np.split(array, 2)[::-1])
+    return np.split(array, np.cumsum(widths)[:-1])
+
+
+def transformer_key(key, renames, roles=None):
+    """A transformer family's key -> `grouped`'s (component, PyTorch name, module "_"-joined, role); None for a key
+    that is not a LoRA tensor. `renames`: ComfyUI's text-encoder prefixes -> diffusers' (which `split_key` reads)."""
+    for comfy, ours in renames.items():
+        if key.startswith(comfy):
+            key = ours + key[len(comfy):]
+    if key.startswith(TEXT_PREFIXES):
+        return split_key(key)
+    roles = roles or ROLES
+    suffix = next((s for s in roles if key.endswith(s)), None)
+    if suffix is None:
+        return None
+    stem = key[: -len(suffix)]
+    stem = stem[len(next((p for p in TRANSFORMER_PREFIXES if stem.startswith(p)), "")):]
+    return "transformer", stem, stem.replace(".", "_"), roles[suffix]
+
+
 def read_lora(path, params, unet_config=None) -> dict:
     """A LoRA file -> {component: {"a/b/kernel": {"down", "up", "alpha"}}} for the models in `params`.
 
@@ -265,34 +357,10 @@ def read_lora(path, params, unet_config=None) -> dict:
     """
     name = os.fspath(path)
     tensors = read_checkpoint(name)
-    peft = peft_alphas(name)
     ldm = None if unet_config is None else ldm_names(unet_config)
-    groups, problems = {}, Problems()
-    for key, array in tensors.items():
-        parsed = split_key(key, ldm)
-        if parsed is None:
-            problems.not_lora.append(key)
-            continue
-        component, torch_name, module, role = parsed
-        groups.setdefault((component, module), {"name": torch_name})[role] = (key, np.asarray(array))
-
+    groups, problems = grouped(tensors, lambda key: split_key(key, ldm))
     indexes = {c: kernel_index(params[c]) for c in COMPONENTS if c in params}
-    lora = {}
-    for (component, module), parts in sorted(groups.items()):
-        torch_name = parts.pop("name")
-        keys = [k for k, _ in parts.values()]
-        if "down" not in parts or "up" not in parts:
-            problems.incomplete.extend(keys)
-            continue
-        index, flat = indexes.get(component, ({}, {}))
-        target = index.get(module)
-        if target is None:
-            problems.unknown.extend(k for k in keys if not k.endswith(".alpha"))
-            continue
-        entry = lora_entry(parts, parts["up"][1], tuple(flat[target].shape), lambda rank: peft_alpha(
-            torch_name, *peft[component], rank) if component in peft else rank, problems)  # no alpha: scale 1
-        if entry is not None:
-            lora.setdefault(component, {})["/".join(target)] = entry
+    lora = resolve(groups, indexes, peft_alphas(name), problems)
 
     hint = " (original UNet names: pass unet_config=pipeline.unet.config)" if ldm is None and any(
         re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", k) for k in problems.unknown) else ""
@@ -320,6 +388,8 @@ def family_mismatch(name, keys, groups, params, unet_index) -> str | None:
     named = lambda prefixes: any(k.startswith(prefixes) and k.endswith(downs) for k in keys)  # noqa: E731
     if any(FLUX_NAMES.search(k) for k in keys):  # before te1 / te2: kohya's Flux files name CLIP lora_te1_
         theirs, why = "Flux.1", "names of Flux's double- and single-stream blocks"
+    elif any(SD3_NAMES.search(k) for k in keys):
+        theirs, why = "SD 3.x", "names of SD 3's joint blocks"
     elif named(SDXL_NAMES) and not xl:
         theirs, why = "SDXL", "names of SDXL's two text encoders"
     elif named(SD_NAMES) and xl:
@@ -329,11 +399,24 @@ def family_mismatch(name, keys, groups, params, unet_index) -> str | None:
         why = f"its cross-attention reads {theirs_width}-wide text states, this UNet's {width}"
     else:
         return None
-    fix = ("load it with StableDiffusionXL" if theirs == "SDXL" else "load it with StableDiffusion"
-           if xl and theirs.startswith("SD") else "load it with sdflax.Flux" if theirs == "Flux.1"
-           else f"use a LoRA made for {ours}")
+    fix = ("load it with StableDiffusionXL" if theirs == "SDXL" else "load it with StableDiffusion3"
+           if theirs == "SD 3.x" else "load it with StableDiffusion" if xl and theirs.startswith("SD")
+           else "load it with sdflax.Flux" if theirs == "Flux.1" else f"use a LoRA made for {ours}")
     return f"{name} is a LoRA for {theirs}, this pipeline is {ours} ({why}): {fix}"
 
+
+def unet_family(name, tensors, ours) -> str | None:
+    """One line for a UNet's LoRA (SD 1.x / 2.x or SDXL: its cross-attention's width tells which) on the transformer
+    family `ours`; None where its names are not a UNet's."""
+    keys = list(tensors)
+    if not any(UNET_NAMES.match(k) for k in keys):
+        return None
+    width = next((np.shape(tensors[k])[-1] for k in keys if re.search(r"attn2[._]to_k.*(lora_down|lora_A|down)"
+                                                                       r"\.weight$", k)), None)
+    theirs = FAMILIES.get(width, "SD 1.x/2.x or SDXL")
+    fix = "StableDiffusionXL" if theirs == "SDXL" else "StableDiffusion" if width in FAMILIES else \
+        "StableDiffusion or StableDiffusionXL"
+    return f"{name} is a LoRA for {theirs}, this pipeline is {ours} (its names are a UNet's): load it with {fix}"
 
 def _delta(down, up, kernel_shape):
     """(up @ down) in torch layout -> the Flax kernel layout: linear (in, out), conv HWIO. float32.

@@ -47,15 +47,20 @@ class PipelineLoaders:
 
     def load_lora(self, params, path, scale=1.0):
         """params with a LoRA file (kohya/A1111 or diffusers/PEFT) merged into the UNet and text encoder(s); Flux.1's
-        transformer, CLIP and T5 also from XLabs' and Black Forest Labs' names (`sdflax.loading.flux_lora`). Pure:
-        LoRAs stack by calling it again (`sdflax.loading.lora.merge_lora` merges under jit with a traced `scale`)."""
+        transformer, CLIP and T5 also from XLabs' and Black Forest Labs' names (`sdflax.loading.flux_lora`), SD 3.x's
+        MMDiT, CLIP-L, CLIP-G and T5 also from Stability's names (`sdflax.loading.sd3_lora`). Pure: LoRAs stack by
+        calling it again (`sdflax.loading.lora.merge_lora` merges under jit with a traced `scale`)."""
         if self.family.name == "flux":
             from .flux_lora import load_flux_lora
 
             return load_flux_lora(params, path, scale)
+        if self.family.name == "sd3":
+            from .sd3_lora import load_sd3_lora
+
+            return load_sd3_lora(params, path, scale)
         from .lora import load_lora
 
-        self.unet_only("LoRAs", " and Flux.1")
+        self.unet_only("LoRAs", ", Flux.1 and SD 3.x")
         return load_lora(params, path, scale, self.unet.config)
 
     def load_textual_inversion(self, params, path, token=None):

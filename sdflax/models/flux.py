@@ -84,15 +84,26 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
                 jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)), jnp.zeros((1, 3)), jnp.zeros((1, 3)),
                 jnp.zeros((1,)) if cfg.guidance_embeds else None)
 
-    @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                  guidance=None, controlnet_block_samples=None, controlnet_single_block_samples=None,
                  controlnet_blocks_repeat=False):
+        return self.run_blocks(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                               guidance, controlnet_block_samples, controlnet_single_block_samples,
+                               controlnet_blocks_repeat)[0]
+
+    @nn.compact
+    def run_blocks(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                   guidance=None, controlnet_block_samples=None, controlnet_single_block_samples=None,
+                   controlnet_blocks_repeat=False, blocks=None, start=None):
+        """`__call__` -> (prediction, (the image's tokens entering the blocks run, the image's and the text's
+        tokens they give)); `blocks` (first, stop or None: to the last), static, counting the double-stream blocks
+        then the single-stream ones, runs only those, from `start` (image, text tokens) in place of the embedded
+        inputs: the first-block cache's halves (`sdflax.hooks.first_block_cache`)."""
         cfg = self.config
         x, context, temb, rope = self.embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids,
                                             txt_ids, guidance)
         residuals = {"double": controlnet_block_samples, "single": controlnet_single_block_samples}
-        blocks = {"double": cfg.num_layers, "single": cfg.num_single_layers}
+        counts = {"double": cfg.num_layers, "single": cfg.num_single_layers}
 
         def add_residual(kind, i, x):
             """diffusers' ControlNet residuals: n samples spread over the blocks, ceil(blocks / n) each in turn (or,
@@ -101,14 +112,17 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
             if samples is None:
                 return x
             n = len(samples)
-            return x + samples[i % n if controlnet_blocks_repeat else i // math.ceil(blocks[kind] / n)]
+            return x + samples[i % n if controlnet_blocks_repeat else i // math.ceil(counts[kind] / n)]
 
-        x = self.blocks(x, context, temb, rope, add_residual)
+        if start is not None:
+            x, context = start
+        entering = x
+        x, context = self.blocks(x, context, temb, rope, add_residual, blocks)
         # norm_out: AdaLayerNormContinuous, scale then shift
         dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
         scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
-        x = layer_norm(x, self.dtype) * (1 + scale[:, None]) + shift[:, None]
-        return dense(cfg.patch_size ** 2 * cfg.out_channels, "proj_out")(x)
+        out = layer_norm(x, self.dtype) * (1 + scale[:, None]) + shift[:, None]
+        return dense(cfg.patch_size ** 2 * cfg.out_channels, "proj_out")(out), (entering, (x, context))
 
     def embed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance,
               text_prefix=None):
@@ -126,21 +140,25 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
         # [image; text], not diffusers' [text; image]: the order the hooks read (flux_blocks.py says why it is the same)
         return x, context, temb, rotary_tables(jnp.concatenate([img_ids, txt_ids]), cfg.axes_dims_rope)
 
-    def blocks(self, x, context, temb, rope, after_block):
-        """The double-stream blocks, then the single-stream ones -> the image tokens; `after_block(kind, i, x)`
-        ("double" or "single", the block's index) gives the image tokens the next block takes."""
+    def blocks(self, x, context, temb, rope, after_block, blocks=None):
+        """The double-stream blocks, then the single-stream ones -> (image, text) tokens; `after_block(kind, i, x)`
+        ("double" or "single", the block's index) gives the image tokens the next block takes; `blocks` (first,
+        stop or None), counting the double-stream blocks then the single-stream ones, runs only those."""
         cfg, heads, head_dim = self.config, self.config.num_attention_heads, self.config.attention_head_dim
-        for i in range(cfg.num_layers):
-            context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=self.dtype,
-                                               kernels=self.kernels, name=f"transformer_blocks_{i}")(
-                x, context, temb, rope)
-            context = clip_float16(context)
-            x = after_block("double", i, x)
-        for i in range(cfg.num_single_layers):
-            context, x = FluxSingleTransformerBlock(heads, head_dim, self.dtype, kernels=self.kernels,
-                                                    name=f"single_transformer_blocks_{i}")(x, context, temb, rope)
-            x = after_block("single", i, x)
-        return x
+        first, stop = blocks or (0, None)
+        for i in range(first, cfg.num_layers + cfg.num_single_layers if stop is None else stop):
+            if i < cfg.num_layers:
+                context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=self.dtype,
+                                                   kernels=self.kernels, name=f"transformer_blocks_{i}")(
+                    x, context, temb, rope)
+                context = clip_float16(context)
+                x = after_block("double", i, x)
+            else:
+                j = i - cfg.num_layers
+                context, x = FluxSingleTransformerBlock(heads, head_dim, self.dtype, kernels=self.kernels,
+                                                        name=f"single_transformer_blocks_{j}")(x, context, temb, rope)
+                x = after_block("single", j, x)
+        return x, context
 
     def check_inputs(self, hidden_states, encoder_hidden_states, img_ids, txt_ids, guidance):
         cfg = self.config

@@ -122,9 +122,18 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
         return (jnp.zeros((1, cfg.in_channels, cfg.patch_size, cfg.patch_size)),
                 jnp.zeros((1, 1, cfg.joint_attention_dim)), jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)))
 
-    @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=(),
                  block_controlnet_hidden_states=None):
+        return self.run_blocks(hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers,
+                               block_controlnet_hidden_states)[0]
+
+    @nn.compact
+    def run_blocks(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=(),
+                   block_controlnet_hidden_states=None, blocks=None, start=None):
+        """`__call__` -> (prediction, (the image's tokens entering the blocks run, the image's and the text's
+        tokens they give)); `blocks` (first, stop or None: to the last), static, runs only those, from `start`
+        (image, text tokens) in place of the embedded inputs: the first-block cache's halves
+        (`sdflax.hooks.first_block_cache`)."""
         cfg, dtype, p = self.config, self.dtype, self.config.patch_size
         b, _, height, width = hidden_states.shape
         if height % p or width % p:
@@ -140,7 +149,11 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
         temb = self.embed_time_and_text(timestep, pooled_projections, b)
         context = dense(cfg.caption_projection_dim, "context_embedder")(encoder_hidden_states.astype(dtype))
 
-        for i in range(cfg.num_layers):
+        if start is not None:
+            x, context = start
+        entering = x
+        first, stop = blocks or (0, None)
+        for i in range(first, cfg.num_layers if stop is None else stop):
             if i not in skip_layers:
                 context, x = JointTransformerBlock(
                     cfg.num_attention_heads, cfg.attention_head_dim, context_pre_only=i == cfg.num_layers - 1,
@@ -152,10 +165,10 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
 
         # norm_out: AdaLayerNormContinuous, scale then shift
         scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
-        x = layer_norm(x, dtype) * (1 + scale[:, None]) + shift[:, None]
-        x = dense(p * p * cfg.out_channels, "proj_out")(x)
-        x = x.reshape(b, height // p, width // p, p, p, cfg.out_channels)
-        return jnp.einsum("nhwpqc->nchpwq", x).reshape(b, cfg.out_channels, height, width)
+        out = layer_norm(x, dtype) * (1 + scale[:, None]) + shift[:, None]
+        out = dense(p * p * cfg.out_channels, "proj_out")(out)
+        out = out.reshape(b, height // p, width // p, p, p, cfg.out_channels)
+        return jnp.einsum("nhwpqc->nchpwq", out).reshape(b, cfg.out_channels, height, width), (entering, (x, context))
 
     def embed_time_and_text(self, timestep, pooled_projections, batch):
         return embed_time_and_text(timestep, pooled_projections, batch, self.config.inner_dim, self.dtype)

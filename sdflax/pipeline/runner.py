@@ -15,6 +15,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ..parallel import device_mesh, replicate_on, shard_batch
+from ..sampling import batch_split
 from .types import Inputs, Output, by_field, map_batched
 
 
@@ -41,8 +42,9 @@ class Runner:
 
         def run(spec, params, inputs, settings):
             def local(params, inputs):
-                out = self.fn(spec, jax.tree.map(lambda x: x[0], params), map_batched(inputs, lambda x: x[0]),
-                              settings)
+                with batch_split(axis):
+                    out = self.fn(spec, jax.tree.map(lambda x: x[0], params), map_batched(inputs, lambda x: x[0]),
+                                  settings)
                 return jax.tree.map(lambda x: x[None], out)
 
             in_specs = (P(axis), by_field(inputs, P(axis), P()))
@@ -62,7 +64,8 @@ class Runner:
 
             def run(spec, params, inputs, settings):
                 def local(params, inputs):  # this device's rows, and its key or its images' keys
-                    return self.fn(spec, params, inputs.replace(prng_seed=inputs.prng_seed[0]), settings)
+                    with batch_split(axis):
+                        return self.fn(spec, params, inputs.replace(prng_seed=inputs.prng_seed[0]), settings)
 
                 in_specs = (P(), by_field(inputs, P(axis), P()))
                 return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,

@@ -1,5 +1,5 @@
-"""--lora PATH[:SCALE]: LoRA files (kohya/A1111 or diffusers/PEFT; Flux.1's XLabs and Black Forest Labs' too) merged
-into the model in order; the PNG writes them into A1111's prompt as <lora:NAME:WEIGHT>."""
+"""--lora PATH[:SCALE]: LoRA files (kohya/A1111 or diffusers/PEFT; Flux.1's XLabs and Black Forest Labs' too, SD 3.x's
+kohya / ComfyUI names) merged into the model in order; the PNG writes them into A1111's prompt as <lora:NAME:WEIGHT>."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..request import UserError, flag_error
 
 FLAG = "--lora"
 DENOISERS = ("unet",)
-FAMILIES = ("flux",)  # Flux.1's LoRAs too (sdflax.loading.flux_lora); SD 3.x's not yet
+FAMILIES = ("flux", "sd3")  # the transformers' LoRAs too (sdflax.loading.flux_lora, sd3_lora)
 
 
 def add_flags(add, command):
