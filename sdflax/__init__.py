@@ -10,7 +10,7 @@ import importlib
 
 MODULES = {  # public name -> the module that defines it (a module itself where the name is the module's)
     **dict.fromkeys(("AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-                     "ControlNetModel", "SD3Transformer2DModel", "T2IAdapter", "T5EncoderModel",
+                     "ControlNetModel", "SD3Transformer2DModel", "SiglipVisionModel", "T2IAdapter", "T5EncoderModel",
                      "UNet2DConditionModel"), ".models"),
     **dict.fromkeys(("replicate", "shard", "unshard"), ".parallel"),
     "enable_compile_cache": ".cache",
@@ -53,6 +53,7 @@ __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLI
            "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
-           "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
+           "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "SiglipVisionModel",
+           "T2IAdapter",
            "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "from_pretrained",
            "generate", "hooks", "make_image_grid", "metrics", "random_draws", "replicate", "shard", "unshard"]
