@@ -20,6 +20,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
     **dict.fromkeys(("StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint"), ".families.sd3"),
     **dict.fromkeys(("Flux", "FluxFill", "FluxImg2Img", "FluxInpaint", "FluxKontext"), ".families.flux"),
     "FluxTransformer2DModel": ".models.flux",
+    "FluxPriorRedux": ".pipeline.redux",
     **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
                      "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint",
                      "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint"), ".families.sdxl"),
@@ -48,7 +49,7 @@ def __dir__():
 
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-           "ControlNetModel", "Inputs", "Pipeline", "SD3Transformer2DModel", "Settings", "StableDiffusion",
+           "ControlNetModel", "FluxPriorRedux", "Inputs", "Pipeline", "SD3Transformer2DModel", "Settings", "StableDiffusion",
            "StableDiffusion3", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter",
            "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
