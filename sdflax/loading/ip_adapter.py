@@ -56,9 +56,13 @@ class IPAdapterWeights(NamedTuple):
     input_width: int  # the width of what the projection takes (the image embedding's, or the hidden states')
 
 
-def read_ip_adapters(source, subfolder, weight_name, image_encoder_folder, revision, dtype):
+def read_ip_adapters(source, subfolder, weight_name, image_encoder_folder, revision, dtype, reader=None,
+                     encoder_source=None):
     """The adapters of diffusers' `load_ip_adapter` arguments, found as it finds them: ([(file name,
-    IPAdapterWeights)], the CLIP image encoder, its params), the encoder (None, None) without `image_encoder_folder`."""
+    IPAdapterWeights)], the CLIP image encoder, its params), the encoder (None, None) without `image_encoder_folder`.
+    `reader`: what reads each file (h94's `read_ip_adapter`, XLabs' `read_flux_ip_adapter`); `encoder_source`: the
+    encoder's own folder or hub id, in place of `image_encoder_folder` (Flux's
+    `image_encoder_pretrained_model_name_or_path`)."""
     from ..models import CLIPVisionModelWithProjection
     from .hub import resolve_folder
 
@@ -68,7 +72,8 @@ def read_ip_adapters(source, subfolder, weight_name, image_encoder_folder, revis
                          "or a list of them")
     subfolder = subfolder or ""
     # diffusers' rule: a bare name is a folder under `subfolder`, a path (with "/") one of the repository's own
-    encoder = None if image_encoder_folder is None else str(image_encoder_folder) if "/" in str(
+    encoder = None if image_encoder_folder is None or encoder_source is not None else str(
+        image_encoder_folder) if "/" in str(
         image_encoder_folder) else f"{subfolder}/{image_encoder_folder}".strip("/")
     patterns = [f"{subfolder}/{n}".lstrip("/") for n in names]
     weights = [f"{encoder}/config.json", f"{encoder}/*.safetensors"] if encoder else []
@@ -77,7 +82,9 @@ def read_ip_adapters(source, subfolder, weight_name, image_encoder_folder, revis
     if encoder and not any(n.endswith(".safetensors") for n in
                            (os.listdir(encoder_folder) if os.path.isdir(encoder_folder) else ())):
         folder = resolve_folder(source, revision, allow_patterns=patterns + weights + [f"{encoder}/*.bin"])
-    adapters = [(name, read_ip_adapter(os.path.join(folder, subfolder, name))) for name in names]
+    adapters = [(name, (reader or read_ip_adapter)(os.path.join(folder, subfolder, name))) for name in names]
+    if encoder_source is not None:
+        return (adapters, *CLIPVisionModelWithProjection.from_pretrained(encoder_source, dtype=dtype))
     if encoder is None:
         return adapters, None, None
     return (adapters, *CLIPVisionModelWithProjection.from_pretrained(folder, subfolder=encoder, dtype=dtype))
@@ -203,3 +210,78 @@ def _ip_kernels(name, ip_adapter, width):
         raise IPAdapterFileError(f"{name!r}: ip_adapter holds {keys}; expected the layers 1, 3, 5, ... "
                                  "each with to_k_ip and to_v_ip")
     return [found[2 * i + 1, "k"] for i in range(count)], [found[2 * i + 1, "v"] for i in range(count)]
+
+
+# ---- XLabs' Flux.1 IP-Adapter ------------------------------------------------------------------------------------
+
+# XLabs' names -> diffusers' sections (`FluxIPAdapterMixin.load_ip_adapter`: either prefix, the first part dropped)
+FLUX_SECTIONS = {"image_proj": ("ip_adapter_proj_model.", "image_proj."),
+                 "ip_adapter": ("double_blocks.", "ip_adapter.")}
+XLABS_RENAMES = (("ip_adapter_double_stream_k_proj", "to_k_ip"), ("ip_adapter_double_stream_v_proj", "to_v_ip"),
+                 ("processor.", ""))
+FLUX_KERNEL_NAME = re.compile(r"(\d+)\.to_([kv])_ip\.(weight|bias)")
+FLUX_WIDE_ROWS = 65536  # an image_proj this many rows wide makes 16 tokens (diffusers' rule), others 4
+
+
+class FluxIPAdapterWeights(NamedTuple):
+    projection: nn.Module  # ImageProjection of the CLIP image embedding
+    projection_params: dict
+    to_k_ip: np.ndarray  # (double blocks, joint_attention_dim, inner) kernels, with their (blocks, inner) biases
+    to_k_ip_bias: np.ndarray
+    to_v_ip: np.ndarray
+    to_v_ip_bias: np.ndarray
+    input_width: int  # the CLIP image embedding's width
+    wants_hidden_states: bool = False
+
+
+def read_flux_ip_adapter(path, dtype=jnp.float32) -> FluxIPAdapterWeights:
+    """The Flux.1 IP-Adapter in an XLabs file (ip_adapter_proj_model.*, double_blocks.N.processor.*; or diffusers'
+    image_proj.* and ip_adapter.N.*), its params in `dtype`."""
+    name = os.fspath(path)
+    if Path(name).suffix.lower() != ".safetensors":
+        image_proj, ip_adapter = _read_sections(name)
+    else:
+        image_proj, ip_adapter = {}, {}
+        for key, value in read_safetensors(name).items():
+            section = next((s for s, prefixes in FLUX_SECTIONS.items() if key.startswith(prefixes)), None)
+            rest = key.split(".", 1)[-1]
+            if section == "image_proj":
+                image_proj[rest] = value
+            elif section == "ip_adapter":
+                ip_adapter[_replace_all(rest, XLABS_RENAMES)] = value
+        if not image_proj or not ip_adapter:
+            raise IPAdapterFileError(f"{name!r} is not a Flux IP-Adapter: expected ip_adapter_proj_model.* and "
+                                     "double_blocks.N.processor.* tensors (XLabs' layout)")
+    rows, embed = _shape(name, image_proj, "proj.weight", 2)
+    tokens = 16 if rows == FLUX_WIDE_ROWS else BASE_TOKENS
+    projection = ImageProjection(embed, rows // tokens, tokens, dtype)
+    with shapes_only():
+        variables = jax.eval_shape(lambda: projection.init(jax.random.key(0), jnp.zeros((1, embed))))
+    state_dict = {k.replace("proj", "image_embeds"): v for k, v in image_proj.items()}
+    params = convert_state_dict(state_dict, variables["params"], dtype, where=f"IP-Adapter file {name!r}")
+    found = {}
+    for key, value in ip_adapter.items():
+        match = FLUX_KERNEL_NAME.fullmatch(key)
+        if not match:
+            raise IPAdapterFileError(f"{name!r}: {key:.100} is not a to_k_ip / to_v_ip weight or bias; expected "
+                                     "double_blocks.<N>.processor.ip_adapter_double_stream_{k,v}_proj.{weight,bias}")
+        found[int(match[1]), match[2], match[3]] = np.asarray(value)
+    layers = len({i for i, _, _ in found})
+    if set(found) != {(i, kv, leaf) for i in range(layers) for kv in "kv" for leaf in ("weight", "bias")}:
+        raise IPAdapterFileError(f"{name!r}: its double blocks' to_k_ip / to_v_ip weights and biases are not "
+                                 f"numbered 0 .. {layers - 1}, each with all four")
+    if bad := [f"{i}.to_{kv}_ip.{leaf}" for (i, kv, leaf), v in found.items() if non_finite(v)]:
+        raise IPAdapterFileError(f"{name!r} holds NaN or inf in {short_list(bad, 6)}: a damaged or diverged file, "
+                                 "which would draw black images; use another copy")
+    stacked = {f"{kv}{leaf}": np.stack([found[i, kv, leaf] for i in range(layers)]) for kv in "kv"
+               for leaf in ("weight", "bias")}
+    width = rows // tokens
+    for kv in "kv":
+        weight, bias = stacked[f"{kv}weight"], stacked[f"{kv}bias"]
+        if weight.shape[2] != width or bias.shape[1] != weight.shape[1]:
+            raise IPAdapterFileError(f"{name!r}: to_{kv}_ip is {stacked[f'{kv}weight'].shape[1:]} (out, in); its "
+                                     f"image tokens are {width} wide")
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return FluxIPAdapterWeights(projection, params, cast(stacked["kweight"].transpose(0, 2, 1)),
+                                cast(stacked["kbias"]), cast(stacked["vweight"].transpose(0, 2, 1)),
+                                cast(stacked["vbias"]), embed)

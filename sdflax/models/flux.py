@@ -62,7 +62,8 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
     pooled CLIP embedding (B, pooled_projection_dim), timesteps (B,) or () as t / 1000 in [0, 1], position ids of
     the image's tokens (L, 3) and the text's (T, 3) (with a batch axis, its first entry: diffusers' deprecated
     form), and the guidance scale (B,) or () of a guidance-distilled model (None otherwise) -> (B, L, out_channels),
-    as diffusers' `FluxTransformer2DModel.forward`.
+    as diffusers' `FluxTransformer2DModel.forward`. `image_prompts`: an IP-Adapter's keys and values for each
+    double-stream block (`JointAttention.image_prompt_attention`), or None.
 
     Attention layers are `mmdit_blocks.JointAttention`s, whose `attend` the hooks intercept by checkpoint name
     (`transformer_blocks.0.attn`, `single_transformer_blocks.0.attn`) over the joint sequence [image; text].
@@ -81,7 +82,7 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
 
     @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                 guidance=None):
+                 guidance=None, image_prompts=None):
         cfg, dtype = self.config, self.dtype
         img_ids, txt_ids = (ids[0] if ids.ndim == 3 else ids for ids in (jnp.asarray(img_ids), jnp.asarray(txt_ids)))
         self.check_inputs(hidden_states, encoder_hidden_states, img_ids, txt_ids, guidance)
@@ -96,7 +97,8 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
         heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
         for i in range(cfg.num_layers):
             context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=dtype, kernels=self.kernels,
-                                               name=f"transformer_blocks_{i}")(x, context, temb, rope)
+                                               name=f"transformer_blocks_{i}")(
+                x, context, temb, rope, None if image_prompts is None else image_prompts[i])
             context = clip_float16(context)
         for i in range(cfg.num_single_layers):
             context, x = FluxSingleTransformerBlock(heads, head_dim, dtype, kernels=self.kernels,

@@ -45,7 +45,7 @@ class JointAttention(Attention):
     context_pre_only: bool = False
 
     @nn.compact
-    def __call__(self, x, context=None, rope=None):  # x: (B, N, D); context: (B, T, D) or None
+    def __call__(self, x, context=None, rope=None, image_prompt=None):  # x: (B, N, D); context: (B, T, D) or None
         inner = self.heads * self.head_dim
         dense = lambda name, features=inner: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
         split = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
@@ -54,6 +54,7 @@ class JointAttention(Attention):
             return RMSNorm(EPS, self.dtype, name=name)(t) if self.qk_norm else t
 
         q = normed("norm_q", self.queries(split(dense("to_q")(x))))
+        prompted = None if image_prompt is None else self.image_prompt_attention(q, image_prompt)
         k = normed("norm_k", split(dense("to_k")(x)))
         v = split(dense("to_v")(x))
         if context is not None:
@@ -68,7 +69,22 @@ class JointAttention(Attention):
         image = dense("to_out_0", x.shape[-1])(out[:, :n])
         if context is None:
             return image
-        return image, None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
+        context_out = None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
+        return (image, context_out) if prompted is None else (image, context_out, prompted)
+
+    def image_prompt_attention(self, q, image_prompt):
+        """Flux's IP-Adapter (diffusers' FluxIPAdapterAttnProcessor): the image tokens' normed queries, before
+        their rotary positions, attend to each adapter's image-prompt keys and values, times its scale; summed:
+        (B, N, heads * head_dim), which the block adds after its feed-forward. `image_prompt`: per adapter
+        (keys, values, scale), keys and values a tuple of (rows, T, heads, head_dim) arrays, one per chunk of the
+        batch's rows (the negative image's, then the image's, under true CFG)."""
+        out = 0
+        for keys, values, scale in image_prompt:
+            chunks = zip(jnp.split(q, len(keys)), keys, values)
+            attended = [dot_product_attention(part, k.astype(q.dtype), v.astype(q.dtype), upcast=self.upcast,
+                                              kernels=self.kernels) for part, k, v in chunks]
+            out = out + scale.astype(q.dtype) * jnp.concatenate(attended)
+        return out.reshape(*q.shape[:2], -1)
 
     def attend(self, q, k, v, image_tokens=None):
         """The attention of the joint sequence; `image_tokens` tells the hooks where the text's tokens begin."""
@@ -107,7 +123,7 @@ class JointTransformerBlock(nn.Module):
     kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
-    def __call__(self, x, context, temb, rope=None):
+    def __call__(self, x, context, temb, rope=None, image_prompt=None):
         dim = x.shape[-1]
         emb = nn.silu(temb)
 
@@ -129,13 +145,15 @@ class JointTransformerBlock(nn.Module):
                 "norm1_context_linear", 6)
             context_in = modulate(layer_norm(context, self.dtype), c_shift_msa, c_scale_msa)
 
-        image_out, context_out = attention("attn", self.context_pre_only)(modulate(normed, shift_msa, scale_msa),
-                                                                          context_in, rope)
+        image_out, context_out, *prompted = attention("attn", self.context_pre_only)(
+            modulate(normed, shift_msa, scale_msa), context_in, rope, image_prompt)
         x = x + gate_msa[:, None] * image_out
         if self.dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = dual
             x = x + gate_msa2[:, None] * attention("attn2")(modulate(normed, shift_msa2, scale_msa2))
         x = x + gate_mlp[:, None] * self.feed_forward("ff", modulate(layer_norm(x, self.dtype), shift_mlp, scale_mlp))
+        if prompted:  # Flux's IP-Adapter: after the feed-forward, ungated (diffusers' FluxTransformerBlock)
+            x = x + prompted[0].astype(x.dtype)
         if self.context_pre_only:
             return None, x
 
