@@ -226,7 +226,6 @@ def test_defaults_are_the_flux_pipelines(files, model, command, expected, monkey
     (["--controlnet", "net", "--control-image", "in.png"], "--controlnet is not supported with Flux.1 checkpoints yet "
      "(flux is one): drop --controlnet"),
     (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with Flux.1"),
-    (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with Flux.1"),
     (["--embedding", "token.pt"], "--embedding is not supported with Flux.1 checkpoints yet"),
     (["--refiner", "flux"], "--refiner is not supported with Flux.1 checkpoints yet"),
     (["--vae", "flux/vae"], "--vae is not supported with Flux.1 checkpoints yet"),
