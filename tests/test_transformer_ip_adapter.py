@@ -169,3 +169,99 @@ def test_the_command_line_equals_the_library(adapted, capsys):
                                      width=32, ip_adapter_image=pixels, ip_adapter_scale=[0.7])
     close_to(tmp / "cli.png", expected[0])
     assert f"IP-Adapter: {adapter} (0.7)" in Image.open(tmp / "cli.png").text["parameters"]
+
+
+# ---- SD 3.5 Large's IP-Adapter (InstantX) -------------------------------------------------------------------------
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+              patch_size=7)
+# diffusers' resampler -> InstantX's names (its to_kv fused, as both write it)
+INSTANTX = (("ln0", "0.norm1"), ("ln1", "0.norm2"), ("attn.to_q", "0.to_q"), ("attn.to_kv", "0.to_kv"),
+            ("attn.to_out.0", "0.to_out"), ("adaln_norm", "1.0"), ("ff.net.0.proj", "1.1"), ("ff.net.2", "1.3"),
+            ("adaln_proj", "2.1"))
+
+
+def instantx_file(path, blocks, inner, head_dim, seed=0):
+    """An SD 3.5 IP-Adapter in InstantX's layout: a time-modulated resampler of SigLIP's 32-wide states to
+    8 tokens of the transformer's width (4 layers: diffusers reads no depth), and each block's norm_ip, to_k_ip, to_v_ip and RMSNorm scales."""
+    from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2_0
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection
+
+    torch.manual_seed(seed)
+    resampler = IPAdapterTimeImageProjection(embed_dim=SIGLIP["hidden_size"], output_dim=inner, hidden_dim=32,
+                                             depth=4, heads=1, num_queries=8, timestep_in_dim=16)
+    tensors = {}
+    for key, value in randomize_norms(resampler, seed).state_dict().items():
+        for theirs, instantx in INSTANTX:
+            key = key.replace(f".{theirs}.", f".{instantx}.")
+        tensors[f"image_proj.{key}"] = value.contiguous()
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(blocks):
+        block = SD3IPAdapterJointAttnProcessor2_0(inner, inner, head_dim, timesteps_emb_dim=32)
+        for name, value in block.state_dict().items():
+            noise = torch.randn(value.shape, generator=g)
+            tensors[f"ip_adapter.{i}.{name}"] = 1 + 0.2 * noise if name.startswith("norm_") and "ip.linear" not in \
+                name else value + 0.1 * noise
+    save_file(tensors, path)
+
+
+@pytest.fixture(scope="module")
+def sd3_adapted(tmp_path_factory):
+    """(diffusers' SD 3.5 Large-shaped pipeline with the adapter, ours with it): no second attentions."""
+    from diffusers import StableDiffusion3Pipeline
+    from test_mmdit import torch_transformer
+    from test_sd3_pipeline import TRANSFORMER as SD3_TRANSFORMER
+    from test_sd3_pipeline import torch_sd3_pipeline
+    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+
+    from sdflax import StableDiffusion3
+
+    tmp = tmp_path_factory.mktemp("sd3_ip")
+    config = {**SD3_TRANSFORMER, "dual_attention_layers": ()}
+    torch.manual_seed(0)
+    encoder = randomize_norms(SiglipVisionModel(SiglipVisionConfig(**SIGLIP)), seed=5).eval()
+    encoder.save_pretrained(tmp / "adapter" / "image_encoder")
+    side = SIGLIP["image_size"]
+    theirs = StableDiffusion3Pipeline(**{**torch_sd3_pipeline(tmp).components,
+                                         "transformer": torch_transformer(config, seed=2), "image_encoder": encoder,
+                                         "feature_extractor": SiglipImageProcessorPil(size={"height": side,
+                                                                                            "width": side})})
+    theirs.save_pretrained(tmp / "sd3", safe_serialization=True)
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    instantx_file(tmp / "adapter" / "ip-adapter.safetensors", config["num_layers"], inner,
+                  config["attention_head_dim"])
+    theirs.load_ip_adapter(str(tmp / "adapter"), weight_name="ip-adapter.safetensors", image_encoder_folder=None,
+                           low_cpu_mem_usage=False)
+    pipe, params = StableDiffusion3.from_pretrained(tmp / "sd3")
+    return (theirs, *pipe.load_ip_adapter(params, tmp / "adapter", weight_name="ip-adapter.safetensors"))
+
+
+def test_sd35_image_prompt_matches_diffusers_at_two_scales_without_recompiling(sd3_adapted):
+    """Classifier-free guidance 7: the unconditional rows see zero states' tokens; the resampler runs at every
+    step's timestep; scale 0.6 then 1.2, one program."""
+    from test_sd3_pipeline import PROMPTS as SD3_PROMPTS
+    from test_sd3_pipeline import SIZE as SD3_SIZE
+    from test_sd3_pipeline import check_images as check_sd3_images
+    from test_sd3_pipeline import latents_for as sd3_latents
+
+    theirs, pipe, params = sd3_adapted
+    image = pictures()[0]
+
+    def theirs_image(scale):
+        theirs.set_ip_adapter_scale(scale)
+        with torch.no_grad():
+            return theirs(SD3_PROMPTS, num_inference_steps=3, height=SD3_SIZE, width=SD3_SIZE,
+                          max_sequence_length=T5_LENGTH, latents=torch.from_numpy(sd3_latents()), guidance_scale=7.0,
+                          ip_adapter_image=image, output_type="np").images
+
+    def ours_image(scale):
+        ids = pipe.prepare_inputs(SD3_PROMPTS, max_sequence_length=T5_LENGTH)
+        return pipe(ids, params, jax.random.PRNGKey(0), num_inference_steps=3, height=SD3_SIZE, width=SD3_SIZE,
+                    latents=sd3_latents(), guidance_scale=7.0, ip_adapter_image=pipe.prepare_ip_adapter_image(image),
+                    ip_adapter_scale=scale).images
+
+    expected, stronger = theirs_image(0.6), theirs_image(1.2)
+    assert moves(expected, stronger)
+    check_sd3_images(ours_image(0.6), expected)
+    compiles = pipe._jitted._cache_size()
+    check_sd3_images(ours_image(1.2), stronger)
+    assert pipe._jitted._cache_size() == compiles

@@ -103,7 +103,8 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
     """The velocity prediction from latents (B, C, H, W), text states (B, T, joint_attention_dim), the pooled text
     embedding (B, pooled_projection_dim) and timesteps (B,) or () -> (B, out_channels, H, W).
 
-    `skip_layers` (static, block indices) skips whole blocks, as diffusers' `skip_layers` (skip-layer guidance).
+    `skip_layers` (static, block indices) skips whole blocks, as diffusers' `skip_layers` (skip-layer guidance);
+    `image_prompts`: SD 3.5's IP-Adapter, a `mmdit_blocks.JointImagePrompt` per block, or None.
     Attention layers are `mmdit_blocks.JointAttention`, whose `attend` the hooks intercept by checkpoint name
     (`transformer_blocks.0.attn`, `transformer_blocks.0.attn2`).
     """
@@ -119,7 +120,8 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
                 jnp.zeros((1, 1, cfg.joint_attention_dim)), jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)))
 
     @nn.compact
-    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=()):
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=(),
+                 image_prompts=None):
         cfg, dtype, p = self.config, self.dtype, self.config.patch_size
         b, _, height, width = hidden_states.shape
         if height % p or width % p:
@@ -142,7 +144,8 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
             context, x = JointTransformerBlock(
                 cfg.num_attention_heads, cfg.attention_head_dim, context_pre_only=i == cfg.num_layers - 1,
                 qk_norm=cfg.qk_norm, dual_attention=i in cfg.dual_attention_layers, dtype=dtype, kernels=self.kernels,
-                name=f"transformer_blocks_{i}")(x, context, temb)
+                name=f"transformer_blocks_{i}")(x, context, temb, None,
+                                                 None if image_prompts is None else image_prompts[i])
 
         # norm_out: AdaLayerNormContinuous, scale then shift
         scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)

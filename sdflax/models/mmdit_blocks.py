@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,10 +26,27 @@ class RMSNorm(ReadsParams, nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.epsilon)
-        return (x * scale.astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],)), self.epsilon, self.dtype)
+
+
+def rms_norm(x, scale, epsilon=EPS, dtype=None):
+    """x / RMS(x) * scale over the last axis, in float32."""
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.square(y).mean(-1, keepdims=True) + epsilon)
+    return (y * scale.astype(jnp.float32)).astype(dtype or x.dtype)
+
+
+@flax.struct.dataclass
+class JointImagePrompt:
+    """SD 3.5 Large's IP-Adapter in one block (diffusers' SD3IPAdapterJointAttnProcessor2_0): the processor's own
+    RMSNorm scales of the image tokens' queries and keys (head_dim,), the image prompt's keys (normed) and values
+    (B, T, heads, head_dim), and the scale."""
+
+    norm_q: jax.Array
+    norm_k: jax.Array
+    keys: jax.Array
+    values: jax.Array
+    scale: jax.Array
 
 
 class JointAttention(Attention):
@@ -53,10 +71,11 @@ class JointAttention(Attention):
         def normed(name, t):
             return RMSNorm(EPS, self.dtype, name=name)(t) if self.qk_norm else t
 
-        q = normed("norm_q", self.queries(split(dense("to_q")(x))))
-        prompted = None if image_prompt is None else self.image_prompt_attention(q, image_prompt)
-        k = normed("norm_k", split(dense("to_k")(x)))
-        v = split(dense("to_v")(x))
+        q_image, k_image = self.queries(split(dense("to_q")(x))), split(dense("to_k")(x))
+        v_image = v = split(dense("to_v")(x))
+        q, k = normed("norm_q", q_image), normed("norm_k", k_image)
+        joint_prompt = image_prompt if isinstance(image_prompt, JointImagePrompt) else None
+        prompted = None if image_prompt is None or joint_prompt else self.image_prompt_attention(q, image_prompt)
         if context is not None:
             q = jnp.concatenate([q, normed("norm_added_q", split(dense("add_q_proj")(context)))], axis=1)
             k = jnp.concatenate([k, normed("norm_added_k", split(dense("add_k_proj")(context)))], axis=1)
@@ -66,11 +85,24 @@ class JointAttention(Attention):
         n = x.shape[1]
         out = self.attend(q, k, v, image_tokens=n)
         out = out.reshape(*out.shape[:2], inner)
-        image = dense("to_out_0", x.shape[-1])(out[:, :n])
+        image = out[:, :n]
+        if joint_prompt is not None:  # SD 3.5's IP-Adapter: before to_out
+            image = image + joint_prompt.scale.astype(image.dtype) * self.joint_prompt_attention(
+                q_image, k_image, v_image, joint_prompt)
+        image = dense("to_out_0", x.shape[-1])(image)
         if context is None:
             return image
         context_out = None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
         return (image, context_out) if prompted is None else (image, context_out, prompted)
+
+    def joint_prompt_attention(self, q, k, v, prompt: JointImagePrompt):
+        """SD 3.5's IP-Adapter: the image tokens' queries (normed by the processor's own norm_q) attend to their
+        keys (its norm_k) and the image prompt's, and to their values and the prompt's: (B, N, heads * head_dim)."""
+        q, k = rms_norm(q, prompt.norm_q), rms_norm(k, prompt.norm_k)
+        keys, values = (jnp.concatenate([a, b.astype(a.dtype)], axis=1) for a, b in ((k, prompt.keys),
+                                                                                   (v, prompt.values)))
+        out = dot_product_attention(q, keys, values, upcast=self.upcast, kernels=self.kernels)
+        return out.reshape(*q.shape[:2], -1)
 
     def image_prompt_attention(self, q, image_prompt):
         """Flux's IP-Adapter (diffusers' FluxIPAdapterAttnProcessor): the image tokens' normed queries, before

@@ -22,6 +22,7 @@ import numpy as np
 from ..hooks.core import Hook, intercept
 from ..loading.lora import kernel_index
 from ..models.layers import dot_product_attention
+from .clip_image import clip_image_inputs
 from .types import batched
 
 
@@ -54,6 +55,11 @@ class IPAdapter:
 
     params_name = "ip_adapter"
     picture = None
+
+    def prepare_image(self, images):
+        """Pictures -> the image encoder's pixels (CLIP's)."""
+        side = self.image_encoder.config.image_size
+        return clip_image_inputs(images, size=side, crop_size=side)
 
     def call_inputs(self, args: dict, settings, batch, leading_dims) -> IPAdapterInputs:
         given = call_inputs(self, args, batch, leading_dims, settings.classifier_free_guidance,
