@@ -232,7 +232,7 @@ def sd3_adapted(tmp_path_factory):
     theirs.load_ip_adapter(str(tmp / "adapter"), weight_name="ip-adapter.safetensors", image_encoder_folder=None,
                            low_cpu_mem_usage=False)
     pipe, params = StableDiffusion3.from_pretrained(tmp / "sd3")
-    return (theirs, *pipe.load_ip_adapter(params, tmp / "adapter", weight_name="ip-adapter.safetensors"))
+    return (theirs, *pipe.load_ip_adapter(params, tmp / "adapter", weight_name="ip-adapter.safetensors"), tmp)
 
 
 def test_sd35_image_prompt_matches_diffusers_at_two_scales_without_recompiling(sd3_adapted):
@@ -243,7 +243,7 @@ def test_sd35_image_prompt_matches_diffusers_at_two_scales_without_recompiling(s
     from test_sd3_pipeline import check_images as check_sd3_images
     from test_sd3_pipeline import latents_for as sd3_latents
 
-    theirs, pipe, params = sd3_adapted
+    theirs, pipe, params, _ = sd3_adapted
     image = pictures()[0]
 
     def theirs_image(scale):
@@ -265,3 +265,27 @@ def test_sd35_image_prompt_matches_diffusers_at_two_scales_without_recompiling(s
     compiles = pipe._jitted._cache_size()
     check_sd3_images(ours_image(1.2), stronger)
     assert pipe._jitted._cache_size() == compiles
+
+
+def test_sd35_on_the_command_line_equals_the_library(sd3_adapted, capsys, tmp_path):
+    """sdflax generate --ip-adapter FILE:SCALE --ip-image PNG on an SD 3.5 folder (SigLIP in image_encoder/ beside
+    the file), classifier-free guidance with the empty negative prompt: the library's image."""
+    from test_cli import close_to, rows
+    from test_cli_controlnet import as_the_cli
+
+    from sdflax.cli import main
+
+    _, pipe, params, tmp = sd3_adapted
+    pictures()[1].save(tmp_path / "prompt.png")
+    adapter = tmp / "adapter" / "ip-adapter.safetensors"
+    flags = ["--height", "32", "--width", "32", "--steps", "2", "--seed", "7", "--max-sequence-length",
+             str(T5_LENGTH), "--no-progress", "--num-images", "1"]
+    assert main(["generate", "a red cat", "--model", str(tmp / "sd3"), *flags, "--ip-adapter",
+                 f"{adapter}:0.7", "--ip-image", str(tmp_path / "prompt.png"), "--out",
+                 str(tmp_path / "cli.png")]) == 0, capsys.readouterr().err
+    keys = as_the_cli(7)
+    ids, neg = (rows([pipe.prepare_inputs([p], max_sequence_length=T5_LENGTH)], keys)[0] for p in ("a red cat", ""))
+    pixels = rows([pipe.prepare_ip_adapter_image(Image.open(tmp_path / "prompt.png"))], keys)
+    expected = pipe.generate_sharded(ids, params, keys, num_inference_steps=2, neg_prompt_ids=neg, height=32,
+                                     width=32, ip_adapter_image=pixels, ip_adapter_scale=[0.7])
+    close_to(tmp_path / "cli.png", expected[0])
