@@ -12,14 +12,15 @@ import torch
 from builders import randomize_norms
 from PIL import Image
 from safetensors.torch import save_file
-from test_flux_pipeline import (JOINT, NEGATIVE, PROMPTS, SIZE, STEPS, T5_LENGTH, TRANSFORMER, check_images,
-                                latents_for, moves, packed, torch_flux_pipeline)
+from test_flux_pipeline import (JOINT, NEGATIVE, PROMPTS, SIZE, T5_LENGTH, TRANSFORMER, check_images, latents_for,
+                                moves, packed, torch_flux_pipeline)
 
 from sdflax import Flux
 
 ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                patch_size=14, projection_dim=24, hidden_act="quick_gelu")
 INNER = TRANSFORMER["num_attention_heads"] * TRANSFORMER["attention_head_dim"]
+STEPS = 2
 
 
 def xlabs_file(path, seed=0):

@@ -32,6 +32,8 @@ SD3_ARGUMENTS = "ip_adapter_image ip_adapter_image_embeds ip_adapter_scale"
 
 @dataclasses.dataclass(frozen=True)
 class FluxIPAdapter(IPAdapter):
+    """Flux.1's IP-Adapter piece: the module's docstring says what it computes."""
+
     heads: int = 1  # the transformer's attention heads and their width
     head_dim: int = 1
 
