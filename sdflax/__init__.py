@@ -10,7 +10,7 @@ import importlib
 
 MODULES = {  # public name -> the module that defines it (a module itself where the name is the module's)
     **dict.fromkeys(("AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-                     "ControlNetModel", "SD3Transformer2DModel", "T2IAdapter", "T5EncoderModel",
+                     "ControlNetModel", "SD3Transformer2DModel", "SiglipVisionModel", "T2IAdapter", "T5EncoderModel",
                      "UNet2DConditionModel"), ".models"),
     **dict.fromkeys(("replicate", "shard", "unshard"), ".parallel"),
     "enable_compile_cache": ".cache",
@@ -24,6 +24,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
                      "FluxControlNetImg2Img", "FluxControlNetInpaint", "FluxControl"), ".families.flux"),
     "FluxTransformer2DModel": ".models.flux",
     "FluxControlNetModel": ".models.flux_controlnet",
+    "FluxPriorRedux": ".pipeline.redux",
     **dict.fromkeys(("StableDiffusionXL", "StableDiffusionXLAdapter", "StableDiffusionXLControlNet",
                      "StableDiffusionXLControlNetImg2Img", "StableDiffusionXLControlNetInpaint",
                      "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint"), ".families.sdxl"),
@@ -52,12 +53,14 @@ def __dir__():
 
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
-           "ControlNetModel", "Inputs", "Pipeline", "SD3ControlNetModel", "SD3Transformer2DModel", "Settings", "StableDiffusion",
-           "StableDiffusion3", "StableDiffusion3ControlNet", "StableDiffusion3ControlNetInpaint",
-           "StableDiffusion3Img2Img", "StableDiffusion3Inpaint", "StableDiffusionAdapter",
+           "ControlNetModel", "FluxPriorRedux", "Inputs", "Pipeline", "SD3ControlNetModel", "SD3Transformer2DModel",
+           "Settings", "StableDiffusion", "StableDiffusion3", "StableDiffusion3ControlNet",
+           "StableDiffusion3ControlNetInpaint", "StableDiffusion3Img2Img", "StableDiffusion3Inpaint",
+           "StableDiffusionAdapter",
            "StableDiffusionControlNet", "StableDiffusionControlNetImg2Img", "StableDiffusionControlNetInpaint",
            "StableDiffusionImg2Img", "StableDiffusionInpaint", "StableDiffusionOutput", "StableDiffusionXL",
            "StableDiffusionXLAdapter", "StableDiffusionXLControlNet", "StableDiffusionXLControlNetImg2Img",
-           "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "T2IAdapter",
+           "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "SiglipVisionModel",
+           "T2IAdapter",
            "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "from_pretrained",
            "generate", "hooks", "make_image_grid", "metrics", "random_draws", "replicate", "shard", "unshard"]

@@ -225,7 +225,6 @@ def test_defaults_are_the_flux_pipelines(files, model, command, expected, monkey
      "true_cfg_scale (without one it does nothing): add --negative-prompt TEXT, or drop --true-cfg"),
     (["--controlnet", "net", "--control-image", "in.png"], "--controlnet net: net is not in the Hugging Face cache"),
     (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with Flux.1"),
-    (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with Flux.1"),
     (["--embedding", "token.pt"], "--embedding is not supported with Flux.1 checkpoints yet"),
     (["--refiner", "flux"], "--refiner is not supported with Flux.1 checkpoints yet"),
     (["--vae", "flux/vae"], "--vae is not supported with Flux.1 checkpoints yet"),

@@ -232,7 +232,6 @@ def test_sd3_flags_are_refused_for_other_models(args, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, expected", [
     (["--t2i-adapter", "adapter", "--adapter-image", "in.png"], "--t2i-adapter is not supported with SD 3.x"),
-    (["--ip-adapter", "ip/ip.safetensors", "--ip-image", "in.png"], "--ip-adapter is not supported with SD 3.x"),
     (["--lora", "missing.safetensors"], "--lora missing.safetensors: no such file"),  # SD 3 takes LoRAs
     (["--embedding", "token.pt"], "--embedding is not supported with SD 3.x checkpoints yet"),
     (["--refiner", "sd3"], "--refiner is not supported with SD 3.x checkpoints yet"),

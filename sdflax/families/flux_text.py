@@ -27,7 +27,10 @@ from ..loading.tokenizers import T5Tokenizer
 from ..models import AutoencoderKL, CLIPTextModel, T5EncoderModel
 from ..models.flux import FluxTransformer2DModel
 from ..pipeline.denoisers import Denoiser
+from ..loading.ip_adapter import read_flux_ip_adapter
 from ..pipeline.text import check_pooled_with_states, frozen_ids, tokenize
+from ..pipeline.transformer_ip_adapter import ARGUMENTS as IP_ADAPTER_ARGUMENTS
+from ..pipeline.transformer_ip_adapter import load_flux_ip_adapter
 from ..pipeline.types import Cond
 
 MAX_SEQUENCE_LENGTH = 512  # T5's longest, diffusers' default for Flux
@@ -64,8 +67,9 @@ def text_ids(tokens: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class FluxDenoiser(Denoiser):
     """Flux's transformer behind the (B, C, h, w) calling convention: `extra` carries `pooled_projections`, the
-    distilled `guidance` (B,), for Kontext the reference image's latents (`reference`, (B, C, h', w')) and
-    ControlNet residuals (`flux_control.FluxControlNets`: the transformer's controlnet_* inputs)."""
+    distilled `guidance` (B,), for Kontext the reference image's latents (`reference`, (B, C, h', w')), with an
+    IP-Adapter its keys and values per double-stream block (`image_prompts`), and ControlNet residuals
+    (`flux_control.FluxControlNets`: the transformer's controlnet_* inputs)."""
 
     model: Any  # models.flux.FluxTransformer2DModel
 
@@ -73,7 +77,8 @@ class FluxDenoiser(Denoiser):
     flow = True
     probe_rank = 2  # its first kernel is a Dense's (x_embedder)
 
-    def __call__(self, params, x, t, context, pooled_projections, guidance=None, reference=None, **controlnet):
+    def __call__(self, params, x, t, context, pooled_projections, guidance=None, reference=None, image_prompts=None,
+                 **controlnet):
         b, _, h, w = x.shape
         tokens, ids = pack(x), image_ids(h, w)
         if reference is not None:  # Kontext: the reference's tokens after the image's, told apart by their ids
@@ -82,7 +87,7 @@ class FluxDenoiser(Denoiser):
         timestep = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (b,)) / 1000  # the model takes σ, diffusers' t / 1000
         guidance = guidance if self.model.config.guidance_embeds else None  # schnell has no guidance input
         out = self.model.apply(params[self.component], tokens, context, pooled_projections, timestep, ids,
-                               text_ids(context.shape[1]), guidance, **controlnet)
+                               text_ids(context.shape[1]), guidance, image_prompts=image_prompts, **controlnet)
         return unpack(out[:, :(h // 2) * (w // 2)], h, w)
 
     @property
@@ -142,6 +147,10 @@ class FluxText:
     index_options = ()
     denoiser = FluxDenoiser
     prompt_arguments = {"prompts_2": None, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+    # XLabs' IP-Adapter (`load_ip_adapter`): its call arguments, its file reader and its piece
+    ip_adapter_arguments = IP_ADAPTER_ARGUMENTS
+    ip_adapter_reader = staticmethod(read_flux_ip_adapter)
+    ip_adapter_piece = staticmethod(load_flux_ip_adapter)
 
     @property
     def t5(self):

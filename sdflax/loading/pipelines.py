@@ -72,18 +72,29 @@ class PipelineLoaders:
         parts, params = load_textual_inversion(self.components(), params, path, token)
         return self.replace(**parts), params
 
-    def load_ip_adapter(self, params, pretrained_model_name_or_path, subfolder="models", weight_name=None,
-                        image_encoder_folder="image_encoder", revision=None):
-        """(pipeline, params) with IP-Adapters (h94's files, as diffusers' `load_ip_adapter`: a hub id or folder,
-        its `subfolder` and `weight_name`, a list of names for several adapters) and their CLIP image encoder
+    def load_ip_adapter(self, params, pretrained_model_name_or_path, subfolder=None, weight_name=None,
+                        image_encoder_folder="image_encoder", revision=None,
+                        image_encoder_pretrained_model_name_or_path=None):
+        """(pipeline, params) with IP-Adapters (h94's files for UNets, XLabs' for Flux.1, InstantX's for SD 3.5
+        Large, as diffusers' `load_ip_adapter`: a hub id or folder, its `subfolder` (None: h94's "models", the repository's top for
+        Flux) and `weight_name`, a list of names for several adapters) and their CLIP image encoder
         (`image_encoder_folder`: a name under `subfolder`, or with a "/" a folder of the repository's own, as
-        diffusers; None: only `ip_adapter_image_embeds` are given). Pure: this pipeline and params are unchanged."""
+        diffusers; `image_encoder_pretrained_model_name_or_path`: a folder or hub id of its own, as diffusers'
+        Flux takes it; None for both: only `ip_adapter_image_embeds` are given). Pure: this pipeline and params are
+        unchanged."""
         from .ip_adapter import read_ip_adapters
 
-        self.unet_only("IP-Adapters")
-        files = read_ip_adapters(pretrained_model_name_or_path, subfolder, weight_name, image_encoder_folder,
-                                 revision, self.dtype)
-        piece, added = self.ip_adapter_piece(self.unet, self.dtype, *files)
+        make = getattr(self.text, "ip_adapter_piece", None)  # a transformer family's own
+        if make is None:
+            self.unet_only("IP-Adapters", ", Flux.1 and SD 3.5 Large")
+            make = self.ip_adapter_piece
+        default_subfolder = "models" if self.denoiser.component == "unet" else ""
+        files = read_ip_adapters(pretrained_model_name_or_path, default_subfolder if subfolder is None else subfolder,
+                                 weight_name, image_encoder_folder, revision, self.dtype,
+                                 getattr(self.text, "ip_adapter_reader", None),
+                                 image_encoder_pretrained_model_name_or_path,
+                                 getattr(self.text, "ip_adapter_encoder", None))
+        piece, added = make(getattr(self, self.denoiser.component), self.dtype, *files)
         view = copy.copy(self)
         view.ip_adapter, view._spec = piece, None
         return view, {**params, **added}

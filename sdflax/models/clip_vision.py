@@ -60,12 +60,13 @@ class CLIPVisionOutput:
 
 
 class PatchEmbedding(ReadsParams, nn.Module):
-    """transformers' patch_embedding, a Conv2d without bias whose stride is its kernel: one matmul over the
-    patches. Pixels (B, C, H, W) -> (B, grid², features), patches in row-major order."""
+    """transformers' patch_embedding, a Conv2d whose stride is its kernel (CLIP's without bias, SigLIP's with):
+    one matmul over the patches. Pixels (B, C, H, W) -> (B, grid², features), patches in row-major order."""
 
     features: int
     patch: int
     dtype: jnp.dtype = jnp.float32
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, pixels):
@@ -75,7 +76,10 @@ class PatchEmbedding(ReadsParams, nn.Module):
         gh, gw = h // p, w // p  # a stride-p convolution leaves out the pixels past the last whole patch
         patches = pixels[:, :, :gh * p, :gw * p].reshape(b, c, gh, p, gw, p).transpose(0, 2, 4, 3, 5, 1)
         patches = patches.reshape(b, gh * gw, p * p * c).astype(self.dtype)  # each patch in the kernel's (kh, kw, I)
-        return patches @ kernel.reshape(p * p * c, self.features).astype(self.dtype)
+        out = patches @ kernel.reshape(p * p * c, self.features).astype(self.dtype)
+        if self.use_bias:
+            out = out + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
+        return out
 
 
 class VisionEmbeddings(ReadsParams, nn.Module):

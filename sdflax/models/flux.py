@@ -68,6 +68,8 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
     as diffusers' `FluxTransformer2DModel.forward`, with its ControlNet residuals: `controlnet_block_samples` and
     `controlnet_single_block_samples`, sequences of (B, L, D) added to the image tokens after the double- and
     single-stream blocks (`FluxControlNetModel`'s output), and `controlnet_blocks_repeat` (static) for XLabs' nets.
+    `image_prompts`: an IP-Adapter's keys and values for each double-stream block
+    (`JointAttention.image_prompt_attention`), or None.
 
     Attention layers are `mmdit_blocks.JointAttention`s, whose `attend` the hooks intercept by checkpoint name
     (`transformer_blocks.0.attn`, `single_transformer_blocks.0.attn`) over the joint sequence [image; text].
@@ -86,15 +88,15 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                  guidance=None, controlnet_block_samples=None, controlnet_single_block_samples=None,
-                 controlnet_blocks_repeat=False):
+                 controlnet_blocks_repeat=False, image_prompts=None):
         return self.run_blocks(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                                guidance, controlnet_block_samples, controlnet_single_block_samples,
-                               controlnet_blocks_repeat)[0]
+                               controlnet_blocks_repeat, image_prompts)[0]
 
     @nn.compact
     def run_blocks(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                    guidance=None, controlnet_block_samples=None, controlnet_single_block_samples=None,
-                   controlnet_blocks_repeat=False, blocks=None, start=None):
+                   controlnet_blocks_repeat=False, image_prompts=None, blocks=None, start=None):
         """`__call__` -> (prediction, (the image's tokens entering the blocks run, the image's and the text's
         tokens they give)); `blocks` (first, stop or None: to the last), static, counting the double-stream blocks
         then the single-stream ones, runs only those, from `start` (image, text tokens) in place of the embedded
@@ -117,7 +119,7 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
         if start is not None:
             x, context = start
         entering = x
-        x, context = self.blocks(x, context, temb, rope, add_residual, blocks)
+        x, context = self.blocks(x, context, temb, rope, add_residual, blocks, image_prompts)
         # norm_out: AdaLayerNormContinuous, scale then shift
         dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
         scale, shift = jnp.split(dense(2 * cfg.inner_dim, "norm_out_linear")(nn.silu(temb)), 2, axis=-1)
@@ -140,17 +142,18 @@ class FluxTransformer2DModel(Pretrained, nn.Module):
         # [image; text], not diffusers' [text; image]: the order the hooks read (flux_blocks.py says why it is the same)
         return x, context, temb, rotary_tables(jnp.concatenate([img_ids, txt_ids]), cfg.axes_dims_rope)
 
-    def blocks(self, x, context, temb, rope, after_block, blocks=None):
+    def blocks(self, x, context, temb, rope, after_block, blocks=None, image_prompts=None):
         """The double-stream blocks, then the single-stream ones -> (image, text) tokens; `after_block(kind, i, x)`
         ("double" or "single", the block's index) gives the image tokens the next block takes; `blocks` (first,
-        stop or None), counting the double-stream blocks then the single-stream ones, runs only those."""
+        stop or None), counting the double-stream blocks then the single-stream ones, runs only those;
+        `image_prompts`: an IP-Adapter's keys and values per double-stream block."""
         cfg, heads, head_dim = self.config, self.config.num_attention_heads, self.config.attention_head_dim
         first, stop = blocks or (0, None)
         for i in range(first, cfg.num_layers + cfg.num_single_layers if stop is None else stop):
             if i < cfg.num_layers:
                 context, x = JointTransformerBlock(heads, head_dim, qk_norm="rms_norm", dtype=self.dtype,
                                                    kernels=self.kernels, name=f"transformer_blocks_{i}")(
-                    x, context, temb, rope)
+                    x, context, temb, rope, None if image_prompts is None else image_prompts[i])
                 context = clip_float16(context)
                 x = after_block("double", i, x)
             else:

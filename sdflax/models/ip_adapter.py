@@ -1,6 +1,7 @@
 """IP-Adapter's image projections (Ye et al. 2023): a CLIP image embedding, or the image encoder's penultimate
 hidden states, become the tokens that the UNet's decoupled cross-attention reads beside the text's. Equal to
-diffusers' ImageProjection, IPAdapterFullImageProjection and IPAdapterPlusImageProjection, with their names."""
+diffusers' ImageProjection, IPAdapterFullImageProjection and IPAdapterPlusImageProjection, with their names; and
+SD 3.5's IPAdapterTimeImageProjection, a resampler modulated by the timestep."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .layers import Dense, Kernels, LayerNorm, ReadsParams, dot_product_attention, resolve_kernels
+from .layers import Dense, Kernels, LayerNorm, ReadsParams, dot_product_attention, resolve_kernels, timestep_embedding
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's
 
@@ -114,3 +115,62 @@ class IPAdapterPlusImageProjection(ReadsParams, nn.Module):
                                                         kernels=self.kernels, name=f"layers_{i}")(x, latents)
         latents = Dense(self.output_dims, dtype=self.dtype, name="proj_out")(latents)
         return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm_out")(latents)
+
+
+class IPAdapterTimeImageProjectionBlock(nn.Module):
+    """One layer of SD 3.5's resampler: IPAdapterPlusImageProjectionBlock with the latents adaLN-modulated by the
+    timestep embedding (shift, scale of the attention, then of the bias-free GELU MLP)."""
+
+    dim_head: int
+    heads: int
+    ffn_ratio: float
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(kw_only=True)
+
+    @nn.compact
+    def __call__(self, x, latents, temb):  # x (N, T, H), latents (N, Q, H), temb (N, H)
+        dim = latents.shape[-1]
+        norm = lambda name: LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name=name)  # noqa: E731
+        shift_msa, scale_msa, shift_mlp, scale_mlp = jnp.split(
+            Dense(4 * dim, dtype=self.dtype, name="adaln_proj")(nn.silu(temb)), 4, axis=-1)
+        modulated = norm("ln1")(latents) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        context = jnp.concatenate([norm("ln0")(x), modulated], axis=1)
+        latents = latents + ResamplerAttention(self.heads, self.dim_head, self.dtype, kernels=self.kernels,
+                                               name="attn")(modulated, context)
+        h = norm("adaln_norm")(latents) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        h = gelu(Dense(int(dim * self.ffn_ratio), use_bias=False, dtype=self.dtype, name="ff_net_0_proj")(h))
+        return latents + Dense(dim, use_bias=False, dtype=self.dtype, name="ff_net_2")(h)
+
+
+class IPAdapterTimeImageProjection(ReadsParams, nn.Module):
+    """SD 3.5 Large's IP-Adapter resampler (InstantX): SigLIP's penultimate states (N, T, embed_dim) and the
+    timesteps (N,) -> (tokens (N, num_queries, output_dim), the timestep embedding (N, hidden_dim))."""
+
+    embed_dim: int = 1152
+    output_dim: int = 2432
+    hidden_dim: int = 1280
+    depth: int = 4
+    dim_head: int = 64
+    heads: int = 20
+    num_queries: int = 64
+    ffn_ratio: float = 4
+    timestep_in_dim: int = 320
+    dtype: jnp.dtype = jnp.float32
+    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
+
+    @nn.compact
+    def __call__(self, x, timestep):
+        dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
+        t = timestep_embedding(jnp.broadcast_to(jnp.asarray(timestep), (x.shape[0],)), self.timestep_in_dim,
+                               flip_sin_to_cos=True, freq_shift=0).astype(self.dtype)
+        temb = dense(self.hidden_dim, "time_embedding_linear_2")(nn.silu(dense(self.hidden_dim,
+                                                                            "time_embedding_linear_1")(t)))
+        latents = self.param("latents", nn.initializers.normal(self.hidden_dim ** -0.5),
+                             (1, self.num_queries, self.hidden_dim))
+        latents = jnp.broadcast_to(latents.astype(self.dtype), (x.shape[0], *latents.shape[1:]))
+        x = dense(self.hidden_dim, "proj_in")(x.astype(self.dtype)) + temb[:, None]
+        for i in range(self.depth):
+            latents = IPAdapterTimeImageProjectionBlock(self.dim_head, self.heads, self.ffn_ratio, self.dtype,
+                                                        kernels=self.kernels, name=f"layers_{i}")(x, latents, temb)
+        latents = dense(self.output_dim, "proj_out")(latents)
+        return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm_out")(latents), temb

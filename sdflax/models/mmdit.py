@@ -108,6 +108,7 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
     `skip_layers` (static, block indices) skips whole blocks, as diffusers' `skip_layers` (skip-layer guidance).
     `block_controlnet_hidden_states`: SD 3 ControlNets' block samples (each (B, N, D)), added to the image tokens
     after every block but the last, block i taking sample int(i / (num_layers / count)) (diffusers' interval rule).
+    `image_prompts`: SD 3.5's IP-Adapter, a `mmdit_blocks.JointImagePrompt` per block, or None.
     Attention layers are `mmdit_blocks.JointAttention`, whose `attend` the hooks intercept by checkpoint name
     (`transformer_blocks.0.attn`, `transformer_blocks.0.attn2`).
     """
@@ -123,13 +124,13 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
                 jnp.zeros((1, 1, cfg.joint_attention_dim)), jnp.zeros((1, cfg.pooled_projection_dim)), jnp.zeros((1,)))
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=(),
-                 block_controlnet_hidden_states=None):
+                 block_controlnet_hidden_states=None, image_prompts=None):
         return self.run_blocks(hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers,
-                               block_controlnet_hidden_states)[0]
+                               block_controlnet_hidden_states, image_prompts)[0]
 
     @nn.compact
     def run_blocks(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=(),
-                   block_controlnet_hidden_states=None, blocks=None, start=None):
+                   block_controlnet_hidden_states=None, image_prompts=None, blocks=None, start=None):
         """`__call__` -> (prediction, (the image's tokens entering the blocks run, the image's and the text's
         tokens they give)); `blocks` (first, stop or None: to the last), static, runs only those, from `start`
         (image, text tokens) in place of the embedded inputs: the first-block cache's halves
@@ -158,7 +159,8 @@ class SD3Transformer2DModel(Pretrained, nn.Module):
                 context, x = JointTransformerBlock(
                     cfg.num_attention_heads, cfg.attention_head_dim, context_pre_only=i == cfg.num_layers - 1,
                     qk_norm=cfg.qk_norm, dual_attention=i in cfg.dual_attention_layers, dtype=dtype,
-                    kernels=self.kernels, name=f"transformer_blocks_{i}")(x, context, temb)
+                    kernels=self.kernels, name=f"transformer_blocks_{i}")(
+                    x, context, temb, None, None if image_prompts is None else image_prompts[i])
             if block_controlnet_hidden_states is not None and i < cfg.num_layers - 1:  # a skipped block's too
                 samples = block_controlnet_hidden_states
                 x = x + samples[int(i / (cfg.num_layers / len(samples)))].astype(x.dtype)

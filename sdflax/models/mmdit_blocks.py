@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,10 +26,27 @@ class RMSNorm(ReadsParams, nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.epsilon)
-        return (x * scale.astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],)), self.epsilon, self.dtype)
+
+
+def rms_norm(x, scale, epsilon=EPS, dtype=None):
+    """x / RMS(x) * scale over the last axis, in float32."""
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.square(y).mean(-1, keepdims=True) + epsilon)
+    return (y * scale.astype(jnp.float32)).astype(dtype or x.dtype)
+
+
+@flax.struct.dataclass
+class JointImagePrompt:
+    """SD 3.5 Large's IP-Adapter in one block (diffusers' SD3IPAdapterJointAttnProcessor2_0): the processor's own
+    RMSNorm scales of the image tokens' queries and keys (head_dim,), the image prompt's keys (normed) and values
+    (B, T, heads, head_dim), and the scale."""
+
+    norm_q: jax.Array
+    norm_k: jax.Array
+    keys: jax.Array
+    values: jax.Array
+    scale: jax.Array
 
 
 class JointAttention(Attention):
@@ -45,7 +63,7 @@ class JointAttention(Attention):
     context_pre_only: bool = False
 
     @nn.compact
-    def __call__(self, x, context=None, rope=None):  # x: (B, N, D); context: (B, T, D) or None
+    def __call__(self, x, context=None, rope=None, image_prompt=None):  # x: (B, N, D); context: (B, T, D) or None
         inner = self.heads * self.head_dim
         dense = lambda name, features=inner: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
         split = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
@@ -53,9 +71,11 @@ class JointAttention(Attention):
         def normed(name, t):
             return RMSNorm(EPS, self.dtype, name=name)(t) if self.qk_norm else t
 
-        q = normed("norm_q", self.queries(split(dense("to_q")(x))))
-        k = normed("norm_k", split(dense("to_k")(x)))
-        v = split(dense("to_v")(x))
+        q_image, k_image = self.queries(split(dense("to_q")(x))), split(dense("to_k")(x))
+        v_image = v = split(dense("to_v")(x))
+        q, k = normed("norm_q", q_image), normed("norm_k", k_image)
+        joint_prompt = image_prompt if isinstance(image_prompt, JointImagePrompt) else None
+        prompted = None if image_prompt is None or joint_prompt else self.image_prompt_attention(q, image_prompt)
         if context is not None:
             q = jnp.concatenate([q, normed("norm_added_q", split(dense("add_q_proj")(context)))], axis=1)
             k = jnp.concatenate([k, normed("norm_added_k", split(dense("add_k_proj")(context)))], axis=1)
@@ -65,10 +85,38 @@ class JointAttention(Attention):
         n = x.shape[1]
         out = self.attend(q, k, v, image_tokens=n)
         out = out.reshape(*out.shape[:2], inner)
-        image = dense("to_out_0", x.shape[-1])(out[:, :n])
+        image = out[:, :n]
+        if joint_prompt is not None:  # SD 3.5's IP-Adapter: before to_out
+            image = image + joint_prompt.scale.astype(image.dtype) * self.joint_prompt_attention(
+                q_image, k_image, v_image, joint_prompt)
+        image = dense("to_out_0", x.shape[-1])(image)
         if context is None:
             return image
-        return image, None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
+        context_out = None if self.context_pre_only else dense("to_add_out", context.shape[-1])(out[:, n:])
+        return (image, context_out) if prompted is None else (image, context_out, prompted)
+
+    def joint_prompt_attention(self, q, k, v, prompt: JointImagePrompt):
+        """SD 3.5's IP-Adapter: the image tokens' queries (normed by the processor's own norm_q) attend to their
+        keys (its norm_k) and the image prompt's, and to their values and the prompt's: (B, N, heads * head_dim)."""
+        q, k = rms_norm(q, prompt.norm_q), rms_norm(k, prompt.norm_k)
+        keys, values = (jnp.concatenate([a, b.astype(a.dtype)], axis=1) for a, b in ((k, prompt.keys),
+                                                                                   (v, prompt.values)))
+        out = dot_product_attention(q, keys, values, upcast=self.upcast, kernels=self.kernels)
+        return out.reshape(*q.shape[:2], -1)
+
+    def image_prompt_attention(self, q, image_prompt):
+        """Flux's IP-Adapter (diffusers' FluxIPAdapterAttnProcessor): the image tokens' normed queries, before
+        their rotary positions, attend to each adapter's image-prompt keys and values, times its scale; summed:
+        (B, N, heads * head_dim), which the block adds after its feed-forward. `image_prompt`: per adapter
+        (keys, values, scale), keys and values a tuple of (rows, T, heads, head_dim) arrays, one per chunk of the
+        batch's rows (the negative image's, then the image's, under true CFG)."""
+        out = 0
+        for keys, values, scale in image_prompt:
+            chunks = zip(jnp.split(q, len(keys)), keys, values)
+            attended = [dot_product_attention(part, k.astype(q.dtype), v.astype(q.dtype), upcast=self.upcast,
+                                              kernels=self.kernels) for part, k, v in chunks]
+            out = out + scale.astype(q.dtype) * jnp.concatenate(attended)
+        return out.reshape(*q.shape[:2], -1)
 
     def attend(self, q, k, v, image_tokens=None):
         """The attention of the joint sequence; `image_tokens` tells the hooks where the text's tokens begin."""
@@ -107,7 +155,7 @@ class JointTransformerBlock(nn.Module):
     kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
-    def __call__(self, x, context, temb, rope=None):
+    def __call__(self, x, context, temb, rope=None, image_prompt=None):
         dim = x.shape[-1]
         emb = nn.silu(temb)
 
@@ -129,14 +177,16 @@ class JointTransformerBlock(nn.Module):
                 "norm1_context_linear", 6)
             context_in = modulate(layer_norm(context, self.dtype), c_shift_msa, c_scale_msa)
 
-        image_out, context_out = attention("attn", self.context_pre_only)(modulate(normed, shift_msa, scale_msa),
-                                                                          context_in, rope)
+        image_out, context_out, *prompted = attention("attn", self.context_pre_only)(
+            modulate(normed, shift_msa, scale_msa), context_in, rope, image_prompt)
         x = x + gate_msa[:, None] * image_out
         if self.dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = dual
             x = x + gate_msa2[:, None] * attention("attn2")(modulate(normed, shift_msa2, scale_msa2))
         x = x + gate_mlp[:, None] * feed_forward("ff", modulate(layer_norm(x, self.dtype), shift_mlp, scale_mlp),
                                                  self.dtype)
+        if prompted:  # Flux's IP-Adapter: after the feed-forward, ungated (diffusers' FluxTransformerBlock)
+            x = x + prompted[0].astype(x.dtype)
         if self.context_pre_only:
             return None, x
 

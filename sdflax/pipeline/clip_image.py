@@ -1,7 +1,8 @@
 """Pictures -> the pixel values CLIP's image tower takes (`CLIPVisionModelWithProjection`), as transformers'
 CLIPImageProcessor makes them with its PIL backend (CLIPImageProcessorPil: what transformers 5 falls back to without
 torchvision, and what transformers 4 always ran): RGB with transparency over white, the shortest side resized to
-`size` with PIL's bicubic filter, a centred crop, scaled by 1/255, then normalised by CLIP's mean and std."""
+`size` with PIL's bicubic filter, a centred crop, scaled by 1/255, then normalised by CLIP's mean and std.
+SigLIP's (`siglip_image_inputs`): the same, resized to a square without a crop, mean and std 0.5."""
 
 from __future__ import annotations
 
@@ -40,12 +41,30 @@ def clip_image_inputs(images, size=224, crop_size=224, mean=CLIP_MEAN, std=CLIP_
                              f"image encoder, would be {size}x{new_long}: crop it nearer to a square (at most "
                              f"{MAX_RESIZED_PIXELS // size // size}:1)")
         image = image.resize((size, new_long) if width <= height else (new_long, size), Image.Resampling.BICUBIC)
-        pixels = center_crop(np.asarray(image), crop_height, crop_width)
-        scaled = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale, in float64
-        out.append(((scaled - mean) / std).transpose(2, 0, 1))
+        out.append(normalised(center_crop(np.asarray(image), crop_height, crop_width), mean, std))
     if not out:
         raise ValueError("clip_image_inputs: no images given")
     return np.stack(out)
+
+
+def siglip_image_inputs(images, size=224) -> np.ndarray:
+    """Pictures -> the pixel values SigLIP's image tower takes (`SiglipVisionModel`), as transformers'
+    SiglipImageProcessorPil makes them: RGB, resized to size x size (bicubic, no crop), scaled by 1/255,
+    normalised by mean and std 0.5. (B, 3, size, size) float32."""
+    from PIL import Image
+
+    half = np.full(3, 0.5, np.float32)  # transformers' IMAGENET_STANDARD_MEAN and _STD
+    out = [normalised(np.asarray(rgb(image).resize((size, size), Image.Resampling.BICUBIC)), half, half)
+           for image in as_list(images, (2, 3))]
+    if not out:
+        raise ValueError("siglip_image_inputs: no images given")
+    return np.stack(out)
+
+
+def normalised(pixels, mean, std) -> np.ndarray:
+    """uint8 (H, W, 3) -> (3, H, W): transformers' rescale by 1/255 (in float64), then (x - mean) / std."""
+    scaled = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)
+    return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
 def rgb(image):

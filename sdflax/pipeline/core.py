@@ -22,7 +22,6 @@ from ..models import T2IAdapter
 from ..schedulers import Scheduler, scheduler_from_config
 from ..schedulers.common import for_family
 from . import checks
-from .clip_image import clip_image_inputs
 from .controlnet import ControlNet
 from .generate import generate, generate_fn
 from .images import numpy_to_pil, preprocess_ip_adapter_masks, preprocess_pictures
@@ -334,8 +333,7 @@ def ip_adapter_pixels(piece, images):
     if piece is None or piece.image_encoder is None:
         raise ValueError("prepare_ip_adapter_image needs an IP-Adapter with its image encoder: "
                          "pipeline.load_ip_adapter(params, ...) first")
-    side = piece.image_encoder.config.image_size
-    return clip_image_inputs(images, size=side, crop_size=side)
+    return piece.prepare_image(images)
 
 
 def prepared_inputs(text, parts, vae_scale_factor, prompts, texts: dict, pictures: dict):

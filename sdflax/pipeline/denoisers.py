@@ -5,7 +5,7 @@ the checks ask it for what they need (its params' key, input channels, default s
 - `UNetDenoiser`: SD 1.x / 2.x / SDXL's UNet (ε or v); `extra` are its keyword inputs (SDXL's time ids, ControlNet
   residuals).
 - `MMDiTDenoiser`: SD 3.x's transformer (velocity); `extra` carries `pooled_projections`, for skip-layer
-  guidance `skip_layers`, and ControlNets' `block_controlnet_hidden_states`.
+  guidance `skip_layers`, ControlNets' `block_controlnet_hidden_states` and an IP-Adapter's `image_prompts`.
 - Flux.1's transformer: `sdflax.families.flux_text.FluxDenoiser`.
 """
 
@@ -63,9 +63,11 @@ class MMDiTDenoiser(Denoiser):
     component = "transformer"
     flow = True  # predicts a flow's velocity (only a flow-matching scheduler fits)
 
-    def __call__(self, params, x, t, context, pooled_projections, skip_layers=(), block_controlnet_hidden_states=None):
+    def __call__(self, params, x, t, context, pooled_projections, skip_layers=(), block_controlnet_hidden_states=None,
+                 image_prompts=None):
         return self.model.apply(params[self.component], x, context, pooled_projections, t, skip_layers=skip_layers,
-                                block_controlnet_hidden_states=block_controlnet_hidden_states)
+                                block_controlnet_hidden_states=block_controlnet_hidden_states,
+                                image_prompts=image_prompts)
 
     @property
     def context_width(self) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 from ..hooks.core import Hook, intercept
 from ..loading.lora import kernel_index
 from ..models.layers import dot_product_attention
+from .clip_image import clip_image_inputs
 from .types import batched
 
 
@@ -29,7 +30,7 @@ from .types import batched
 class IPAdapterInputs:
     """A call's IP-Adapter inputs (`Inputs.conditions["ip_adapter"]`), one array per adapter (`call_inputs`)."""
 
-    image: Any = batched()  # CLIP pixels (B, n, 3, h, w)
+    image: Any = batched()  # CLIP pixels (B, n, 3, h, w); a transformer's: (negative's or None, image's or None)
     image_embeds: Any = batched()  # or the image encoder's output for the negative and positive images (B, 2, n, ...)
     scale: Any = None  # (adapters, cross-attention layers, 1 or one per masked picture)
     masks: Any = None  # per adapter None or (n, H, W): where each of its n pictures acts
@@ -54,6 +55,11 @@ class IPAdapter:
 
     params_name = "ip_adapter"
     picture = None
+
+    def prepare_image(self, images):
+        """Pictures -> the image encoder's pixels (CLIP's)."""
+        side = self.image_encoder.config.image_size
+        return clip_image_inputs(images, size=side, crop_size=side)
 
     def call_inputs(self, args: dict, settings, batch, leading_dims) -> IPAdapterInputs:
         given = call_inputs(self, args, batch, leading_dims, settings.classifier_free_guidance,
@@ -258,7 +264,8 @@ ARGUMENTS = ("ip_adapter_image", "ip_adapter_image_embeds", "ip_adapter_scale", 
 
 def check_absent(args: dict):
     """Image prompts given to a pipeline without an IP-Adapter."""
-    for name in ("ip_adapter_image", "ip_adapter_image_embeds"):
+    for name in ("ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image",
+                 "negative_ip_adapter_image_embeds"):
         if args.get(name) is not None:
             raise ValueError(f"{name} needs an IP-Adapter: pipeline, params = pipeline.load_ip_adapter(params, "
                              "'h94/IP-Adapter', subfolder='models', weight_name='ip-adapter_sd15.safetensors')")
@@ -290,30 +297,12 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
     lead = leading_dims or 1
     out = {}
     if image is not None:
-        arrays = []
-        for x in per_adapter(image, count, "ip_adapter_image"):
-            if not jnp.issubdtype(getattr(x, "dtype", np.dtype(object)), jnp.floating):  # uint8 pixels, a path, ...
-                raise TypeError(f"ip_adapter_image holds {type(x).__name__} of {getattr(x, 'dtype', 'no dtype')}; "
-                                "expected CLIP pixels, floats normalised by CLIP's mean and std: make them with "
-                                "pipeline.prepare_ip_adapter_image(pictures)")
-            x = jnp.asarray(x, jnp.float32)
-            if x.ndim == lead + 3:
-                x = jnp.expand_dims(x, lead)
-            if x.ndim != lead + 4 or x.shape[-3] != 3:
-                raise ValueError(f"ip_adapter_image has shape {x.shape}; expected (N, 3, h, w) or (N, n, 3, h, w) "
-                                 "CLIP pixels: make them with pipeline.prepare_ip_adapter_image(pictures)")
-            arrays.append(broadcast_rows(x, batch, lead, "ip_adapter_image"))
-        out["ip_adapter_image"] = tuple(arrays)
+        out["ip_adapter_image"] = tuple(checked_pixels(x, batch, lead, "ip_adapter_image")
+                                        for x in per_adapter(image, count, "ip_adapter_image"))
     else:
         arrays = []
         for x, adapter in zip(per_adapter(embeds, count, "ip_adapter_image_embeds"), piece.adapters):
-            x = jnp.asarray(x, jnp.float32)
-            if x.ndim not in (lead + 2, lead + 3):
-                raise ValueError(f"ip_adapter_image_embeds has an array of shape {x.shape}; diffusers' form is "
-                                 "(N, n, E) or (N, n, tokens, E) per adapter, negatives first with guidance")
-            if x.shape[-1] != adapter.input_width:
-                raise ValueError(f"ip_adapter_image_embeds has an array of shape {x.shape}; its adapter takes "
-                                 f"{adapter.input_width} wide ones (E), its image encoder's output")
+            x = checked_embeds(x, lead, adapter, "ip_adapter_image_embeds", "negatives first with guidance")
             if classifier_free_guidance:
                 if x.shape[lead - 1] % 2:
                     raise ValueError(f"ip_adapter_image_embeds of shape {x.shape} with classifier-free guidance: "
@@ -356,6 +345,33 @@ def call_inputs(piece, args: dict, batch: tuple, leading_dims, classifier_free_g
             checked.append(mask[0])
         out["ip_adapter_masks"] = tuple(checked)
     return out
+
+
+def checked_pixels(x, batch: tuple, lead: int, name: str):
+    """One adapter's CLIP pixels (N, 3, h, w) or (N, n, 3, h, w) -> (*batch, n, 3, h, w) float32."""
+    if not jnp.issubdtype(getattr(x, "dtype", np.dtype(object)), jnp.floating):  # uint8 pixels, a path, ...
+        raise TypeError(f"{name} holds {type(x).__name__} of {getattr(x, 'dtype', 'no dtype')}; expected CLIP "
+                        "pixels, floats normalised by CLIP's mean and std: make them with "
+                        "pipeline.prepare_ip_adapter_image(pictures)")
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim == lead + 3:
+        x = jnp.expand_dims(x, lead)
+    if x.ndim != lead + 4 or x.shape[-3] != 3:
+        raise ValueError(f"{name} has shape {x.shape}; expected (N, 3, h, w) or (N, n, 3, h, w) CLIP pixels: make "
+                         "them with pipeline.prepare_ip_adapter_image(pictures)")
+    return broadcast_rows(x, batch, lead, name)
+
+
+def checked_embeds(x, lead: int, adapter: Adapter, name: str, form: str):
+    """One adapter's image encoder output (N, n, E) or (N, n, tokens, E), float32, of the width it takes."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim not in (lead + 2, lead + 3):
+        raise ValueError(f"{name} has an array of shape {x.shape}; diffusers' form is (N, n, E) or (N, n, tokens, "
+                         f"E) per adapter, {form}")
+    if x.shape[-1] != adapter.input_width:
+        raise ValueError(f"{name} has an array of shape {x.shape}; its adapter takes {adapter.input_width} wide "
+                         "ones (E), its image encoder's output")
+    return x
 
 
 def broadcast_rows(x, batch: tuple, lead: int, name: str):

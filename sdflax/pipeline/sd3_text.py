@@ -15,8 +15,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, T5EncoderModel
+from ..models import (AutoencoderKL, CLIPTextModelWithProjection, SD3Transformer2DModel, SiglipVisionModel,
+                      T5EncoderModel)
+from ..loading.ip_adapter import read_sd3_ip_adapter
 from ..loading.tokenizers import T5Tokenizer
+from .transformer_ip_adapter import SD3_ARGUMENTS, load_sd3_ip_adapter
 from .denoisers import MMDiTDenoiser
 from .text import SDText, check_pooled_with_states, frozen_ids, tokenize
 from .types import Cond
@@ -61,6 +64,11 @@ class SD3Text:
     index_options = ()
     denoiser = MMDiTDenoiser
     prompt_arguments = {"prompts_2": None, "prompts_3": None, "max_sequence_length": 256}
+    # InstantX's SD 3.5 Large IP-Adapter (`load_ip_adapter`): its call arguments, file reader, piece and encoder
+    ip_adapter_arguments = SD3_ARGUMENTS
+    ip_adapter_reader = staticmethod(read_sd3_ip_adapter)
+    ip_adapter_piece = staticmethod(load_sd3_ip_adapter)
+    ip_adapter_encoder = SiglipVisionModel
 
     @property
     def t5(self):

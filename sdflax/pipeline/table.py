@@ -25,7 +25,7 @@ DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_
             "strength": 1.0, "controlnet_conditioning_scale": 1.0, "control_guidance_start": 0.0,
             "control_guidance_end": 1.0, "guess_mode": False, "timesteps": None, "sigmas": None,
             "ip_adapter_image": None, "ip_adapter_image_embeds": None, "ip_adapter_scale": 1.0,
-            "ip_adapter_masks": None,
+            "ip_adapter_masks": None, "negative_ip_adapter_image": None, "negative_ip_adapter_image_embeds": None,
             "adapter_image": None, "adapter_conditioning_scale": 1.0, "adapter_conditioning_factor": 1.0,
             "skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
             "skip_layer_guidance_stop": 0.2, "true_cfg_scale": 1.0}
@@ -53,7 +53,8 @@ def signature(row: Row, text) -> inspect.Signature:
     defaults = {**DEFAULTS, **row.defaults}
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     unet = text.denoiser.component == "unet"  # IP-Adapters and T2I-Adapters act on UNets
-    tail = SCHEDULE.split() + (IP_ADAPTER.split() if unet else []) + (
+    ip_adapter = IP_ADAPTER if unet else getattr(text, "ip_adapter_arguments", "")  # a transformer's own
+    tail = SCHEDULE.split() + ip_adapter.split() + (
         T2I_ADAPTER.split() if unet and T2IAdapters not in row.wrappers else [])
     defaults.update(getattr(text, "call_arguments", {}))  # a text piece's own (SD's A1111 weights, clip_skip)
     return inspect.Signature([inspect.Parameter(name, kind) if name in REQUIRED else

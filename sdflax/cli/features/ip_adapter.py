@@ -17,20 +17,24 @@ from ..request import UserError
 
 FLAG = "--ip-adapter"
 DENOISERS = ("unet",)
+FAMILIES = ("flux", "sd3")  # XLabs' Flux.1 IP-Adapter and InstantX's SD 3.5 Large one too (`load_ip_adapter`)
 IP_ADAPTER_SUFFIXES = (".safetensors", ".bin")  # h94's files; diffusers reads nothing else as an IP-Adapter
 
 
 def add_flags(add, command):
     add("--ip-adapter", action="append", default=[], type=ip_adapter_argument, metavar="ID_OR_FILE[:SCALE]",
         help="an IP-Adapter steering by an image prompt (--ip-image) at SCALE (default: 1.0): an h94-layout "
-             ".safetensors/.bin file, its CLIP image encoder in image_encoder/ beside it, or a hub file "
-             "org/name/subfolder/file (h94/IP-Adapter/models/ip-adapter_sd15.safetensors); repeat for several, "
+             ".safetensors/.bin file (Flux.1: XLabs', SD 3.5 Large: InstantX'), its image encoder in image_encoder/ "
+             "beside it (CLIP's; SD 3.5: SigLIP's), or a hub "
+             "file org/name/subfolder/file (h94/IP-Adapter/models/ip-adapter_sd15.safetensors); repeat for several, "
              "from one folder")
     add("--ip-image", action="append", default=[], metavar="IMG",
         help="the image prompt of each --ip-adapter, in their order")
     add("--ip-image-encoder", metavar="ID_OR_DIR",
         help="the --ip-adapter files' CLIP image encoder where it is not image_encoder/ beside them: a folder, hub "
-             "id, or hub folder org/name/subfolder (h94's SDXL vit-h adapters: h94/IP-Adapter/models/image_encoder)")
+             "id, or hub folder org/name/subfolder (h94's SDXL vit-h adapters: h94/IP-Adapter/models/image_encoder; "
+             "XLabs' Flux.1 adapter: openai/clip-vit-large-patch14; InstantX' SD 3.5 one: "
+             "google/siglip-so400m-patch14-384)")
 
 
 def ip_adapter_argument(text):
@@ -156,6 +160,8 @@ def check_ip_adapter_width(request, unet):
     UNet's text width (its header, or its pickle's tensor records: nothing is read)."""
     from ...loading.files import read_safetensors, read_torch_object
 
+    if not hasattr(unet, "cross_attention_dim"):
+        return  # a transformer's adapter (Flux.1's, SD 3.5's): its shapes are checked as it loads
     for name, _ in request.ip_adapter:
         path = os.path.expanduser(name)
         if not os.path.isfile(path):
