@@ -142,6 +142,8 @@ def intercept(hooks, step, chunks, sites=None):
     """A context in which the UNet's attention and up layers call `hooks` (the first listed outermost); each
     attention layer's name is added to the set `sites`."""
 
+    models = models if isinstance(models, tuple) else (models,)
+
     def interceptor(next_fun, args, kwargs, context):
         module, method = context.module, context.method_name
         if method == "attend" and isinstance(module, Attention):

@@ -166,8 +166,11 @@ def resolve(request, configs, pictures) -> Controls:
 
 
 def components(request, dtype) -> tuple[dict, dict]:
-    """The nets, from folders, hub ids or original-layout files."""
+    """The nets, from folders, hub ids or original-layout files (none: a Flux Control checkpoint's picture alone)."""
     from ... import ControlNetModel, FluxControlNetModel, SD3ControlNetModel
+
+    if not request.controlnet:
+        return {}, {}
 
     nets = []
     for name, config in zip(request.controlnet, controlnet_configs(request)):
