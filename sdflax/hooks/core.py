@@ -142,8 +142,6 @@ def intercept(hooks, step, chunks, sites=None):
     """A context in which the UNet's attention and up layers call `hooks` (the first listed outermost); each
     attention layer's name is added to the set `sites`."""
 
-    models = models if isinstance(models, tuple) else (models,)
-
     def interceptor(next_fun, args, kwargs, context):
         module, method = context.module, context.method_name
         if method == "attend" and isinstance(module, Attention):
@@ -177,6 +175,7 @@ def redirect(models, method: str, kept=None, **keywords):
     `method` instead, given `keywords` too: a hook reaches the model's parts through whatever wraps its call. With
     `kept` (a list), the method gives (output, more): the call returns the output, (the module, more) is appended to
     `kept`."""
+    models = models if isinstance(models, tuple) else (models,)
 
     def interceptor(next_fun, args, kwargs, context):
         # the class itself: a ControlNet built on the denoiser's class (Flux.1's) keeps its own call
@@ -189,6 +188,7 @@ def redirect(models, method: str, kept=None, **keywords):
         return next_fun(*args, **kwargs)
 
     return nn.intercept_methods(interceptor)
+
 
 def layer_list(names, limit=None) -> str:
     """The layer names (the first `limit` of them), to say what a hook could have named."""
