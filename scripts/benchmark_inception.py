@@ -6,8 +6,8 @@ the program from a compile cache the run shares), then times `--passes` passes o
 parent prints each implementation's median features/s with its spread (min - max over `--repeats` processes) and
 the ratios sdflax / torch.
 
-    python scripts/bench_inception.py                      # random weights, 32 pictures of 512 px, 3 processes each
-    python scripts/bench_inception.py --weights pt_inception-2015-12-05-6726825d.pth --images 64
+    python scripts/benchmark_inception.py                      # random weights, 32 pictures of 512 px, 3 processes each
+    python scripts/benchmark_inception.py --weights pt_inception-2015-12-05-6726825d.pth --images 64
 
 torch-fidelity is imported from an installed package, or from its wheel in tests/oracles/ (see tests/test_metrics.py).
 """

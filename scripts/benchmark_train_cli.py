@@ -1,7 +1,7 @@
 """Time `sdflax train lora` against diffusers' `train_text_to_image_lora.py` on the CPU, each in a fresh process.
 
-    python scripts/bench_train.py                                        # weights/tiny-sd at 32 px
-    python scripts/bench_train.py --model sd15 --resolution 128 --steps 4 # stable-diffusion-v1-5's configs
+    python scripts/benchmark_train_cli.py                                        # weights/tiny-sd at 32 px
+    python scripts/benchmark_train_cli.py --model sd15 --resolution 128 --steps 4 # stable-diffusion-v1-5's configs
 
 The script is not in the diffusers wheel: its training loop is reimplemented here line by line (the components from
 the model folder, PEFT's LoRA on the UNet's to_q / to_k / to_v / to_out.0 in float32, the dataset's Resize +
@@ -193,7 +193,7 @@ def main(argv=None):
             done = subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]), "--worker", side, model, data,
                                    repr(started)], stdout=subprocess.PIPE, text=True, env=env)
             if done.returncode:
-                print(f"bench_train.py: the {side} process failed (exit {done.returncode})", file=sys.stderr)
+                print(f"benchmark_train_cli.py: the {side} process failed (exit {done.returncode})", file=sys.stderr)
                 return 2
             results[side] = summary(json.loads(done.stdout.strip().splitlines()[-1]), time.time())
     ratio = {k: results["sdflax"][k] / results["diffusers"][k] for k in ("steps_per_s", "first_step_s", "wall_s")}
