@@ -282,6 +282,7 @@ def test_generate_with_a_controlnet_equals_the_library(files, capsys):
     close_to(png, expected)
     text = Image.open(png).text
     assert (text["controlnet"], text["control_scale"]) == (f'["{files / "sd3-net"}"]', "[0.7]")
+    capsys.readouterr()  # the run's timing line
     assert main(["generate", "a fox", "--model", str(files / "sd3"), "--controlnet", str(files / "sd3-other-net"),
                  "--control-image", str(files / "in.png"), *COMMON, "--out", str(files / "refused")]) == 2
     assert "sd3-other-net (token width, patch, pooled width, text width (32, 2, 16, 96)) was made for another " \

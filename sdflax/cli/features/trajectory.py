@@ -32,7 +32,7 @@ def check_flags(request, batch):
                                ("--trajectory-sheet", request.trajectory_sheet, ".png")):
         if path is not None:
             check_new_file(flag, path, suffix)
-    if request.refiner is not None:
+    if used(request) and request.refiner is not None:
         raise UserError("--trajectory with --refiner is not supported: the refiner's steps are another program; "
                         "drop one of them")
 
