@@ -171,6 +171,18 @@ def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, ca
     assert expected in one_error_line(capsys)
 
 
+def test_an_image_prompt_the_encoder_cannot_resize_names_its_file(folder, tmp_path, capsys, monkeypatch):
+    """A strip far from square (the encoder's resize would grow it without bound) was refused without naming
+    --ip-image (issue 59's hostile cases, cause 2)."""
+    monkeypatch.chdir(folder)
+    strip = tmp_path / "strip.png"
+    Image.new("L", (100000, 1)).save(strip)
+    assert main(["generate", "a house", "--model", "tiny", "--no-progress", *ADAPTER, "--ip-image", str(strip),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert f"--ip-image {strip}: an image of 100000x1 pixels, resized to 28 on its short side" in \
+        one_error_line(capsys)
+
+
 @pytest.mark.parametrize("lines, flags, expected", [
     (['{"prompt": "a fox", "ip_image": "face.png"}'], [], "line 1: ip_image applies with --ip-adapter"),
     (['{"prompt": "a fox", "ip_image": ["face.png", "style.png"]}'], ADAPTER,

@@ -231,10 +231,18 @@ def ip_adapter_inputs(pipeline, rows) -> dict:
 
     if not rows[0].ip_adapter:
         return {}
-    pixels = {path: pipeline.prepare_ip_adapter_image(read_picture("--ip-image", path).convert("RGB"))
-              for path in {path for row in rows for path in row.ip_image}}
+    pixels = {path: encoder_pixels(pipeline, path) for path in {path for row in rows for path in row.ip_image}}
     images = [np.concatenate([pixels[row.ip_image[a]] for row in rows]) for a in range(len(rows[0].ip_adapter))]
     return {"ip_adapter_image": images, "ip_adapter_scale": [scale for _, scale in rows[0].ip_adapter]}
+
+
+def encoder_pixels(pipeline, path):
+    """One --ip-image as the image encoder's pixels; a picture the encoder's resize cannot take (a strip far from
+    square, known once the encoder's size is) is refused naming the file."""
+    try:
+        return pipeline.prepare_ip_adapter_image(read_picture("--ip-image", path).convert("RGB"))
+    except ValueError as e:
+        raise UserError(f"--ip-image {path}: {e}") from None
 
 
 # ---- sdflax batch: a line's own image prompts ------------------------------------------------------------------
