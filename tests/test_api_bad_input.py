@@ -306,6 +306,10 @@ def test_every_number_and_picture_is_finite_in_float32(tiny):
         (lambda: euler(ids, params, key, sigmas=[1e300, 1.0, 0.0]), "sigmas"),
     ]:
         refused(ValueError, call, f"{name} holds NaN, inf or a number past float32's range")
+    # 3e38 is finite in float32, but a conditioning's scale that large overflowed its products: NaN images (issue 59's
+    # hostile cases: adapter_conditioning_scale and ip_adapter_scale)
+    refused(ValueError, lambda: shifted(ids, with_shift, key, 2, shift_scale=3e38), "shift_scale=3e+38 is past "
+            "1e+08, where float32 arithmetic overflows into a black image: give a smaller number")
 
 
 def test_settings_that_would_be_ignored_are_refused(tiny):
@@ -383,3 +387,13 @@ def test_the_pag_hook_beside_a_pag_guider_is_refused(tiny):
     refused(ValueError, lambda: both(ids, params, jax.random.PRNGKey(0), 2), "the guider PerturbedAttentionGuidance "
             "and the hook PerturbedAttentionGuidance both combine the UNet's predictions: give one "
             "(PerturbedAttentionGuidance is a guider too)")
+
+
+@pytest.mark.parametrize("load", [lambda dtype: sdflax.StableDiffusion.from_pretrained(TINY, dtype=dtype),
+                                  lambda dtype: sdflax.UNet2DConditionModel.from_pretrained(TINY, subfolder="unet",
+                                                                                            dtype=dtype)])
+def test_an_integer_dtype_is_refused_before_loading(load):
+    """T2IAdapter.from_pretrained(dtype=np.int32) rounded the weights to whole numbers and gave the image without
+    the adapter (issue 59, cause 11): every loader takes floating dtypes only."""
+    refused(TypeError, lambda: load(np.int32), "dtype must be a floating dtype (jnp.float32, jnp.bfloat16 or "
+            "jnp.float16), got <class 'numpy.int32'>")

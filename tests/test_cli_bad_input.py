@@ -140,6 +140,19 @@ def test_guidance_must_be_finite(value, tmp_path, capsys):
             f"'{value}'") in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("flag", ["--guidance", "--adapter-scale", "--slg-scale", "--true-cfg"])
+def test_scales_past_float32s_safe_range_are_refused(flag, tmp_path, capsys):
+    """--guidance 3e38 (finite in float32) was refused by the library without naming the flag; --adapter-scale 3e38
+    drew a NaN image (issue 59's hostile cases)."""
+    from sdflax.cli.parse import SCALE_BOUND
+    from sdflax.guiders.base import NUMBER_BOUND
+
+    assert SCALE_BOUND == NUMBER_BOUND
+    assert generate(f"{flag}=-3e38", "--out", tmp_path / "out") == 2
+    assert f"argument {flag}: must be at most 1e+08 in magnitude (past it float32 arithmetic overflows into a black " \
+           "image), got '-3e38'" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize("steps, expected", [
     (1001, "num_inference_steps must be in [1, 1000] (num_train_timesteps), got 1001"),
     (1000, "puts the first step at t=1000, past the last training timestep 999"),  # tiny-sd: leading, offset 1

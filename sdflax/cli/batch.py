@@ -23,7 +23,7 @@ from .features import having, used
 from .features.ip_adapter import check_line_images, line_images
 from .output import image_settings, output_target, slug
 from .options import add_options
-from .parse import finite, positive_int, seed
+from .parse import positive_int, scale, seed
 from .preflight import check_attention, check_checkpoint
 from .request import Request, UserError
 from .run import (StepBar, check_flags, compiling_line, devices_text, load, out_of_memory_is_one_line, sample_rows,
@@ -33,7 +33,7 @@ from .workers import Producer, Signals, Writer, run_until_done_or_signal
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "width", "height")  # what a JSONL line may set
 IP_IMAGE = "ip_image"  # and, with --ip-adapter, its image prompts: a path or a list of one per adapter
 # A line's own values are checked with the command line's parsers, so that both refuse the same values.
-CHECKS = {"seed": seed, "guidance": finite, "steps": positive_int, "width": positive_int, "height": positive_int}
+CHECKS = {"seed": seed, "guidance": scale, "steps": positive_int, "width": positive_int, "height": positive_int}
 # Bounds on what a prompt file can make the reader hold: a prompt is 77 tokens, so a longer line is a mistake (a
 # 16 MB line took 32 s and 2.4 GB to tokenize), and /dev/zero must not grow until killed.
 MAX_PROMPTS_BYTES = 64 * 2**20

@@ -7,7 +7,7 @@ import argparse
 import re
 
 from .. import cache
-from .parse import finite, num_images, positive_int, prompt_text, scheduler_argument, seed, strength
+from .parse import num_images, positive_int, prompt_text, scale, scheduler_argument, seed, strength
 from .features import FEATURES
 from .request import DEFAULT_MODEL
 
@@ -89,7 +89,7 @@ def add_options(parser, command, image=False, exclude=()):
         "checkpoint's own)")
     add("--steps", type=positive_int, help="denoising steps (default: the pipeline's, as diffusers: 50; 28 for SD 3.x "
         "generate and Flux.1 but Fill's; 4 for Flux.1 schnell)")
-    add("--guidance", type=finite, default=None, metavar="SCALE",
+    add("--guidance", type=scale, default=None, metavar="SCALE",
         help="classifier-free guidance scale (default: the pipeline's, as diffusers: 7.5; 5.0 for SDXL but its "
              "inpaint; 7.0 for SD 3.x); Flux.1: the guidance dev was distilled to take (default: 3.5; 7.0 for img2img "
              "and inpaint, 30 for Fill; schnell takes none)")

@@ -60,6 +60,18 @@ strength = number(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}: 1 repai
 finite = number(is_float32, "must be a finite number (as float32, the type the programs compute in), got "
                 "{text!r}")
 
+# sdflax.guiders.base.NUMBER_BOUND (the parser imports no JAX): past it a scale's products overflow float32
+SCALE_BOUND = 1e8
+
+
+def scale(text):
+    """A guidance or conditioning scale: finite, and at most SCALE_BOUND (3e38 drew a black image)."""
+    value = finite(text)
+    if abs(value) > SCALE_BOUND:
+        raise argparse.ArgumentTypeError(f"must be at most {SCALE_BOUND:g} in magnitude (past it float32 arithmetic "
+                                         f"overflows into a black image), got {text!r}")
+    return value
+
 
 def is_number(text) -> bool:
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import jax.numpy as jnp
+
 from ..cache import param_shapes
 from ..models.layers import resolve_kernels
 from .weights import convert_state_dict
@@ -21,6 +23,17 @@ def build_models(classes: dict, configs: dict, dtype, attention="auto", kernels=
     return {name: cls.from_config(configs[name], dtype, attention, kernels) for name, cls in classes.items()}
 
 
+def check_dtype(dtype):
+    """Weights and activations in a floating dtype: int32 rounded the weights to whole numbers (a T2I-Adapter's
+    features near zero gave the image without the adapter)."""
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise TypeError(f"dtype must be a floating dtype (jnp.float32, jnp.bfloat16 or jnp.float16), got {dtype!r}")
+
+
 def assemble(classes: dict, configs: dict, tensors, dtype, attention="auto", kernels=None, tokenizers=None):
     """(modules, params, tokenizers): {name: module} built from `configs`, {name: params} and {name: tokenizer}.
 
@@ -28,6 +41,7 @@ def assemble(classes: dict, configs: dict, tensors, dtype, attention="auto", ker
     comes (the UNet first); `where` names the source in errors. `tokenizers` maps names to functions that build
     them.
     """
+    check_dtype(dtype)
     modules = build_models(classes, configs, dtype, attention, kernels)
     # Tracing the models for their parameter shapes and building the tokenizers hold the GIL; copying tensors
     # into device buffers does not. So a side thread does the first while this one copies, biggest model first.

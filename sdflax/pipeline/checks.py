@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..guiders import Guider
+from ..guiders.base import NUMBER_BOUND
 from ..schedulers import common
 from . import ip_adapter
 from .arguments import check_kinds, described, picture_arrays
@@ -186,6 +187,21 @@ def check_finite(args):
         if any(not finite_float32(leaf) for leaf in leaves):
             raise ValueError(f"{name} holds NaN, inf or a number past float32's range (about 3.4e38): give finite "
                              "numbers")
+        largest = max((largest_magnitude(leaf) for leaf in leaves), default=0.0)
+        if name.endswith(("_scale", "_factor")) and largest > NUMBER_BOUND:  # a conditioning's own scales too
+            raise ValueError(f"{name}={largest:g} is past {NUMBER_BOUND:g}, where float32 arithmetic overflows into "
+                             "a black image: give a smaller number")
+
+
+def largest_magnitude(x) -> float:
+    """The largest |value| of a number or array (0 for tracers, keys, text and booleans)."""
+    if isinstance(x, (jax.core.Tracer, bool, str, np.bool_)) or not hasattr(x, "dtype") and \
+            not isinstance(x, numbers.Real):
+        return 0.0
+    if hasattr(x, "dtype") and not any(jnp.issubdtype(x.dtype, kind) for kind in (jnp.floating, jnp.integer)):
+        return 0.0
+    with np.errstate(all="ignore"):
+        return float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))
 
 
 def finite_float32(x) -> bool:

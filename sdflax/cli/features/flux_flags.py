@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ..parse import finite
+from ..parse import scale
 from ..request import UserError
 
 FLAG = "--true-cfg"
@@ -14,7 +14,7 @@ NEEDS_NEGATIVE = ("--true-cfg runs classifier-free guidance against a negative p
 
 
 def add_flags(add, command):
-    add("--true-cfg", type=finite, metavar="SCALE", help="Flux.1: the scale of classifier-free guidance against "
+    add("--true-cfg", type=scale, metavar="SCALE", help="Flux.1: the scale of classifier-free guidance against "
         "--negative-prompt, on top of --guidance, the guidance dev was distilled to take (diffusers' true_cfg_scale: "
         "twice the transformer's work); with --guider, its scale (default: 1, none)")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..parse import finite, prompt_text
+from ..parse import prompt_text, scale
 from ..manifest import quoted
 from ..request import UserError
 
@@ -22,7 +22,7 @@ def add_flags(add, command):
     add("--slg-layers", type=layer_list, default=(), metavar="I,J,...", help="SD 3.x: skip-layer guidance, an "
         "extra pass without these transformer blocks steering away from it (SD 3.5 Medium: 7,8,9), as diffusers' "
         "skip_guidance_layers")
-    add("--slg-scale", type=finite, metavar="S", help="with --slg-layers: its scale (default: 2.8, as diffusers)")
+    add("--slg-scale", type=scale, metavar="S", help="with --slg-layers: its scale (default: 2.8, as diffusers)")
 
 
 def layer_list(text):

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from ..parse import finite, number
+from ..parse import number, scale
 from ..pictures import check_counts, read_picture
 from ..manifest import quoted
 from ..request import UserError
@@ -30,7 +30,7 @@ def add_flags(add, command):
     add("--adapter-image", action="append", default=[], metavar="IMG",
         help="the picture of each --t2i-adapter, in their order, grey for a one-channel adapter; resized to the "
              "output size, which the first one sets where no --height and --width, --image or --control-image do")
-    add("--adapter-scale", action="append", default=[], type=finite, metavar="S",
+    add("--adapter-scale", action="append", default=[], type=scale, metavar="S",
         help="how strongly the T2I-Adapters steer: one value for all or one per adapter (default: 1.0)")
     add("--adapter-factor", type=adapter_factor, metavar="F",
         help="SDXL: the fraction of the steps, the first ones, the T2I-Adapters steer, in [0, 1] (default: 1.0)")
