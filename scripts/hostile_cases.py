@@ -147,9 +147,9 @@ def long_picture(ctx, name="long.png"):
 
 
 api(2, "clip_image_inputs(67108864x1)", "none",
-    lambda ctx: __import__("sdflax").clip_image_inputs(long_picture(ctx)), ("picture",))
+    lambda ctx: __import__("sdflax").clip_image_inputs(long_picture(ctx)), ("image of 67108864x1",))
 api(2, "prepare_ip_adapter_image(1x67108864)", "ip",
-    lambda ctx: ctx.ip()[0].prepare_ip_adapter_image(long_picture(ctx, "tall.png")), ("picture",))
+    lambda ctx: ctx.ip()[0].prepare_ip_adapter_image(long_picture(ctx, "tall.png")), ("image of 1x67108864",))
 
 # 3: custom schedules without a length cap --------------------------------------------------------------------------
 def call(group, **kwargs):
@@ -182,7 +182,8 @@ cli(4, "batch reading a FIFO, SIGTERM", ["batch", "{out}/fifo", "--model", "{w}/
 for flag, first, second in (("--guider", "cfg", "apg"), ("--guider-arg", "eta=1", "eta=0"),
                             ("--scheduler", "euler", "ddim")):
     extra = ["--guider", "apg"] if flag == "--guider-arg" else []
-    cli(5, f"resume with another {flag}", [*BATCH, *extra, flag, second, "--out", "{out}/o"], (flag.lstrip("-"),),
+    cli(5, f"resume with another {flag}", [*BATCH, *extra, flag, second, "--out", "{out}/o"],
+        ({"--guider-arg": "guider_args", "--scheduler": "sampler"}.get(flag, "guider"),),
         before=(lambda first, flag, extra: lambda w, out: first_run(w, out, [*extra, flag, first]))(
             first, flag, extra), timeout=300)
 
@@ -197,6 +198,10 @@ def first_run(w, out, args):
 for value in ("3e38", "nan", "-inf"):
     cli(6, f"--guidance={value}", ["generate", "x", "--model", "{w}/tiny", *GEN, f"--guidance={value}", "--out",
                                    "{out}/a.png"], ("--guidance",))
+cli(6, "--adapter-scale=1e30", ["generate", "x", "--model", "{w}/tiny", *GEN, "--t2i-adapter",
+                                                     "{w}/t2i", "--adapter-image", "{w}/face.png",
+                                                     "--adapter-scale=1e30", "--out", "{out}/a.png"],
+    ("--adapter-scale",))
 cli(6, "--eta=nan", ["generate", "x", "--model", "{w}/tiny", *GEN, "--scheduler", "ddim", "--eta=nan", "--out",
                      "{out}/a.png"], ("--eta",))
 cli(6, "--adapter-scale=3e38", ["generate", "x", "--model", "{w}/tiny", *GEN, "--t2i-adapter", "{w}/t2i",
@@ -230,16 +235,26 @@ api(6, "strength=nan", "img2img", lambda ctx: ctx.img2img(0.5, strength=float("n
 
 # 7: guider arguments -----------------------------------------------------------------------------------------------
 GUIDERS = [("SmoothedEnergyGuidance", {"seg_blur_sigma": 0.0}), ("SmoothedEnergyGuidance", {"seg_blur_sigma": -5.0}),
+           ("SmoothedEnergyGuidance", {"seg_guidance_scale": 3e38}),
            ("AdaptiveProjectedGuidance", {"eta": 1e38}), ("MagnitudeAwareGuidance", {"alpha": -1e30}),
            ("FrequencyDecoupledGuidance", {"guidance_scales": (1e38, 5.0)}),
            ("ClassifierFreeGuidance", {"guidance_scale": float("nan")}),
            ("AdaptiveProjectedMixGuidance", {"adaptive_projected_guidance_rescale": float("inf")}),
            ("TangentialClassifierFreeGuidance", {"guidance_scale": 3e38}),
-           ("ClassifierFreeZeroStarGuidance", {"zero_init_steps": -1}),
+           ("ClassifierFreeZeroStarGuidance", {"zero_init_steps": float("nan")}),
            ("PerturbedAttentionGuidance", {"perturbed_guidance_scale": float("nan")})]
 for cls, kwargs in GUIDERS:
-    api(7, f"{cls}({kwargs})", "none", (lambda cls, kwargs: lambda ctx: getattr(
-        __import__("sdflax.guiders").guiders, cls)(**kwargs))(cls, kwargs), (next(iter(kwargs)),))
+    api(7, f"{cls}({kwargs})", "none", (lambda cls, kwargs: lambda ctx: guider(cls, **kwargs))(cls, kwargs),
+        (next(iter(kwargs)),))
+
+
+def guider(cls, **kwargs):
+    """A guider of sdflax.guiders; the perturbed ones with a layer to perturb (they refuse to be built without)."""
+    from sdflax import guiders
+    fqn = "mid_block.attentions.0.transformer_blocks"
+    layers = {"SmoothedEnergyGuidance": {"seg_guidance_config": guiders.SmoothedEnergyGuidanceConfig([0], fqn=fqn)},
+              "PerturbedAttentionGuidance": {"perturbed_guidance_config": guiders.LayerSkipConfig([0], fqn=fqn)}}
+    return getattr(guiders, cls)(**layers.get(cls, {}), **kwargs)
 
 # 8: weights with NaN or inf ----------------------------------------------------------------------------------------
 cli(8, "NaN in the image encoder", ["generate", "x", "--model", "{w}/tiny", *GEN, *IP, "--ip-image", "{w}/face.png",
@@ -281,7 +296,7 @@ for label, kwargs in (("start > stop", dict(skip_layer_guidance_start=0.5, skip_
 api(10, "ip_adapter_scale dict naming no block", "ip", call("ip", ip_adapter_scale={"up": {"block_9": [1.0]}}),
     ("block_9",))
 api(10, "ip_adapter_scale dict naming a block without attention", "ip",
-    call("ip", ip_adapter_scale={"down": {"block_1": [1.0]}}), ("block_1",))
+    call("ip", ip_adapter_scale={"down": {"block_2": [1.0]}}), ("block_2",))
 for name, value in (("ip_adapter_scale", 0.5), ("ip_adapter_masks", "mask"), ("adapter_conditioning_scale", 0.5),
                     ("adapter_conditioning_factor", 0.5), ("adapter_image", "picture")):
     api(10, f"{name} without the adapter", "sd", (lambda name, value: lambda ctx: call("sd", **{name: {
@@ -302,7 +317,8 @@ cli(10, "--guidance beside --guider-arg guidance_scale", ["generate", "x", "--mo
 api(11, "ip_adapter_image as uint8", "ip", lambda ctx: call("ip", ip_adapter_image=(ctx.ip()[3] * 0).astype(
     ctx.np.uint8))(ctx), ("ip_adapter_image",))
 api(11, "T2I image x255", "t2i", lambda ctx: ctx.t2i_call(scale=255.0), ("adapter_image",))
-api(11, "T2I image as uint8", "t2i", lambda ctx: ctx.t2i_call(dtype="uint8"), ("adapter_image",))
+api(11, "T2I image as uint8 0..255", "t2i", lambda ctx: ctx.t2i_call(scale=255.0, dtype="uint8"),
+    ("adapter_image",))
 api(11, "T2IAdapter.from_pretrained(dtype=np.int32)", "none", lambda ctx: __import__("sdflax").T2IAdapter
     .from_pretrained(ctx.w / "t2i", dtype=ctx.np.int32), ("dtype",))
 
@@ -371,9 +387,31 @@ cli(15, "--guider-arg norm_dim=x", ["generate", "x", "--model", "{w}/tiny", *GEN
 cli(15, "--guider fdg with 8 levels", ["generate", "x", "--model", "{w}/tiny", *GEN, "--guider", "fdg",
                                        "--guider-arg", "guidance_scales=2,2,2,2,2,2,2,2", "--out", "{out}/a.png"],
     ("guidance_scales",))
-cli(15, "--ip-image-encoder a folder that is not there", ["generate", "x", "--model", "{w}/tiny", *GEN, *IP, "--ip-image",
-                                                "{w}/face.png", "--ip-image-encoder", "{w}/nowhere", "--out",
-                                                "{out}/a.png"], ("--ip-image-encoder",))
+cli(15, "--ip-image-encoder a folder that is not there", ["generate", "x", "--model", "{w}/tiny", *GEN, *IP,
+                                                          "--ip-image", "{w}/face.png", "--ip-image-encoder",
+                                                          "{w}/nowhere", "--out", "{out}/a.png"],
+    ("--ip-image-encoder",))
+
+IMG2IMG = ["img2img", "x", "--image", "{w}/face.png", "--model", "{w}/tiny", *GEN]
+cli(15, "batch --guider-arg start=0.1,0.2", [*BATCH, "--guider", "cfg", "--guider-arg", "start=0.1,0.2", "--out",
+                                             "{out}/o"], ("start",))
+cli(15, "img2img --guider-arg start=0.1,0.2", [*IMG2IMG, "--guider", "cfg", "--guider-arg", "start=0.1,0.2",
+                                               "--out", "{out}/a.png"], ("start",))
+cli(15, "batch --guider-arg norm_dim=x", [*BATCH, "--guider", "apg", "--guider-arg", "norm_dim=x", "--out",
+                                          "{out}/o"], ("norm_dim",))
+cli(15, "batch --guider fdg with 8 levels", [*BATCH, "--guider", "fdg", "--guider-arg",
+                                             "guidance_scales=2,2,2,2,2,2,2,2", "--out", "{out}/o"],
+    ("guidance_scales",))
+cli(15, "batch: SD 3 single file with a wrong-shaped tensor", ["batch", "{w}/prompts.txt", "--model",
+                                                               "{w}/sd35_shape.safetensors", "--config", "{w}/sd35",
+                                                               "--out", "{out}/o"], ("qkv",))
+cli(15, "img2img: truncated zip .bin", ["img2img", "x", "--image", "{w}/face.png", "--model", "{w}/truncated", *GEN,
+                                        "--out", "{out}/a.png"], ("truncated",))
+cli(15, "img2img --ip-image-encoder a folder that is not there", [*IMG2IMG, *IP, "--ip-image", "{w}/face.png",
+                                                                  "--ip-image-encoder", "{w}/nowhere", "--out",
+                                                                  "{out}/a.png"], ("--ip-image-encoder",))
+api(15, "ip_adapter_scale='high'", "ip", call("ip", ip_adapter_scale="high"), ("ip_adapter_scale",))
+api(15, "ip_adapter_image=None with an adapter", "ip", call("ip", ip_adapter_image=None), ("ip_adapter_image",))
 
 
 def differs(first, argv, w, out):
@@ -564,8 +602,8 @@ class Context:
         import sdflax
         from builders import torch_controlnet
         from diffusers import UNet2DConditionModel
-        torch_controlnet(UNet2DConditionModel.from_pretrained(self.w / "tiny", subfolder="unet")).save_pretrained(
-            self.w / "scratch-controlnet")
+        unet = UNet2DConditionModel.from_pretrained(self.w / "tiny", subfolder="unet")
+        torch_controlnet(unet, channels=(8, 16, 32)).save_pretrained(self.w / "scratch-controlnet")  # latents: 1/4
         net, net_params = sdflax.ControlNetModel.from_pretrained(self.w / "scratch-controlnet")
         pipe, params = sdflax.StableDiffusionControlNet.from_pretrained(self.w / "tiny", controlnet=net)
         params["controlnet"] = net_params
