@@ -277,9 +277,11 @@ api(9, "T5 ids past the encoder's rows", "sd3", lambda ctx: ctx.t5_ids_past_voca
 SD3 = ["generate", "a photo", "--model", "{w}/sd35", *GEN]
 cli(10, "SD 3 'Euler Align Your Steps'", [*SD3, "--scheduler", "Euler Align Your Steps", "--out", "{out}/a.png"],
     ("Align Your Steps",))
-cli(10, "SD 3 'Euler KL Optimal' differs from Euler", [*SD3, "--scheduler", "Euler KL Optimal", "--out",
-                                                         "{out}/a.png"], None,
-    after=lambda w, out: differs(Path(out) / "a.png", [*SD3, "--scheduler", "Euler", "--out", "{out}/b.png"], w, out))
+# at 4 steps: at 2 both schedules are the same two end points
+cli(10, "SD 3 'Euler KL Optimal' differs from Euler", [*SD3, "--steps", "4", "--scheduler", "Euler KL Optimal",
+                                                         "--out", "{out}/a.png"], None,
+    after=lambda w, out: differs(Path(out) / "a.png", [*SD3, "--steps", "4", "--scheduler", "Euler", "--out",
+                                                       "{out}/b.png"], w, out))
 cli(10, "--prompt-3 with --no-t5", [*SD3, "--no-t5", "--prompt-3", "a cat", "--out", "{out}/a.png"], ("--prompt-3",))
 cli(10, "--negative-prompt-3 with --no-t5", [*SD3, "--no-t5", "--negative-prompt-3", "dog", "--out", "{out}/a.png"],
     ("--negative-prompt-3",))
