@@ -456,6 +456,16 @@ def test_control_image_and_inpaint_match_diffusers(control_checkpoint, monkeypat
         assert pipe._jitted._cache_size() == 1
 
 
+def test_an_ordinary_checkpoint_is_refused_by_control_img2img(pipes):
+    folder, _, _, _ = pipes
+    pipe, params = sdflax.FluxControlImg2Img.from_pretrained(folder)
+    ids, image, control = pipe.prepare_inputs(PROMPTS, control_pictures(), control_images=control_pictures(),
+                                              max_sequence_length=T5_LENGTH)
+    with pytest.raises(ValueError, match=r"^Flux Control's transformer takes 128 features per token .* this one takes "
+                                         r"64: use FluxImg2Img / FluxInpaint"):
+        pipe(ids, image, control, params, jax.random.PRNGKey(0), num_inference_steps=2)
+
+
 def test_the_cli_runs_control_img2img_and_inpaint(control_checkpoint, tmp_path):
     """`img2img` and `inpaint` with --control-image on a Control checkpoint are FluxControlImg2Img's and
     FluxControlInpaint's calls (their defaults: strength 0.6, guidance 7)."""

@@ -217,7 +217,8 @@ class ControlLatents:
 
     @classmethod
     def build(cls, parts, vae, denoiser) -> "ControlLatents":
-        check_control_transformer(vae, denoiser, "FluxControlNetImg2Img / FluxControlNetInpaint with a ControlNet")
+        check_control_transformer(vae, denoiser, "FluxImg2Img / FluxInpaint (or FluxControlNetImg2Img / "
+                                  "FluxControlNetInpaint with a ControlNet)")
         return cls(vae)
 
     def pixel_size(self, picture) -> tuple:
@@ -259,8 +260,7 @@ class FromImageMaskPasted(FromImageMask):
 
     @classmethod
     def build(cls, vae, denoiser) -> "FromImageMaskPasted":
-        check_control_transformer(vae, denoiser, "FluxInpaint")
-        return cls(vae, False)
+        return cls(vae, False)  # the transformer's other channels: checked by ControlLatents
 
 
 @dataclasses.dataclass(frozen=True)
