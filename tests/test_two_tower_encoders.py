@@ -13,7 +13,6 @@ from builders import randomize_norms
 from safetensors.numpy import load_file
 
 from sdflax import CLIPVisionModelWithProjection, SiglipVisionModel
-from sdflax.loading import folders
 
 RTOL = 1e-4  # float32, of the output's largest magnitude
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28,
@@ -54,17 +53,3 @@ def test_the_vision_tower_loads_as_transformers_reads_it(two_towers):
     want = expected.hidden_states[-2].numpy()  # the penultimate layer's states, which IP-Adapter Plus reads
     np.testing.assert_allclose(np.asarray(out.hidden_states[-2]), want, rtol=0, atol=RTOL * np.abs(want).max())
 
-
-def test_a_hub_model_downloads_its_config_and_one_weight_format(two_towers, monkeypatch):
-    """A hub id fetches config.json and the safetensors weights, not the TensorFlow, Flax and .bin twins."""
-    ours, _, folder = two_towers
-    asked = []
-
-    def resolve(name, revision, allow_patterns=None):
-        asked.append(allow_patterns)
-        return str(folder)
-
-    monkeypatch.setattr(folders, "resolve_folder", resolve)
-    ours.from_pretrained("openai/clip-vit-large-patch14")
-    assert len(asked) == 1 and "config.json" in asked[0] and "model.safetensors" in asked[0]
-    assert not any(pattern.endswith((".bin", ".h5", ".msgpack")) for pattern in asked[0])
