@@ -397,3 +397,93 @@ def test_image_and_inpaint_nets_match_diffusers(pipes, models, monkeypatch, kind
                                        control_images=control_pictures(), max_sequence_length=T5_LENGTH)
     check_images(pipe(ids, *images, params, key, strength=0.8, num_inference_steps=STEPS, guidance_scale=3.5,
                       controlnet_conditioning_scale=0.9, noise=noise).images, expected)
+
+
+@pytest.mark.parametrize("kind", ["img2img", "inpaint"])
+def test_control_image_and_inpaint_match_diffusers(control_checkpoint, monkeypatch, kind):
+    """FluxControlImg2Img and FluxControlInpaint: the image noised as far as `strength` says (inpainting: the known
+    region pasted back every step), the control picture's latents beside the latents; diffusers draws the posterior
+    samples in its order (inpainting: the masked image's first, unused by this transformer), then the control
+    picture's, then the image's. Another strength, or another mask, moves diffusers' image; the mask is traced."""
+    import diffusers.pipelines.flux.pipeline_flux_control_img2img as img2img
+    import diffusers.pipelines.flux.pipeline_flux_control_inpaint as inpaint
+    from diffusers import FluxControlImg2ImgPipeline, FluxControlInpaintPipeline
+    from PIL import ImageOps
+
+    folder, control = control_checkpoint
+    module, their_class, cls = {"img2img": (img2img, FluxControlImg2ImgPipeline, sdflax.FluxControlImg2Img),
+                                "inpaint": (inpaint, FluxControlInpaintPipeline, sdflax.FluxControlInpaint)}[kind]
+    theirs = their_class(**control.components)
+    pipe, params = cls.from_pretrained(folder)
+    pictures, masks = pictures_and_masks(seed=6)
+    key, shape = jax.random.PRNGKey(7), (2, 16, SIZE // 8, SIZE // 8)
+    noise = latents_for(seed=9)
+    controls = control_pictures(seed=7)
+
+    def expected(strength, mask=None):
+        if mask is None:
+            image_eps, _ = random_draws(key, shape, 2)[0]
+            posterior = [*control_draws(key, shape, 1), image_eps]
+        else:
+            image_eps, masked_eps, _ = random_draws(key, shape, 3)[0]
+            posterior = [masked_eps, *control_draws(key, shape, 1), image_eps]
+        patch_draws(monkeypatch, module, posterior, noise)
+        with torch.no_grad():
+            return theirs(PROMPTS, image=pictures, control_image=controls, strength=strength,
+                          num_inference_steps=STEPS, guidance_scale=3.5, height=SIZE, width=SIZE,
+                          max_sequence_length=T5_LENGTH, output_type="np",
+                          **({"mask_image": mask} if mask is not None else {})).images
+
+    def ours(strength, *mask):
+        return pipe(ids, image, *mask, control_image, params, key, strength=strength, num_inference_steps=STEPS,
+                    guidance_scale=3.5, noise=noise).images
+
+    if kind == "img2img":
+        ids, image, control_image = pipe.prepare_inputs(PROMPTS, pictures, control_images=controls,
+                                                        max_sequence_length=T5_LENGTH)
+        assert moves(expected(0.8), expected(0.5))
+        check_images(ours(0.8), expected(0.8))
+    else:
+        inverted = [ImageOps.invert(mask) for mask in masks]
+        ids, image, mask, control_image = pipe.prepare_inputs(PROMPTS, pictures, masks, control_images=controls,
+                                                              max_sequence_length=T5_LENGTH)
+        _, _, other, _ = pipe.prepare_inputs(PROMPTS, pictures, inverted, control_images=controls,
+                                             max_sequence_length=T5_LENGTH)
+        by_mask = [expected(0.8, masks), expected(0.8, inverted)]
+        assert moves(*by_mask) and moves(by_mask[0], expected(0.5, masks))
+        for given, theirs_image in zip((mask, other), by_mask):
+            check_images(ours(0.8, given), theirs_image)
+        assert pipe._jitted._cache_size() == 1
+
+
+def test_an_ordinary_checkpoint_is_refused_by_control_img2img(pipes):
+    folder, _, _, _ = pipes
+    pipe, params = sdflax.FluxControlImg2Img.from_pretrained(folder)
+    ids, image, control = pipe.prepare_inputs(PROMPTS, control_pictures(), control_images=control_pictures(),
+                                              max_sequence_length=T5_LENGTH)
+    with pytest.raises(ValueError, match=r"^Flux Control's transformer takes 128 features per token .* this one takes "
+                                         r"64: use FluxImg2Img / FluxInpaint"):
+        pipe(ids, image, control, params, jax.random.PRNGKey(0), num_inference_steps=2)
+
+
+def test_the_cli_runs_control_img2img_and_inpaint(control_checkpoint, tmp_path):
+    """`img2img` and `inpaint` with --control-image on a Control checkpoint are FluxControlImg2Img's and
+    FluxControlInpaint's calls (their defaults: strength 0.6, guidance 7)."""
+    from PIL import Image
+    from test_cli import close_to
+
+    from sdflax.cli import main
+
+    pictures, masks = pictures_and_masks(seed=8)
+    for name, picture in (("edges", control_pictures(seed=9)[0]), ("in", pictures[0]), ("mask", masks[0])):
+        picture.resize((32, 32)).save(tmp_path / f"{name}.png")
+    edges, image, mask = (Image.open(tmp_path / f"{name}.png") for name in ("edges", "in", "mask"))
+    for command, cls, given in (("img2img", sdflax.FluxControlImg2Img, []),
+                                ("inpaint", sdflax.FluxControlInpaint, ["--mask", str(tmp_path / "mask.png")])):
+        assert main([command, PROMPTS[1], "--model", str(control_checkpoint[0]), "--image", str(tmp_path / "in.png"),
+                     *given, "--control-image", str(tmp_path / "edges.png"), *CLI,
+                     "--out", str(tmp_path / f"{command}.png")]) == 0
+        pipe, params = cls.from_pretrained(control_checkpoint[0])
+        _, *arrays = pipe.prepare_inputs([PROMPTS[1]], [image], *([[mask]] if given else []), control_images=[edges],
+                                         max_sequence_length=T5_LENGTH)
+        close_to(tmp_path / f"{command}.png", cli_library(pipe, params, *arrays, strength=0.6, guidance_scale=7.0))

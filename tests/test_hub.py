@@ -15,10 +15,10 @@ from huggingface_hub.utils import filter_repo_objects
 from PIL import Image
 from compile_flags import xla_flags
 
-from sdflax import StableDiffusion
+from sdflax import AutoencoderKL, StableDiffusion
 from sdflax.loading.hub import ModelNotFoundError, resolve_folder, snapshot_commit
 from sdflax.loading.folders import check_pipeline_folder
-from sdflax.loading.folders import checkpoint_files
+from sdflax.loading.folders import checkpoint_files, model_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "weights" / "tiny-sd"
@@ -56,6 +56,20 @@ def test_only_the_files_the_pipeline_reads_are_downloaded():
     assert list(filter_repo_objects(shards, allow_patterns=checkpoint_files("fp16"))) == shards[2:]
 
 
+# openai/clip-vit-large-patch14 on the hub (main): its weights in four formats, 6.8 GB in all
+CLIP_L_FILES = """
+.gitattributes README.md config.json flax_model.msgpack merges.txt model.safetensors preprocessor_config.json
+pytorch_model.bin special_tokens_map.json tf_model.h5 tokenizer.json tokenizer_config.json vocab.json
+""".split()
+
+
+def test_a_model_downloads_its_config_and_one_weight_format():
+    assert set(filter_repo_objects(CLIP_L_FILES, allow_patterns=model_files())) == {"config.json", "model.safetensors"}
+    vae = [f for f in SD15_FILES if f.startswith("vae/")]
+    assert set(filter_repo_objects(vae, allow_patterns=model_files("vae"))) == {
+        "vae/config.json", "vae/diffusion_pytorch_model.safetensors"}
+
+
 @pytest.fixture
 def hf_cache(tmp_path, monkeypatch):
     """models--org--name/{refs/main, snapshots/<commit>/...} holding tiny-sd, offline (huggingface_hub reads its
@@ -80,6 +94,8 @@ def test_from_pretrained_reads_a_hub_id_from_the_cache(hf_cache):
     _, expected = StableDiffusion.from_pretrained(str(TINY))
     np.testing.assert_array_equal(params["unet"]["conv_in"]["kernel"], expected["unet"]["conv_in"]["kernel"])
     assert pipeline.vae_scale_factor == 4
+    _, vae = AutoencoderKL.from_pretrained("org/name", subfolder="vae")  # a model of the repo, as the pipeline's
+    np.testing.assert_array_equal(vae["decoder"]["conv_out"]["kernel"], expected["vae"]["decoder"]["conv_out"]["kernel"])
 
 
 def test_uncached_id_offline_says_so_and_how_to_fix_it(hf_cache):

@@ -23,7 +23,6 @@ from sdflax import hooks
 from sdflax.guiders import (LayerSkipConfig, PerturbedAttentionGuidance, SkipLayerGuidance, SmoothedEnergyGuidance,
                             SmoothedEnergyGuidanceConfig)
 from sdflax.hooks.pag import perturbed_attention_guidance
-from sdflax.hooks.prompt_to_prompt import PromptToPrompt
 
 RTOL = 1e-4  # of the latents' largest magnitude, float32
 MOVES = 100 * RTOL  # what each tested setting changes in diffusers' latents, at least (relative, as RTOL)
@@ -196,12 +195,10 @@ def test_seg_guider_matches_diffusers_guider(text_to_image, monkeypatch, sigma):
 
 def test_hooks_without_a_meaning_on_the_transformer_are_refused(text_to_image):
     """Refused in one line before the transformer is traced: FreeU (a UNet's up blocks and skip connections),
-    DeepCache (a UNet's down-up branches), prompt-to-prompt (a UNet's cross-attention, over CLIP's tokens)."""
+    DeepCache (a UNet's down-up branches)."""
     _, pipe, params = text_to_image
     ids = pipe.prepare_inputs(PROMPTS, max_sequence_length=T5_LENGTH)
-    edits = np.ones((1, 4, 4), np.float32)
-    for hook, name in [(hooks.freeu(0.9, 0.2, 1.2, 1.4), "freeu"), (hooks.deep_cache(), "deep_cache"),
-                       (PromptToPrompt(edits, edits[:, 0], edits[:, 0]), "prompt_to_prompt")]:
+    for hook, name in [(hooks.freeu(0.9, 0.2, 1.2, 1.4), "freeu"), (hooks.deep_cache(), "deep_cache")]:
         with pytest.raises(ValueError, match=rf"^{name} works on a UNet only: .*, which a transformer \(SD 3.x's, "
                                              r"Flux.1's\) has not; drop the hook$"):
             pipe.with_hooks(hook)(ids, params, jax.random.PRNGKey(0), num_inference_steps=STEPS)

@@ -14,7 +14,7 @@ from ..pipeline.types import Start
 from ..pipeline.starts import FromImage, FromImageMask, FromNoise
 from ..pipeline.table import Row
 from .base import Family
-from .flux_control import FluxControlNets, FromNoiseWithControl
+from .flux_control import ControlLatents, FluxControlNets, FromImageMaskPasted, FromNoiseWithControl
 from .flux_text import FluxText
 
 FLUX_TAIL = ("true_cfg_scale jit callback guidance return_trajectory prompt_embeds neg_prompt_embeds "
@@ -122,6 +122,16 @@ ROWS = {
         f"{FLUX_IMAGE.replace('noise', 'latents')} {FLUX_TAIL}", {"num_inference_steps": 28, "guidance_scale": 3.5},
         "Flux.1 Control (FLUX.1 Canny / Depth dev): the control picture's latents beside the latents (128 input "
         "features); the image is made at the picture's size.", {**RENAMED, "control_image": "image"}),
+    "FluxControlImg2Img": Row(
+        FromImage, (ControlLatents,), f"prompt_ids image control_image params prng_seed strength {FLUX_IMAGE} "
+        f"{FLUX_TAIL}", {"num_inference_steps": 28, "strength": 0.6, "guidance_scale": 7.0},
+        "Flux.1 Control image-to-image: the control picture's latents beside the latents of the noised image.",
+        RENAMED),
+    "FluxControlInpaint": Row(
+        FromImageMaskPasted, (ControlLatents,), f"prompt_ids image mask control_image params prng_seed strength "
+        f"{FLUX_IMAGE} {FLUX_TAIL}", {"num_inference_steps": 28, "strength": 0.6, "guidance_scale": 7.0},
+        "Flux.1 Control inpainting: the control picture's latents beside the latents, the known region pasted back "
+        "every step.", RENAMED),
 }
 
 FAMILY = Family("flux", "Flux.1", FluxText, ("Flux",), ROWS, module=__name__, flags=FLAGS,
@@ -136,3 +146,5 @@ FluxControlNet = FAMILY.classes["FluxControlNet"]
 FluxControlNetImg2Img = FAMILY.classes["FluxControlNetImg2Img"]
 FluxControlNetInpaint = FAMILY.classes["FluxControlNetInpaint"]
 FluxControl = FAMILY.classes["FluxControl"]
+FluxControlImg2Img = FAMILY.classes["FluxControlImg2Img"]
+FluxControlInpaint = FAMILY.classes["FluxControlInpaint"]

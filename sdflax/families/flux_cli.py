@@ -48,11 +48,10 @@ def check_denoiser(request, family, transformer, vae):
     if features == fill and request.command != "inpaint":
         raise UserError(f"{request.model} is a Flux.1 Fill checkpoint (its transformer takes the masked image and the "
                         "mask beside the latents): use sdflax inpaint")
-    if features == 2 * ordinary and (request.command != "generate" or request.controlnet
-                                     or len(request.control_image) != 1):
+    if features == 2 * ordinary and (request.controlnet or len(request.control_image) != 1):
         raise UserError(f"{request.model} is a Flux.1 Control checkpoint (Canny / Depth dev: its transformer takes "
-                        "the control picture's latents beside the latents): use sdflax generate with one "
-                        "--control-image and no --controlnet")
+                        "the control picture's latents beside the latents): give one --control-image and no "
+                        "--controlnet (sdflax generate, img2img or inpaint)")
     if features not in (ordinary, fill, 2 * ordinary):
         raise UserError(f"{request.model}: its transformer takes {features} features per token; sdflax runs Flux.1 "
                         f"transformers of {ordinary} (the VAE's latents, packed), Fill's {fill} and Control's "
@@ -67,14 +66,14 @@ def check_denoiser(request, family, transformer, vae):
 
 
 def pipeline_class(request, cls, transformer, vae):
-    """FluxFill for `inpaint` with a Fill transformer, FluxControl for a Control one; else the family's class of the
-    cell."""
-    from .flux import FluxControl, FluxFill
+    """FluxFill for `inpaint` with a Fill transformer, a Control transformer's class of the command (FluxControl,
+    FluxControlImg2Img, FluxControlInpaint); else the family's class of the cell."""
+    from .flux import FluxControl, FluxControlImg2Img, FluxControlInpaint, FluxFill
 
     if request.command == "inpaint" and transformer.in_channels == fill_features(vae):
         return FluxFill
     if transformer.in_channels == 8 * vae.latent_channels:
-        return FluxControl
+        return {"noise": FluxControl, "image": FluxControlImg2Img, "image_mask": FluxControlInpaint}[request.start]
     return cls
 
 

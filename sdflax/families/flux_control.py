@@ -8,7 +8,9 @@ are added after the transformer's blocks. Under true CFG the nets see the prompt
 rows take the same residuals, as diffusers. A Union net reads each of several pictures with its own mode.
 
 `FromNoiseWithControl` is Flux Control's start: its transformer takes the control picture's latents beside the
-latents on its channels (128 features per token), as Fill takes the masked image's.
+latents on its channels (128 features per token), as Fill takes the masked image's. Its image-to-image and inpainting
+take the start's own picture besides, so the control picture is a conditioning's input there (`ControlLatents`),
+as the ControlNets' is.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import numpy as np
 from ..pipeline.checks import check_picture_values
 from ..models.flux_controlnet import FluxControlNetModel
 from ..pipeline.controlnet import ControlInputs, ControlNet, as_nets, window_scales
-from ..pipeline.starts import FromNoise, with_channels
-from ..pipeline.types import Start, random_draws
+from ..pipeline.starts import FromImageMask, FromNoise, with_channels
+from ..pipeline.types import Start, batched, float32_array, random_draws
 from .flux_text import image_ids, pack, text_ids
 
 CONTROL_DRAWS = 1  # folded into the call's key for the control pictures' VAE posterior samples
@@ -177,6 +179,90 @@ def control_modes(given, nets) -> list:
     return [-1 if mode is None else int(mode) for mode in modes]
 
 
+def control_latents(vae, params, picture, prng_seed):
+    """Flux Control's control picture (B, 3, H, W) in [-1, 1], or its latents, -> its VAE latents (B, C, h, w), a
+    posterior sample drawn apart from the start's (diffusers encodes it with the pipeline's generator)."""
+    if vae.is_latent_image(picture):
+        return picture.astype(jnp.float32)
+    shape = (picture.shape[0], vae.latent_channels, *(side // vae.scale_factor for side in picture.shape[2:]))
+    return vae.encode(params, picture, control_draws(prng_seed, shape, 1)[0])
+
+
+def check_control_transformer(vae, denoiser, instead):
+    """A Control transformer: the latents and the control picture's, packed (128 features per token for FLUX.1)."""
+    c = vae.latent_channels
+    if denoiser.in_channels != 2 * c:
+        raise ValueError(f"Flux Control's transformer takes {8 * c} features per token (the latents and the "
+                         f"control picture's, packed); this one takes {4 * denoiser.in_channels}: use {instead} "
+                         "for an ordinary Flux checkpoint")
+
+
+@flax.struct.dataclass
+class ControlPictureInputs:
+    image: Any = batched()  # (B, 3, H, W) in [0, 1], or its latents (B, C, h, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlLatents:
+    """Flux Control's control picture where the start takes a picture of its own (image-to-image, inpainting): its
+    VAE latents beside the latents on the channels at every step, as diffusers' FluxControlImg2ImgPipeline and
+    FluxControlInpaintPipeline."""
+
+    vae: Any
+
+    # the weights it runs are the VAE's (it encodes the picture); its inputs are Inputs.conditions["vae"]
+    params_name = "vae"
+    picture = "control_image"
+    arguments = {}
+
+    @classmethod
+    def build(cls, parts, vae, denoiser) -> "ControlLatents":
+        check_control_transformer(vae, denoiser, "FluxImg2Img / FluxInpaint (or FluxControlNetImg2Img / "
+                                  "FluxControlNetInpaint with a ControlNet)")
+        return cls(vae)
+
+    def pixel_size(self, picture) -> tuple:
+        """(H, W) in pixels of the control picture, or of the latents given in its place."""
+        f = self.vae.scale_factor if self.vae.is_latent_image(picture) else 1
+        return tuple(side * f for side in picture.shape[-2:])
+
+    def check_images(self, spec, given, leading_dims, batch):
+        """One picture per prompt, RGB in [0, 1] or latents."""
+        expected = ("(devices, B, " if leading_dims == 2 else "(B, ") + "3, H, W)"
+        if isinstance(given, (list, tuple)) or given.ndim != leading_dims + 3 or given.shape[-3] not in (
+                3, self.vae.latent_channels):
+            raise ValueError(f"the control image has shape {described_shape(given)}; expected {expected}: make it "
+                             "with pipeline.prepare_inputs(prompts, images, ..., control_images=pictures)")
+        if given.shape[-3] == 3:
+            check_picture_values("the control image", given, "pipeline.prepare_inputs(..., control_images=...)")
+        if given.shape[:leading_dims] != batch:
+            raise ValueError(f"the control image has shape {given.shape} for a batch of {batch}: give one control "
+                             "image per prompt")
+
+    def call_inputs(self, args: dict, settings, batch, leading_dims) -> ControlPictureInputs:
+        return ControlPictureInputs(float32_array(args["control_image"]))
+
+    def wrap(self, params, inputs, settings, cond, start):
+        picture = inputs.condition(self.params_name).image
+        if not self.vae.is_latent_image(picture):
+            picture = picture * 2.0 - 1.0
+        return functools.partial(with_channels, control_latents(self.vae, params, picture, inputs.prng_seed))
+
+
+def described_shape(given) -> str:
+    return f"a list of {len(given)}" if isinstance(given, (list, tuple)) else str(given.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class FromImageMaskPasted(FromImageMask):
+    """Flux Control's inpainting: the known region pasted back after every step (diffusers'
+    FluxControlInpaintPipeline), the transformer's other channels the control picture's (`ControlLatents`)."""
+
+    @classmethod
+    def build(cls, vae, denoiser) -> "FromImageMaskPasted":
+        return cls(vae, False)  # the transformer's other channels: checked by ControlLatents
+
+
 @dataclasses.dataclass(frozen=True)
 class FromNoiseWithControl(FromNoise):
     """Flux Control (FLUX.1 Canny / Depth dev): text-to-image whose transformer sees the control picture's VAE
@@ -187,20 +273,10 @@ class FromNoiseWithControl(FromNoise):
 
     @classmethod
     def build(cls, vae, denoiser) -> "FromNoiseWithControl":
-        c = vae.latent_channels
-        if denoiser.in_channels != 2 * c:
-            raise ValueError(f"Flux Control's transformer takes {8 * c} features per token (the latents and the "
-                             f"control picture's, packed); this one takes {4 * denoiser.in_channels}: use "
-                             "FluxControlNet with a ControlNet, or Flux, for an ordinary Flux checkpoint")
-        return cls(vae, c)
+        check_control_transformer(vae, denoiser, "FluxControlNet with a ControlNet, or Flux,")
+        return cls(vae, vae.latent_channels)
 
     def begin(self, params, inputs, settings, scheduler) -> Start:
         start = super().begin(params, inputs, settings, scheduler)
-        image = inputs.image
-        if self.vae.is_latent_image(image):
-            control = image.astype(jnp.float32)
-        else:
-            shape = (image.shape[0], self.vae.latent_channels, *(side // self.vae.scale_factor
-                                                                 for side in image.shape[2:]))
-            control = self.vae.encode(params, image, control_draws(inputs.prng_seed, shape, 1)[0])
+        control = control_latents(self.vae, params, inputs.image, inputs.prng_seed)
         return start._replace(wrap_unet=functools.partial(with_channels, control))

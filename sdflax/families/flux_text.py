@@ -161,6 +161,11 @@ class FluxText:
         """Where T5's ids begin: after CLIP's."""
         return self.clip_length
 
+    def joint_text(self, ids) -> tuple:
+        """The text tokens of the joint attention, as (tokenizer name, their ids (B, n)): T5's alone (CLIP gives
+        the pooled embedding only)."""
+        return (("tokenizer_2", ids[:, self.clip_columns:]),)
+
     @staticmethod
     def check_components(parts):
         if parts.text_encoder is None or parts.tokenizer is None:

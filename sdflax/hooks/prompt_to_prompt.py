@@ -9,6 +9,11 @@ its self-attention probabilities in the layers of at most 16 x 16 pixels become 
 - replace (word swap, same token count): mapper the identity, alpha 1;
 - refine (words added): mapper and alpha from aligning the two token sequences; new tokens keep their own maps;
 - reweight: weights > 1 strengthen a word, < 1 weaken it (on top of a replace or refine).
+
+A transformer (SD 3.x, Flux.1) has no cross-attention: its text tokens are keys of the joint attention, and the
+edit is the same map on the image queries' probabilities over the text keys, in every joint attention (Flux.1's
+single-stream blocks too); the text keys are CLIP's tokens then T5's for SD 3.x, T5's for Flux.1, each aligned
+with its own tokenizer. Its image-to-image attention is left alone (`self_steps` is a UNet's).
 `mapper`, `alpha`, `weights` and the two fractions are traced: a new edit of the same shape does not recompile.
 """
 
@@ -17,13 +22,15 @@ from __future__ import annotations
 import difflib
 
 import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import apply_probs, attention_probs
-from .core import Hook, current_scope, refuse_on_mmdit
+from .core import Hook, current_scope
 
 SELF_ATTENTION_MAX_TOKENS = 16 * 16  # P2P injects self-attention only in the low-resolution layers
+UNET_SELF_STEPS = 0.4
 
 
 @flax.struct.dataclass
@@ -35,51 +42,98 @@ class PromptToPrompt(Hook):
     self_steps: float = 0.0
 
     def check_model(self, denoiser):
-        refuse_on_mmdit(denoiser, "prompt_to_prompt", "it gives the edits the source prompt's cross-attention "
-                        "maps, mapped between CLIP's tokens, in a UNet's cross-attention layers")
+        if denoiser.component != "unet" and not isinstance(self.self_steps, jax.core.Tracer) and float(
+                self.self_steps) > 0:
+            raise ValueError(f"prompt_to_prompt self_steps={float(self.self_steps):g}: a transformer has no "
+                             "self-attention layers of its own (the edit acts on its joint attention's image-to-text "
+                             "probabilities); give self_steps=0")
 
     def attend(self, site, attend, q, k, v):
-        cross = site.cross_attention
-        if not (cross or site.self_attention and q.shape[1] <= SELF_ATTENTION_MAX_TOKENS):
+        joint, cross = site.joint_attention, site.cross_attention
+        low = site.self_attention and not site.mmdit and q.shape[1] <= SELF_ATTENTION_MAX_TOKENS
+        if not (joint or cross or low):
             return attend(q, k, v)
         scope = current_scope()
         probs = attention_probs(q, k, site.module.upcast)  # (rows, heads, T, S)
         chunks = jnp.split(probs, site.chunks)
         cond = chunks[site.conditional_chunk]
         source, edits = cond[:1], cond[1:]
-        if cross:
-            mapped = jnp.einsum("bhts,bsj->bhtj", jnp.broadcast_to(source, edits.shape), self.mapper)
-            a = self.alpha[:, None, None, :]
-            new = (a * mapped + (1 - a) * edits) * self.weights[:, None, None, :]
-            window = self.cross_steps
+        if joint:  # the image's queries over the text's keys
+            n = site.image_tokens
+            self.check_tokens(k.shape[1] - n)
+            new, window = edits.at[:, :, :n, n:].set(self.edited(source[:, :, :n, n:], edits[:, :, :n, n:])), \
+                self.cross_steps
+        elif cross:
+            self.check_tokens(k.shape[1])
+            new, window = self.edited(source, edits), self.cross_steps
         else:
             new, window = jnp.broadcast_to(source, edits.shape), self.self_steps
         inject = scope.step < window * scope.num_evals
         chunks[site.conditional_chunk] = jnp.concatenate([source, jnp.where(inject, new, edits)])
         return apply_probs(jnp.concatenate(chunks), v)
 
+    def edited(self, source, edits):
+        """The edits' probabilities over the text tokens (edits, heads, T, S): the source's mapped, then weighted."""
+        mapped = jnp.einsum("bhts,bsj->bhtj", jnp.broadcast_to(source, edits.shape), self.mapper)
+        a = self.alpha[:, None, None, :]
+        return (a * mapped + (1 - a) * edits) * self.weights[:, None, None, :]
 
-def prompt_to_prompt(pipeline, source, edits, kind="replace", weights=None, cross_steps=0.8, self_steps=0.4):
+    def check_tokens(self, text_tokens):
+        if self.mapper.shape[-1] != text_tokens:
+            raise ValueError(f"prompt_to_prompt was made for {self.mapper.shape[-1]} text tokens, the denoiser attends "
+                             f"to {text_tokens}: make it with prompt_to_prompt(pipeline, ...) and the call's prompt "
+                             "options (max_sequence_length)")
+
+
+def prompt_to_prompt(pipeline, source, edits, kind="replace", weights=None, cross_steps=0.8, self_steps=None,
+                     **prompt_options):
     """The hook for a batch [source, *edits] (prompts): `kind` "replace" or "refine"; `weights` {word: w}
-    reweights words of the edits (e.g. {"fluffy": 2.0}). Uses the pipeline's (first) tokenizer."""
+    reweights words of the edits (e.g. {"fluffy": 2.0}); `self_steps` (a UNet's) 0.4 by default; `prompt_options`
+    as the call's prepare_inputs takes them (SD 3.x's and Flux.1's max_sequence_length). Aligns the tokens with
+    the pipeline's first tokenizer (a UNet's), or with each tokenizer whose tokens the joint attention sees."""
     if kind not in ("replace", "refine"):
         raise ValueError(f"prompt_to_prompt kind={kind!r}: use 'replace' (a word swapped for one of as many tokens) "
                          "or 'refine' (words added)")
+    unet = pipeline.denoiser.component == "unet"
+    self_steps = (UNET_SELF_STEPS if unet else 0.0) if self_steps is None else self_steps
     edits = [edits] if isinstance(edits, str) else list(edits)
-    ids = np.asarray(pipeline.prepare_inputs([source, *edits]))
-    ids = ids[:, 0] if ids.ndim == 3 else ids  # SDXL: the first tokenizer's row
-    length = ids.shape[-1]
+    ids = np.asarray(pipeline.prepare_inputs([source, *edits], **prompt_options))
+    if unet:
+        texts = [("tokenizer", ids[:, 0] if ids.ndim == 3 else ids)]  # SDXL: the first tokenizer's row
+    else:
+        texts = pipeline.spec.text.joint_text(ids)
     mappers, alphas, scales = [], [], []
-    for edit, edit_ids in zip(edits, ids[1:]):
-        mapper, alpha = (_replace if kind == "replace" else _refine)(ids[0], edit_ids, pipeline.tokenizer, edit)
+    for e, edit in enumerate(edits, 1):
+        parts = [edit_part(getattr(pipeline, name), text[0], text[e], kind, weights, edit) for name, text in texts]
+        sizes = [len(alpha) for _, alpha, _ in parts]
+        mapper = np.zeros((sum(sizes),) * 2, np.float32)
+        for (block, _, _), start, size in zip(parts, np.cumsum([0, *sizes]), sizes):  # each tokenizer's own
+            mapper[start:start + size, start:start + size] = block
         mappers.append(mapper)
-        alphas.append(alpha)
-        scale = np.ones(length, np.float32)
-        for word, w in (weights or {}).items():
-            scale[np.isin(edit_ids, pipeline.tokenizer(word).input_ids[1:-1])] = w
-        scales.append(scale)
+        alphas.append(np.concatenate([alpha for _, alpha, _ in parts]))
+        scales.append(np.concatenate([scale for _, _, scale in parts]))
     f32 = lambda x: jnp.asarray(np.stack(x), jnp.float32)  # noqa: E731
     return PromptToPrompt(f32(mappers), f32(alphas), f32(scales), jnp.float32(cross_steps), jnp.float32(self_steps))
+
+
+def edit_part(tokenizer, source_ids, edit_ids, kind, weights, edit):
+    """(mapper, alpha, weights) of one tokenizer's tokens; a T5 left out (its states zeros) maps position-wise."""
+    n = len(source_ids)
+    if tokenizer is None:
+        return np.eye(n, dtype=np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
+    mapper, alpha = (_replace if kind == "replace" else _refine)(source_ids, edit_ids, tokenizer, edit)
+    scale = np.ones(n, np.float32)
+    for word, w in (weights or {}).items():
+        scale[np.isin(edit_ids, word_ids(tokenizer, word))] = w
+    return mapper, alpha, scale
+
+
+def word_ids(tokenizer, word) -> list:
+    """A word's token ids, without the special ones: CLIP's start and end, T5's end."""
+    if hasattr(tokenizer, "bos_token_id"):  # CLIP's
+        return tokenizer(word).input_ids[1:-1]
+    ids = list(tokenizer(word, max_length=64)[0])  # T5's: its pieces, then </s>
+    return ids[:ids.index(tokenizer.eos_token_id)]
 
 
 def _tokens(ids, tokenizer):

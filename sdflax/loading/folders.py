@@ -32,6 +32,18 @@ def checkpoint_files(variant=None, components=COMPONENTS, tokenizers=("tokenizer
     return ["model_index.json", "*/config.json", "scheduler/*", *(f"{t}/*" for t in tokenizers), *weights]
 
 
+def model_files(subfolder=None, variant=None) -> list[str]:
+    """Which files of a model repo to download: its config and one weight format (safetensors; PyTorch .bin or Flax
+    msgpack where it has none, `OLDER_WEIGHTS`), not the TensorFlow, ONNX and other twins (openai/clip-vit-large-patch14
+    holds four copies of its weights)."""
+    v, p = f".{variant}" if variant else "", f"{subfolder}/" if subfolder else ""
+    return [f"{p}config.json", *(f"{p}{stem}{v}{suffix}" for stem in ("diffusion_pytorch_model", "model")
+                                 for suffix in (".safetensors", "-*.safetensors", ".safetensors.index*.json"))]
+
+
+OLDER_WEIGHTS = ("*.bin", "*.bin.index*.json", "*.msgpack")
+
+
 def read_index(folder) -> dict:
     """model_index.json of a pipeline folder, {} if it has none."""
     path = os.path.join(folder, "model_index.json")
@@ -104,13 +116,24 @@ def load_model(cls, path_or_repo_id, subfolder=None, revision=None, dtype=jnp.fl
                attention="auto", kernels=None):
     """(module, params) of one model from a diffusers/transformers model folder or hub id; the models'
     `from_pretrained`."""
-    folder = resolve_folder(path_or_repo_id, revision)
-    if subfolder:
-        folder = os.path.join(folder, subfolder)
+    files = model_files(subfolder, variant)
+    root = resolve_folder(path_or_repo_id, revision, allow_patterns=files)
+    folder = os.path.join(root, subfolder) if subfolder else root
+    if root != os.path.expanduser(str(path_or_repo_id)) and not _has_safetensors(folder):  # an older hub repo
+        older = [f"{subfolder}/{pattern}" if subfolder else pattern for pattern in OLDER_WEIGHTS]
+        root = resolve_folder(path_or_repo_id, revision, allow_patterns=files + older)
+        folder = os.path.join(root, subfolder) if subfolder else root
     config = read_config_file(os.path.join(folder, "config.json"))
     where = os.path.basename(os.path.normpath(folder)) or folder
-    modules, params, _ = assemble({where: cls}, {where: config}, lambda _, __: (where, read_weights(folder, variant)),
-                                  dtype, attention, kernels)
+
+    def tensors(_, __):
+        state_dict = read_weights(folder, variant)
+        if "vision_config" in config and "text_config" in config:  # a two-tower checkpoint: this model's tower
+            other = getattr(cls, "other_tower", ())
+            state_dict = {key: value for key, value in state_dict.items() if not key.startswith(other)}
+        return where, state_dict
+
+    modules, params, _ = assemble({where: cls}, {where: config}, tensors, dtype, attention, kernels)
     return modules[where], params[where]
 
 

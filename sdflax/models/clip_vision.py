@@ -108,6 +108,9 @@ class CLIPVisionModelWithProjection(Pretrained, nn.Module):
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = CLIPVisionConfig
+    # a two-tower checkpoint's (CLIPModel's: openai/clip-vit-large-patch14) tensors of the text tower, which this
+    # model skips, as transformers' CLIPVisionModelWithProjection.from_pretrained does
+    other_tower = ("text_model.", "text_projection.", "logit_scale")
 
     def dummy_inputs(self):
         cfg = self.config

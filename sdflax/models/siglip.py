@@ -87,6 +87,9 @@ class SiglipVisionModel(Pretrained, nn.Module):
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
     config_class = SiglipVisionConfig
+    # a two-tower checkpoint's (SiglipModel's: google/siglip-so400m-patch14-384) tensors of the text tower, which
+    # this model skips, as transformers' SiglipVisionModel.from_pretrained does
+    other_tower = ("text_model.", "logit_scale", "logit_bias")
 
     def dummy_inputs(self):
         cfg = self.config

@@ -25,7 +25,7 @@ from ..guiders.base import NUMBER_BOUND
 from ..schedulers import common
 from . import ip_adapter
 from .arguments import check_kinds, described, picture_arrays
-from .controlnet import ControlNet, as_nets
+from .controlnet import as_nets
 from .skip_layers import check_skip_layer_window, check_skip_layers, skip_layer_guider
 from .starts import schedule_window
 from .t2i_adapter import T2IAdapters
@@ -372,7 +372,8 @@ def image_size(spec, inputs, args, leading_dims, height, width):
     """(height, width): the pictures' for pipelines that take pictures (a given height/width must agree), else as
     given."""
     sizes = [(name, pixels(spec, getattr(inputs, name))) for name, _ in spec.start.images]
-    control = next((piece for piece in spec.wrappers if isinstance(piece, ControlNet) and piece.picture), None)
+    # the control images: the ControlNets', or Flux Control's picture beside an image start's
+    control = next((piece for piece in spec.wrappers if piece.picture == "control_image"), None)
     if control:  # the control images
         first = given_pictures(args, "control_image")[0]
         if leading_dims is not None:

@@ -79,6 +79,11 @@ class SD3Text:
         """Where T5's ids begin: after both CLIPs'."""
         return 2 * self.clip_length
 
+    def joint_text(self, ids) -> tuple:
+        """The text tokens of the joint attention, in its order, as (tokenizer name, their ids (B, n)): CLIP's (L's
+        and G's states side by side on the features: L's ids), then T5's."""
+        return ("tokenizer", ids[:, :self.clip_length]), ("tokenizer_3", ids[:, self.clip_columns:])
+
     @staticmethod
     def check_components(parts):
         for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
