@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # pytest-xdist runs the suite on two workers (`-n 2`, README): torch's OpenMP threads would spin against the other
 # worker's on a small machine, so each worker's torch keeps to one thread (its results do not depend on it). Set
 # before torch loads (the builders import it).
@@ -35,6 +37,19 @@ SLOWEST_FIRST = ["test_docs.py", "test_accelerator_report.py", "test_run_modes.p
                  "test_sdxl_img2img.py", "test_models.py", "test_batch.py", "test_guiders.py", "test_img2img.py",
                  "test_sdxl.py", "test_guiders_perturbed.py", "test_ip_adapter.py", "test_guiders_fdg.py",
                  "test_t2i_adapter_pipelines.py", "test_cli_ip_adapter.py"]
+
+
+@pytest.fixture(autouse=True)
+def xla_flags_kept():
+    """XLA_FLAGS stays as the worker started with it: a test (or a module it imports) that changes it changes what
+    every later subprocess of the worker compiles, and so its numbers (a resumed training run's LoRA was no longer
+    its in-process reference's, bit for bit). The test that changes it fails, and the value is put back."""
+    before = os.environ.get("XLA_FLAGS")
+    yield
+    after = os.environ.get("XLA_FLAGS")
+    if after != before:
+        os.environ.pop("XLA_FLAGS") if before is None else os.environ.update(XLA_FLAGS=before)
+        pytest.fail(f"XLA_FLAGS changed from {before!r} to {after!r}: set it only in a subprocess's own env")
 
 
 def pytest_configure(config):

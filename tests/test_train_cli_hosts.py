@@ -20,10 +20,8 @@ from sdflax.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 5
-# Adam's epsilon at 1e-4: at its default 1e-8 an update of a near-zero gradient divides the float32 rounding of the
-# gradient's sum (its order differs between one process and two) by the gradient's own size
 HOSTS = ["--model", TINY, "--resolution", "32", "--no-progress", "--seed", str(SEED), "--max-train-steps", "4",
-         "--train-batch-size", "2", "--checkpointing-steps", "2", "--learning-rate", "1e-3", "--adam-epsilon", "1e-4"]
+         "--train-batch-size", "2", "--checkpointing-steps", "2", "--learning-rate", "1e-3"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +74,7 @@ def test_two_processes_continue_a_checkpoint_each_reading_its_rows_to_the_same_l
 
     ours, theirs = (read_safetensors(folder / "pytorch_lora_weights.safetensors") for folder in (outs[0], reference))
     assert sorted(ours) == sorted(theirs)
-    assert max(relative(ours[name], theirs[name]) for name in ours) < 1e-6
+    assert max(relative(ours[name], theirs[name]) for name in ours) < 1e-6  # 0 measured: the same float32 sums
     assert sorted(os.listdir(outs[0] / "checkpoints")) == ["checkpoint-2", "checkpoint-4"]
     assert [p.name for p in outs[1].iterdir()] == [".sdflax-train.1.lock"]  # the other process wrote nothing
     for process in range(2):

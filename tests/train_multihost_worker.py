@@ -5,11 +5,9 @@ update's rows; the first writes the checkpoint after the last update."""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import jax  # noqa: E402
+import jax
 
 MULTIHOST_CONFIG = dict(method="full", learning_rate=1e-3, noise_offset=0.1)
 
@@ -36,4 +34,9 @@ def main(port, process, model, data, checkpoint):
 
 
 if __name__ == "__main__":
+    # Set here, not on import: test_train imports MULTIHOST_CONFIG, and an XLA_FLAGS changed in the pytest worker
+    # would be every later subprocess's (compiled with other options, their numbers no longer the worker's).
+    from compile_flags import xla_flags
+
+    os.environ["XLA_FLAGS"] = xla_flags(2)  # before JAX's backend starts (on the first use below)
     main(*sys.argv[1:])
