@@ -193,6 +193,7 @@ def test_demo_and_the_docs_commands_run_offline_without_torch(tmp_path):
     (tmp_path / "hide").mkdir()
     (tmp_path / "hide" / "sitecustomize.py").write_text(NO_TORCH)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), str(REPO)])}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's: not the suite's eight (one image on each)
 
     def sdflax(*args):
         done = subprocess.run([sys.executable, "-m", "sdflax", *args], cwd=tmp_path, env=env, capture_output=True,
