@@ -268,6 +268,7 @@ def write_demo(family: str, out="weights") -> list[Path]:
     if taken := [str(path) for path in writers if os.path.lexists(path)]:
         raise FileExistsError(f"{', '.join(taken)} exists: sdflax demo never overwrites a folder; remove it or "
                               "choose another --out")
+    Path(out).mkdir(parents=True, exist_ok=True)
     for path, write in writers.items():
         staging = path.with_name(f"{path.name}.partial-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
