@@ -1,9 +1,9 @@
 """`sdflax demo FAMILY`: tiny random-weight stand-ins of the hub's checkpoints, written by sdflax itself (no torch)
 in the hub's diffusers layout, so that every page of the docs runs offline, and diffusers reads them as sdflax does.
 
-Each model is built by sdflax's own module from the real model's config.json (the bundled ones, sdflax/configs)
-made small, initialised from a fixed seed, its constant tensors (norm scales, biases, zero convolutions) drawn too so
-that a mix-up of two would show, and written in PyTorch's names and layouts (`loading.torch_names`). The weights
+Each model is sdflax's own module for the real model's config.json (the bundled ones, sdflax/configs) made small,
+its params drawn from a fixed seed in the shapes the module declares (`drawn`), and written in PyTorch's names and
+layouts (`loading.torch_names`). The weights
 are random: the stand-ins draw noise, not pictures; they prove the machinery. A UNet's default image is 32 px (a
 VAE of scale factor 2 under a UNet of sample_size 16), so a page's fifty steps cost little.
 """
@@ -20,7 +20,8 @@ import numpy as np
 CONFIGS = Path(__file__).parent / "configs"
 MODEL_FILES = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
 # Where a transformers model keeps its tower, as the hub's checkpoints name it; the names left at the top.
-PREFIXES = {"CLIPTextModel": ("text_model.", ()), "CLIPTextModelWithProjection": ("text_model.", ("text_projection",)),
+PREFIXES = {"CLIPTextModel": ("text_model.", ()),
+            "CLIPTextModelWithProjection": ("text_model.", ("text_projection",)),
             "CLIPVisionModelWithProjection": ("vision_model.", ("visual_projection",))}
 
 # The small sizes, over the real configs: two levels everywhere, one layer a block, the real CLIP vocabulary.
@@ -63,8 +64,8 @@ def bundled(name: str, **small) -> dict:
 def drawn(shapes, seed: int) -> dict:
     """Random params of the shapes `shapes` (a module's `param_shapes()`), from `seed`: kernels of variance
     1 / fan-in (LeCun's, Flax's default), norm scales around 1 and biases around 0 (not Flax's exact 1 and 0, so a
-    mix-up of two would show; zero convolutions too), embeddings and tables of unit variance. Drawn by numpy, not
-    traced by `init`: a model's init is compiled in tens of seconds on a small CPU."""
+    mix-up of two would show; zero convolutions too), embeddings and tables of unit variance. Drawn by numpy over
+    the traced shapes: compiling each model's `init` would cost more than all the rest."""
     from flax import traverse_util
 
     rng = np.random.default_rng(seed)
@@ -86,21 +87,19 @@ def model_class(config: dict) -> tuple[str, str]:
     return "transformers", config["architectures"][0]
 
 
-def write_model(folder: Path, config: dict, seed: int, params=None):
-    """A model folder (config.json and its weights); its params: `params`, or sdflax's module for `config`
-    initialised from `seed`."""
+def write_model(folder: Path, config: dict, seed: int):
+    """A model folder: config.json, and the weights of sdflax's module for `config`, drawn from `seed`."""
     from . import models
     from .loading.torch_names import torch_state_dict
     from .train.files import write_safetensors
 
     library, name = model_class(config)
-    if params is None:  # sdflax's models are named as diffusers' and transformers' classes
-        params = drawn(getattr(models, name).from_config(config).param_shapes(), seed)
+    # sdflax's models are named as diffusers' and transformers' classes
+    params = drawn(getattr(models, name).from_config(config).param_shapes(), seed)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     write_safetensors(folder / MODEL_FILES[library], torch_state_dict(params, *PREFIXES.get(name, ("", ()))),
                       {"format": "pt"})
-    return params
 
 
 def clip_tokenizer(folder: Path, pad_token=None):
@@ -129,8 +128,8 @@ def t5_tokenizer(folder: Path):
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-TOKENIZERS = {"clip": ("CLIPTokenizer", clip_tokenizer), "clip_pad": ("CLIPTokenizer", lambda f: clip_tokenizer(f, "!")),
-              "t5": ("T5TokenizerFast", t5_tokenizer)}
+TOKENIZERS = {"clip": ("CLIPTokenizer", clip_tokenizer), "t5": ("T5TokenizerFast", t5_tokenizer),
+              "clip_pad": ("CLIPTokenizer", lambda folder: clip_tokenizer(folder, "!"))}
 
 
 def write_pipeline(folder: Path, pipeline: str, models: dict, tokenizers: dict, scheduler: str, absent=(), **options):
@@ -138,9 +137,8 @@ def write_pipeline(folder: Path, pipeline: str, models: dict, tokenizers: dict, 
     bundled `scheduler` config, model_index.json naming them (`absent`: the components listed as null)."""
     index = {"_class_name": pipeline, "_diffusers_version": "0.39.0", **options,
              **{name: [None, None] for name in absent}}
-    params = {}
     for name, (config, seed) in models.items():
-        params[name] = write_model(folder / name, config, seed)
+        write_model(folder / name, config, seed)
         index[name] = list(model_class(config))
     for name, kind in tokenizers.items():
         class_name, write = TOKENIZERS[kind]
@@ -148,10 +146,9 @@ def write_pipeline(folder: Path, pipeline: str, models: dict, tokenizers: dict, 
         index[name] = ["transformers", class_name]
     (folder / "scheduler").mkdir()
     shutil.copy(CONFIGS / scheduler / "scheduler" / "scheduler_config.json", folder / "scheduler")
-    index["scheduler"] = ["diffusers", json.loads((folder / "scheduler" / "scheduler_config.json").read_text())[
-        "_class_name"]]
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    index["scheduler"] = ["diffusers", config["_class_name"]]
     (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return params
 
 
 SD_ABSENT = ("safety_checker", "feature_extractor", "image_encoder")
