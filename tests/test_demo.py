@@ -167,13 +167,17 @@ def test_ip_adapter_reads_as_diffusers_reads_it(stand_ins):
         np.testing.assert_array_equal(np.asarray(v).T, layer.to_v_ip[0].weight.detach().numpy())
 
 
-def test_an_existing_folder_is_refused(stand_ins, capsys):
+def test_an_existing_folder_or_an_unwritable_out_is_refused_in_one_line(stand_ins, capsys):
     from sdflax.cli.commands import main
 
     before = sorted(p.name for p in (stand_ins / "tiny-sd35").iterdir())
     assert main(["demo", "all", "--out", str(stand_ins)]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists" in err
     assert sorted(p.name for p in (stand_ins / "tiny-sd35").iterdir()) == before
+    assert main(["demo", "t2i-adapter", "--out", str(stand_ins / "tiny-sd15" / "model_index.json" / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sdflax: error: --out ")
 
 
 NO_TORCH = """import sys
