@@ -21,7 +21,7 @@ PROMPT = "a photo of a red fox, watercolor"
 
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory):
-    from sdflax.demo import write_demo
+    from sdflax import write_demo
 
     out = tmp_path_factory.mktemp("demo")
     write_demo("all", out)
