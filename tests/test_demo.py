@@ -181,16 +181,16 @@ def test_an_existing_folder_or_an_unwritable_out_is_refused_in_one_line(stand_in
 
 
 NO_TORCH = """import sys
-class NoTorch:  # torch, as in an install of sdflax's runtime dependencies only
+class NoTestExtras:  # as in an install of sdflax's runtime dependencies only
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "torch":
+        if name.split(".")[0] in ("torch", "diffusers", "transformers", "safetensors", "peft"):
             raise ModuleNotFoundError(f"No module named {name!r}")
-sys.meta_path.insert(0, NoTorch())
+sys.meta_path.insert(0, NoTestExtras())
 """
 
 
 def test_demo_and_the_docs_commands_run_offline_without_torch(tmp_path):
-    """`sdflax demo all`, then the docs pages' `sdflax generate` forms for SDXL (with its refiner), SD 3.5 (with
+    """With torch, diffusers, transformers, safetensors and peft not importable: `sdflax demo all`, then the docs pages' `sdflax generate` forms for SDXL (with its refiner), SD 3.5 (with
     skip-layer guidance), ControlNet, IP-Adapter and T2I-Adapter on what it wrote, each writing a PNG."""
     from PIL import Image
 
@@ -204,8 +204,9 @@ def test_demo_and_the_docs_commands_run_offline_without_torch(tmp_path):
                               text=True)
         assert done.returncode == 0, done.stderr[-2000:]
 
-    done = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
-    assert "No module named 'torch'" in done.stderr
+    for name in ("torch", "diffusers"):
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True)
+        assert f"No module named '{name}'" in done.stderr
     sdflax("demo", "all", "--out", "w")
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), np.uint8)).save(tmp_path / "photo.png")
     edges = np.zeros((32, 32, 3), np.uint8)
