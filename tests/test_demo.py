@@ -190,8 +190,9 @@ sys.meta_path.insert(0, NoTestExtras())
 
 
 def test_demo_and_the_docs_commands_run_offline_without_torch(tmp_path):
-    """With torch, diffusers, transformers, safetensors and peft not importable: `sdflax demo all`, then the docs pages' `sdflax generate` forms for SDXL (with its refiner), SD 3.5 (with
-    skip-layer guidance), ControlNet, IP-Adapter and T2I-Adapter on what it wrote, each writing a PNG."""
+    """With torch, diffusers, transformers, safetensors and peft not importable: `sdflax demo all`, then the docs
+    pages' `sdflax generate` forms for SDXL (with its refiner), SD 3.5 (with skip-layer guidance), ControlNet,
+    IP-Adapter and T2I-Adapter on what it wrote, each writing a PNG."""
     from PIL import Image
 
     (tmp_path / "hide").mkdir()
