@@ -12,9 +12,10 @@ def add_command(commands):
                             description="Write small random-weight checkpoints in the hub's diffusers layout, which "
                             "sdflax and diffusers both read: put one where a docs page names a hub id to run the page "
                             "offline. They draw noise, not pictures. An existing folder is never overwritten.")
-    d.add_argument("family", choices=(*FAMILIES, "all"), help="sd15 (tiny-sd15), sdxl (tiny-sdxl and tiny-sdxl-refiner), sd35 "
-                   "(tiny-sd35), sd15-controlnet and sdxl-controlnet (for tiny-sd15, tiny-sdxl), ip-adapter (h94's "
-                   "layout, for tiny-sd15), t2i-adapter (a canny one, for tiny-sd15), or all")
+    d.add_argument("family", choices=(*FAMILIES, "all"), help="sd15 (tiny-sd15), sdxl (tiny-sdxl and "
+                   "tiny-sdxl-refiner), sd35 (tiny-sd35), sd15-controlnet and sdxl-controlnet (for tiny-sd15, "
+                   "tiny-sdxl), ip-adapter (h94's layout, for tiny-sd15), t2i-adapter (a canny one, for tiny-sd15), "
+                   "or all")
     d.add_argument("--out", default="weights", metavar="DIR", help="the folder to write them in (default: weights)")
 
 
