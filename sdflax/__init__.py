@@ -34,6 +34,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
                     ".pipeline"),
     "clip_image_inputs": ".pipeline.clip_image",
     "make_image_grid": ".utils",
+    "write_demo": ".demo",
     "hooks": ".hooks",
     "metrics": ".metrics",
     "train": ".train",
@@ -64,4 +65,5 @@ __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLI
            "StableDiffusionXLControlNetInpaint", "StableDiffusionXLImg2Img", "StableDiffusionXLInpaint", "SiglipVisionModel",
            "T2IAdapter",
            "T5EncoderModel", "UNet2DConditionModel", "clip_image_inputs", "enable_compile_cache", "from_pretrained",
-           "generate", "hooks", "make_image_grid", "metrics", "random_draws", "replicate", "shard", "unshard"]
+           "generate", "hooks", "make_image_grid", "metrics", "random_draws", "replicate", "shard", "unshard",
+           "write_demo"]

@@ -1,11 +1,12 @@
 """The tiny stand-ins the documentation's examples run on (tests/test_docs.py), declared in one place.
 
-STANDINS maps every hub id the pages name to a small random-weight checkpoint of the same family, made by the tests'
-builders and saved with diffusers' save_pretrained into a Hugging Face cache laid out as the hub lays it out
-(models--org--name/snapshots/<commit>/..., refs/main), so `from_pretrained("stable-diffusion-v1-5/...")` and
-`sdflax generate --model ...` take the real loading path offline. FILES are the files the pages read (a picture, a
-mask, LoRAs, embeddings, a single-file checkpoint, an original-layout ControlNet file, prompt files), made into
-each page's working folder.
+STANDINS maps every hub id the pages name to a small random-weight checkpoint of the same family, written by
+`sdflax demo` (`sdflax.demo`: SD 1.5, SDXL and its refiner, SD 3.5, their ControlNets, the IP-Adapter, the
+T2I-Adapter) or, for what it has no stand-in of, made by the tests' builders and saved with diffusers'
+save_pretrained, into a Hugging Face cache laid out as the hub lays it out (models--org--name/snapshots/<commit>/...,
+refs/main), so `from_pretrained("stable-diffusion-v1-5/...")` and `sdflax generate --model ...` take the real
+loading path offline. FILES are the files the pages read (a picture, a mask, LoRAs, embeddings, a single-file
+checkpoint, an original-layout ControlNet file, prompt files), made into each page's working folder.
 
 The stand-ins keep the builders' small sizes (32 px images: latents of 16 x 16 and a VAE of scale factor 2), not the
 real models' 512 / 1024 px, so that a page's fifty steps cost little: the pages state no pixel size that depends on
@@ -21,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from builders import REPO, SD1, SDXL
+
+from sdflax import demo
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -45,8 +48,7 @@ def torch_sd15():
         requires_safety_checker=False)
 
 
-def sd15(folder):
-    torch_sd15().save_pretrained(folder)
+sd15 = demo.sd15  # the builders' SD1 shapes: the LoRAs, embeddings and files below, made from torch_sd15, fit it
 
 
 def sd15_inpainting(folder):
@@ -77,22 +79,7 @@ def torch_sdxl():
                                      add_watermarker=False)
 
 
-def sdxl_base(folder):
-    torch_sdxl().save_pretrained(folder)
-
-
-def sdxl_refiner(folder):
-    """The refiner's shape (builders.torch_xl_refiner): the base's VAE and second encoder, a UNet of its own."""
-    from diffusers import StableDiffusionXLImg2ImgPipeline
-
-    from builders import SDXL_REFINER_UNET, torch_unet
-
-    base = torch_sdxl()
-    unet = torch_unet({**SDXL_REFINER_UNET, "layers_per_block": 1, "transformer_layers_per_block": (1, 1)}, seed=2)
-    StableDiffusionXLImg2ImgPipeline(
-        vae=base.vae, text_encoder=None, text_encoder_2=base.text_encoder_2, tokenizer=None,
-        tokenizer_2=base.tokenizer_2, unet=unet, scheduler=base.scheduler, requires_aesthetics_score=True,
-        force_zeros_for_empty_prompt=False, add_watermarker=False).save_pretrained(folder)
+sdxl_base, sdxl_refiner = demo.sdxl, demo.sdxl_refiner  # torch_sdxl's shapes: its LoRA and embedding fit them
 
 
 def sdxl_inpainting(folder):
@@ -112,35 +99,20 @@ def torch_sd15_controlnet():
     return torch_controlnet(torch_sd15().unet)
 
 
-def sd15_controlnet(folder):
-    torch_sd15_controlnet().save_pretrained(folder)
-
-
-def sdxl_controlnet(folder):
-    from builders import torch_controlnet
-
-    torch_controlnet(torch_sdxl().unet).save_pretrained(folder)
+sd15_controlnet, sdxl_controlnet, sd15_t2i_adapter = demo.sd15_controlnet, demo.sdxl_controlnet, demo.t2i_adapter
 
 
 def h94_ip_adapter(folder):
-    """h94/IP-Adapter's layout for the SD 1.5 stand-in: models/ip-adapter_sd15.safetensors (and the Plus one) and
-    models/image_encoder."""
-    from builders import write_ip_adapters
+    """h94/IP-Adapter's layout for the SD 1.5 stand-in: `sdflax demo`'s models/ip-adapter_sd15.safetensors and
+    models/image_encoder (the builders' VISION), and the Plus adapter beside them."""
+    from builders import h94_file
 
-    write_ip_adapters(folder / "models", torch_sd15().unet, {"base": 1, "plus": 3})
-    os.rename(folder / "models" / "ip-adapter_base.safetensors", folder / "models" / "ip-adapter_sd15.safetensors")
-    os.rename(folder / "models" / "ip-adapter_plus.safetensors",
-              folder / "models" / "ip-adapter-plus_sd15.safetensors")
-
-
-def sd15_t2i_adapter(folder):
-    """A canny T2I-Adapter (one grey channel) whose features fit the SD 1.5 stand-in's down blocks."""
-    import torch
-    from diffusers import T2IAdapter
-
-    torch.manual_seed(6)
-    T2IAdapter(in_channels=1, channels=list(SD15["unet"]["block_out_channels"]), num_res_blocks=1,
-               downscale_factor=2, adapter_type="full_adapter").save_pretrained(folder)
+    demo.ip_adapter(folder)
+    unet = torch_sd15().unet
+    widths = [unet.get_submodule(name[: -len(".processor")]).to_k.out_features
+              for name in unet.attn_processors if name.endswith("attn2.processor")]  # attn_processors order
+    h94_file(folder / "models" / "ip-adapter-plus_sd15.safetensors", "plus", unet.config.cross_attention_dim, widths,
+             3)
 
 
 def sd15_lora(folder):
@@ -151,42 +123,7 @@ def sd15_lora(folder):
     peft_file(folder / "pytorch_lora_weights.safetensors", torch_sd15(), seed=5)
 
 
-def sd35(folder):
-    """SD 3.5's family: CLIP-L, CLIP-G, T5 (the builders' small T5 vocabulary), an MMDiT-X transformer with QK
-    RMSNorm and ten blocks (SD 3.5 Medium's skip-layer guidance skips 7, 8 and 9), a 16-channel VAE."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from diffusers import StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
-    from transformers import T5TokenizerFast
-
-    from builders import T5_PIECES, TOKENIZER, randomize_norms, t5_tokenizer_folder
-
-    clip = dict(vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
-                pad_token_id=49407, projection_dim=32)
-    clip_g = {**clip, "hidden_size": 48, "intermediate_size": 64, "hidden_act": "gelu", "projection_dim": 40}
-    torch.manual_seed(7)
-    encoders = [randomize_norms(CLIPTextModelWithProjection(CLIPTextConfig(**config)), seed).eval()
-                for seed, config in ((7, clip), (8, clip_g))]
-    t5 = T5EncoderModel(T5Config(vocab_size=len(T5_PIECES), d_model=96, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
-                                 feed_forward_proj="gated-gelu")).eval()
-    transformer = randomize_norms(SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=10, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=96, caption_projection_dim=32, pooled_projection_dim=72,
-        pos_embed_max_size=16, qk_norm="rms_norm", dual_attention_layers=(0, 1, 2)), 9).eval()
-    vae = randomize_norms(AutoencoderKL(
-        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16],
-        layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=16, shift_factor=0.0609,
-        scaling_factor=1.5305), 10).eval()
-    with tempfile.TemporaryDirectory() as t5_folder:
-        tokenizer_3 = T5TokenizerFast(tokenizer_file=str(t5_tokenizer_folder(t5_folder) / "tokenizer.json"))
-        StableDiffusion3Pipeline(
-            transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-            text_encoder=encoders[0], text_encoder_2=encoders[1], text_encoder_3=t5,
-            tokenizer=CLIPTokenizer.from_pretrained(TOKENIZER),
-            tokenizer_2=CLIPTokenizer.from_pretrained(TOKENIZER, pad_token="!"),
-            tokenizer_3=tokenizer_3).save_pretrained(folder)
+sd35 = demo.sd35  # SD 3.5 Medium's traits: ten blocks (skip-layer guidance skips 7, 8 and 9), dual attention
 
 
 def sd35_controlnet(folder):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import sys
 
-from . import batch, evaluate, grid, run, train_options
+from . import batch, demo, evaluate, grid, run, train_options
 from .options import build_parser
 from .request import Request, UserError, input_errors
 
 
 def main(argv=None) -> int:
-    parser = build_parser(batch.add_command, train_options.add_command, evaluate.add_command, grid.add_command)
+    parser = build_parser(batch.add_command, train_options.add_command, evaluate.add_command, grid.add_command,
+                          demo.add_command)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed its line (or --help / --version)
@@ -24,6 +25,8 @@ def main(argv=None) -> int:
             return batch.run(args)
         if args.command == "eval":
             return evaluate.run(args)
+        if args.command == "demo":
+            return demo.run(args)
         if args.command == "grid":
             return grid.run(args)
         if args.command == "train":
