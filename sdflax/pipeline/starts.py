@@ -123,8 +123,8 @@ class FromNoise:
 
 @dataclasses.dataclass(frozen=True)
 class FromNoiseBesideImageMask(FromNoise):
-    """Text-to-image from noise that takes an image and a mask for an inpainting ControlNet (SD 3.x's) (checked, sized and
-    sharded as every pipeline's pictures)."""
+    """Text-to-image from noise that takes an image and a mask for an inpainting ControlNet, SD 3.x's (checked,
+    sized and sharded as every pipeline's pictures)."""
 
     images = (("image", 3), ("mask", 1))
 

@@ -127,6 +127,17 @@ def check_configs(request, configs):
     from ...pipeline.controlnet import ControlNet, condition_scale_mismatch
     from ...pipeline.core import control_piece
 
+    piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer, Flux.1's
+    if request.controlnet and piece is not None and piece.picture is None:  # SD 3.x's inpainting net: --image, --mask
+        if request.control_image:
+            raise UserError(f"--control-image with {configs.family.title} inpainting: its inpainting ControlNet reads "
+                            "--image and --mask: drop --control-image")
+        if request.strength is not None:
+            raise UserError(f"--strength with {configs.family.title} ControlNet inpainting: sampling starts from pure "
+                            "noise and pastes nothing back, as diffusers': drop --strength")
+    elif request.controlnet:  # a picture per net (check_flags leaves inpaint without pictures to this check)
+        check_counts(request.controlnet, "--controlnet", request.control_image, "--control-image", (),
+                     "--control-scale", "nets")
     own = getattr(configs.side, "check_controlnets", None)
     if own is not None or not request.controlnet:
         if own is None:  # a UNet's control picture needs its net
@@ -134,16 +145,6 @@ def check_configs(request, configs):
                          "--control-scale", "nets")
         return own(request, configs)
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
-    piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer
-    if piece.picture is None and request.control_image:  # it reads the start's pictures
-        raise UserError(f"--control-image with {configs.family.title} inpainting: its inpainting ControlNet reads "
-                        "--image and --mask: drop --control-image")
-    if request.strength is not None and "strength" not in configs.pipeline.defaults:
-        raise UserError(f"--strength with {configs.family.title} ControlNet inpainting: sampling starts from pure "
-                        "noise and pastes nothing back, as diffusers': drop --strength")
-    if piece.picture is not None:
-        check_counts(request.controlnet, "--controlnet", request.control_image, "--control-image", (),
-                     "--control-scale", "nets")
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
             if piece is not ControlNet:
