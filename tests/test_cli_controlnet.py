@@ -180,6 +180,15 @@ def test_bad_input_is_one_line_and_status_2(args, expected, folder, tmp_path, ca
     assert expected in one_error_line(capsys)
 
 
+def test_inpaint_with_a_unet_controlnet_needs_its_control_image(folder, tmp_path, capsys, monkeypatch):
+    """A UNet's nets read --control-image in inpaint too (only SD 3.x's inpainting net reads --image and --mask)."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["inpaint", "a house", "--image", "in.png", "--mask", "mask.png", "--model", TINY, "--controlnet",
+                 "net1", "--out", str(tmp_path / "out")]) == 2
+    assert "1 --controlnet and 0 --control-image: give one --control-image per --controlnet" in one_error_line(capsys)
+
+
 def test_help_lists_the_controlnet_options(capsys):
     assert_help_lists(capsys, "--controlnet ID_OR_PATH", "--controlnet-config ID_OR_DIR", "--control-image IMG",
                       "--control-scale S")

@@ -289,15 +289,54 @@ def test_generate_with_a_controlnet_equals_the_library(files, capsys):
         "transformer than the checkpoint's (32, 2, 72, 96)" in one_error_line(capsys)
 
 
-@pytest.mark.parametrize("command, what", [("img2img", "image-to-image"), ("inpaint", "inpainting")])
-def test_controlnets_are_for_generate(command, what, files, tmp_path, capsys, monkeypatch):
-    """diffusers 0.39 has SD 3 ControlNets for text-to-image (and alimama's inpainting net, its own pipeline)."""
+def test_inpaint_with_an_inpainting_controlnet_equals_the_library(files, capsys):
+    """Alimama's kind of net (17 control channels) reads --image and --mask: the PNG is the library's
+    StableDiffusion3ControlNetInpaint image for the same inputs and keys (the net moves it: scale 0 is another
+    image), records no strength (it starts from noise); --control-image and --strength are refused in one line."""
+    from test_sd3_controlnet import torch_controlnet
+
+    from sdflax import SD3ControlNetModel, StableDiffusion3ControlNetInpaint
+
+    net_config = dict(TRANSFORMER, num_layers=2, qk_norm=None, dual_attention_layers=(), extra_conditioning_channels=1)
+    torch_controlnet(net_config, seed=4).save_pretrained(files / "sd3-inpaint-net")
+    pictures = ["--image", str(files / "in.png"), "--mask", str(files / "mask.png")]
+    png = cli(files, "controlnet-inpaint.png", "inpaint", PROMPT, *pictures, "--negative-prompt", NEGATIVE,
+              "--controlnet", str(files / "sd3-inpaint-net"))
+    net, net_params = SD3ControlNetModel.from_pretrained(files / "sd3-inpaint-net")
+    pipe, params = StableDiffusion3ControlNetInpaint.from_pretrained(files / "sd3", controlnet=[net])
+    params["controlnet"] = [net_params]
+    keys = as_the_cli(SEED)
+    ids, image, mask = rows(pipe.prepare_inputs([PROMPT], [Image.open(files / "in.png")],
+                                                [Image.open(files / "mask.png")], max_sequence_length=T5_LENGTH), keys)
+    neg, = rows([pipe.prepare_inputs([NEGATIVE], max_sequence_length=T5_LENGTH)], keys)
+
+    def library(scale):
+        return pipe.generate_sharded(ids, image, mask, params, keys, num_inference_steps=STEPS, neg_prompt_ids=neg,
+                                     controlnet_conditioning_scale=[scale])[0]
+
+    expected = library(1.0)  # diffusers' default scale
+    close_to(png, expected)
+    assert np.abs(library(0.0) - expected).max() > 0.05
+    text = Image.open(png).text
+    assert (text["controlnet"], text["control_scale"]) == (f'["{files / "sd3-inpaint-net"}"]', "[1.0]")
+    assert "strength" not in text and "Denoising strength" not in text["parameters"]
+    capsys.readouterr()  # the run's timing line
+    for extra, expected_line in ((["--control-image", str(files / "in.png")], "--control-image with SD 3.x inpainting: "
+                                  "its inpainting ControlNet reads --image and --mask: drop --control-image"),
+                                 (["--strength", "0.5"], "--strength with SD 3.x ControlNet inpainting: sampling "
+                                  "starts from pure noise and pastes nothing back, as diffusers': drop --strength")):
+        assert main(["inpaint", "a fox", *pictures, "--model", str(files / "sd3"), "--controlnet",
+                     str(files / "sd3-inpaint-net"), *extra, *COMMON, "--out", str(files / "refused")]) == 2
+        assert expected_line in one_error_line(capsys)
+
+
+def test_controlnet_img2img_is_refused(files, tmp_path, capsys, monkeypatch):
+    """diffusers 0.39 has SD 3 ControlNets for text-to-image and alimama's inpainting net, no image-to-image."""
     monkeypatch.chdir(files)
-    pictures = ["--image", "in.png", *(["--mask", "mask.png"] if command == "inpaint" else [])]
-    assert main([command, "a fox", *pictures, "--model", "sd3", "--controlnet", "net", "--control-image", "in.png",
-                 "--out", str(tmp_path / "out")]) == 2
-    assert (f"--controlnet with SD 3.x checkpoints is for sdflax generate: sdflax has no SD 3.x ControlNet {what} "
-            "pipeline that takes a control image, as diffusers 0.39 has none") in one_error_line(capsys)
+    assert main(["img2img", "a fox", "--image", "in.png", "--model", "sd3", "--controlnet", "net", "--control-image",
+                 "in.png", "--out", str(tmp_path / "out")]) == 2
+    assert ("--controlnet with SD 3.x checkpoints is for sdflax generate and sdflax inpaint: sdflax has no SD 3.x "
+            "ControlNet image-to-image pipeline, as diffusers 0.39 has none") in one_error_line(capsys)
 
 
 def test_a_single_file_makes_the_folders_image(files, generated):

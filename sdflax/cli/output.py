@@ -107,9 +107,10 @@ def image_settings(request, scheduler, checkpoint, dtype) -> dict:
                 "guidance_scale": checkpoint.guidance, "width": checkpoint.width, "height": checkpoint.height,
                 "model": request.model, "revision": request.revision or ("main" if not checkpoint.local else ""),
                 "commit": checkpoint.commit, "dtype": dtype, "software": f"sdflax {sdflax_version()}"}
+    if checkpoint.strength is not None:  # none where sampling starts from noise (SD 3.x's inpainting ControlNet)
+        settings["strength"] = checkpoint.strength
     if request.image is not None:
-        settings.update(strength=checkpoint.strength, image=request.image,
-                        **({"mask": request.mask} if request.mask is not None else {}))
+        settings.update(image=request.image, **({"mask": request.mask} if request.mask is not None else {}))
     settings.update({key: value for key, value in (("prompt_2", request.prompt_2),
                                                    ("negative_prompt_2", request.negative_prompt_2))
                      if value is not None})

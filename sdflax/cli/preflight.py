@@ -120,7 +120,7 @@ def check_checkpoint(request, pictures):
     except (ModelNotFoundError, ValueError, TypeError) as e:
         raise UserError(str(e)) from e
     strength = None
-    if pictures:
+    if pictures and "strength" in defaults:  # SD 3.x's inpainting ControlNet starts from noise: none
         strength = request.strength if request.strength is not None else defaults["strength"]
         try:
             start_step(request.steps, strength)

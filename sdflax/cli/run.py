@@ -208,7 +208,8 @@ def sample_rows(pipeline, params, mesh, checkpoint, rows, pictures=None, stage=N
         except ValueError as e:
             raise UserError(str(e)) from e
         arrays = [np.repeat(x, n, axis=0) for x in arrays]  # the same for every row
-        extra["strength"] = checkpoint.strength
+        if checkpoint.strength is not None:
+            extra["strength"] = checkpoint.strength
     for feature, arguments in having("call_arguments", features):
         positional, keywords = arguments(pipeline, values[name(feature)], rows)
         arrays, extra = arrays + positional, {**extra, **keywords}

@@ -3,8 +3,8 @@ command-line flags and its public pipeline classes (ControlNets: `pipeline.sd3_c
 
 from __future__ import annotations
 
-from ..pipeline.sd3_controlnet import FromNoiseBesideImageMask, SD3ControlNet, SD3ControlNetInpaint
-from ..pipeline.starts import FromImage, FromImageMask, FromNoise
+from ..pipeline.sd3_controlnet import SD3ControlNet, SD3ControlNetInpaint
+from ..pipeline.starts import FromImage, FromImageMask, FromNoise, FromNoiseBesideImageMask
 from ..pipeline.table import Row
 from ..pipeline.sd3_text import SD3Text
 from .base import Family

@@ -9,7 +9,7 @@ and its sizes are read from their shapes:
 
     proj.weight                    IP-Adapter: ImageProjection of the image embedding, 4 tokens
     proj.3.weight                  IP-Adapter Full Face: IPAdapterFullImageProjection of the penultimate hidden states
-    latents, proj_in, layers.N.*   IP-Adapter Plus: IPAdapterPlusImageProjection (the perceiver resampler) of them
+    latents, proj_in, layers.N.*   IP-Adapter Plus: Resampler (the perceiver resampler) of them
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .files import read_safetensors, read_torch_object
-from ..models.ip_adapter import (ImageProjection, IPAdapterFullImageProjection, IPAdapterPlusImageProjection,
-                                 IPAdapterTimeImageProjection)
+from ..models.ip_adapter import ImageProjection, IPAdapterFullImageProjection, Resampler
 from ..models.layers import Kernels, resolve_kernels, shapes_only
 from .weights import convert_state_dict, non_finite, short_list
 
@@ -48,7 +47,7 @@ class IPAdapterFileError(ValueError):
 
 
 class IPAdapterWeights(NamedTuple):
-    projection: nn.Module  # ImageProjection, IPAdapterFullImageProjection or IPAdapterPlusImageProjection
+    projection: nn.Module  # ImageProjection, IPAdapterFullImageProjection or Resampler
     projection_params: dict  # its params tree
     to_k_ip: list  # (cross_attention_dim, hidden) kernels: the UNet's cross-attention layers in diffusers' order
     to_v_ip: list
@@ -185,12 +184,12 @@ def _resampler(name, sd, dtype, kernels):
                                  "expected layers.0, layers.1, ...")
     _, queries, hidden = _shape(name, sd, "latents", 3)
     inner = _shape(name, state_dict, "layers.0.attn.to_q.weight", 2)[0]
-    module = IPAdapterPlusImageProjection(
-        embed_dims=_shape(name, sd, "proj_in.weight", 2)[1], output_dims=_shape(name, sd, "proj_out.weight", 2)[0],
-        hidden_dims=hidden, depth=len(layers), dim_head=RESAMPLER_DIM_HEAD, heads=max(1, inner // RESAMPLER_DIM_HEAD),
+    module = Resampler(
+        embed_dim=_shape(name, sd, "proj_in.weight", 2)[1], output_dim=_shape(name, sd, "proj_out.weight", 2)[0],
+        hidden_dim=hidden, depth=len(layers), dim_head=RESAMPLER_DIM_HEAD, heads=max(1, inner // RESAMPLER_DIM_HEAD),
         num_queries=queries, ffn_ratio=_shape(name, state_dict, "layers.0.ff.1.net.0.proj.weight", 2)[0] / hidden,
         dtype=dtype, kernels=kernels)
-    return module, state_dict, queries, (1, 1, module.embed_dims)
+    return module, state_dict, queries, (1, 1, module.embed_dim)
 
 
 def _ip_kernels(name, ip_adapter, width):
@@ -303,7 +302,7 @@ SD3_IP_NAME = re.compile(r"(\d+)\.(norm_ip\.linear\.weight|norm_ip\.linear\.bias
 
 
 class SD3IPAdapterWeights(NamedTuple):
-    projection: nn.Module  # IPAdapterTimeImageProjection
+    projection: nn.Module  # Resampler with timestep_in_dim
     projection_params: dict
     layers: dict  # per block, stacked: norm_ip_kernel (L, temb, 2D), norm_ip_bias, to_k_ip / to_v_ip (L, D, inner),
     # norm_q / norm_k / norm_ip_k (L, head_dim)
@@ -333,7 +332,7 @@ def read_sd3_ip_adapter(path, dtype=jnp.float32, kernels: Kernels | None = None)
     depth = len({key.split(".")[1] for key in state_dict if key.startswith("layers.")})
     hidden, embed = _shape(name, state_dict, "proj_in.weight", 2)
     inner = _shape(name, state_dict, "layers.0.attn.to_q.weight", 2)[0]
-    projection = IPAdapterTimeImageProjection(
+    projection = Resampler(
         embed_dim=embed, output_dim=_shape(name, state_dict, "proj_out.weight", 2)[0], hidden_dim=hidden,
         depth=depth, dim_head=RESAMPLER_DIM_HEAD, heads=max(1, inner // RESAMPLER_DIM_HEAD),
         num_queries=_shape(name, state_dict, "latents", 3)[1],

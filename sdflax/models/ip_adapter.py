@@ -1,7 +1,8 @@
 """IP-Adapter's image projections (Ye et al. 2023): a CLIP image embedding, or the image encoder's penultimate
 hidden states, become the tokens that the UNet's decoupled cross-attention reads beside the text's. Equal to
-diffusers' ImageProjection, IPAdapterFullImageProjection and IPAdapterPlusImageProjection, with their names; and
-SD 3.5's IPAdapterTimeImageProjection, a resampler modulated by the timestep."""
+diffusers' ImageProjection and IPAdapterFullImageProjection, and to its resamplers IPAdapterPlusImageProjection and
+SD 3.5's IPAdapterTimeImageProjection (one `Resampler`, modulated by the timestep with `timestep_in_dim`), with their
+parameter names."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ class ResamplerAttention(nn.Module):
         return dense(x.shape[-1], "to_out_0")(out.reshape(*out.shape[:2], inner))
 
 
-class IPAdapterPlusImageProjectionBlock(nn.Module):
-    """One resampler layer: the latents attend to [ln0(features), ln1(latents)], then a bias-free GELU MLP."""
+class ResamplerBlock(nn.Module):
+    """One resampler layer: the latents attend to [ln0(features), ln1(latents)], then a bias-free GELU MLP; given a
+    timestep embedding (SD 3.5's), the latents are adaLN-modulated by it before each (shift, scale)."""
 
     dim_head: int
     heads: int
@@ -78,99 +80,70 @@ class IPAdapterPlusImageProjectionBlock(nn.Module):
     kernels: Kernels = dataclasses.field(kw_only=True)
 
     @nn.compact
-    def __call__(self, x, latents):  # x: (N, T, H) projected features; latents: (N, Q, H)
-        norm = lambda name: LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name=name)  # noqa: E731
-        normed = norm("ln1")(latents)
-        context = jnp.concatenate([norm("ln0")(x), normed], axis=1)
-        latents = latents + ResamplerAttention(self.heads, self.dim_head, self.dtype, kernels=self.kernels,
-                                               name="attn")(normed, context)
+    def __call__(self, x, latents, temb=None):  # x (N, T, H) projected features, latents (N, Q, H), temb (N, H)
         dim = latents.shape[-1]
-        h = gelu(Dense(int(dim * self.ffn_ratio), use_bias=False, dtype=self.dtype, name="ff_1_net_0_proj")(
-            norm("ff_0")(latents)))
-        return latents + Dense(dim, use_bias=False, dtype=self.dtype, name="ff_1_net_2")(h)
+        norm = lambda name: LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name=name)  # noqa: E731
+        if temb is None:  # IP-Adapter Plus: diffusers' ff is Sequential(LayerNorm, FeedForward)
+            attention_mod = mlp_mod = None
+            mlp_norm, ff = "ff_0", "ff_1_net"
+        else:
+            shift_msa, scale_msa, shift_mlp, scale_mlp = jnp.split(
+                Dense(4 * dim, dtype=self.dtype, name="adaln_proj")(nn.silu(temb)), 4, axis=-1)
+            attention_mod, mlp_mod = (shift_msa, scale_msa), (shift_mlp, scale_mlp)
+            mlp_norm, ff = "adaln_norm", "ff_net"
+        modulated = modulate(norm("ln1")(latents), attention_mod)
+        context = jnp.concatenate([norm("ln0")(x), modulated], axis=1)
+        latents = latents + ResamplerAttention(self.heads, self.dim_head, self.dtype, kernels=self.kernels,
+                                               name="attn")(modulated, context)
+        h = modulate(norm(mlp_norm)(latents), mlp_mod)
+        h = gelu(Dense(int(dim * self.ffn_ratio), use_bias=False, dtype=self.dtype, name=f"{ff}_0_proj")(h))
+        return latents + Dense(dim, use_bias=False, dtype=self.dtype, name=f"{ff}_2")(h)
 
 
-class IPAdapterPlusImageProjection(ReadsParams, nn.Module):
-    """IP-Adapter Plus's perceiver resampler: hidden states (N, T, embed_dims) -> (N, num_queries, output_dims)."""
+def modulate(x, shift_scale):
+    """adaLN: x * (1 + scale) + shift over the tokens; None: x."""
+    if shift_scale is None:
+        return x
+    shift, scale = shift_scale
+    return x * (1 + scale[:, None]) + shift[:, None]
 
-    embed_dims: int = 768
-    output_dims: int = 1024
-    hidden_dims: int = 1280
+
+class Resampler(ReadsParams, nn.Module):
+    """IP-Adapter Plus's perceiver resampler (diffusers' IPAdapterPlusImageProjection): hidden states
+    (N, T, embed_dim) -> (N, num_queries, output_dim). With `timestep_in_dim`, SD 3.5 Large's (InstantX's,
+    diffusers' IPAdapterTimeImageProjection): SigLIP's penultimate states and the timesteps (N,) -> (tokens, the
+    timestep embedding (N, hidden_dim)), the features shifted and every layer modulated by that embedding."""
+
+    embed_dim: int = 768
+    output_dim: int = 1024
+    hidden_dim: int = 1280
     depth: int = 4
     dim_head: int = 64
     heads: int = 16
     num_queries: int = 8
     ffn_ratio: float = 4
+    timestep_in_dim: int | None = None  # SD 3.5's: the sinusoidal timestep features' width
     dtype: jnp.dtype = jnp.float32
     kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
 
     @nn.compact
-    def __call__(self, hidden_states):
-        latents = self.param("latents", nn.initializers.normal(self.hidden_dims ** -0.5),
-                             (1, self.num_queries, self.hidden_dims))
-        latents = jnp.broadcast_to(latents.astype(self.dtype), (hidden_states.shape[0], *latents.shape[1:]))
-        x = Dense(self.hidden_dims, dtype=self.dtype, name="proj_in")(hidden_states)
-        for i in range(self.depth):
-            latents = IPAdapterPlusImageProjectionBlock(self.dim_head, self.heads, self.ffn_ratio, self.dtype,
-                                                        kernels=self.kernels, name=f"layers_{i}")(x, latents)
-        latents = Dense(self.output_dims, dtype=self.dtype, name="proj_out")(latents)
-        return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm_out")(latents)
-
-
-class IPAdapterTimeImageProjectionBlock(nn.Module):
-    """One layer of SD 3.5's resampler: IPAdapterPlusImageProjectionBlock with the latents adaLN-modulated by the
-    timestep embedding (shift, scale of the attention, then of the bias-free GELU MLP)."""
-
-    dim_head: int
-    heads: int
-    ffn_ratio: float
-    dtype: jnp.dtype = jnp.float32
-    kernels: Kernels = dataclasses.field(kw_only=True)
-
-    @nn.compact
-    def __call__(self, x, latents, temb):  # x (N, T, H), latents (N, Q, H), temb (N, H)
-        dim = latents.shape[-1]
-        norm = lambda name: LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name=name)  # noqa: E731
-        shift_msa, scale_msa, shift_mlp, scale_mlp = jnp.split(
-            Dense(4 * dim, dtype=self.dtype, name="adaln_proj")(nn.silu(temb)), 4, axis=-1)
-        modulated = norm("ln1")(latents) * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        context = jnp.concatenate([norm("ln0")(x), modulated], axis=1)
-        latents = latents + ResamplerAttention(self.heads, self.dim_head, self.dtype, kernels=self.kernels,
-                                               name="attn")(modulated, context)
-        h = norm("adaln_norm")(latents) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-        h = gelu(Dense(int(dim * self.ffn_ratio), use_bias=False, dtype=self.dtype, name="ff_net_0_proj")(h))
-        return latents + Dense(dim, use_bias=False, dtype=self.dtype, name="ff_net_2")(h)
-
-
-class IPAdapterTimeImageProjection(ReadsParams, nn.Module):
-    """SD 3.5 Large's IP-Adapter resampler (InstantX): SigLIP's penultimate states (N, T, embed_dim) and the
-    timesteps (N,) -> (tokens (N, num_queries, output_dim), the timestep embedding (N, hidden_dim))."""
-
-    embed_dim: int = 1152
-    output_dim: int = 2432
-    hidden_dim: int = 1280
-    depth: int = 4
-    dim_head: int = 64
-    heads: int = 20
-    num_queries: int = 64
-    ffn_ratio: float = 4
-    timestep_in_dim: int = 320
-    dtype: jnp.dtype = jnp.float32
-    kernels: Kernels = dataclasses.field(default_factory=resolve_kernels)
-
-    @nn.compact
-    def __call__(self, x, timestep):
+    def __call__(self, x, timestep=None):
         dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
-        t = timestep_embedding(jnp.broadcast_to(jnp.asarray(timestep), (x.shape[0],)), self.timestep_in_dim,
-                               flip_sin_to_cos=True, freq_shift=0).astype(self.dtype)
-        temb = dense(self.hidden_dim, "time_embedding_linear_2")(nn.silu(dense(self.hidden_dim,
-                                                                            "time_embedding_linear_1")(t)))
+        temb = None
+        if self.timestep_in_dim is not None:
+            t = timestep_embedding(jnp.broadcast_to(jnp.asarray(timestep), (x.shape[0],)), self.timestep_in_dim,
+                                   flip_sin_to_cos=True, freq_shift=0).astype(self.dtype)
+            temb = dense(self.hidden_dim, "time_embedding_linear_2")(nn.silu(dense(self.hidden_dim,
+                                                                                "time_embedding_linear_1")(t)))
         latents = self.param("latents", nn.initializers.normal(self.hidden_dim ** -0.5),
                              (1, self.num_queries, self.hidden_dim))
         latents = jnp.broadcast_to(latents.astype(self.dtype), (x.shape[0], *latents.shape[1:]))
-        x = dense(self.hidden_dim, "proj_in")(x.astype(self.dtype)) + temb[:, None]
+        x = dense(self.hidden_dim, "proj_in")(x.astype(self.dtype))
+        if temb is not None:
+            x = x + temb[:, None]
         for i in range(self.depth):
-            latents = IPAdapterTimeImageProjectionBlock(self.dim_head, self.heads, self.ffn_ratio, self.dtype,
-                                                        kernels=self.kernels, name=f"layers_{i}")(x, latents, temb)
+            latents = ResamplerBlock(self.dim_head, self.heads, self.ffn_ratio, self.dtype, kernels=self.kernels,
+                                     name=f"layers_{i}")(x, latents, temb)
         latents = dense(self.output_dim, "proj_out")(latents)
-        return LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm_out")(latents), temb
+        latents = LayerNorm(LAYER_NORM_EPS, dtype=self.dtype, name="norm_out")(latents)
+        return latents if temb is None else (latents, temb)

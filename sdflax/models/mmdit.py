@@ -20,7 +20,9 @@ TIMESTEP_CHANNELS = 256  # the sinusoidal timestep features before the timestep 
 
 
 @dataclasses.dataclass(frozen=True)
-class SD3TransformerConfig:
+class MMDiTConfig:
+    """The fields the transformer and its ControlNets (`sd3_controlnet.SD3ControlNetConfig`) share."""
+
     sample_size: int = 128
     patch_size: int = 2
     in_channels: int = 16
@@ -30,10 +32,32 @@ class SD3TransformerConfig:
     joint_attention_dim: int = 4096
     caption_projection_dim: int = 1152
     pooled_projection_dim: int = 2048
-    out_channels: int = 16
     pos_embed_max_size: int = 96  # the side of the position table, in patches
     dual_attention_layers: tuple = ()  # the blocks with a second, image-only attention (SD 3.5 Medium)
     qk_norm: str | None = None  # "rms_norm" in SD 3.5
+
+    def check_blocks(self, name):
+        """The blocks' settings sdflax builds: a supported qk_norm, a joint attention as wide as the image's
+        (where there is text), dual attention in existing layers."""
+        if self.qk_norm not in QK_NORMS:
+            raise ConfigError(f"{name}: qk_norm={self.qk_norm!r:.100}; sdflax supports None and 'rms_norm'")
+        if self.joint_attention_dim is not None and self.caption_projection_dim != self.inner_dim:
+            raise ConfigError(f"{name}: caption_projection_dim={self.caption_projection_dim} must equal "
+                              f"num_attention_heads * attention_head_dim = {self.inner_dim}, the width of the joint "
+                              "attention")
+        bad = [i for i in self.dual_attention_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"{name}: dual_attention_layers has {bad[0]!r:.100}; give layer indices from 0 to "
+                              f"num_layers - 1 = {self.num_layers - 1}")
+
+    @property
+    def inner_dim(self):
+        return self.num_attention_heads * self.attention_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class SD3TransformerConfig(MMDiTConfig):
+    out_channels: int = 16
 
     @classmethod
     def from_dict(cls, config):
@@ -44,21 +68,8 @@ class SD3TransformerConfig:
         if "pos_embed_max_size" in config and config["pos_embed_max_size"] is None:
             raise ConfigError(f"{name}: pos_embed_max_size=None (an uncropped position embedding) is not supported; "
                               "SD 3 and 3.5 set it")
-        if cfg.qk_norm not in QK_NORMS:
-            raise ConfigError(f"{name}: qk_norm={cfg.qk_norm!r:.100}; sdflax supports None and 'rms_norm'")
-        if cfg.caption_projection_dim != cfg.inner_dim:
-            raise ConfigError(f"{name}: caption_projection_dim={cfg.caption_projection_dim} must equal "
-                              f"num_attention_heads * attention_head_dim = {cfg.inner_dim}, the width of the joint "
-                              "attention")
-        bad = [i for i in cfg.dual_attention_layers if not isinstance(i, int) or not 0 <= i < cfg.num_layers]
-        if bad:
-            raise ConfigError(f"{name}: dual_attention_layers has {bad[0]!r:.100}; give layer indices from 0 to "
-                              f"num_layers - 1 = {cfg.num_layers - 1}")
+        cfg.check_blocks(name)
         return cfg
-
-    @property
-    def inner_dim(self):
-        return self.num_attention_heads * self.attention_head_dim
 
 
 def sincos_position_table(dim: int, grid: int, base_size: int) -> np.ndarray:

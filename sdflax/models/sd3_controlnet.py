@@ -19,28 +19,18 @@ import jax.numpy as jnp
 
 from .config import ConfigError, config_from_dict, config_source
 from .layers import Dense, Kernels, resolve_kernels
-from .mmdit import PatchEmbed, embed_time_and_text
-from .mmdit_blocks import QK_NORMS, JointAttention, JointTransformerBlock, feed_forward, layer_norm, modulate
+from .mmdit import MMDiTConfig, PatchEmbed, embed_time_and_text
+from .mmdit_blocks import JointAttention, JointTransformerBlock, feed_forward, layer_norm, modulate
 from .pretrained import Pretrained
 
 NULLABLE = ("joint_attention_dim", "pos_embed_max_size", "pos_embed_type", "qk_norm")  # None means something
 
 
 @dataclasses.dataclass(frozen=True)
-class SD3ControlNetConfig:
-    sample_size: int = 128
-    patch_size: int = 2
-    in_channels: int = 16
-    num_layers: int = 18
-    attention_head_dim: int = 64
-    num_attention_heads: int = 18
+class SD3ControlNetConfig(MMDiTConfig):
     joint_attention_dim: int | None = 4096  # None: single-stream blocks without text (SD 3.5 Large's nets)
-    caption_projection_dim: int = 1152
-    pooled_projection_dim: int = 2048
     pos_embed_max_size: int | None = 96
     extra_conditioning_channels: int = 0  # control latents beyond the latent channels (the inpainting net's mask)
-    dual_attention_layers: tuple = ()
-    qk_norm: str | None = None
     pos_embed_type: str | None = "sincos"  # None: the patch embedding has no position table
     use_pos_embed: bool = True  # False: it takes the transformer's patch embedding of the latents
     force_zeros_for_pooled_projection: bool = True  # the pipelines' rule: zeros for its pooled input, no VAE shift
@@ -54,26 +44,13 @@ class SD3ControlNetConfig:
         if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
             raise ConfigError(f"{name}: extra_conditioning_channels={extra!r:.100} must be a whole number >= 0")
         cfg = dataclasses.replace(cfg, extra_conditioning_channels=extra)
-        if cfg.qk_norm not in QK_NORMS:
-            raise ConfigError(f"{name}: qk_norm={cfg.qk_norm!r:.100}; sdflax supports None and 'rms_norm'")
         if cfg.pos_embed_type not in (None, "sincos"):
             raise ConfigError(f"{name}: pos_embed_type={cfg.pos_embed_type!r:.100}; it is 'sincos' or None")
         if cfg.use_pos_embed and cfg.pos_embed_type and cfg.pos_embed_max_size is None:
             raise ConfigError(f"{name}: pos_embed_max_size=None (an uncropped position embedding) is not supported; "
                               "SD 3's ControlNets set it")
-        if cfg.joint_attention_dim is not None and cfg.caption_projection_dim != cfg.inner_dim:
-            raise ConfigError(f"{name}: caption_projection_dim={cfg.caption_projection_dim} must equal "
-                              f"num_attention_heads * attention_head_dim = {cfg.inner_dim}, the width of the joint "
-                              "attention")
-        bad = [i for i in cfg.dual_attention_layers if not isinstance(i, int) or not 0 <= i < cfg.num_layers]
-        if bad:
-            raise ConfigError(f"{name}: dual_attention_layers has {bad[0]!r:.100}; give layer indices from 0 to "
-                              f"num_layers - 1 = {cfg.num_layers - 1}")
+        cfg.check_blocks(name)
         return cfg
-
-    @property
-    def inner_dim(self):
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def control_channels(self):

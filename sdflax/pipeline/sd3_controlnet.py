@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from ..models.sd3_controlnet import SD3ControlNetModel
 from .controlnet import ControlInputs, ControlNet, as_nets, check_control_images, window_scales
-from .starts import FromNoise
 from .types import batched, float32_array
 
 
@@ -156,14 +155,6 @@ class SD3ControlNetInpaint(SD3ControlNet):
         f = self.vae.scale_factor
         control = jnp.concatenate([latents, 1 - repainted[:, :, ::f, ::f]], axis=1)  # nearest, as torch's
         return (control,) * len(self.nets)
-
-
-@dataclasses.dataclass(frozen=True)
-class FromNoiseBesideImageMask(FromNoise):
-    """Text-to-image from noise that takes an image and a mask for its inpainting ControlNet (checked, sized and
-    sharded as every pipeline's pictures)."""
-
-    images = (("image", 3), ("mask", 1))
 
 
 def mismatch(net, transformer, latent_channels: int, extra_channels: int = 0) -> str | None:

@@ -122,6 +122,14 @@ class FromNoise:
 
 
 @dataclasses.dataclass(frozen=True)
+class FromNoiseBesideImageMask(FromNoise):
+    """Text-to-image from noise that takes an image and a mask for an inpainting ControlNet, SD 3.x's (checked,
+    sized and sharded as every pipeline's pictures)."""
+
+    images = (("image", 3), ("mask", 1))
+
+
+@dataclasses.dataclass(frozen=True)
 class FromImage:
     """Image-to-image: the image's latents noised to the timestep `strength` picks, then the rest of the schedule.
     With `denoising_start` (a refiner continuing a base run) the latents are not noised, as diffusers."""

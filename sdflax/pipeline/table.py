@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from .core import Pipeline, bind, prepared_inputs
 from .images import preprocess_adapter_images, preprocess_control_images
-from .starts import FromImage, FromImageMask, FromNoise
+from .starts import FromImage, FromImageMask, FromNoise, FromNoiseBesideImageMask
 from .t2i_adapter import T2IAdapters
 
 DEFAULTS = {"num_inference_steps": 50, "height": None, "width": None, "guidance_scale": 7.5, "latents": None,
@@ -124,4 +124,6 @@ def prepare_adapter_image_inputs(self, images):
     return preprocess_adapter_images(images, self.vae_scale_factor, self.adapters[0].config.in_channels)
 
 
-START_NAMES = {FromNoise: "noise", FromImage: "image", FromImageMask: "image_mask"}
+# a start's name by the pictures a call gives it (SD 3.x's inpainting ControlNet takes an image and a mask)
+START_NAMES = {FromNoise: "noise", FromImage: "image", FromImageMask: "image_mask",
+               FromNoiseBesideImageMask: "image_mask"}

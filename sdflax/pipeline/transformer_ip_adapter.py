@@ -176,7 +176,7 @@ def load_flux_ip_adapter(transformer, dtype, weights, encoder, encoder_params):
 class SD3IPAdapter(IPAdapter):
     """SD 3.5 Large's IP-Adapter, as diffusers' `StableDiffusion3Pipeline.load_ip_adapter`: SigLIP's penultimate
     states of the image prompt (zeros for the unconditional rows) through a resampler modulated by the timestep
-    (`IPAdapterTimeImageProjection`, at every step); in every block the image tokens attend to their own keys and
+    (`models.ip_adapter.Resampler`, at every step); in every block the image tokens attend to their own keys and
     the prompt's (`JointAttention.joint_prompt_attention`), times the scale, before to_out. One adapter, one
     picture per row; `ip_adapter_image_embeds` in diffusers' form, (N, T, E), negatives first with guidance."""
 

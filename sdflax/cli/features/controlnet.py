@@ -1,8 +1,9 @@
 """--controlnet, --controlnet-config, --control-image, --control-scale and --control-mode: ControlNets steering by
 condition pictures (edges, pose, depth, ...), from hub ids, diffusers folders or original-layout files; each net's
-config checked against the checkpoint's denoiser before anything loads (SD 3.x: text-to-image and its inpainting
-net). Flux.1's nets (diffusers folders) are checked by the family's command-line side (`families/flux_cli.py`),
-which also runs a Flux Control checkpoint (Canny / Depth dev) on --control-image alone."""
+config checked against the checkpoint's denoiser before anything loads (SD 3.x: text-to-image, and inpainting by its
+inpainting net, which reads --image and --mask). Flux.1's nets (diffusers folders) are checked by the family's
+command-line side (`families/flux_cli.py`), which also runs a Flux Control checkpoint (Canny / Depth dev) on
+--control-image alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 
 from ...utils import is_float32
 from ..pictures import check_counts, read_picture
-from ..request import UserError, flag_error
+from ..request import STARTS, UserError, flag_error
 
 FLAG = "--controlnet"
 DENOISERS = ("unet",)
@@ -68,7 +69,10 @@ def check_flags(request, batch):
     if not nets and len(images) == 1:  # a Flux Control checkpoint's picture (check_configs says if it is not)
         pictures(request)
         return
-    check_counts(nets, "--controlnet", images, "--control-image", scales, "--control-scale", "nets")
+    # inpaint without --control-image: an inpainting ControlNet's (SD 3.x's) pictures are --image and --mask, and
+    # the checkpoint's net says whether it is one (check_configs)
+    given = nets if request.command == "inpaint" and not images else images
+    check_counts(nets, "--controlnet", given, "--control-image", scales, "--control-scale", "nets")
     for scale in scales:
         if not is_float32(scale):
             raise UserError(f"--control-scale {scale}: give a finite float32 number (1 steers fully, 0 not at all)")
@@ -85,11 +89,19 @@ def pipeline_class(request, family, cls):
         return cls
     try:
         return family.pipeline_class(request.start, True)
-    except ValueError:  # SD 3.x's ControlNets: text-to-image, as diffusers' (its inpainting net has its own class)
-        what = "image-to-image" if request.start == "image" else "inpainting"
-        raise UserError(f"--controlnet with {family.title} checkpoints is for sdflax generate: sdflax has no "
-                        f"{family.title} ControlNet {what} pipeline that takes a control image, as diffusers 0.39 has "
-                        "none") from None
+    except ValueError:  # a cell the family lacks (SD 3.x's image-to-image, as diffusers')
+        what = {"noise": "text-to-image", "image": "image-to-image", "image_mask": "inpainting"}[request.start]
+        commands = " and ".join(f"sdflax {command}" for command, start in STARTS.items() if has_cell(family, start))
+        raise UserError(f"--controlnet with {family.title} checkpoints is for {commands}: sdflax has no "
+                        f"{family.title} ControlNet {what} pipeline, as diffusers 0.39 has none") from None
+
+
+def has_cell(family, start) -> bool:
+    """Whether the family has a ControlNet pipeline of that start."""
+    try:
+        return bool(family.pipeline_class(start, True))
+    except ValueError:
+        return False
 
 
 def controlnet_configs(request) -> tuple:
@@ -115,6 +127,17 @@ def check_configs(request, configs):
     from ...pipeline.controlnet import ControlNet, condition_scale_mismatch
     from ...pipeline.core import control_piece
 
+    piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer, Flux.1's
+    if request.controlnet and piece is not None and piece.picture is None:  # SD 3.x's inpainting net: --image, --mask
+        if request.control_image:
+            raise UserError(f"--control-image with {configs.family.title} inpainting: its inpainting ControlNet reads "
+                            "--image and --mask: drop --control-image")
+        if request.strength is not None:
+            raise UserError(f"--strength with {configs.family.title} ControlNet inpainting: sampling starts from pure "
+                            "noise and pastes nothing back, as diffusers': drop --strength")
+    elif request.controlnet:  # a picture per net (check_flags leaves inpaint without pictures to this check)
+        check_counts(request.controlnet, "--controlnet", request.control_image, "--control-image", (),
+                     "--control-scale", "nets")
     own = getattr(configs.side, "check_controlnets", None)
     if own is not None or not request.controlnet:
         if own is None:  # a UNet's control picture needs its net
@@ -122,7 +145,6 @@ def check_configs(request, configs):
                          "--control-scale", "nets")
         return own(request, configs)
     unet, vae_scale_factor = configs.denoiser, configs.vae.scale_factor
-    piece = control_piece(configs.pipeline)  # ControlNet for a UNet, SD 3.x's for its transformer
     for name, config_source in zip(request.controlnet, controlnet_configs(request)):
         if os.path.isfile(os.path.expanduser(name)):
             if piece is not ControlNet:
@@ -216,14 +238,16 @@ def call_arguments(pipeline, controls, rows) -> tuple[list, dict]:
     images = [np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(rows), axis=0)
               for picture in controls.pictures]
     modes = {"control_mode": list(controls.modes)} if controls.modes else {}
-    return [images], {"controlnet_conditioning_scale": list(controls.scales), **modes}
+    scales = {"controlnet_conditioning_scale": list(controls.scales), **modes}
+    return ([images] if images else []), scales  # none: an inpainting ControlNet reads the call's image and mask
 
 
 def settings(request, checkpoint) -> dict:
     """Lists, one entry per net in their order (JSON in the PNG)."""
     if not request.controlnet:
         return {"control_image": list(request.control_image)} if request.control_image else {}
-    values = {"controlnet": list(request.controlnet), "control_image": list(request.control_image),
+    values = {"controlnet": list(request.controlnet),
+              **({"control_image": list(request.control_image)} if request.control_image else {}),
               "control_scale": list(checkpoint.features["controlnet"].scales)}
     if request.control_mode:
         values["control_mode"] = list(request.control_mode)
