@@ -32,11 +32,13 @@ sdflax.enable_compile_cache()
 # The slowest modules first (measured with two workers): pytest-xdist hands out whole files (`--dist loadfile`) in
 # collection order, so the two workers finish together only if the long files start early.
 SLOWEST_FIRST = ["test_docs.py", "test_demo.py", "test_accelerator_report.py", "test_run_modes.py", "test_train.py",
-                 "test_batch_invariance.py", "test_train_cli.py", "test_sampler_hooks.py", "test_inpaint.py",
-                 "test_controlnet.py", "test_pipeline.py", "test_cli_controlnet.py", "test_controlnet_xl_images.py",
-                 "test_sdxl_img2img.py", "test_models.py", "test_batch.py", "test_guiders.py", "test_img2img.py",
-                 "test_sdxl.py", "test_guiders_perturbed.py", "test_ip_adapter.py", "test_guiders_fdg.py",
-                 "test_t2i_adapter_pipelines.py", "test_cli_ip_adapter.py"]
+                 "test_batch_invariance.py", "test_train_cli.py", "test_train_cli_hosts.py", "test_sampler_hooks.py",
+                 "test_inpaint.py", "test_controlnet.py", "test_flux_controlnet.py", "test_pipeline.py",
+                 "test_cli_controlnet.py", "test_controlnet_xl_images.py", "test_sdxl_img2img.py", "test_models.py",
+                 "test_batch.py", "test_guiders.py", "test_img2img.py", "test_sdxl.py", "test_guiders_perturbed.py",
+                 "test_ip_adapter.py", "test_guiders_fdg.py", "test_t2i_adapter_pipelines.py",
+                 "test_cli_ip_adapter.py", "test_train_cli_caches.py", "test_cli_xl.py", "test_cli_sd3.py",
+                 "test_hooks_prompt_to_prompt_joint.py"]
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from builders import REPO
+from compile_flags import xla_flags
 
 RTOL = 1e-4  # float32 models
 PROMPT = "a photo of a red fox, watercolor"
@@ -198,7 +199,7 @@ def test_demo_and_the_docs_commands_run_offline_without_torch(tmp_path):
     (tmp_path / "hide").mkdir()
     (tmp_path / "hide" / "sitecustomize.py").write_text(NO_TORCH)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), str(REPO)])}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's: not the suite's eight (one image on each)
+    env["XLA_FLAGS"] = xla_flags(1)  # one CPU device, as a user's; compiled with the suite's options (the docs' too)
 
     def sdflax(*args):
         done = subprocess.run([sys.executable, "-m", "sdflax", *args], cwd=tmp_path, env=env, capture_output=True,

@@ -456,6 +456,29 @@ def test_control_image_and_inpaint_match_diffusers(control_checkpoint, monkeypat
         assert pipe._jitted._cache_size() == 1
 
 
+
+def test_control_inpaint_under_pmap_and_sharded_equals_one_device(control_checkpoint):
+    """FluxControlInpaint's three pictures (the image, its mask, the control picture) split over eight devices with
+    one prompt and key each: pmap and the sharded path give the one-device call's images."""
+    folder, _ = control_checkpoint
+    pipe, params = sdflax.FluxControlInpaint.from_pretrained(folder)
+    devices = jax.local_device_count()
+    pictures, masks = pictures_and_masks(seed=3, batch=devices)
+    ids, image, mask, control = pipe.prepare_inputs(
+        [f"a painting of a {i}" for i in range(devices)], pictures, masks,
+        control_images=pictures_and_masks(seed=4, batch=devices)[0], max_sequence_length=T5_LENGTH)
+    noise = latents_for(devices, seed=5)
+    keys = jax.random.split(jax.random.PRNGKey(0), devices)
+    settings = dict(num_inference_steps=2, guidance_scale=3.5, strength=0.8)
+    images = pipe(shard(ids), shard(image), shard(mask), shard(control), replicate(params), keys, jit=True,
+                  noise=shard(noise), **settings).images
+    for i in (0, 5):
+        single = pipe(ids[i:i + 1], image[i:i + 1], mask[i:i + 1], control[i:i + 1], params, keys[i],
+                      noise=noise[i:i + 1], **settings).images
+        np.testing.assert_allclose(images[i], single, rtol=0, atol=1e-5)
+    sharded = pipe.generate_sharded(ids, image, mask, control, params, keys, noise=noise, **settings)
+    np.testing.assert_allclose(sharded, unshard(images), rtol=0, atol=1e-5)
+
 def test_an_ordinary_checkpoint_is_refused_by_control_img2img(pipes):
     folder, _, _, _ = pipes
     pipe, params = sdflax.FluxControlImg2Img.from_pretrained(folder)
