@@ -21,13 +21,15 @@ Two cases:
   with a warm compile cache, timed from the process's start to the PNG's last write and to its exit, beside a
   diffusers process that imports, loads, makes and saves the same image.
 
-Phases (seconds): `import_s` (the framework and the library), `backend_s` (JAX's CPU client, or nothing),
-`load_s` (`from_pretrained`, params on the device), `first_call_s` (the first call, compiling included; for sdflax
+Phases (seconds): `import_s` (the framework and the library; `import_framework_s` the framework's part: jax.numpy
+or torch), `backend_s` (JAX's CPU client, or nothing), `load_s` (`from_pretrained`, params on the device),
+`first_call_s` (the first call, compiling included; for sdflax
 also split into `trace_s`, `lower_s` and `compile_s` from JAX's monitoring events), `steady_s` (a later call with
 the same shapes and new values), `to_first_image_s` (from the process's start to the first image in hand), and for
 the PNG-writing processes `to_png_s` (to the file's last write) and `process_s` (to the exit). The `sdflax` row
 starts with an empty cache folder (`SDFLAX_CACHE_DIR`: no compiled program, no parameter shapes), as on a user's
-first run; `sdflax_warm_cache` is every later run (one untimed process filled the folder).
+first run; `sdflax_warm_cache` is every later run (one untimed process filled the folder). Python's bytecode cache
+is on, as a user's is (one untimed process writes it).
 Prints one JSON object: every run's phases, the medians, their ranges, and the ratios sdflax / baseline.
 
     python scripts/benchmark_startup.py --case small --peer-python peer/bin/python --repeats 3
@@ -52,8 +54,8 @@ CASES = {
     "small": {"folder": REPO / "weights" / "tiny-sd", "steps": 20, "size": 128},
     "sd15": {"folder": REPO / "weights" / "sd15-random", "steps": 4, "size": 256},
 }
-PHASES = ("import_s", "backend_s", "load_s", "trace_s", "lower_s", "compile_s", "first_call_s", "steady_s",
-          "to_first_image_s", "to_png_s", "process_s")
+PHASES = ("import_framework_s", "import_s", "backend_s", "load_s", "trace_s", "lower_s", "compile_s", "first_call_s",
+          "steady_s", "to_first_image_s", "to_png_s", "process_s")
 
 # Runs in the fresh process. argv: which, folder, steps, size, mode. Prints one JSON line of phases.
 MEASURE = r"""
@@ -72,6 +74,7 @@ def timed(name, fn):
 if which == "torch":
     def imports():
         global torch, StableDiffusionPipeline
+        timed("import_framework_s", lambda: __import__("torch"))
         import torch
         from diffusers import StableDiffusionPipeline
     timed("import_s", imports)
@@ -86,6 +89,7 @@ if which == "torch":
 else:
     def imports():
         global jax, np, replicate, shard, Pipeline
+        timed("import_framework_s", lambda: __import__("jax.numpy"))
         import jax, numpy as np
         if which == "peer":
             from diffusers import FlaxStableDiffusionPipeline as Pipeline
@@ -218,6 +222,9 @@ def main(argv=None):
     case = CASES[args.case]
     env = {**os.environ, "STARTUP_PROMPT": PROMPT, "XLA_FLAGS": "",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # Python's bytecode cache as a user's Python keeps it: with PYTHONDONTWRITEBYTECODE set, every process compiles
+    # each module's source again (a quarter of a second for sdflax's), which no installed package pays.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
 
     if args.write_peer_folder:
         if not args.peer_python:
@@ -238,6 +245,7 @@ def main(argv=None):
 
         rows = {}
         mode = "pmap" if args.case == "small" else "jit"
+        measure(sys.executable, "sdflax", case["folder"], case, mode, cold_env())  # writes the bytecode caches
         log(f"sdflax ({args.case}, cold cache) ...")
         rows["sdflax"] = [measure(sys.executable, "sdflax", case["folder"], case, mode, cold_env())
                           for _ in range(args.repeats)]
@@ -251,6 +259,7 @@ def main(argv=None):
                 sys.exit(f"no peer checkpoint at {args.peer_folder}: run with --write-peer-folder first")
             log("diffusers 0.39 Flax ...")
             peer_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+            measure(args.peer_python, "peer", args.peer_folder, case, mode, peer_env)  # writes the bytecode caches
             rows["peer"] = [measure(args.peer_python, "peer", args.peer_folder, case, mode, peer_env)
                             for _ in range(args.repeats)]
         if args.case == "sd15":

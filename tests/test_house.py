@@ -61,17 +61,19 @@ def test_no_import_cycle():
 def test_models_import_nothing_above_them():
     """The models are the bottom floor: loading, the cache and the hub build on them, never the other way. Their
     `from_pretrained` / `from_single_file` import the loader when called (nothing registers it at import time), and
-    nothing else of theirs reaches up."""
+    nothing else of theirs reaches up. sdflax/lazy.py (the packages' names imported on first use) is below every
+    floor: it imports nothing of sdflax."""
+    assert [t for t in imports_of(PACKAGE / "lazy.py") if t.startswith("sdflax")] == []
     entry_points = {"from_pretrained", "from_single_file"}
     for path in (PACKAGE / "models").glob("*.py"):
         tree = ast.parse(path.read_text())
         calls = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in entry_points]
         lazy = {id(node) for call in calls for node in ast.walk(call) if isinstance(node, ast.ImportFrom)}
         reached = {f"{node.module} in {path.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                   and node.level > 1 and id(node) not in lazy}
+                   and node.level > 1 and id(node) not in lazy and node.module != "lazy"}
         assert reached == set()
         assert {node.module.split(".")[0] for node in ast.walk(tree) if id(node) in lazy} <= {"loading"}, path.name
-        outside = {t for t in imports_of(path) if not t.startswith("sdflax.models")}
+        outside = {t for t in imports_of(path) if not t.startswith(("sdflax.models", "sdflax.lazy"))}
         assert {t for t in outside if not t.startswith("sdflax.loading.")} == set(), path.name
 
 
@@ -90,6 +92,25 @@ def test_nothing_registers_at_import_time():
         assigned = [ast.unparse(target) for node in tree.body if isinstance(node, ast.Assign)
                     for target in node.targets if isinstance(target, ast.Attribute)]
         assert assigned == [], path
+
+
+def test_a_pipeline_class_imports_only_what_it_uses():
+    """`from sdflax import StableDiffusion` and its checkpoint's scheduler load one scheduler, no other family's text
+    or image encoders and no guider but the base (sdflax/lazy.py): the start a user pays for (issue: a light start)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom sdflax import StableDiffusion\nfrom sdflax.schedulers import scheduler_from_config\n"
+            "scheduler_from_config({'_class_name': 'PNDMScheduler'})\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('sdflax.'))))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                cwd=REPO).stdout.split())
+    schedulers = {m for m in loaded if m.startswith("sdflax.schedulers.")}
+    assert schedulers == {f"sdflax.schedulers.{m}" for m in ("common", "names", "pndm", "protocol", "sigma_schedules")}
+    assert {f"sdflax.models.{m}" for m in ("t5", "siglip", "clip_vision", "inception", "sd3_controlnet",
+                                           "flux_controlnet")} & loaded == set()
+    assert {m for m in loaded if m.startswith("sdflax.guiders.")} <= {"sdflax.guiders.base", "sdflax.guiders.perturbed"}
+    assert not any(m.startswith(("sdflax.train", "sdflax.metrics", "sdflax.cli")) for m in loaded)
 
 
 def test_at_most_ten_modules_directly_under_sdflax():

@@ -11,82 +11,106 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from .cfg_pp import DPMPP2MCFGPPScheduler, EulerAncestralCFGPPScheduler, EulerCFGPPScheduler
-from .ddim import DDIMConfig, DDIMScheduler, DDIMState
-from .ddpm import DDPMConfig, DDPMScheduler, DDPMState
-from .deis import DEISConfig, DEISScheduler, DEISState
-from .dpm2 import DPM2AncestralConfig, DPM2AncestralScheduler, DPM2Config, DPM2Scheduler, DPM2State
-from .dpm_solver import DPMSolverConfig, DPMSolverScheduler, DPMSolverState
-from .dpm_solver import DPMPP2MSDEConfig, DPMPP2MSDEScheduler
-from .dpmpp_2s_ancestral import DPMpp2SAncestralConfig, DPMpp2SAncestralScheduler, DPMpp2SAncestralState
-from .dpmpp_3m_sde import DPMPP3MSDEConfig, DPMPP3MSDEScheduler, DPMPP3MSDEState
-from .dpmpp_sde import DPMSolverSDEConfig, DPMSolverSDEScheduler, DPMSolverSDEState
-from .euler import EulerConfig, EulerScheduler, EulerState
-from .euler_ancestral import EulerAncestralConfig, EulerAncestralScheduler, EulerAncestralState
-from .flow_match_euler import FlowMatchEulerConfig, FlowMatchEulerScheduler, FlowMatchEulerState
-from .heun import HeunConfig, HeunScheduler, HeunState
-from .lcm import LCMConfig, LCMScheduler, LCMState
-from .lms import LMSConfig, LMSScheduler, LMSState
-from .pndm import PNDMConfig, PNDMScheduler, PNDMState
+from ..lazy import by_module, exports
 from . import names
-from .protocol import Scheduler, SchedulerState
-from .sigma_schedules import AYS_SCHEDULES
-from .tcd import TCDConfig, TCDScheduler, TCDState
-from .unipc import UniPCConfig, UniPCScheduler, UniPCState
 
-SCHEDULERS = {
-    "pndm": PNDMScheduler,
-    "ddim": DDIMScheduler,
-    "euler": EulerScheduler,
-    "euler_ancestral": EulerAncestralScheduler,
-    "dpmpp_2m": DPMSolverScheduler,
-    "lms": LMSScheduler,
-    "heun": HeunScheduler,
-    "dpm2": DPM2Scheduler,
-    "dpm2_ancestral": DPM2AncestralScheduler,
-    "dpmpp_2s_ancestral": DPMpp2SAncestralScheduler,
-    "dpmpp_sde": DPMSolverSDEScheduler,
-    "ddpm": DDPMScheduler,
-    "lcm": LCMScheduler,
-    "tcd": TCDScheduler,
-    "dpmpp_2m_sde": DPMPP2MSDEScheduler,
-    "dpmpp_3m_sde": DPMPP3MSDEScheduler,
-    "unipc": UniPCScheduler,
-    "deis": DEISScheduler,
-    "euler_cfg_pp": EulerCFGPPScheduler,
-    "euler_ancestral_cfg_pp": EulerAncestralCFGPPScheduler,
-    "dpmpp_2m_cfg_pp": DPMPP2MCFGPPScheduler,
-    "flow_match_euler": FlowMatchEulerScheduler,
-}
+MODULES = by_module({
+    ".cfg_pp": ("DPMPP2MCFGPPScheduler", "EulerAncestralCFGPPScheduler", "EulerCFGPPScheduler"),
+    ".ddim": ("DDIMConfig", "DDIMScheduler", "DDIMState"),
+    ".ddpm": ("DDPMConfig", "DDPMScheduler", "DDPMState"),
+    ".deis": ("DEISConfig", "DEISScheduler", "DEISState"),
+    ".dpm2": ("DPM2AncestralConfig", "DPM2AncestralScheduler", "DPM2Config", "DPM2Scheduler", "DPM2State"),
+    ".dpm_solver": ("DPMSolverConfig", "DPMSolverScheduler", "DPMSolverState", "DPMPP2MSDEConfig",
+                    "DPMPP2MSDEScheduler"),
+    ".dpmpp_2s_ancestral": ("DPMpp2SAncestralConfig", "DPMpp2SAncestralScheduler", "DPMpp2SAncestralState"),
+    ".dpmpp_3m_sde": ("DPMPP3MSDEConfig", "DPMPP3MSDEScheduler", "DPMPP3MSDEState"),
+    ".dpmpp_sde": ("DPMSolverSDEConfig", "DPMSolverSDEScheduler", "DPMSolverSDEState"),
+    ".euler": ("EulerConfig", "EulerScheduler", "EulerState"),
+    ".euler_ancestral": ("EulerAncestralConfig", "EulerAncestralScheduler", "EulerAncestralState"),
+    ".flow_match_euler": ("FlowMatchEulerConfig", "FlowMatchEulerScheduler", "FlowMatchEulerState"),
+    ".heun": ("HeunConfig", "HeunScheduler", "HeunState"),
+    ".lcm": ("LCMConfig", "LCMScheduler", "LCMState"),
+    ".lms": ("LMSConfig", "LMSScheduler", "LMSState"),
+    ".pndm": ("PNDMConfig", "PNDMScheduler", "PNDMState"),
+    ".protocol": ("Scheduler", "SchedulerState"),
+    ".sigma_schedules": ("AYS_SCHEDULES",),
+    ".tcd": ("TCDConfig", "TCDScheduler", "TCDState"),
+    ".unipc": ("UniPCConfig", "UniPCScheduler", "UniPCState"),
+})
+__getattr__, __dir__ = exports(__name__, MODULES)
+
+
+class Registry(Mapping):
+    """A name -> scheduler class mapping whose classes are imported when read: choosing one scheduler loads one
+    module."""
+
+    def __init__(self, class_names: Mapping[str, str]):
+        self.class_names = dict(class_names)
+
+    def __getitem__(self, name):
+        return __getattr__(self.class_names[name])
+
+    def __iter__(self):
+        return iter(self.class_names)
+
+    def __len__(self):
+        return len(self.class_names)
+
+
+SCHEDULERS = Registry({
+    "pndm": "PNDMScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerScheduler",
+    "euler_ancestral": "EulerAncestralScheduler",
+    "dpmpp_2m": "DPMSolverScheduler",
+    "lms": "LMSScheduler",
+    "heun": "HeunScheduler",
+    "dpm2": "DPM2Scheduler",
+    "dpm2_ancestral": "DPM2AncestralScheduler",
+    "dpmpp_2s_ancestral": "DPMpp2SAncestralScheduler",
+    "dpmpp_sde": "DPMSolverSDEScheduler",
+    "ddpm": "DDPMScheduler",
+    "lcm": "LCMScheduler",
+    "tcd": "TCDScheduler",
+    "dpmpp_2m_sde": "DPMPP2MSDEScheduler",
+    "dpmpp_3m_sde": "DPMPP3MSDEScheduler",
+    "unipc": "UniPCScheduler",
+    "deis": "DEISScheduler",
+    "euler_cfg_pp": "EulerCFGPPScheduler",
+    "euler_ancestral_cfg_pp": "EulerAncestralCFGPPScheduler",
+    "dpmpp_2m_cfg_pp": "DPMPP2MCFGPPScheduler",
+    "flow_match_euler": "FlowMatchEulerScheduler",
+})
 
 # diffusers' class names (`_class_name` in scheduler_config.json), and their Flax twins where they existed.
-DIFFUSERS_NAMES = {
-    "PNDMScheduler": PNDMScheduler,
-    "DDIMScheduler": DDIMScheduler,
-    "EulerDiscreteScheduler": EulerScheduler,
-    "EulerAncestralDiscreteScheduler": EulerAncestralScheduler,
-    "DPMSolverMultistepScheduler": DPMSolverScheduler,
-    "LMSDiscreteScheduler": LMSScheduler,
-    "HeunDiscreteScheduler": HeunScheduler,
-    "KDPM2DiscreteScheduler": DPM2Scheduler,
-    "KDPM2AncestralDiscreteScheduler": DPM2AncestralScheduler,
-    "DPMSolverSDEScheduler": DPMSolverSDEScheduler,
-    "DDPMScheduler": DDPMScheduler,
-    "LCMScheduler": LCMScheduler,
-    "TCDScheduler": TCDScheduler,
-    "UniPCMultistepScheduler": UniPCScheduler,
-    "DEISMultistepScheduler": DEISScheduler,
-    "FlowMatchEulerDiscreteScheduler": FlowMatchEulerScheduler,
-}
+DIFFUSERS_NAMES = Registry({
+    "PNDMScheduler": "PNDMScheduler",
+    "DDIMScheduler": "DDIMScheduler",
+    "EulerDiscreteScheduler": "EulerScheduler",
+    "EulerAncestralDiscreteScheduler": "EulerAncestralScheduler",
+    "DPMSolverMultistepScheduler": "DPMSolverScheduler",
+    "LMSDiscreteScheduler": "LMSScheduler",
+    "HeunDiscreteScheduler": "HeunScheduler",
+    "KDPM2DiscreteScheduler": "DPM2Scheduler",
+    "KDPM2AncestralDiscreteScheduler": "DPM2AncestralScheduler",
+    "DPMSolverSDEScheduler": "DPMSolverSDEScheduler",
+    "DDPMScheduler": "DDPMScheduler",
+    "LCMScheduler": "LCMScheduler",
+    "TCDScheduler": "TCDScheduler",
+    "UniPCMultistepScheduler": "UniPCScheduler",
+    "DEISMultistepScheduler": "DEISScheduler",
+    "FlowMatchEulerDiscreteScheduler": "FlowMatchEulerScheduler",
+})
 
-_BY_NAME = {name.lower(): cls for name, cls in SCHEDULERS.items()}
-for _name, _cls in DIFFUSERS_NAMES.items():
+_BY_NAME = {name.lower(): cls for name, cls in SCHEDULERS.class_names.items()}  # -> the class's name
+for _name, _cls in DIFFUSERS_NAMES.class_names.items():
     _BY_NAME[_name.lower()] = _cls  # EulerDiscreteScheduler
     _BY_NAME["flax" + _name.lower()] = _cls  # FlaxEulerDiscreteScheduler
-for _cls in SCHEDULERS.values():
-    _BY_NAME[_cls.__name__.lower()] = _cls  # EulerScheduler
+for _cls in SCHEDULERS.class_names.values():
+    _BY_NAME[_cls.lower()] = _cls  # EulerScheduler
 
 
 def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
@@ -105,17 +129,18 @@ def scheduler_from_config(config: Mapping[str, Any], kind: str | None = None,
         config = {**config, **values}
     flow_model = str(config.get("_class_name", "")).lower() == "flowmatcheulerdiscretescheduler"
     config = {**config, **(overrides or {})}
-    cls = _BY_NAME.get(str(kind).lower())
-    if flow_model and a1111 is not None and cls is EulerScheduler:
-        cls = FlowMatchEulerScheduler  # A1111's and Forge's "Euler" on a flow model (SD 3.x): the flow's Euler
+    cls_name = _BY_NAME.get(str(kind).lower())
+    if flow_model and a1111 is not None and cls_name == "EulerScheduler":
+        cls_name = "FlowMatchEulerScheduler"  # A1111's and Forge's "Euler" on a flow model (SD 3.x): the flow's Euler
         if config.get("align_your_steps"):  # its levels are SD 1.x's and SDXL's σ (up to 14.6); a flow's σ end at 1
             raise ValueError(f"scheduler {kind_given!r}: Align Your Steps' noise levels are SD 1.x's and SDXL's, not "
                              "a flow model's (SD 3.x): use Euler, or Euler with Karras, Exponential, Beta or KL "
                              "Optimal")
-    if cls is None:
+    if cls_name is None:
         raise ValueError(f"unknown scheduler {kind!r}; known: {', '.join(sorted(SCHEDULERS))}, diffusers' class "
                          f"names, or A1111's ({', '.join(names.SAMPLERS)}, each optionally followed by "
                          f"{', '.join(names.SIGMA_SCHEDULES)} or {names.SGM_UNIFORM})")
+    cls = __getattr__(cls_name)
     config_class = typing.get_type_hints(cls)["config"]
     known = {field.name for field in dataclasses.fields(config_class)} | set(getattr(config_class, "unsupported", {}))
     if unknown := sorted(set(overrides or {}) - known):  # a checkpoint's own keys may be other tools'; a user's not
@@ -129,69 +154,4 @@ def a1111_name(scheduler) -> str | None:
     return names.a1111_name(scheduler, SCHEDULERS)
 
 
-__all__ = [
-    "AYS_SCHEDULES",
-    "DPMPP2MCFGPPScheduler",
-    "EulerAncestralCFGPPScheduler",
-    "EulerCFGPPScheduler",
-    "DDIMConfig",
-    "DDIMScheduler",
-    "DDIMState",
-    "DDPMConfig",
-    "DDPMScheduler",
-    "DDPMState",
-    "DEISConfig",
-    "DEISScheduler",
-    "DEISState",
-    "DPM2AncestralConfig",
-    "DPM2AncestralScheduler",
-    "DPM2Config",
-    "DPM2Scheduler",
-    "DPM2State",
-    "DPMPP2MSDEConfig",
-    "DPMPP2MSDEScheduler",
-    "DPMPP3MSDEConfig",
-    "DPMPP3MSDEScheduler",
-    "DPMPP3MSDEState",
-    "DPMSolverConfig",
-    "DPMSolverScheduler",
-    "DPMSolverSDEConfig",
-    "DPMSolverSDEScheduler",
-    "DPMSolverSDEState",
-    "DPMSolverState",
-    "DPMpp2SAncestralConfig",
-    "DPMpp2SAncestralScheduler",
-    "DPMpp2SAncestralState",
-    "EulerAncestralConfig",
-    "EulerAncestralScheduler",
-    "EulerAncestralState",
-    "EulerConfig",
-    "EulerScheduler",
-    "EulerState",
-    "FlowMatchEulerConfig",
-    "FlowMatchEulerScheduler",
-    "FlowMatchEulerState",
-    "HeunConfig",
-    "HeunScheduler",
-    "HeunState",
-    "LCMConfig",
-    "LCMScheduler",
-    "LCMState",
-    "LMSConfig",
-    "LMSScheduler",
-    "LMSState",
-    "PNDMConfig",
-    "PNDMScheduler",
-    "PNDMState",
-    "SCHEDULERS",
-    "Scheduler",
-    "SchedulerState",
-    "TCDConfig",
-    "TCDScheduler",
-    "TCDState",
-    "UniPCConfig",
-    "UniPCScheduler",
-    "UniPCState",
-    "a1111_name",
-    "scheduler_from_config",
-]
+__all__ = sorted({*MODULES, "DIFFUSERS_NAMES", "SCHEDULERS", "a1111_name", "scheduler_from_config"})
