@@ -16,7 +16,8 @@ import torch
 import test_flux_pipeline as flux
 import test_sd3_pipeline as sd3
 
-from sdflax import Flux, StableDiffusion3, hooks
+from sdflax import Flux, StableDiffusion3, hooks, replicate, shard
+from sdflax.parallel import device_mesh
 
 ATOL = 1e-3  # images in [0, 1], float32
 SOURCE, EDIT = "a photo of a cat riding a bicycle", "a photo of a dog riding a bicycle"
@@ -104,6 +105,35 @@ def test_replace_and_reweight_match_diffusers(family):
         ours = module.ours_images(pipe.with_hooks(hook), params, ids, latents=same_noise(module), **settings)
         np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
         previous = expected
+
+
+def test_pmap_and_sharded_equal_one_device(family):
+    """The hook's batch is one [source, edit] group per program: under pmap and generate_sharded each device makes
+    the pair (each equals the one-device images, 1e-5); a group split over two devices, or two groups on one, is
+    refused in one line (the edit would not see its source: it came out unedited)."""
+    name, _, pipe, params = family
+    module, _, _, settings = FAMILIES[name]
+    edited = pipe.with_hooks(hooks.prompt_to_prompt(pipe, SOURCE, EDIT, weights={"dog": 3.0}, cross_steps=CROSS,
+                                                    max_sequence_length=module.T5_LENGTH))
+    ids = pipe.prepare_inputs([SOURCE, EDIT], max_sequence_length=module.T5_LENGTH)
+    latents, keys = same_noise(module), jax.random.split(jax.random.PRNGKey(0), 2)
+    run = dict(num_inference_steps=2, height=module.SIZE, width=module.SIZE, **settings)
+    one = edited(ids, params, keys[0], latents=latents, **run).images
+    assert np.abs(one[1] - pipe(ids, params, keys[0], latents=latents, **run).images[1]).max() > 3 * ATOL  # edited
+    devices = jax.local_device_count()
+    tiled_ids, tiled_latents = np.tile(ids, (devices, 1)), np.tile(latents, (devices, 1, 1, 1))
+    pairs = edited(shard(tiled_ids), replicate(params), jax.random.split(keys[0], devices), jit=True,
+                   latents=shard(tiled_latents), **run).images
+    for device in (0, devices - 1):
+        np.testing.assert_allclose(pairs[device], one, rtol=0, atol=1e-5)
+    two = device_mesh(jax.local_devices()[:2])
+    sharded = edited.generate_sharded(tiled_ids[:4], params, keys, latents=tiled_latents[:4], mesh=two, **run)
+    np.testing.assert_allclose(sharded.reshape(2, *one.shape), np.stack([one, one]), rtol=0, atol=1e-5)
+    split = r"^prompt_to_prompt edits a group of 2 rows \[source, 1 edit\(s\)\] and {} reach it: give each call one"
+    with pytest.raises(ValueError, match=split.format(1)):
+        edited.generate_sharded(ids, params, keys, latents=latents, mesh=two, **run)
+    with pytest.raises(ValueError, match=split.format(4)):
+        edited(tiled_ids[:4], params, keys[0], latents=tiled_latents[:4], **run)
 
 
 def test_the_text_tokens_are_each_tokenizers_own(family):

@@ -57,6 +57,7 @@ class PromptToPrompt(Hook):
         probs = attention_probs(q, k, site.module.upcast)  # (rows, heads, T, S)
         chunks = jnp.split(probs, site.chunks)
         cond = chunks[site.conditional_chunk]
+        self.check_rows(cond.shape[0])
         source, edits = cond[:1], cond[1:]
         if joint:  # the image's queries over the text's keys
             n = site.image_tokens
@@ -77,6 +78,15 @@ class PromptToPrompt(Hook):
         mapped = jnp.einsum("bhts,bsj->bhtj", jnp.broadcast_to(source, edits.shape), self.mapper)
         a = self.alpha[:, None, None, :]
         return (a * mapped + (1 - a) * edits) * self.weights[:, None, None, :]
+
+    def check_rows(self, rows):
+        """The rows one program sees (under pmap or generate_sharded: one device's) are one [source, *edits] group:
+        split over devices, the edit would not see its source and come out unedited."""
+        group = 1 + self.mapper.shape[0]
+        if rows != group:
+            raise ValueError(f"prompt_to_prompt edits a group of {group} rows [source, {group - 1} edit(s)] and "
+                             f"{rows} reach it: give each call one group of prompts, and under pmap or "
+                             "generate_sharded each device its own (e.g. np.tile(ids, (devices, 1)), latents alike)")
 
     def check_tokens(self, text_tokens):
         if self.mapper.shape[-1] != text_tokens:
