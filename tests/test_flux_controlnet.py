@@ -258,7 +258,7 @@ def test_flux_control_matches_diffusers(control_checkpoint, monkeypatch):
         pictures = control_pictures(seed=seed)
         patch_draws(monkeypatch, module, list(control_draws(key, (2, 16, SIZE // 8, SIZE // 8), 1)), latents_for())
         expected[seed] = theirs_images(control, control_image=pictures, guidance_scale=3.5)
-        _, image = pipe.prepare_inputs(PROMPTS, pictures, max_sequence_length=T5_LENGTH)
+        image = pipe.prepare_image_inputs(pictures)
         check_images(pipe(ids, image, params, key, num_inference_steps=STEPS, latents=latents_for(),
                           guidance_scale=3.5).images, expected[seed])
     assert moves(expected[0], expected[1])
@@ -337,8 +337,8 @@ def test_the_cli_runs_a_union_net_and_a_control_checkpoint(pipes, models, contro
     assert main(["generate", PROMPTS[1], "--model", str(control_checkpoint[0]), "--control-image",
                  str(tmp_path / "edges.png"), *CLI, "--out", str(tmp_path / "control.png")]) == 0
     pipe, params = sdflax.FluxControl.from_pretrained(control_checkpoint[0])
-    _, image = pipe.prepare_inputs([PROMPTS[1]], [picture], max_sequence_length=T5_LENGTH)
-    close_to(tmp_path / "control.png", cli_library(pipe, params, image, guidance_scale=3.5))
+    close_to(tmp_path / "control.png", cli_library(pipe, params, pipe.prepare_image_inputs([picture]),
+                                                   guidance_scale=3.5))
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -485,7 +485,8 @@ def test_an_ordinary_checkpoint_is_refused_by_control_img2img(pipes):
     ids, image, control = pipe.prepare_inputs(PROMPTS, control_pictures(), control_images=control_pictures(),
                                               max_sequence_length=T5_LENGTH)
     with pytest.raises(ValueError, match=r"^Flux Control's transformer takes 128 features per token .* this one takes "
-                                         r"64: use FluxImg2Img / FluxInpaint"):
+                                         r"64: use Flux, FluxImg2Img or FluxInpaint \(FluxControlNet\* with a "
+                                         r"ControlNet\) for an ordinary Flux checkpoint$"):
         pipe(ids, image, control, params, jax.random.PRNGKey(0), num_inference_steps=2)
 
 

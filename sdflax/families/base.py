@@ -36,13 +36,15 @@ class Family:
 
     def pipeline_class(self, start: str = "noise", controlnet: bool = False, class_name: str | None = None) -> type:
         """The class of a cell: start "noise", "image" or "image_mask", with or without ControlNets; a checkpoint
-        made for one pipeline of its own (`class_name`, its model_index.json's: Flux Fill) gets that one."""
+        made for one pipeline of its own (`class_name`, its model_index.json's: Flux Fill, Flux Control) gets that
+        one."""
         from ..pipeline.controlnet import ControlNet
         from ..pipeline.t2i_adapter import T2IAdapters
 
         own = self.classes.get((class_name or "").removesuffix("Pipeline"))
-        if own is not None and own.start not in START_NAMES:
-            return own
+        if own is not None and (own.start not in START_NAMES or not all(
+                issubclass(wrapper, (ControlNet, T2IAdapters)) for wrapper in own.wrappers)):
+            return own  # a start or a piece no other cell has: its transformer needs them (Fill, Control)
         for cls in self.classes.values():
             controlled = any(issubclass(wrapper, ControlNet) for wrapper in cls.wrappers)  # SD 3.x's piece too
             if START_NAMES.get(cls.start) == start and controlled == controlnet \

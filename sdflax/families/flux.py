@@ -14,7 +14,7 @@ from ..pipeline.types import Start
 from ..pipeline.starts import FromImage, FromImageMask, FromNoise
 from ..pipeline.table import Row
 from .base import Family
-from .flux_control import ControlLatents, FluxControlNets, FromImageMaskPasted, FromNoiseWithControl
+from .flux_control import ControlLatents, FluxControlNets, FromImageMaskPasted
 from .flux_text import FluxText
 
 FLUX_TAIL = ("true_cfg_scale jit callback guidance return_trajectory prompt_embeds neg_prompt_embeds "
@@ -118,10 +118,10 @@ ROWS = {
         f"{FLUX_IMAGE} {FLUX_CONTROL} {FLUX_TAIL}", {**CONTROL_DEFAULTS, "strength": 0.6},
         "Flux.1 inpainting steered by Flux ControlNets (the known region pasted back every step).", RENAMED),
     "FluxControl": Row(
-        FromNoiseWithControl, (), f"prompt_ids control_image params prng_seed "
+        FromNoise, (ControlLatents,), f"prompt_ids control_image params prng_seed "
         f"{FLUX_IMAGE.replace('noise', 'latents')} {FLUX_TAIL}", {"num_inference_steps": 28, "guidance_scale": 3.5},
         "Flux.1 Control (FLUX.1 Canny / Depth dev): the control picture's latents beside the latents (128 input "
-        "features); the image is made at the picture's size.", {**RENAMED, "control_image": "image"}),
+        "features); the image is made at the picture's size.", RENAMED),
     "FluxControlImg2Img": Row(
         FromImage, (ControlLatents,), f"prompt_ids image control_image params prng_seed strength {FLUX_IMAGE} "
         f"{FLUX_TAIL}", {"num_inference_steps": 28, "strength": 0.6, "guidance_scale": 7.0},

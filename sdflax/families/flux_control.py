@@ -7,10 +7,9 @@ prompt, the timestep and its picture's tokens; their residuals, each times its s
 are added after the transformer's blocks. Under true CFG the nets see the prompt's rows only and the negative's
 rows take the same residuals, as diffusers. A Union net reads each of several pictures with its own mode.
 
-`FromNoiseWithControl` is Flux Control's start: its transformer takes the control picture's latents beside the
-latents on its channels (128 features per token), as Fill takes the masked image's. Its image-to-image and inpainting
-take the start's own picture besides, so the control picture is a conditioning's input there (`ControlLatents`),
-as the ControlNets' is.
+`ControlLatents` is Flux Control's conditioning: its transformer takes the control picture's latents beside the
+latents on its channels (128 features per token), as Fill takes the masked image's, whatever the start (noise, an
+image, an image and a mask); the control picture is given as the ControlNets' is.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ import numpy as np
 from ..pipeline.checks import check_picture_values
 from ..models.flux_controlnet import FluxControlNetModel
 from ..pipeline.controlnet import ControlInputs, ControlNet, as_nets, window_scales
-from ..pipeline.starts import FromImageMask, FromNoise, with_channels
-from ..pipeline.types import Start, batched, float32_array, random_draws
+from ..pipeline.starts import FromImageMask, with_channels
+from ..pipeline.types import batched, float32_array, random_draws
 from .flux_text import image_ids, pack, text_ids
 
 CONTROL_DRAWS = 1  # folded into the call's key for the control pictures' VAE posterior samples
@@ -188,13 +187,14 @@ def control_latents(vae, params, picture, prng_seed):
     return vae.encode(params, picture, control_draws(prng_seed, shape, 1)[0])
 
 
-def check_control_transformer(vae, denoiser, instead):
+def check_control_transformer(vae, denoiser):
     """A Control transformer: the latents and the control picture's, packed (128 features per token for FLUX.1)."""
     c = vae.latent_channels
     if denoiser.in_channels != 2 * c:
         raise ValueError(f"Flux Control's transformer takes {8 * c} features per token (the latents and the "
-                         f"control picture's, packed); this one takes {4 * denoiser.in_channels}: use {instead} "
-                         "for an ordinary Flux checkpoint")
+                         f"control picture's, packed); this one takes {4 * denoiser.in_channels}: use Flux, "
+                         "FluxImg2Img or FluxInpaint (FluxControlNet* with a ControlNet) for an ordinary Flux "
+                         "checkpoint")
 
 
 @flax.struct.dataclass
@@ -204,9 +204,8 @@ class ControlPictureInputs:
 
 @dataclasses.dataclass(frozen=True)
 class ControlLatents:
-    """Flux Control's control picture where the start takes a picture of its own (image-to-image, inpainting): its
-    VAE latents beside the latents on the channels at every step, as diffusers' FluxControlImg2ImgPipeline and
-    FluxControlInpaintPipeline."""
+    """Flux Control's control picture: its VAE latents beside the latents on the channels at every step, as
+    diffusers' FluxControlPipeline, FluxControlImg2ImgPipeline and FluxControlInpaintPipeline."""
 
     vae: Any
 
@@ -217,8 +216,7 @@ class ControlLatents:
 
     @classmethod
     def build(cls, parts, vae, denoiser) -> "ControlLatents":
-        check_control_transformer(vae, denoiser, "FluxImg2Img / FluxInpaint (or FluxControlNetImg2Img / "
-                                  "FluxControlNetInpaint with a ControlNet)")
+        check_control_transformer(vae, denoiser)
         return cls(vae)
 
     def pixel_size(self, picture) -> tuple:
@@ -261,22 +259,3 @@ class FromImageMaskPasted(FromImageMask):
     @classmethod
     def build(cls, vae, denoiser) -> "FromImageMaskPasted":
         return cls(vae, False)  # the transformer's other channels: checked by ControlLatents
-
-
-@dataclasses.dataclass(frozen=True)
-class FromNoiseWithControl(FromNoise):
-    """Flux Control (FLUX.1 Canny / Depth dev): text-to-image whose transformer sees the control picture's VAE
-    latents beside the latents on its channels at every step (diffusers' `FluxControlPipeline`); the image is
-    made at the picture's size."""
-
-    images = (("image", (3, 16)),)  # the control picture (RGB in [-1, 1]), or its 16-channel latents
-
-    @classmethod
-    def build(cls, vae, denoiser) -> "FromNoiseWithControl":
-        check_control_transformer(vae, denoiser, "FluxControlNet with a ControlNet, or Flux,")
-        return cls(vae, vae.latent_channels)
-
-    def begin(self, params, inputs, settings, scheduler) -> Start:
-        start = super().begin(params, inputs, settings, scheduler)
-        control = control_latents(self.vae, params, inputs.image, inputs.prng_seed)
-        return start._replace(wrap_unet=functools.partial(with_channels, control))

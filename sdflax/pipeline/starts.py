@@ -98,13 +98,13 @@ class FromNoise:
     """Text-to-image: x = σ_init · z, z ~ N(0, I) drawn from the key, or `latents` (unscaled, as diffusers')."""
 
     vae: Any
-    channels: int  # the denoiser's input channels
+    channels: int  # the VAE's latent channels (a denoiser's other input channels are its conditionings')
 
     images = ()
 
     @classmethod
     def build(cls, vae, denoiser) -> "FromNoise":
-        return cls(vae, denoiser.in_channels)
+        return cls(vae, vae.latent_channels)
 
     def begin(self, params, inputs, settings, scheduler) -> Start:
         batch = (inputs.prompt_ids if inputs.prompt_embeds is None else inputs.prompt_embeds).shape[0]

@@ -230,11 +230,11 @@ def call_arguments(pipeline, controls, rows) -> tuple[list, dict]:
     """The condition pictures (one per net, the same for every row) and the scales."""
     import numpy as np
 
-    from ...pipeline.images import preprocess_control_images, preprocess_images
+    from ...pipeline.images import preprocess_control_images
 
-    if not pipeline.controlnets:  # Flux Control: text-to-image's start takes it in [-1, 1], the image starts in [0, 1]
-        prepare = preprocess_images if pipeline.renamed.get("control_image") == "image" else preprocess_control_images
-        return [np.repeat(prepare(controls.pictures, pipeline.vae_scale_factor), len(rows), axis=0)], {}
+    if not pipeline.controlnets:  # Flux Control: its control picture's latents beside the latents
+        return [np.repeat(preprocess_control_images(controls.pictures, pipeline.vae_scale_factor), len(rows),
+                          axis=0)], {}
     images = [np.repeat(preprocess_control_images([picture], pipeline.vae_scale_factor), len(rows), axis=0)
               for picture in controls.pictures]
     modes = {"control_mode": list(controls.modes)} if controls.modes else {}
