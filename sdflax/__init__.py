@@ -6,7 +6,7 @@ what that class needs, and `sdflax.train` brings optax only when training."""
 
 from __future__ import annotations
 
-import importlib
+from .lazy import exports
 
 MODULES = {  # public name -> the module that defines it (a module itself where the name is the module's)
     **dict.fromkeys(("AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
@@ -41,18 +41,7 @@ MODULES = {  # public name -> the module that defines it (a module itself where 
 }
 
 
-def __getattr__(name):
-    if name not in MODULES:
-        raise AttributeError(f"module 'sdflax' has no attribute {name!r}")
-    module = importlib.import_module(MODULES[name], __name__)
-    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
-    globals()[name] = value  # found here from now on
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
-
+__getattr__, __dir__ = exports(__name__, MODULES)
 
 __all__ = ["AutoencoderKL", "CLIPTextModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
            "ControlNetModel", "FluxPriorRedux", "Inputs", "Pipeline", "SD3ControlNetModel", "SD3Transformer2DModel",

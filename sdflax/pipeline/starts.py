@@ -98,17 +98,17 @@ class FromNoise:
     """Text-to-image: x = σ_init · z, z ~ N(0, I) drawn from the key, or `latents` (unscaled, as diffusers')."""
 
     vae: Any
-    channels: int  # the VAE's latent channels (a denoiser's other input channels are its conditionings')
 
     images = ()
 
     @classmethod
     def build(cls, vae, denoiser) -> "FromNoise":
-        return cls(vae, vae.latent_channels)
+        return cls(vae)
 
     def begin(self, params, inputs, settings, scheduler) -> Start:
         batch = (inputs.prompt_ids if inputs.prompt_embeds is None else inputs.prompt_embeds).shape[0]
-        shape = (batch, self.channels, settings.height // self.vae.scale_factor,
+        # the VAE's latent channels: a denoiser's other input channels are its conditionings' (Flux Control)
+        shape = (batch, self.vae.latent_channels, settings.height // self.vae.scale_factor,
                  settings.width // self.vae.scale_factor)
         (drawn,), sampler_key = random_draws(inputs.prng_seed, shape, 1)
         if inputs.latents is not None and inputs.latents.shape != shape:
