@@ -211,7 +211,9 @@ def test_killed_runs_go_on_where_they_stopped_without_redoing_an_image(tmp, full
 
 def test_sigint_while_loading_exits_130_having_written_nothing(tmp):
     out = tmp / "interrupted"
-    args = [arg for arg in command(tmp, out) if arg != "--no-progress"]
+    # the run waits, its models loaded, for the signal: on a busy machine it could otherwise make an image first
+    worker = [sys.executable, str(ROOT / "tests" / "batch_stop_worker.py"), "load", "0"]
+    args = worker + [arg for arg in command(tmp, out)[3:] if arg != "--no-progress"]
     interrupted = subprocess.Popen(args, cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
     while not interrupted.stderr.readline().startswith("Loading "):  # (past any warning of JAX's)
