@@ -155,12 +155,13 @@ def check_whole(folder):
             image.load()  # a cut PNG fails here
 
 
-def stopped_at(how, image, tmp, out):
+def stopped_at(how, image, tmp, out, progress=False):
     """The batch command of `out`, stopped at a known point by tests/batch_stop_worker.py (`how`, `image`): the
     same point on any machine, however slow or busy, where a signal sent on seeing a record could come after the
-    last batch."""
+    last batch. `progress`: without --no-progress, so that the run says what it is doing."""
     worker = [sys.executable, str(ROOT / "tests" / "batch_stop_worker.py"), how, str(image)]
-    return subprocess.Popen(worker + command(tmp, out)[3:], cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
+    args = [arg for arg in command(tmp, out)[3:] if not progress or arg != "--no-progress"]
+    return subprocess.Popen(worker + args, cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -212,10 +213,7 @@ def test_killed_runs_go_on_where_they_stopped_without_redoing_an_image(tmp, full
 def test_sigint_while_loading_exits_130_having_written_nothing(tmp):
     out = tmp / "interrupted"
     # the run waits, its models loaded, for the signal: on a busy machine it could otherwise make an image first
-    worker = [sys.executable, str(ROOT / "tests" / "batch_stop_worker.py"), "load", "0"]
-    args = worker + [arg for arg in command(tmp, out)[3:] if arg != "--no-progress"]
-    interrupted = subprocess.Popen(args, cwd=tmp, env=env_for(tmp, 2), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+    interrupted = stopped_at("load", 0, tmp, out, progress=True)
     while not interrupted.stderr.readline().startswith("Loading "):  # (past any warning of JAX's)
         assert interrupted.poll() is None
     interrupted.send_signal(signal.SIGINT)
